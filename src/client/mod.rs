@@ -1,0 +1,490 @@
+//! `MetaServerClient`: the fire-and-forget registration client with a flush
+//! barrier (design.md §2.3, contracts C1–C6).
+//!
+//! Producers call [`MetaServerClient::try_register`] /
+//! [`MetaServerClient::try_unregister`], which never block: they lock the pure
+//! [`queue::RegistrationQueue`] for a moment and wake the driver. One driver
+//! task owns all network I/O to the MetaServer: heartbeats (every
+//! `stale_after / 2`, exponential backoff on failure), batches (drain all,
+//! net, chunk, send with a per-RPC deadline), backfill after a MetaServer
+//! restart (C6) and the best-effort unregister at shutdown.
+//!
+//! The driver is a task, not an OS thread, so the simulator can run it.
+
+pub mod queue;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::{Notify, oneshot, watch};
+use tonic::Code;
+use tonic::transport::Channel;
+
+use queue::{Chunk, ChunkOutcome, RegistrationQueue, TicketId};
+pub use queue::{DropReason, FlushReport, Op, QueueConfig, QueueCounters};
+
+use crate::limits;
+use crate::proto::meta_server_client::MetaServerClient as GrpcMetaClient;
+use crate::proto::*;
+use crate::types::{BlockHash, NodeAddr, SessionId};
+
+/// Where the client gets "every block this node still owns" for a backfill
+/// (C6). The engine implements it over its cache.
+pub trait OwnershipSource: Send + Sync {
+    /// Resident (sealed) blocks, grouped by namespace.
+    fn resident_blocks(&self) -> Vec<(String, Vec<BlockHash>)>;
+}
+
+/// Client settings.
+#[derive(Clone, Debug)]
+pub struct ClientConfig {
+    /// MetaServer address (`host:port` or `http://host:port`).
+    pub metaserver: String,
+    /// This node's advertise address (its Engine gRPC address).
+    pub node: NodeAddr,
+    /// This process's session id.
+    pub session: SessionId,
+    /// Deadline of every MetaServer RPC.
+    pub rpc_timeout: Duration,
+    /// Queue bounds.
+    pub queue: QueueConfig,
+}
+
+impl ClientConfig {
+    /// Defaults from [`crate::limits`].
+    pub fn new(metaserver: impl Into<String>, node: NodeAddr, session: SessionId) -> Self {
+        Self {
+            metaserver: metaserver.into(),
+            node,
+            session,
+            rpc_timeout: Duration::from_millis(limits::METASERVER_RPC_TIMEOUT_MS_DEFAULT),
+            queue: QueueConfig::default(),
+        }
+    }
+}
+
+/// Errors of the client's synchronous calls.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The MetaServer address is malformed.
+    #[error("bad metaserver address {addr:?}: {source}")]
+    Address {
+        /// The address given.
+        addr: String,
+        /// Parse error.
+        source: tonic::transport::Error,
+    },
+    /// The RPC failed or missed its deadline.
+    #[error("metaserver rpc failed: {0}")]
+    Rpc(#[from] tonic::Status),
+    /// The RPC missed its deadline.
+    #[error("metaserver rpc timed out after {0:?}")]
+    Timeout(Duration),
+    /// The client was shut down.
+    #[error("client is shut down")]
+    Shutdown,
+}
+
+/// Client-side counters beyond the queue's (heartbeats, backfills).
+#[derive(Debug, Default)]
+pub struct ClientMetrics {
+    /// Heartbeats answered OK.
+    pub heartbeats_ok: AtomicU64,
+    /// Heartbeats that failed.
+    pub heartbeats_failed: AtomicU64,
+    /// Backfills completed.
+    pub backfills: AtomicU64,
+    /// Hashes re-advertised by backfills.
+    pub backfilled_hashes: AtomicU64,
+    /// RPCs sent for chunks (including retries and bisection halves).
+    pub chunk_rpcs: AtomicU64,
+}
+
+struct Core {
+    queue: RegistrationQueue,
+    waiters: HashMap<TicketId, oneshot::Sender<FlushReport>>,
+}
+
+struct Inner {
+    cfg: ClientConfig,
+    core: Mutex<Core>,
+    wake: Notify,
+    grpc: GrpcMetaClient<Channel>,
+    source: Mutex<Option<Arc<dyn OwnershipSource>>>,
+    /// Set when the MetaServer told us it does not know our session.
+    needs_backfill: AtomicBool,
+    /// Set once any heartbeat succeeded.
+    ever_registered: AtomicBool,
+    /// Set when a write saw FAILED_PRECONDITION: heartbeat before the next write.
+    needs_heartbeat: AtomicBool,
+    closed: AtomicBool,
+    stop: watch::Sender<bool>,
+    metrics: ClientMetrics,
+}
+
+/// The registration client. Cheap to clone; all clones share one queue and
+/// one driver task.
+#[derive(Clone)]
+pub struct MetaServerClient {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for MetaServerClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MetaServerClient").field("node", &self.inner.cfg.node).finish()
+    }
+}
+
+impl MetaServerClient {
+    /// Creates the client and spawns its driver task (which heartbeats at
+    /// once). Must be called inside a runtime.
+    ///
+    /// # Errors
+    /// [`ClientError::Address`] for a malformed MetaServer address.
+    pub fn start(cfg: ClientConfig) -> Result<Self, ClientError> {
+        let channel = crate::rt::channel(&cfg.metaserver, cfg.rpc_timeout)
+            .map_err(|source| ClientError::Address { addr: cfg.metaserver.clone(), source })?;
+        let grpc = GrpcMetaClient::new(channel)
+            .max_decoding_message_size(limits::GRPC_MESSAGE_BYTES_MAX)
+            .max_encoding_message_size(limits::GRPC_MESSAGE_BYTES_MAX);
+        let (stop, stop_rx) = watch::channel(false);
+        let inner = Arc::new(Inner {
+            core: Mutex::new(Core { queue: RegistrationQueue::new(cfg.queue), waiters: HashMap::new() }),
+            cfg,
+            wake: Notify::new(),
+            grpc,
+            source: Mutex::new(None),
+            needs_backfill: AtomicBool::new(false),
+            ever_registered: AtomicBool::new(false),
+            needs_heartbeat: AtomicBool::new(false),
+            closed: AtomicBool::new(false),
+            stop,
+            metrics: ClientMetrics::default(),
+        });
+        tokio::spawn(drive(inner.clone(), stop_rx));
+        Ok(Self { inner })
+    }
+
+    /// Installs the backfill source (C6).
+    pub fn set_ownership_source(&self, source: Arc<dyn OwnershipSource>) {
+        *self.inner.source.lock().expect("source lock") = Some(source);
+    }
+
+    /// This client's node address.
+    pub fn node(&self) -> &NodeAddr {
+        &self.inner.cfg.node
+    }
+
+    /// This client's session id.
+    pub fn session(&self) -> &SessionId {
+        &self.inner.cfg.session
+    }
+
+    fn offer(&self, namespace: &str, hashes: &[BlockHash], op: Op) -> usize {
+        let ns: Arc<str> = Arc::from(namespace);
+        let accepted = {
+            let mut core = self.inner.core.lock().expect("core lock");
+            hashes.iter().filter(|h| core.queue.offer(&ns, (*h).clone(), op)).count()
+        };
+        if accepted > 0 {
+            self.inner.wake.notify_one();
+        }
+        accepted
+    }
+
+    /// Enqueues "this node owns `hashes` in `namespace`". Never blocks;
+    /// returns how many were accepted (the rest were dropped and counted).
+    pub fn try_register(&self, namespace: &str, hashes: &[BlockHash]) -> usize {
+        self.offer(namespace, hashes, Op::Insert)
+    }
+
+    /// Enqueues the withdrawal of this node's ownership. Never blocks;
+    /// returns how many were accepted.
+    pub fn try_unregister(&self, namespace: &str, hashes: &[BlockHash]) -> usize {
+        self.offer(namespace, hashes, Op::Remove)
+    }
+
+    /// Queue counters (C4).
+    pub fn counters(&self) -> QueueCounters {
+        self.inner.core.lock().expect("core lock").queue.counters()
+    }
+
+    /// Heartbeat/backfill counters.
+    pub fn metrics(&self) -> &ClientMetrics {
+        &self.inner.metrics
+    }
+
+    /// The barrier (C1–C3): resolves once every command offered before the
+    /// call was delivered or dropped after a failed attempt. Bounded because
+    /// every RPC has a deadline (C2); returns at once after shutdown.
+    pub async fn flush(&self) -> FlushReport {
+        self.flush_inner(None).await
+    }
+
+    /// [`MetaServerClient::flush`] that gives up at `deadline` with
+    /// `timed_out: true` (the covered commands keep their place in the queue).
+    pub async fn flush_with_deadline(&self, deadline: Duration) -> FlushReport {
+        self.flush_inner(Some(deadline)).await
+    }
+
+    async fn flush_inner(&self, deadline: Option<Duration>) -> FlushReport {
+        let (id, rx) = {
+            let mut core = self.inner.core.lock().expect("core lock");
+            match core.queue.flush() {
+                Ok(report) => return report,
+                Err(id) => {
+                    let (tx, rx) = oneshot::channel();
+                    core.waiters.insert(id, tx);
+                    (id, rx)
+                }
+            }
+        };
+        self.inner.wake.notify_one();
+        #[cfg(feature = "broken-flush")]
+        {
+            // Deliberately broken build: ack before the batch is sent, so the
+            // simulator's `inv_flush_visibility` must catch it.
+            let _ = rx;
+            self.inner.core.lock().expect("core lock").waiters.remove(&id);
+            return FlushReport::default();
+        }
+        #[allow(unreachable_code)]
+        match deadline {
+            None => rx.await.unwrap_or(FlushReport { delivered: 0, dropped: 0, timed_out: true }),
+            Some(d) => match tokio::time::timeout(d, rx).await {
+                Ok(r) => r.unwrap_or(FlushReport { delivered: 0, dropped: 0, timed_out: true }),
+                Err(_) => {
+                    self.inner.core.lock().expect("core lock").waiters.remove(&id);
+                    FlushReport { delivered: 0, dropped: 0, timed_out: true }
+                }
+            },
+        }
+    }
+
+    /// Asks the MetaServer which nodes hold a prefix of `hashes` (C7):
+    /// `(node, prefix_len)` ordered by prefix length desc, then node.
+    ///
+    /// # Errors
+    /// [`ClientError::Rpc`] / [`ClientError::Timeout`].
+    pub async fn query_prefix(
+        &self,
+        namespace: &str,
+        hashes: &[BlockHash],
+        deadline: Duration,
+    ) -> Result<Vec<(NodeAddr, u32)>, ClientError> {
+        let req = QueryPrefixBlocksRequest {
+            namespace: namespace.to_string(),
+            block_hashes: hashes.iter().map(|h| h.0.clone()).collect(),
+        };
+        let mut grpc = self.inner.grpc.clone();
+        let resp = tokio::time::timeout(deadline, grpc.query_prefix_blocks(req))
+            .await
+            .map_err(|_| ClientError::Timeout(deadline))??;
+        Ok(resp.into_inner().nodes.into_iter().map(|n| (NodeAddr(n.node), n.prefix_len)).collect())
+    }
+
+    /// Shuts down: drops every queued command (counted as `Shutdown`),
+    /// resolves every waiting flush, stops the driver and sends a
+    /// best-effort `UnregisterNode` bounded by `deadline`. Afterwards
+    /// `flush()` returns at once and offers are dropped.
+    pub async fn shutdown(&self, deadline: Duration) {
+        if self.inner.closed.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        resolve(&self.inner, |core| core.queue.close());
+        let _ = self.inner.stop.send(true);
+        let req =
+            UnregisterNodeRequest { node: self.inner.cfg.node.0.clone(), node_id: self.inner.cfg.session.0.clone() };
+        let mut grpc = self.inner.grpc.clone();
+        match tokio::time::timeout(deadline, grpc.unregister_node(req)).await {
+            Ok(Ok(r)) => tracing::debug!(removed = r.into_inner().removed_owners, "unregistered"),
+            Ok(Err(e)) => tracing::debug!(error = %e, "unregister failed"),
+            Err(_) => tracing::debug!("unregister timed out"),
+        }
+    }
+}
+
+/// Runs `f` on the core, then hands resolved tickets to their waiters.
+fn resolve(inner: &Inner, f: impl FnOnce(&mut Core) -> Vec<(TicketId, FlushReport)>) {
+    let mut core = inner.core.lock().expect("core lock");
+    let done = f(&mut core);
+    for (id, report) in done {
+        if let Some(tx) = core.waiters.remove(&id) {
+            let _ = tx.send(report);
+        }
+    }
+}
+
+async fn drive(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
+    let mut backoff = Duration::from_millis(limits::HEARTBEAT_BACKOFF_MS_MIN);
+    let mut next_heartbeat = tokio::time::Instant::now();
+    loop {
+        if *stop.borrow() {
+            return;
+        }
+        let now = tokio::time::Instant::now();
+        if now >= next_heartbeat || inner.needs_heartbeat.load(Ordering::Relaxed) {
+            match heartbeat(&inner).await {
+                Some(stale_after) => {
+                    let interval = (stale_after / 2).max(Duration::from_millis(100));
+                    backoff = Duration::from_millis(limits::HEARTBEAT_BACKOFF_MS_MIN);
+                    next_heartbeat = tokio::time::Instant::now() + interval;
+                }
+                None => {
+                    next_heartbeat = tokio::time::Instant::now() + backoff;
+                    backoff = (backoff * 2).min(Duration::from_millis(limits::HEARTBEAT_BACKOFF_MS_MAX));
+                }
+            }
+        }
+        if inner.needs_backfill.load(Ordering::Relaxed) && !inner.needs_heartbeat.load(Ordering::Relaxed) {
+            backfill(&inner).await;
+        }
+        let batch = inner.core.lock().expect("core lock").queue.take_batch();
+        if let Some(chunks) = batch {
+            for chunk in chunks {
+                send_chunk(&inner, chunk).await;
+            }
+            continue; // more may have queued meanwhile
+        }
+        tokio::select! {
+            _ = inner.wake.notified() => {}
+            _ = tokio::time::sleep_until(next_heartbeat) => {}
+            _ = stop.changed() => {}
+        }
+    }
+}
+
+/// One heartbeat. Returns the server's `stale_after` on success.
+async fn heartbeat(inner: &Inner) -> Option<Duration> {
+    let req = HeartbeatNodeRequest { node: inner.cfg.node.0.clone(), node_id: inner.cfg.session.0.clone() };
+    let mut grpc = inner.grpc.clone();
+    let res = tokio::time::timeout(inner.cfg.rpc_timeout, grpc.heartbeat_node(req)).await;
+    match res {
+        Ok(Ok(resp)) => {
+            let r = resp.into_inner();
+            inner.metrics.heartbeats_ok.fetch_add(1, Ordering::Relaxed);
+            inner.needs_heartbeat.store(false, Ordering::Relaxed);
+            let was_registered = inner.ever_registered.swap(true, Ordering::Relaxed);
+            if r.new_session && was_registered {
+                tracing::info!(node = %inner.cfg.node, "metaserver lost our session; backfilling");
+                inner.needs_backfill.store(true, Ordering::Relaxed);
+            }
+            Some(Duration::from_secs(r.stale_after_secs.max(1)))
+        }
+        Ok(Err(status)) => {
+            inner.metrics.heartbeats_failed.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(%status, "heartbeat failed");
+            None
+        }
+        Err(_) => {
+            inner.metrics.heartbeats_failed.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!("heartbeat timed out");
+            None
+        }
+    }
+}
+
+/// Re-advertises every resident block (C6). On any failure the flag stays
+/// set and the next driver turn retries.
+async fn backfill(inner: &Inner) {
+    let source = inner.source.lock().expect("source lock").clone();
+    let Some(source) = source else {
+        inner.needs_backfill.store(false, Ordering::Relaxed);
+        return;
+    };
+    inner.needs_backfill.store(false, Ordering::Relaxed);
+    let mut sent = 0u64;
+    for (namespace, hashes) in source.resident_blocks() {
+        for part in hashes.chunks(limits::HASHES_PER_REQUEST_MAX) {
+            let req = InsertBlockHashesRequest {
+                namespace: namespace.clone(),
+                block_hashes: part.iter().map(|h| h.0.clone()).collect(),
+                node: inner.cfg.node.0.clone(),
+                node_id: inner.cfg.session.0.clone(),
+            };
+            let mut grpc = inner.grpc.clone();
+            match tokio::time::timeout(inner.cfg.rpc_timeout, grpc.insert_block_hashes(req)).await {
+                Ok(Ok(_)) => sent += part.len() as u64,
+                Ok(Err(status)) => {
+                    tracing::debug!(%status, "backfill rpc failed");
+                    if status.code() == Code::FailedPrecondition {
+                        inner.needs_heartbeat.store(true, Ordering::Relaxed);
+                    }
+                    inner.needs_backfill.store(true, Ordering::Relaxed);
+                    return;
+                }
+                Err(_) => {
+                    inner.needs_backfill.store(true, Ordering::Relaxed);
+                    return;
+                }
+            }
+        }
+    }
+    inner.metrics.backfills.fetch_add(1, Ordering::Relaxed);
+    inner.metrics.backfilled_hashes.fetch_add(sent, Ordering::Relaxed);
+}
+
+async fn rpc_chunk(inner: &Inner, chunk: &Chunk) -> Result<(), tonic::Status> {
+    inner.metrics.chunk_rpcs.fetch_add(1, Ordering::Relaxed);
+    let hashes: Vec<bytes::Bytes> = chunk.hashes.iter().map(|h| h.0.clone()).collect();
+    let mut grpc = inner.grpc.clone();
+    let node = inner.cfg.node.0.clone();
+    let node_id = inner.cfg.session.0.clone();
+    let namespace = chunk.namespace.to_string();
+    let t = inner.cfg.rpc_timeout;
+    let res = match chunk.op {
+        Op::Insert => {
+            let req = InsertBlockHashesRequest { namespace, block_hashes: hashes, node, node_id };
+            tokio::time::timeout(t, grpc.insert_block_hashes(req)).await.map(|r| r.map(|_| ()))
+        }
+        Op::Remove => {
+            let req = RemoveBlockHashesRequest { namespace, block_hashes: hashes, node, node_id };
+            tokio::time::timeout(t, grpc.remove_block_hashes(req)).await.map(|r| r.map(|_| ()))
+        }
+    };
+    res.unwrap_or_else(|_| Err(tonic::Status::deadline_exceeded("metaserver rpc deadline")))
+}
+
+/// Sends one chunk: on FAILED_PRECONDITION re-heartbeats and retries once;
+/// on INVALID_ARGUMENT bisects to isolate the rejected hashes; any other
+/// failure drops the chunk (fire-and-forget; C1 counts it as dropped).
+async fn send_chunk(inner: &Inner, chunk: Chunk) {
+    let mut work = vec![(chunk, 0u32)];
+    while let Some((chunk, depth)) = work.pop() {
+        if inner.closed.load(Ordering::Relaxed) {
+            resolve(inner, |core| core.queue.complete_chunk(chunk.id, ChunkOutcome::Dropped(DropReason::Shutdown)));
+            continue;
+        }
+        let mut res = rpc_chunk(inner, &chunk).await;
+        if let Err(status) = &res {
+            if status.code() == Code::FailedPrecondition {
+                inner.needs_heartbeat.store(true, Ordering::Relaxed);
+                if heartbeat(inner).await.is_some() {
+                    res = rpc_chunk(inner, &chunk).await;
+                }
+            }
+        }
+        let outcome = match res {
+            Ok(()) => ChunkOutcome::Delivered,
+            Err(status) if status.code() == Code::InvalidArgument && depth < limits::REJECT_BISECT_DEPTH_MAX => {
+                let split = inner.core.lock().expect("core lock").queue.split_chunk(chunk.id);
+                match split {
+                    Some((a, b)) => {
+                        work.push((b, depth + 1));
+                        work.push((a, depth + 1));
+                        continue;
+                    }
+                    None => ChunkOutcome::Dropped(DropReason::Rejected),
+                }
+            }
+            Err(status) if status.code() == Code::InvalidArgument => ChunkOutcome::Dropped(DropReason::Rejected),
+            Err(status) => {
+                tracing::debug!(%status, hashes = chunk.hashes.len(), "registration chunk dropped");
+                ChunkOutcome::Dropped(DropReason::RpcFailed)
+            }
+        };
+        resolve(inner, |core| core.queue.complete_chunk(chunk.id, outcome));
+    }
+}

@@ -1,0 +1,463 @@
+//! Decode-side fetch (design.md §5, contracts C8–C11, C14).
+//!
+//! `MetaServer.QueryPrefixBlocks` → choose an owner (never self; the
+//! MetaServer's order — longest prefix, then node — is the deterministic
+//! tie-break) → handshake once per peer (single-flight; a failure leaves no
+//! state, so the next attempt starts clean) → `QueryBlocksForTransfer` →
+//! READ into freshly allocated pool slots → verify each slot's CRC-32C →
+//! seal locally → release the transfer lock → register the fetched blocks
+//! as owned here. When an owner delivers only part of what it advertised,
+//! the next owner is asked for the rest (stitching one prefix from several
+//! owners, C14), at most one transfer query per owner per fetch and at most
+//! `FETCH_OWNERS_MAX` owners. Every step runs under the fetch's deadline.
+//!
+//! The result is "k of n": `available` counts the verified contiguous prefix
+//! now resident here; the caller recomputes the rest (C9).
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::rt::timeout_at;
+use tokio::sync::OnceCell;
+use tokio::time::Instant;
+use tonic::transport::Channel;
+
+use super::cache::CachedBlock;
+use super::{Engine, slot_checksums};
+use crate::proto::engine_client::EngineClient;
+use crate::proto::{
+    QueryBlocksForTransferRequest, RdmaHandshakeRequest, ReleaseTransferLockRequest, TransferBlockInfo,
+};
+use crate::transport::{HandshakeMetadata, ReadOp, TransportError};
+use crate::types::{BlockHash, NodeAddr};
+
+/// Per-peer state: its gRPC client and the single-flight handshake.
+pub(crate) struct PeerState {
+    grpc: EngineClient<Channel>,
+    handshake: OnceCell<()>,
+}
+
+/// Peers this engine fetches from.
+#[derive(Default)]
+pub(crate) struct PeerTable {
+    peers: Mutex<HashMap<NodeAddr, Arc<PeerState>>>,
+}
+
+impl PeerTable {
+    fn get(&self, peer: &NodeAddr, timeout: Duration) -> Result<Arc<PeerState>, FetchError> {
+        let mut map = self.peers.lock().expect("peers lock");
+        if let Some(p) = map.get(peer) {
+            return Ok(p.clone());
+        }
+        let ch = crate::rt::channel(&peer.0, timeout).map_err(|e| FetchError::Peer(e.to_string()))?;
+        let grpc = EngineClient::new(ch)
+            .max_decoding_message_size(crate::limits::GRPC_MESSAGE_BYTES_MAX)
+            .max_encoding_message_size(crate::limits::GRPC_MESSAGE_BYTES_MAX);
+        let p = Arc::new(PeerState { grpc, handshake: OnceCell::new() });
+        map.insert(peer.clone(), p.clone());
+        Ok(p)
+    }
+
+    /// Forgets a peer (after a transport failure) if `p` is still its entry.
+    fn invalidate(&self, peer: &NodeAddr, p: &Arc<PeerState>) {
+        let mut map = self.peers.lock().expect("peers lock");
+        if map.get(peer).is_some_and(|cur| Arc::ptr_eq(cur, p)) {
+            map.remove(peer);
+        }
+    }
+
+    /// Peers with a completed handshake.
+    pub(crate) fn handshaken(&self) -> usize {
+        self.peers.lock().expect("peers lock").values().filter(|p| p.handshake.initialized()).count()
+    }
+}
+
+/// Why a fetch stopped short of `n`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FetchError {
+    /// The MetaServer query failed (down, partitioned, stalled).
+    #[error("metaserver query failed: {0}")]
+    MetaServer(String),
+    /// No owner (other than us) holds the next block.
+    #[error("no remote owner for the next block")]
+    NoOwner,
+    /// A peer RPC failed.
+    #[error("peer rpc failed: {0}")]
+    Peer(String),
+    /// The handshake failed.
+    #[error("handshake failed: {0}")]
+    Handshake(String),
+    /// The owner no longer has the block (stale index entry).
+    #[error("owner no longer holds the next block")]
+    Stale,
+    /// The read failed.
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    /// A slot's checksum did not match (C10).
+    #[error("checksum mismatch in a fetched block")]
+    Checksum,
+    /// The peer described a block that does not fit our layout.
+    #[error("peer block shape does not match the local layout: {0}")]
+    Shape(String),
+    /// No room in the local pool.
+    #[error("local pool has no room")]
+    NoSpace,
+    /// The namespace has no local layout.
+    #[error("namespace has no local layout")]
+    UnknownNamespace,
+    /// The fetch deadline passed.
+    #[error("fetch deadline passed")]
+    Deadline,
+    /// `FETCH_OWNERS_MAX` owners were tried.
+    #[error("owner budget exhausted")]
+    OwnersExhausted,
+    /// No transport is installed.
+    #[error("no transport installed")]
+    NoTransport,
+}
+
+/// Outcome of [`Engine::fetch`]: "k of n".
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FetchReport {
+    /// `n`: hashes asked for.
+    pub requested: usize,
+    /// `k`: the verified contiguous prefix now resident here (local hits
+    /// included). The caller recomputes `requested - available` blocks.
+    pub available: usize,
+    /// Blocks that were already resident before the fetch.
+    pub local_hits: usize,
+    /// Blocks read from peers, verified and sealed here.
+    pub fetched: usize,
+    /// Bytes read for them.
+    pub bytes: u64,
+    /// Owners asked, in order.
+    pub owners: Vec<NodeAddr>,
+    /// Why it stopped short (None when `available == requested`).
+    pub stopped: Option<FetchError>,
+}
+
+/// Releases a transfer lock exactly once on every path (C8): explicitly via
+/// [`TransferGuard::release`], or from `Drop` (error, cancel, panic) on a
+/// spawned task.
+struct TransferGuard {
+    grpc: EngineClient<Channel>,
+    session: Option<String>,
+    timeout: Duration,
+}
+
+impl TransferGuard {
+    async fn release(mut self) {
+        if let Some(session) = self.session.take() {
+            let req = ReleaseTransferLockRequest { transfer_session_id: session };
+            let _ = tokio::time::timeout(self.timeout, self.grpc.release_transfer_lock(req)).await;
+        }
+    }
+}
+
+impl Drop for TransferGuard {
+    fn drop(&mut self) {
+        #[cfg(feature = "broken-release")]
+        {
+            // Deliberately broken build: the guard forgets the lock on error
+            // and cancel paths; `inv_no_lock_leak` must notice.
+            self.session = None;
+        }
+        if let Some(session) = self.session.take() {
+            let mut grpc = self.grpc.clone();
+            let timeout = self.timeout;
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                rt.spawn(async move {
+                    let req = ReleaseTransferLockRequest { transfer_session_id: session };
+                    let _ = tokio::time::timeout(timeout, grpc.release_transfer_lock(req)).await;
+                });
+            }
+        }
+    }
+}
+
+impl Engine {
+    /// Fetches the missing part of `hashes` (a chained prefix) from peers.
+    /// Never fails and never hangs: it ends by the engine's fetch deadline
+    /// with "k of n" (C9). See the module doc.
+    pub async fn fetch(&self, namespace: &str, hashes: &[BlockHash]) -> FetchReport {
+        let deadline = Instant::now() + self.inner.cfg.fetch_deadline;
+        self.inner.metrics.fetches.fetch_add(1, Ordering::Relaxed);
+        let local = self.query_prefix(namespace, hashes);
+        let mut rep =
+            FetchReport { requested: hashes.len(), available: local, local_hits: local, ..Default::default() };
+        if local == hashes.len() {
+            return rep;
+        }
+        if self.layout(namespace).is_err() {
+            rep.stopped = Some(FetchError::UnknownNamespace);
+            return rep;
+        }
+        let me = self.node().clone();
+        while rep.available < hashes.len() {
+            if rep.owners.len() >= crate::limits::FETCH_OWNERS_MAX {
+                rep.stopped = Some(FetchError::OwnersExhausted);
+                break;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                rep.stopped = Some(FetchError::Deadline);
+                break;
+            }
+            let rest = &hashes[rep.available..];
+            let owners = match self.client().query_prefix(namespace, rest, left).await {
+                Ok(o) => o,
+                Err(e) => {
+                    rep.stopped = Some(FetchError::MetaServer(e.to_string()));
+                    break;
+                }
+            };
+            let pick = owners.into_iter().find(|(n, len)| *n != me && *len > 0 && !rep.owners.contains(n));
+            let Some((owner, len)) = pick else {
+                rep.stopped = Some(FetchError::NoOwner);
+                break;
+            };
+            rep.owners.push(owner.clone());
+            let want = &rest[..(len as usize).min(rest.len())];
+            let (got, bytes, err) = self.fetch_from(&owner, namespace, want, deadline).await;
+            rep.available += got;
+            rep.fetched += got;
+            rep.bytes += bytes;
+            if let Some(e) = err {
+                tracing::debug!(%owner, error = %e, got, "fetch from owner stopped short");
+                rep.stopped = Some(e);
+            } else {
+                rep.stopped = None;
+            }
+        }
+        if rep.available == hashes.len() {
+            rep.stopped = None;
+        }
+        rep
+    }
+
+    async fn handshake(&self, owner: &NodeAddr, p: &PeerState, deadline: Instant) -> Result<(), FetchError> {
+        let transport = self.transport().ok_or(FetchError::NoTransport)?.clone();
+        p.handshake
+            .get_or_try_init(|| async {
+                let req = RdmaHandshakeRequest {
+                    requester_id: self.node().0.clone(),
+                    handshake_metadata: transport.local_metadata().encode().into(),
+                };
+                let mut grpc = p.grpc.clone();
+                let resp = timeout_at(deadline, grpc.rdma_handshake(req))
+                    .await
+                    .map_err(|_| FetchError::Deadline)?
+                    .map_err(|s| FetchError::Handshake(s.to_string()))?
+                    .into_inner();
+                if !resp.status.as_ref().is_some_and(|s| s.ok) {
+                    let msg = resp.status.map(|s| s.message).unwrap_or_default();
+                    return Err(FetchError::Handshake(msg));
+                }
+                let meta = HandshakeMetadata::decode(&resp.handshake_metadata)
+                    .map_err(|e| FetchError::Handshake(e.to_string()))?;
+                transport.connect(owner, &meta, deadline).await.map_err(|e| FetchError::Handshake(e.to_string()))
+            })
+            .await
+            .map(|_| ())
+    }
+
+    /// Fetches a prefix of `want` from one owner. Returns (blocks sealed,
+    /// bytes, why it stopped short).
+    async fn fetch_from(
+        &self,
+        owner: &NodeAddr,
+        namespace: &str,
+        want: &[BlockHash],
+        deadline: Instant,
+    ) -> (usize, u64, Option<FetchError>) {
+        let timeout = self.inner.cfg.peer_rpc_timeout;
+        let p = match self.inner.peers.get(owner, timeout) {
+            Ok(p) => p,
+            Err(e) => return (0, 0, Some(e)),
+        };
+        if let Err(e) = self.handshake(owner, &p, deadline).await {
+            self.inner.peers.invalidate(owner, &p);
+            return (0, 0, Some(e));
+        }
+        let req = QueryBlocksForTransferRequest {
+            namespace: namespace.to_string(),
+            block_hashes: want.iter().map(|h| h.0.clone()).collect(),
+            requester_id: self.node().0.clone(),
+        };
+        let mut grpc = p.grpc.clone();
+        let resp = match timeout_at(deadline, grpc.query_blocks_for_transfer(req)).await {
+            Err(_) => return (0, 0, Some(FetchError::Deadline)),
+            Ok(Err(s)) => {
+                self.inner.peers.invalidate(owner, &p);
+                return (0, 0, Some(FetchError::Peer(s.to_string())));
+            }
+            Ok(Ok(r)) => r.into_inner(),
+        };
+        if resp.transfer_session_id.is_empty() {
+            return (0, 0, Some(FetchError::Stale));
+        }
+        let guard = TransferGuard { grpc: p.grpc.clone(), session: Some(resp.transfer_session_id.clone()), timeout };
+        let out = self.read_locked(owner, namespace, want, resp.blocks, &resp.transfer_session_id, deadline).await;
+        if matches!(out.2, Some(FetchError::Transport(ref e)) if !matches!(e, TransportError::Refused { .. })) {
+            // The connection state is unknown: start clean next time.
+            self.inner.peers.invalidate(owner, &p);
+            if let Some(t) = self.transport() {
+                t.disconnect(owner);
+            }
+        }
+        guard.release().await;
+        if out.0 > 0 {
+            let ns = namespace.to_string();
+            self.advertise(&ns, &want[..out.0]);
+        }
+        out
+    }
+
+    async fn read_locked(
+        &self,
+        owner: &NodeAddr,
+        namespace: &str,
+        want: &[BlockHash],
+        blocks: Vec<TransferBlockInfo>,
+        session: &str,
+        deadline: Instant,
+    ) -> (usize, u64, Option<FetchError>) {
+        let Ok((ns, layout)) = self.layout(namespace) else { return (0, 0, Some(FetchError::UnknownNamespace)) };
+        let Some(transport) = self.transport().cloned() else { return (0, 0, Some(FetchError::NoTransport)) };
+        let by_hash: HashMap<&[u8], &TransferBlockInfo> = blocks.iter().map(|b| (&b.block_hash[..], b)).collect();
+        // The contiguous prefix the owner actually locked, shape-checked.
+        let mut plan: Vec<&TransferBlockInfo> = Vec::new();
+        let mut stop: Option<FetchError> = None;
+        for h in want {
+            let Some(b) = by_hash.get(h.as_bytes()) else {
+                stop = Some(FetchError::Stale);
+                break;
+            };
+            if let Err(why) = check_shape(&layout, b) {
+                stop = Some(FetchError::Shape(why));
+                break;
+            }
+            plan.push(b);
+        }
+        let mut extents = Vec::with_capacity(plan.len());
+        for _ in &plan {
+            match self.alloc(layout.block_bytes()) {
+                Ok(e) => extents.push(e),
+                Err(_) => {
+                    stop = Some(FetchError::NoSpace);
+                    break;
+                }
+            }
+        }
+        plan.truncate(extents.len());
+        if plan.is_empty() {
+            return (0, 0, stop);
+        }
+        let mut ops: Vec<ReadOp> = Vec::new();
+        for (i, b) in plan.iter().enumerate() {
+            for (l, s) in b.slots.iter().enumerate() {
+                let base = layout.slot_offset(l);
+                push_coalesced(
+                    &mut ops,
+                    ReadOp { region: 0, remote_offset: s.k_ptr, len: s.k_size, local_extent: i, local_offset: base },
+                );
+                if s.v_size > 0 {
+                    push_coalesced(
+                        &mut ops,
+                        ReadOp {
+                            region: 0,
+                            remote_offset: s.v_ptr,
+                            len: s.v_size,
+                            local_extent: i,
+                            local_offset: base + s.k_size,
+                        },
+                    );
+                }
+            }
+        }
+        let done = transport.read(owner, session, ops, extents, deadline).await;
+        let mut got = 0usize;
+        let mut bytes = 0u64;
+        for ((ext, res), b) in done.local.into_iter().zip(done.results).zip(&plan) {
+            if let Err(e) = res {
+                stop = Some(FetchError::Transport(e));
+                break;
+            }
+            let sums = slot_checksums(&layout, ext.as_slice());
+            let expect: Vec<u32> = b.slots.iter().map(|s| s.crc32c).collect();
+            if sums[..] != expect[..] {
+                self.inner.metrics.checksum_failures.fetch_add(1, Ordering::Relaxed);
+                stop = Some(FetchError::Checksum);
+                break;
+            }
+            bytes += ext.len();
+            let hash = BlockHash(b.block_hash.clone());
+            let block = CachedBlock { extent: ext.seal(), checksums: sums };
+            self.insert_sealed(&ns, hash, block);
+            got += 1;
+        }
+        self.inner.metrics.fetched_blocks.fetch_add(got as u64, Ordering::Relaxed);
+        self.inner.metrics.fetched_bytes.fetch_add(bytes, Ordering::Relaxed);
+        if got < want.len() && stop.is_none() {
+            stop = Some(FetchError::Stale);
+        }
+        (got, bytes, stop)
+    }
+}
+
+/// Appends `op`, merging it into the previous one when both sides are
+/// contiguous (fused layouts collapse to one read per block).
+fn push_coalesced(ops: &mut Vec<ReadOp>, op: ReadOp) {
+    if let Some(last) = ops.last_mut() {
+        if last.local_extent == op.local_extent
+            && last.region == op.region
+            && last.remote_offset.checked_add(last.len) == Some(op.remote_offset)
+            && last.local_offset + last.len == op.local_offset
+            && last.len + op.len <= crate::limits::TCP_READ_BYTES_MAX
+        {
+            last.len += op.len;
+            return;
+        }
+    }
+    ops.push(op);
+}
+
+/// Checks a peer's block description against the local layout.
+fn check_shape(layout: &super::layout::Layout, b: &TransferBlockInfo) -> Result<(), String> {
+    if b.slots.len() != layout.layers().len() {
+        return Err(format!("{} slots, layout has {} layers", b.slots.len(), layout.layers().len()));
+    }
+    for (l, s) in b.slots.iter().enumerate() {
+        let want = layout.slot_bytes(l);
+        if s.k_size.checked_add(s.v_size) != Some(want) || s.k_size == 0 {
+            return Err(format!("slot {l}: k {} + v {} != {want}", s.k_size, s.v_size));
+        }
+    }
+    Ok(())
+}
+
+/// Builds the slot descriptors of a locked block for `QueryBlocksForTransfer`.
+pub fn transfer_block_info(layout: &super::layout::Layout, hash: &BlockHash, block: &CachedBlock) -> TransferBlockInfo {
+    let base = block.extent.offset();
+    let slots = layout
+        .layers()
+        .iter()
+        .enumerate()
+        .map(|(l, ly)| {
+            let k_ptr = base + layout.slot_offset(l);
+            let seg = ly.bytes_per_block;
+            let split = ly.segments == 2;
+            crate::proto::TransferSlotInfo {
+                k_ptr,
+                k_size: seg,
+                v_ptr: if split { k_ptr + seg } else { 0 },
+                v_size: if split { seg } else { 0 },
+                numa_node: 0,
+                crc32c: block.checksums[l],
+            }
+        })
+        .collect();
+    TransferBlockInfo { block_hash: hash.0.clone(), slots }
+}

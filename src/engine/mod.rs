@@ -1,0 +1,747 @@
+//! The embeddable `Engine` (design.md §2.1): layouts, the pinned pool, save /
+//! seal / load, local prefix lookup, LRU eviction under pool pressure,
+//! transfer locks with their own GC, and the P/D handoff barrier.
+//!
+//! Concurrency model: all state sits behind short `std::sync::Mutex`
+//! sections that never await; the async parts (GPU completions, the lock
+//! GC, fetch) are tasks, so the simulator runs the same code.
+
+pub mod cache;
+pub mod fetch;
+pub mod layout;
+pub mod locks;
+pub mod pool;
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
+use std::time::Duration;
+
+use rand::{RngCore, SeedableRng};
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use crate::client::{FlushReport, MetaServerClient, OwnershipSource};
+use crate::gpu::{CopyBatch, CopyOp, Direction, Gpu, GpuError, HostBuf};
+use crate::limits;
+use crate::transport::{DataSource, Transport};
+use crate::types::{BlockHash, IdError, NodeAddr, validate_namespace};
+use cache::{BlockCache, CachedBlock};
+use layout::{LayerLayout, Layout, LayoutError};
+use locks::{AccessError, LockError, LockTable};
+use pool::{Extent, Pool, PoolError, SealedExtent};
+
+/// Engine settings.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Pinned pool size (bytes), allocated once at start.
+    pub pool_bytes: u64,
+    /// Pool allocation alignment (bytes, power of two).
+    pub pool_align: u64,
+    /// How long a transfer lock lives without a release (s).
+    pub lock_timeout_secs: u32,
+    /// Period of the engine's own lock GC.
+    pub lock_gc_interval: Duration,
+    /// Deadline of a whole fetch.
+    pub fetch_deadline: Duration,
+    /// Deadline of each peer RPC inside a fetch.
+    pub peer_rpc_timeout: Duration,
+    /// Seed of the engine's RNG (transfer session ids).
+    pub seed: u64,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            pool_bytes: 256 << 20,
+            pool_align: 256,
+            lock_timeout_secs: limits::TRANSFER_LOCK_TIMEOUT_SECS_DEFAULT,
+            lock_gc_interval: Duration::from_millis(limits::TRANSFER_LOCK_GC_INTERVAL_MS_DEFAULT),
+            fetch_deadline: Duration::from_millis(limits::FETCH_DEADLINE_MS_DEFAULT),
+            peer_rpc_timeout: Duration::from_millis(limits::METASERVER_RPC_TIMEOUT_MS_DEFAULT),
+            seed: 0,
+        }
+    }
+}
+
+/// Engine errors (typed; tests match variants).
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// A malformed namespace or hash.
+    #[error(transparent)]
+    Id(#[from] IdError),
+    /// No layout registered for the namespace.
+    #[error("no layout registered for namespace {0:?}")]
+    UnknownNamespace(String),
+    /// The namespace already has a (different) layout.
+    #[error("namespace {0:?} already has a layout")]
+    LayoutExists(String),
+    /// The layout failed validation.
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    /// A block index beyond the layout's `num_blocks`.
+    #[error("block index {idx} out of range (layout has {num_blocks} blocks)")]
+    BlockIndex {
+        /// Index given.
+        idx: u64,
+        /// Blocks in the layout.
+        num_blocks: u64,
+    },
+    /// The pool has no room even after eviction.
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+    /// The GPU backend failed.
+    #[error(transparent)]
+    Gpu(#[from] GpuError),
+    /// The transfer-lock table refused.
+    #[error(transparent)]
+    Lock(#[from] LockError),
+    /// A save task died (panic).
+    #[error("save task failed: {0}")]
+    Task(String),
+}
+
+/// Result of a save.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SaveReport {
+    /// Blocks copied, sealed and newly resident.
+    pub saved: Vec<BlockHash>,
+    /// Blocks skipped because they were already resident (or duplicated in
+    /// the request, or sealed by a racing save).
+    pub already_resident: usize,
+    /// Blocks not saved because the pool had no room (after eviction).
+    pub no_space: usize,
+}
+
+/// Per-block load failure.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum LoadError {
+    /// The block is not resident.
+    #[error("block not resident")]
+    NotResident,
+    /// The copy batch failed.
+    #[error("copy failed: {0}")]
+    Copy(GpuError),
+}
+
+/// Result of a load: one entry per requested block, in order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LoadReport {
+    /// Per block: `Ok` when its bytes are on the device.
+    pub results: Vec<Result<(), LoadError>>,
+}
+
+impl LoadReport {
+    /// Blocks loaded.
+    pub fn loaded(&self) -> usize {
+        self.results.iter().filter(|r| r.is_ok()).count()
+    }
+}
+
+/// Plain counters and gauges an exporter reads.
+#[derive(Debug, Default)]
+pub struct EngineMetrics {
+    /// `save` calls.
+    pub saves: AtomicU64,
+    /// Blocks newly sealed by saves.
+    pub saved_blocks: AtomicU64,
+    /// `load` calls.
+    pub loads: AtomicU64,
+    /// Blocks loaded to the device.
+    pub loaded_blocks: AtomicU64,
+    /// Blocks that failed to load.
+    pub load_failures: AtomicU64,
+    /// Blocks evicted under pressure.
+    pub evicted: AtomicU64,
+    /// Removals enqueued for evicted blocks.
+    pub removals_enqueued: AtomicU64,
+    /// Removals dropped at the door (queue full) for evicted blocks.
+    pub removals_dropped_at_enqueue: AtomicU64,
+    /// Registrations dropped at the door (queue full) for new blocks.
+    pub registrations_dropped_at_enqueue: AtomicU64,
+    /// Allocations that failed even after eviction.
+    pub alloc_failures: AtomicU64,
+    /// Fetch calls.
+    pub fetches: AtomicU64,
+    /// Blocks fetched from peers (verified and sealed).
+    pub fetched_blocks: AtomicU64,
+    /// Bytes read from peers for fetched blocks.
+    pub fetched_bytes: AtomicU64,
+    /// Blocks rejected by checksum verification.
+    pub checksum_failures: AtomicU64,
+    /// Transfer sessions created for peers.
+    pub transfer_locks_created: AtomicU64,
+    /// Transfer sessions expired by the GC.
+    pub transfer_locks_expired: AtomicU64,
+}
+
+/// A point-in-time view of the engine's gauges.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EngineGauges {
+    /// Pool bytes allocated (cache, in-flight saves/fetches, locked blocks).
+    pub pool_used_bytes: u64,
+    /// Pool bytes free.
+    pub pool_free_bytes: u64,
+    /// Sealed blocks in the cache.
+    pub resident_blocks: u64,
+    /// Live transfer sessions.
+    pub active_transfer_locks: u64,
+}
+
+#[derive(Default)]
+struct SaveTracker {
+    next: u64,
+    inflight: BTreeSet<u64>,
+}
+
+pub(crate) struct EngineInner {
+    node: NodeAddr,
+    cfg: EngineConfig,
+    pool: Pool,
+    gpu: Arc<dyn Gpu>,
+    layouts: RwLock<HashMap<Arc<str>, Arc<Layout>>>,
+    cache: Mutex<BlockCache>,
+    locks: Mutex<LockTable>,
+    client: MetaServerClient,
+    transport: OnceLock<Arc<dyn Transport>>,
+    rng: Mutex<rand::rngs::StdRng>,
+    origin: Instant,
+    saves: Mutex<SaveTracker>,
+    saves_done: watch::Sender<u64>,
+    metrics: EngineMetrics,
+    pub(crate) peers: fetch::PeerTable,
+}
+
+/// The engine. Cheap to clone (one `Arc`).
+#[derive(Clone)]
+pub struct Engine {
+    pub(crate) inner: Arc<EngineInner>,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine").field("node", &self.inner.node).finish()
+    }
+}
+
+/// A lease: pins blocks (their memory cannot be evicted or reused) until
+/// dropped.
+#[derive(Debug)]
+pub struct Lease {
+    blocks: Vec<CachedBlock>,
+}
+
+impl Lease {
+    /// Blocks held.
+    pub fn len(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// True when nothing is held.
+    pub fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+    }
+}
+
+/// Removes a save from the in-flight set when it ends, however it ends.
+struct SaveGuard {
+    engine: Arc<EngineInner>,
+    seq: u64,
+}
+
+impl Drop for SaveGuard {
+    fn drop(&mut self) {
+        self.engine.saves.lock().expect("saves lock").inflight.remove(&self.seq);
+        self.engine.saves_done.send_modify(|n| *n += 1);
+    }
+}
+
+struct Source(Weak<EngineInner>);
+
+impl OwnershipSource for Source {
+    fn resident_blocks(&self) -> Vec<(String, Vec<BlockHash>)> {
+        match self.0.upgrade() {
+            Some(e) => e.cache.lock().expect("cache lock").resident(),
+            None => Vec::new(),
+        }
+    }
+}
+
+struct LockSource(Weak<EngineInner>);
+
+impl DataSource for LockSource {
+    fn authorize(&self, session: &str, region: u32, offset: u64, len: u64) -> Result<(SealedExtent, u64), AccessError> {
+        let e = self.0.upgrade().ok_or(AccessError::UnknownSession)?;
+        let now = crate::rt::elapsed_ms(e.origin);
+        e.locks.lock().expect("locks lock").authorize(session, region, offset, len, now)
+    }
+}
+
+impl Engine {
+    /// Creates an engine: allocates the pinned pool once, installs itself as
+    /// the client's backfill source and spawns its transfer-lock GC. Call
+    /// inside a runtime.
+    ///
+    /// # Errors
+    /// [`EngineError::Pool`] when the pool cannot be allocated.
+    pub fn new(
+        node: NodeAddr,
+        cfg: EngineConfig,
+        gpu: Arc<dyn Gpu>,
+        client: MetaServerClient,
+    ) -> Result<Self, EngineError> {
+        let pool = Pool::new(cfg.pool_bytes, cfg.pool_align)?;
+        let (saves_done, _) = watch::channel(0);
+        let inner = Arc::new(EngineInner {
+            node,
+            pool,
+            gpu,
+            layouts: RwLock::new(HashMap::new()),
+            cache: Mutex::new(BlockCache::new()),
+            locks: Mutex::new(LockTable::new(limits::TRANSFER_SESSIONS_MAX)),
+            client: client.clone(),
+            transport: OnceLock::new(),
+            rng: Mutex::new(rand::rngs::StdRng::seed_from_u64(cfg.seed)),
+            origin: Instant::now(),
+            saves: Mutex::new(SaveTracker::default()),
+            saves_done,
+            metrics: EngineMetrics::default(),
+            peers: fetch::PeerTable::default(),
+            cfg,
+        });
+        client.set_ownership_source(Arc::new(Source(Arc::downgrade(&inner))));
+        tokio::spawn(lock_gc(Arc::downgrade(&inner)));
+        Ok(Self { inner })
+    }
+
+    /// The data-plane access policy over this engine's lock table (for a
+    /// transport's server side).
+    pub fn data_source(&self) -> Arc<dyn DataSource> {
+        Arc::new(LockSource(Arc::downgrade(&self.inner)))
+    }
+
+    /// Installs the transport (once, at start).
+    pub fn set_transport(&self, t: Arc<dyn Transport>) {
+        let _ = self.inner.transport.set(t);
+    }
+
+    /// The transport, if installed.
+    pub fn transport(&self) -> Option<&Arc<dyn Transport>> {
+        self.inner.transport.get()
+    }
+
+    /// This node's advertise address.
+    pub fn node(&self) -> &NodeAddr {
+        &self.inner.node
+    }
+
+    /// The registration client.
+    pub fn client(&self) -> &MetaServerClient {
+        &self.inner.client
+    }
+
+    /// The GPU backend.
+    pub fn gpu(&self) -> &Arc<dyn Gpu> {
+        &self.inner.gpu
+    }
+
+    /// The pinned pool.
+    pub fn pool(&self) -> &Pool {
+        &self.inner.pool
+    }
+
+    /// Counters.
+    pub fn metrics(&self) -> &EngineMetrics {
+        &self.inner.metrics
+    }
+
+    /// Gauges now.
+    pub fn gauges(&self) -> EngineGauges {
+        EngineGauges {
+            pool_used_bytes: self.inner.pool.used_bytes(),
+            pool_free_bytes: self.inner.pool.free_bytes(),
+            resident_blocks: self.inner.cache.lock().expect("cache lock").len() as u64,
+            active_transfer_locks: self.inner.locks.lock().expect("locks lock").active() as u64,
+        }
+    }
+
+    /// Milliseconds since the engine started (runtime clock).
+    pub fn now_ms(&self) -> u64 {
+        crate::rt::elapsed_ms(self.inner.origin)
+    }
+
+    /// Registers the layout of a namespace, validated against the device
+    /// buffers so later copies cannot go out of bounds. Registering the same
+    /// layout again is a no-op.
+    ///
+    /// # Errors
+    /// [`EngineError::Id`], [`EngineError::Layout`] (specific variant),
+    /// [`EngineError::LayoutExists`] for a different layout.
+    pub fn register_layout(&self, namespace: &str, layers: Vec<LayerLayout>) -> Result<(), EngineError> {
+        validate_namespace(namespace)?;
+        let gpu = self.inner.gpu.clone();
+        let layout = Layout::new(layers, |id| gpu.buffer_len(id))?;
+        let mut map = self.inner.layouts.write().expect("layouts lock");
+        if let Some(existing) = map.get(namespace) {
+            if existing.layers() == layout.layers() {
+                return Ok(());
+            }
+            return Err(EngineError::LayoutExists(namespace.to_string()));
+        }
+        map.insert(Arc::from(namespace), Arc::new(layout));
+        Ok(())
+    }
+
+    /// The layout of a namespace.
+    ///
+    /// # Errors
+    /// [`EngineError::UnknownNamespace`].
+    pub fn layout(&self, namespace: &str) -> Result<(Arc<str>, Arc<Layout>), EngineError> {
+        let map = self.inner.layouts.read().expect("layouts lock");
+        map.get_key_value(namespace)
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .ok_or_else(|| EngineError::UnknownNamespace(namespace.to_string()))
+    }
+
+    fn check_indices<'a>(layout: &Layout, idx: impl Iterator<Item = &'a u64>) -> Result<(), EngineError> {
+        let num_blocks = layout.num_blocks();
+        for &i in idx {
+            if i >= num_blocks {
+                return Err(EngineError::BlockIndex { idx: i, num_blocks });
+            }
+        }
+        Ok(())
+    }
+
+    /// Allocates `len` pool bytes, evicting LRU blocks (bounded) under
+    /// pressure.
+    pub(crate) fn alloc(&self, len: u64) -> Result<Extent, EngineError> {
+        const EVICTION_ROUNDS_MAX: usize = 8;
+        let mut last = None;
+        for _ in 0..=EVICTION_ROUNDS_MAX {
+            match self.inner.pool.alloc(len) {
+                Ok(e) => return Ok(e),
+                Err(e) => last = Some(e),
+            }
+            if self.evict(len) == 0 {
+                break;
+            }
+        }
+        self.inner.metrics.alloc_failures.fetch_add(1, Ordering::Relaxed);
+        Err(EngineError::Pool(last.expect("at least one attempt")))
+    }
+
+    /// Evicts unpinned LRU blocks worth at least `bytes` (bounded scan) and
+    /// enqueues a removal for each (C4). Returns blocks evicted.
+    pub fn evict(&self, bytes: u64) -> usize {
+        let victims = self.inner.cache.lock().expect("cache lock").evict(bytes, limits::EVICTION_SCAN_MAX);
+        let m = &self.inner.metrics;
+        for (ns, hash) in &victims {
+            m.evicted.fetch_add(1, Ordering::Relaxed);
+            if self.inner.client.try_unregister(ns, std::slice::from_ref(hash)) == 1 {
+                m.removals_enqueued.fetch_add(1, Ordering::Relaxed);
+            } else {
+                m.removals_dropped_at_enqueue.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        victims.len()
+    }
+
+    /// Saves blocks: skips resident ones, allocates pool slots, copies
+    /// device → pool in one batch, then seals (checksum per slot, C10),
+    /// inserts into the cache and enqueues registrations of the newly
+    /// resident blocks. A block becomes visible only once sealed; a failed or
+    /// racing save leaves nothing behind. The copy-and-seal part runs on its
+    /// own task, so dropping this future does not abandon a save half way.
+    ///
+    /// # Errors
+    /// Validation errors (nothing is saved), [`EngineError::Gpu`] when the
+    /// batch failed (nothing is saved).
+    pub async fn save(&self, namespace: &str, blocks: &[(u64, BlockHash)]) -> Result<SaveReport, EngineError> {
+        let (ns, layout) = self.layout(namespace)?;
+        Self::check_indices(&layout, blocks.iter().map(|(i, _)| i))?;
+        for (_, h) in blocks {
+            h.validate()?;
+        }
+        self.inner.metrics.saves.fetch_add(1, Ordering::Relaxed);
+        let seq = {
+            let mut s = self.inner.saves.lock().expect("saves lock");
+            s.next += 1;
+            let seq = s.next;
+            s.inflight.insert(seq);
+            seq
+        };
+        let guard = SaveGuard { engine: self.inner.clone(), seq };
+        let mut report = SaveReport::default();
+        let mut todo: Vec<(u64, BlockHash)> = Vec::with_capacity(blocks.len());
+        {
+            let cache = self.inner.cache.lock().expect("cache lock");
+            let mut seen = HashSet::with_capacity(blocks.len());
+            for (idx, h) in blocks {
+                if cache.contains(&ns, h) || !seen.insert(h.clone()) {
+                    report.already_resident += 1;
+                } else {
+                    todo.push((*idx, h.clone()));
+                }
+            }
+        }
+        let mut host = Vec::with_capacity(todo.len());
+        let mut ops = Vec::new();
+        for (i, (idx, _)) in todo.iter().enumerate() {
+            let ext = match self.alloc(layout.block_bytes()) {
+                Ok(e) => e,
+                Err(EngineError::Pool(_)) => {
+                    report.no_space = todo.len() - i;
+                    break;
+                }
+                Err(e) => return Err(e),
+            };
+            host.push(HostBuf::Writable(ext));
+            for c in layout.coalesced_copies(*idx) {
+                ops.push(CopyOp {
+                    buffer: c.buffer,
+                    device_offset: c.device_offset,
+                    extent: i,
+                    host_offset: c.host_offset_in_block,
+                    len: c.len,
+                });
+            }
+        }
+        todo.truncate(host.len());
+        if todo.is_empty() {
+            return Ok(report);
+        }
+        let engine = self.clone();
+        let batch = CopyBatch { direction: Direction::DeviceToHost, ops, host };
+        let task = tokio::spawn(async move {
+            let _guard = guard;
+            let done = engine.inner.gpu.submit(batch).await;
+            done.result?;
+            let mut newly = Vec::with_capacity(todo.len());
+            let mut raced = 0;
+            for ((_, hash), buf) in todo.into_iter().zip(done.host) {
+                let HostBuf::Writable(ext) = buf else { unreachable!("save batches hold writable extents") };
+                let checksums = slot_checksums(&layout, ext.as_slice());
+                let block = CachedBlock { extent: ext.seal(), checksums };
+                if engine.inner.cache.lock().expect("cache lock").insert(&ns, hash.clone(), block) {
+                    newly.push(hash);
+                } else {
+                    raced += 1;
+                }
+            }
+            engine.advertise(&ns, &newly);
+            engine.inner.metrics.saved_blocks.fetch_add(newly.len() as u64, Ordering::Relaxed);
+            Ok::<_, EngineError>((newly, raced))
+        });
+        let (saved, raced) = task.await.map_err(|e| EngineError::Task(e.to_string()))??;
+        report.saved = saved;
+        report.already_resident += raced;
+        Ok(report)
+    }
+
+    /// Enqueues registrations for newly resident blocks, counting door drops.
+    pub(crate) fn advertise(&self, ns: &str, hashes: &[BlockHash]) {
+        if hashes.is_empty() {
+            return;
+        }
+        let accepted = self.inner.client.try_register(ns, hashes);
+        let dropped = (hashes.len() - accepted) as u64;
+        self.inner.metrics.registrations_dropped_at_enqueue.fetch_add(dropped, Ordering::Relaxed);
+    }
+
+    /// Seals a fetched block into the cache (used by fetch). Returns `false`
+    /// when it was already resident (the extent is then freed).
+    pub(crate) fn insert_sealed(&self, ns: &Arc<str>, hash: BlockHash, block: CachedBlock) -> bool {
+        self.inner.cache.lock().expect("cache lock").insert(ns, hash, block)
+    }
+
+    /// Waits until every save started before this call has sealed (and
+    /// enqueued its registrations) or failed.
+    pub async fn flush_saves(&self) {
+        let target = self.inner.saves.lock().expect("saves lock").next;
+        let mut rx = self.inner.saves_done.subscribe();
+        loop {
+            let done = {
+                let s = self.inner.saves.lock().expect("saves lock");
+                s.inflight.first().is_none_or(|&first| first > target)
+            };
+            if done {
+                return;
+            }
+            if rx.changed().await.is_err() {
+                return;
+            }
+        }
+    }
+
+    /// The P/D handoff barrier: [`Engine::flush_saves`], then the MetaServer
+    /// flush, all within `deadline`. After it returns, a prefill node may say
+    /// "KV ready": every delivered registration is visible to a query (C1),
+    /// and the report says how many were dropped (C3).
+    pub async fn flush_saves_and_registrations(&self, deadline: Duration) -> FlushReport {
+        let start = Instant::now();
+        if tokio::time::timeout(deadline, self.flush_saves()).await.is_err() {
+            return FlushReport { delivered: 0, dropped: 0, timed_out: true };
+        }
+        let left = deadline.saturating_sub(start.elapsed());
+        self.inner.client.flush_with_deadline(left).await
+    }
+
+    /// How many hashes, from the first, are resident here (a gap ends it).
+    pub fn query_prefix(&self, namespace: &str, hashes: &[BlockHash]) -> usize {
+        let Ok((ns, _)) = self.layout(namespace) else { return 0 };
+        let cache = self.inner.cache.lock().expect("cache lock");
+        hashes.iter().take_while(|h| cache.contains(&ns, h)).count()
+    }
+
+    /// Pins the resident prefix of `hashes` (LRU-touched) until the lease
+    /// drops.
+    pub fn lease(&self, namespace: &str, hashes: &[BlockHash]) -> Lease {
+        let Ok((ns, _)) = self.layout(namespace) else { return Lease { blocks: Vec::new() } };
+        let mut cache = self.inner.cache.lock().expect("cache lock");
+        let blocks = hashes.iter().map_while(|h| cache.get(&ns, h)).collect();
+        Lease { blocks }
+    }
+
+    /// Copies blocks pool → device in one batch and reports per-block
+    /// failure (`NotResident`, or the batch's copy error).
+    ///
+    /// # Errors
+    /// Validation errors (unknown namespace, index out of range).
+    pub async fn load(&self, namespace: &str, blocks: &[(BlockHash, u64)]) -> Result<LoadReport, EngineError> {
+        let (ns, layout) = self.layout(namespace)?;
+        Self::check_indices(&layout, blocks.iter().map(|(_, i)| i))?;
+        self.inner.metrics.loads.fetch_add(1, Ordering::Relaxed);
+        let mut results: Vec<Result<(), LoadError>> = Vec::with_capacity(blocks.len());
+        let mut host = Vec::new();
+        let mut ops = Vec::new();
+        let mut which = Vec::new();
+        {
+            let mut cache = self.inner.cache.lock().expect("cache lock");
+            for (i, (hash, idx)) in blocks.iter().enumerate() {
+                match cache.get(&ns, hash) {
+                    Some(b) => {
+                        let e = host.len();
+                        host.push(HostBuf::Sealed(b.extent));
+                        which.push(i);
+                        for c in layout.coalesced_copies(*idx) {
+                            ops.push(CopyOp {
+                                buffer: c.buffer,
+                                device_offset: c.device_offset,
+                                extent: e,
+                                host_offset: c.host_offset_in_block,
+                                len: c.len,
+                            });
+                        }
+                        results.push(Ok(()));
+                    }
+                    None => results.push(Err(LoadError::NotResident)),
+                }
+            }
+        }
+        if !host.is_empty() {
+            let done = self.inner.gpu.submit(CopyBatch { direction: Direction::HostToDevice, ops, host }).await;
+            if let Err(e) = done.result {
+                for i in which {
+                    results[i] = Err(LoadError::Copy(e.clone()));
+                }
+            }
+        }
+        let report = LoadReport { results };
+        let ok = report.loaded() as u64;
+        self.inner.metrics.loaded_blocks.fetch_add(ok, Ordering::Relaxed);
+        self.inner.metrics.load_failures.fetch_add(blocks.len() as u64 - ok, Ordering::Relaxed);
+        Ok(report)
+    }
+
+    /// Resident blocks per namespace (the backfill source, C6).
+    pub fn resident_blocks(&self) -> Vec<(String, Vec<BlockHash>)> {
+        self.inner.cache.lock().expect("cache lock").resident()
+    }
+
+    /// Locks exactly the resident blocks among `hashes` for a peer's read
+    /// (C8): returns the new session id (None when nothing was found) and the
+    /// found blocks in request order.
+    ///
+    /// # Errors
+    /// [`EngineError::Lock`] when the table is full.
+    pub fn lock_for_transfer(
+        &self,
+        namespace: &str,
+        hashes: &[BlockHash],
+    ) -> Result<(Option<String>, Vec<(BlockHash, CachedBlock)>), EngineError> {
+        let Ok((ns, _)) = self.layout(namespace) else { return Ok((None, Vec::new())) };
+        let found: Vec<(BlockHash, CachedBlock)> = {
+            let mut cache = self.inner.cache.lock().expect("cache lock");
+            hashes.iter().filter_map(|h| cache.get(&ns, h).map(|b| (h.clone(), b))).collect()
+        };
+        if found.is_empty() {
+            return Ok((None, Vec::new()));
+        }
+        let id = {
+            let mut b = [0u8; 16];
+            self.inner.rng.lock().expect("rng lock").fill_bytes(&mut b);
+            hex::encode(b)
+        };
+        let now = self.now_ms();
+        let timeout_ms = u64::from(self.inner.cfg.lock_timeout_secs) * 1000;
+        self.inner.locks.lock().expect("locks lock").create(id.clone(), found.clone(), now, timeout_ms)?;
+        self.inner.metrics.transfer_locks_created.fetch_add(1, Ordering::Relaxed);
+        Ok((Some(id), found))
+    }
+
+    /// Releases a transfer session; idempotent (unknown ids release 0).
+    pub fn release_transfer(&self, session: &str) -> usize {
+        self.inner.locks.lock().expect("locks lock").release(session)
+    }
+
+    /// Lock timeout in seconds.
+    pub fn lock_timeout_secs(&self) -> u32 {
+        self.inner.cfg.lock_timeout_secs
+    }
+
+    /// Latest expiry among live transfer sessions (ms on the engine clock).
+    pub fn transfer_locks_max_expiry_ms(&self) -> Option<u64> {
+        self.inner.locks.lock().expect("locks lock").max_expiry_ms()
+    }
+
+    /// Configuration.
+    pub fn config(&self) -> &EngineConfig {
+        &self.inner.cfg
+    }
+}
+
+/// CRC-32C of each slot (layer) of a block laid out per `layout`.
+pub fn slot_checksums(layout: &Layout, block: &[u8]) -> Arc<[u32]> {
+    (0..layout.layers().len())
+        .map(|l| {
+            let off = layout.slot_offset(l) as usize;
+            let len = layout.slot_bytes(l) as usize;
+            crc32c::crc32c(&block[off..off + len])
+        })
+        .collect()
+}
+
+async fn lock_gc(engine: Weak<EngineInner>) {
+    loop {
+        let period = match engine.upgrade() {
+            Some(e) => e.cfg.lock_gc_interval,
+            None => return,
+        };
+        tokio::time::sleep(period).await;
+        let Some(e) = engine.upgrade() else { return };
+        let now = crate::rt::elapsed_ms(e.origin);
+        let n = e.locks.lock().expect("locks lock").expire(now);
+        if n > 0 {
+            e.metrics.transfer_locks_expired.fetch_add(n as u64, Ordering::Relaxed);
+            tracing::debug!(expired = n, "transfer locks expired");
+        }
+    }
+}
+
+impl Engine {
+    /// Peers with a completed handshake (single-flight: one per peer).
+    pub fn handshaken_peers(&self) -> usize {
+        self.inner.peers.handshaken()
+    }
+}

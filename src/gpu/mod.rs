@@ -1,0 +1,194 @@
+//! The `Gpu` door: device KV buffers plus batched scattered copies between
+//! them and the pinned pool, shaped like CUDA streams (submit a batch, get a
+//! completion).
+//!
+//! # Failure contract
+//! - [`Gpu::submit`] takes ownership of the host extents a batch touches and
+//!   its [`Completion`] hands every one of them back, on success and on error
+//!   alike. A backend whose copies run asynchronously (DMA) must keep the
+//!   extents alive until the hardware is done, even if the completion future
+//!   is dropped: dropping or timing out a completion never frees memory a
+//!   copy may still touch (contract C11).
+//! - A batch either completes (`Ok`) or fails as a whole (`Err`): on error the
+//!   caller must treat every destination of the batch as garbage. Copies are
+//!   validated before anything runs (buffer ids, ranges), so a bad batch is
+//!   an error, never an out-of-bounds access.
+//! - Device buffers are allocated once (at layout registration) and live as
+//!   long as the backend.
+//!
+//! Backends: [`host`] (embedded default: the "device" is host memory; also
+//! the simulator's GPU) and `cuda` (feature `cuda`, H200 runs).
+
+pub mod host;
+
+use std::future::Future;
+use std::pin::Pin;
+
+use crate::engine::layout::DeviceBufferId;
+use crate::engine::pool::Extent;
+
+/// Copy direction.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Direction {
+    /// Device → pinned pool (save).
+    DeviceToHost,
+    /// Pinned pool → device (load).
+    HostToDevice,
+}
+
+/// One contiguous copy of `len` bytes between a device buffer and one of the
+/// batch's host extents.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CopyOp {
+    /// Device buffer.
+    pub buffer: DeviceBufferId,
+    /// Byte offset in the device buffer.
+    pub device_offset: u64,
+    /// Index of the host extent in the batch's extent list.
+    pub extent: usize,
+    /// Byte offset inside that extent.
+    pub host_offset: u64,
+    /// Bytes to copy.
+    pub len: u64,
+}
+
+/// Host memory a batch reads from or writes into.
+pub enum HostBuf {
+    /// A writable (unsealed) extent: destination of a save.
+    Writable(Extent),
+    /// A sealed extent: source of a load (held as a lease for the copy).
+    Sealed(crate::engine::pool::SealedExtent),
+}
+
+impl HostBuf {
+    /// Length in bytes.
+    pub fn len(&self) -> u64 {
+        match self {
+            HostBuf::Writable(e) => e.len(),
+            HostBuf::Sealed(e) => e.len(),
+        }
+    }
+
+    /// True when zero-length.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A batch of copies in one direction.
+pub struct CopyBatch {
+    /// Direction of every op.
+    pub direction: Direction,
+    /// The copies.
+    pub ops: Vec<CopyOp>,
+    /// Host buffers, referenced by `CopyOp::extent`.
+    pub host: Vec<HostBuf>,
+}
+
+/// What a completion returns: the host buffers (always) and the outcome.
+pub struct Completed {
+    /// Every host buffer of the batch, in order.
+    pub host: Vec<HostBuf>,
+    /// `Ok` when every copy landed.
+    pub result: Result<(), GpuError>,
+}
+
+/// A pending batch.
+pub type Completion = Pin<Box<dyn Future<Output = Completed> + Send>>;
+
+/// GPU errors.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GpuError {
+    /// A copy names a buffer that does not exist.
+    #[error("unknown device buffer {0:?}")]
+    UnknownBuffer(DeviceBufferId),
+    /// A copy range falls outside its device buffer or host extent.
+    #[error("copy out of range: {0}")]
+    OutOfRange(String),
+    /// A save targets a sealed extent or a load sources a writable one.
+    #[error("host buffer of the wrong kind for a {0:?} copy")]
+    WrongHostKind(Direction),
+    /// Device memory could not be allocated.
+    #[error("device allocation of {bytes} bytes failed: {reason}")]
+    Alloc {
+        /// Requested bytes.
+        bytes: u64,
+        /// Backend message.
+        reason: String,
+    },
+    /// No usable device / driver (startup).
+    #[error("gpu unavailable: {0}")]
+    Unavailable(String),
+    /// The backend reported a failure while copying.
+    #[error("device copy failed: {0}")]
+    Device(String),
+}
+
+/// The GPU backend trait. See the module doc for the failure contract.
+pub trait Gpu: Send + Sync + 'static {
+    /// Backend name (`host`, `cuda`).
+    fn name(&self) -> &'static str;
+
+    /// Allocates a zeroed device buffer of `bytes`.
+    ///
+    /// # Errors
+    /// [`GpuError::Alloc`].
+    fn alloc(&self, bytes: u64) -> Result<DeviceBufferId, GpuError>;
+
+    /// Length of a buffer in bytes, `None` if unknown.
+    fn buffer_len(&self, id: DeviceBufferId) -> Option<u64>;
+
+    /// Submits a batch; the completion resolves when every copy landed or
+    /// the batch failed, and returns the host buffers.
+    fn submit(&self, batch: CopyBatch) -> Completion;
+
+    /// Writes `data` into a device buffer synchronously (workload set-up:
+    /// the replay "computes" KV this way; tests use it).
+    ///
+    /// # Errors
+    /// Unknown buffer or out of range.
+    fn write(&self, id: DeviceBufferId, offset: u64, data: &[u8]) -> Result<(), GpuError>;
+
+    /// Reads device bytes back synchronously (verification).
+    ///
+    /// # Errors
+    /// Unknown buffer or out of range.
+    fn read(&self, id: DeviceBufferId, offset: u64, out: &mut [u8]) -> Result<(), GpuError>;
+}
+
+/// Checks every op of a batch against buffer lengths and host extents.
+///
+/// # Errors
+/// The first bad op as [`GpuError`].
+pub fn validate_batch(batch: &CopyBatch, buffer_len: impl Fn(DeviceBufferId) -> Option<u64>) -> Result<(), GpuError> {
+    for h in &batch.host {
+        match (batch.direction, h) {
+            (Direction::DeviceToHost, HostBuf::Sealed(_)) | (Direction::HostToDevice, HostBuf::Writable(_)) => {
+                return Err(GpuError::WrongHostKind(batch.direction));
+            }
+            _ => {}
+        }
+    }
+    for op in &batch.ops {
+        let blen = buffer_len(op.buffer).ok_or(GpuError::UnknownBuffer(op.buffer))?;
+        let dev_end = op.device_offset.checked_add(op.len);
+        if dev_end.is_none_or(|e| e > blen) {
+            return Err(GpuError::OutOfRange(format!(
+                "device {:?} [{}, +{}) beyond {blen}",
+                op.buffer, op.device_offset, op.len
+            )));
+        }
+        let hlen =
+            batch.host.get(op.extent).map(HostBuf::len).ok_or_else(|| {
+                GpuError::OutOfRange(format!("host extent index {} of {}", op.extent, batch.host.len()))
+            })?;
+        let host_end = op.host_offset.checked_add(op.len);
+        if host_end.is_none_or(|e| e > hlen) {
+            return Err(GpuError::OutOfRange(format!(
+                "host extent {} [{}, +{}) beyond {hlen}",
+                op.extent, op.host_offset, op.len
+            )));
+        }
+    }
+    Ok(())
+}

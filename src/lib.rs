@@ -1,0 +1,57 @@
+//! # kvferry
+//!
+//! A KV-cache storage and transfer core for disaggregated (prefill/decode)
+//! LLM serving. A prefill node copies sealed KV blocks from the GPU into a
+//! pinned host pool and registers them in a cluster-wide MetaServer index; a
+//! decode node fetches them from the owner over a one-sided-READ transport,
+//! verifying every slot's checksum — or, when anything fails, degrades to
+//! recompute with no hang, no crash and no wrong byte.
+//!
+//! Vocabulary and contracts (C1–C14) follow `docs/design.md`; the gRPC
+//! surface is wire-compatible with PegaFlow (package `pegaflow`).
+//!
+//! ## Layout
+//! - [`client`]: the registration queue (pure, [`client::queue`]) and its
+//!   async driver with the flush barrier.
+//! - [`metaserver`]: the index store (pure, [`metaserver::store`]) and the
+//!   gRPC service.
+//! - [`engine`]: pool, layouts, cache, transfer locks, save/load, fetch.
+//! - [`gpu`]: the `Gpu` door and its backends.
+//! - [`transport`]: the `Transport` door, wire codecs and backends.
+//! - [`p2p`]: the P2P transfer gRPC service.
+//! - [`node`]: `start(config)` for a whole node.
+//! - [`replay`]: the main job (`kvferry pd`).
+//!
+//! ## Threads and tasks
+//! Everything that runs in the simulator is a tokio task: the client driver,
+//! the MetaServer sweep, the engine's lock GC, save/seal, fetch, the gRPC
+//! services and the TCP transport (madsim provides a simulated `TcpStream`).
+//! Under `--cfg madsim` no OS thread is spawned and no std timed wait is
+//! used; all time comes from `tokio::time` and all ids from seeded or
+//! runtime-provided RNGs, so a seed fixes a run. OS threads are allowed only
+//! outside the simulator: the binary's HTTP exporter (`/metrics`,
+//! `/health`) and GPU backends whose drivers block (`cuda`). Std mutexes are
+//! held only for short, non-awaiting sections.
+
+pub mod client;
+pub mod engine;
+pub mod gpu;
+pub mod limits;
+pub mod logging;
+pub mod metaserver;
+pub mod node;
+pub mod p2p;
+pub mod replay;
+pub mod rt;
+pub mod status;
+pub mod transport;
+pub mod types;
+
+#[cfg(any(test, fuzzing))]
+pub mod testing;
+
+/// Generated gRPC messages and stubs (package `pegaflow`).
+#[allow(missing_docs, clippy::all)]
+pub mod proto {
+    tonic::include_proto!("pegaflow");
+}

@@ -1,0 +1,98 @@
+//! Every bound in one place, units last, with the reason for each number.
+//!
+//! A full queue drops and counts; it never grows past its bound (house
+//! style 7). Per-request limits are enforced by the servers and respected by
+//! the clients.
+
+/// Largest block hash accepted anywhere (bytes). Real hashes are 32 bytes;
+/// 64 leaves room for a 512-bit digest without letting a peer send megabytes.
+pub const BLOCK_HASH_BYTES_MAX: usize = 64;
+
+/// Largest namespace string (bytes): model/dtype/TP/block-size tags fit easily.
+pub const NAMESPACE_BYTES_MAX: usize = 256;
+
+/// Largest advertise address (bytes): a DNS name plus port.
+pub const NODE_ADDR_BYTES_MAX: usize = 280;
+
+/// Largest session id (bytes); ids we mint are 32 hex characters.
+pub const SESSION_ID_BYTES_MAX: usize = 64;
+
+/// Most hashes in one MetaServer insert/remove/query request, and the chunk
+/// size the client sends (PegaFlow's batch size). At 32 B per hash a chunk is
+/// ~0.6 MiB on the wire: far below the message limit, large enough to amortise
+/// an RPC.
+pub const HASHES_PER_REQUEST_MAX: usize = 16_384;
+
+/// Default depth of the registration queue (commands). At ~24 blocks per
+/// request a full queue is ~170 requests of backlog: enough to ride out a
+/// short MetaServer stall, small enough that a dead MetaServer costs bounded
+/// memory.
+pub const REGISTRATION_QUEUE_DEPTH_DEFAULT: usize = 4096;
+
+/// gRPC message limit (bytes), both directions, both services: transfer
+/// responses for long prompts carry many slot descriptors.
+pub const GRPC_MESSAGE_BYTES_MAX: usize = 64 << 20;
+
+/// Default per-RPC deadline for MetaServer calls (ms). Loopback RPCs take
+/// well under a millisecond; 2 s survives a loaded 2-core machine.
+pub const METASERVER_RPC_TIMEOUT_MS_DEFAULT: u64 = 2_000;
+
+/// Default `stale_after` (s): a node that missed heartbeats for this long is
+/// invisible. Heartbeats go every `stale_after / 2`.
+pub const STALE_AFTER_SECS_DEFAULT: u64 = 30;
+
+/// Default TTL (s) after which the sweep deletes a silent node's records.
+pub const NODE_TTL_SECS_DEFAULT: u64 = 120;
+
+/// Default sweep interval (s).
+pub const SWEEP_INTERVAL_SECS_DEFAULT: u64 = 10;
+
+/// Bisection depth when the MetaServer rejects a chunk as invalid: log2 of
+/// the chunk size, so one bad hash costs at most ~2·14 extra RPCs and never
+/// takes its batch-mates down with it.
+pub const REJECT_BISECT_DEPTH_MAX: u32 = 15;
+
+/// Heartbeat retry backoff bounds (ms).
+pub const HEARTBEAT_BACKOFF_MS_MIN: u64 = 100;
+/// Upper bound of the heartbeat retry backoff (ms).
+pub const HEARTBEAT_BACKOFF_MS_MAX: u64 = 5_000;
+
+/// Default transfer-lock timeout (s): a requester that died mid-read pins
+/// blocks for at most this long (plus one GC interval).
+pub const TRANSFER_LOCK_TIMEOUT_SECS_DEFAULT: u32 = 30;
+
+/// Default interval (ms) of the engine's own transfer-lock GC.
+pub const TRANSFER_LOCK_GC_INTERVAL_MS_DEFAULT: u64 = 1_000;
+
+/// Most transfer sessions one engine holds at once; beyond this
+/// `QueryBlocksForTransfer` answers RESOURCE_EXHAUSTED instead of growing.
+pub const TRANSFER_SESSIONS_MAX: usize = 65_536;
+
+/// Most blocks an eviction pass inspects before giving up (bounded scan): a
+/// pool full of pinned blocks fails an allocation fast instead of walking
+/// millions of entries.
+pub const EVICTION_SCAN_MAX: usize = 4_096;
+
+/// Largest data-plane read (bytes) one TCP frame may ask for. A 16-token
+/// Qwen3-8B block is 2.25 MiB; 64 MiB leaves room for 512-token blocks of
+/// small models while bounding the server's per-request buffer.
+pub const TCP_READ_BYTES_MAX: u64 = 64 << 20;
+
+/// Reads in flight per TCP connection (pipelining depth).
+pub const TCP_PIPELINE_DEPTH: usize = 32;
+
+/// TCP connections per peer (the pool reads are spread over).
+pub const TCP_CONNECTIONS_PER_PEER_DEFAULT: usize = 4;
+
+/// Most owners one fetch will try (C14 stitching): one transfer query per
+/// owner per request, so this bounds the RPCs a fetch can cost.
+pub const FETCH_OWNERS_MAX: usize = 4;
+
+/// Default deadline (ms) for a whole fetch (query + handshake + lock + read).
+pub const FETCH_DEADLINE_MS_DEFAULT: u64 = 5_000;
+
+/// Largest handshake metadata blob (bytes) we decode.
+pub const HANDSHAKE_METADATA_BYTES_MAX: usize = 64 << 10;
+
+/// Most regions a handshake may describe.
+pub const HANDSHAKE_REGIONS_MAX: usize = 1_024;

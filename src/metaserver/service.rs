@@ -1,0 +1,398 @@
+//! gRPC MetaServer service (package `pegaflow`, wire-compatible with
+//! PegaFlow; see wire.md) and its start-up entry.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rand::{Rng, SeedableRng};
+use tokio::sync::watch;
+use tokio::time::Instant;
+use tonic::{Request, Response, Status};
+
+use super::store::{HeartbeatOutcome, MetaStore, StoreConfig};
+use crate::limits;
+use crate::proto::meta_server_server::{MetaServer, MetaServerServer};
+use crate::proto::*;
+use crate::status::{from_id_error, from_store_error};
+use crate::types::{BlockHash, NodeAddr, SessionId, validate_namespace};
+
+/// MetaServer settings (the `kvferry metaserver` flags).
+#[derive(Clone, Debug)]
+pub struct MetaServerConfig {
+    /// gRPC listen address.
+    pub addr: SocketAddr,
+    /// A node silent for longer is invisible (s).
+    pub stale_after_secs: u64,
+    /// A node silent for longer is deleted by the sweep (s).
+    pub ttl_secs: u64,
+    /// Sweep period (s).
+    pub sweep_interval_secs: u64,
+    /// Seed of the fault hooks' RNG (deterministic drops under a seed).
+    pub seed: u64,
+}
+
+impl MetaServerConfig {
+    /// Defaults from [`crate::limits`] on `addr`.
+    pub fn new(addr: SocketAddr) -> Self {
+        Self {
+            addr,
+            stale_after_secs: limits::STALE_AFTER_SECS_DEFAULT,
+            ttl_secs: limits::NODE_TTL_SECS_DEFAULT,
+            sweep_interval_secs: limits::SWEEP_INTERVAL_SECS_DEFAULT,
+            seed: 0,
+        }
+    }
+}
+
+/// Fault-injection switches (tests, the simulator and `kvferry pd
+/// --drop-registrations`). All off by default; cheap atomics on the hot path.
+#[derive(Debug, Default)]
+pub struct MetaServerHooks {
+    /// While set, every RPC waits (accepts, never answers) — a stalled server.
+    pub stall: AtomicBool,
+    /// Fraction (per million) of insert/remove RPCs answered `UNAVAILABLE`
+    /// without touching the store: lost registrations.
+    pub drop_writes_ppm: AtomicU32,
+    /// A hash the server permanently rejects with `INVALID_ARGUMENT`
+    /// (poison hash for the ack-on-drop test).
+    pub reject_hash: Mutex<Option<BlockHash>>,
+    /// Writes dropped by `drop_writes_ppm`.
+    pub dropped_writes: AtomicU64,
+}
+
+/// Counters a `/metrics` exporter reads.
+#[derive(Debug, Default)]
+pub struct MetaServerMetrics {
+    /// Heartbeats answered OK.
+    pub heartbeats: AtomicU64,
+    /// Hashes newly inserted.
+    pub inserted_hashes: AtomicU64,
+    /// Ownerships removed.
+    pub removed_hashes: AtomicU64,
+    /// Prefix queries answered.
+    pub queries: AtomicU64,
+    /// Requests rejected with an error status.
+    pub rejected: AtomicU64,
+    /// Nodes removed by the TTL sweep.
+    pub swept_nodes: AtomicU64,
+}
+
+/// The tonic service. Cheap to clone.
+#[derive(Clone)]
+pub struct MetaServerService {
+    store: Arc<Mutex<MetaStore>>,
+    origin: Instant,
+    stale_after_secs: u64,
+    hooks: Arc<MetaServerHooks>,
+    metrics: Arc<MetaServerMetrics>,
+    rng: Arc<Mutex<rand::rngs::SmallRng>>,
+}
+
+impl MetaServerService {
+    fn now_ms(&self) -> u64 {
+        crate::rt::elapsed_ms(self.origin)
+    }
+
+    async fn gate(&self) {
+        while self.hooks.stall.load(Ordering::Relaxed) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    fn drop_write(&self) -> bool {
+        let ppm = self.hooks.drop_writes_ppm.load(Ordering::Relaxed);
+        if ppm == 0 {
+            return false;
+        }
+        let roll: u32 = self.rng.lock().expect("rng lock").random_range(0..1_000_000);
+        if roll < ppm {
+            self.hooks.dropped_writes.fetch_add(1, Ordering::Relaxed);
+            true
+        } else {
+            false
+        }
+    }
+
+    fn reject<T>(&self, s: Status) -> Result<T, Status> {
+        self.metrics.rejected.fetch_add(1, Ordering::Relaxed);
+        Err(s)
+    }
+
+    /// Validates a write's identity, namespace and hashes: all or nothing.
+    fn check_write(
+        &self,
+        namespace: &str,
+        hashes: &[bytes::Bytes],
+        node: &str,
+        node_id: &str,
+    ) -> Result<(NodeAddr, SessionId, Vec<BlockHash>), Status> {
+        let node = NodeAddr::parse(node).map_err(from_id_error)?;
+        let session = SessionId::parse(node_id).map_err(from_id_error)?;
+        validate_namespace(namespace).map_err(from_id_error)?;
+        let hashes = check_hashes(hashes)?;
+        if let Some(poison) = self.hooks.reject_hash.lock().expect("hook lock").as_ref() {
+            if hashes.contains(poison) {
+                return Err(Status::invalid_argument(format!("hash {poison:?} rejected")));
+            }
+        }
+        Ok((node, session, hashes))
+    }
+}
+
+/// Validates a hash list: at most `HASHES_PER_REQUEST_MAX`, each well formed.
+fn check_hashes(hashes: &[bytes::Bytes]) -> Result<Vec<BlockHash>, Status> {
+    if hashes.len() > limits::HASHES_PER_REQUEST_MAX {
+        return Err(Status::invalid_argument(format!(
+            "{} hashes in one request; the limit is {}",
+            hashes.len(),
+            limits::HASHES_PER_REQUEST_MAX
+        )));
+    }
+    hashes
+        .iter()
+        .map(|h| {
+            let h = BlockHash(h.clone());
+            h.validate().map_err(from_id_error)?;
+            Ok(h)
+        })
+        .collect()
+}
+
+#[tonic::async_trait]
+impl MetaServer for MetaServerService {
+    async fn heartbeat_node(
+        &self,
+        request: Request<HeartbeatNodeRequest>,
+    ) -> Result<Response<HeartbeatNodeResponse>, Status> {
+        self.gate().await;
+        let r = request.into_inner();
+        let node = NodeAddr::parse(&r.node).map_err(from_id_error);
+        let session = SessionId::parse(&r.node_id).map_err(from_id_error);
+        let (node, session) = match (node, session) {
+            (Ok(n), Ok(s)) => (n, s),
+            (Err(e), _) | (_, Err(e)) => return self.reject(e),
+        };
+        let now = self.now_ms();
+        let outcome = self.store.lock().expect("store lock").heartbeat(&node, &session, now);
+        match outcome {
+            Ok(o) => {
+                self.metrics.heartbeats.fetch_add(1, Ordering::Relaxed);
+                Ok(Response::new(HeartbeatNodeResponse {
+                    stale_after_secs: self.stale_after_secs,
+                    new_session: !matches!(o, HeartbeatOutcome::Refreshed),
+                }))
+            }
+            Err(e) => self.reject(from_store_error(e)),
+        }
+    }
+
+    async fn unregister_node(
+        &self,
+        request: Request<UnregisterNodeRequest>,
+    ) -> Result<Response<UnregisterNodeResponse>, Status> {
+        self.gate().await;
+        let r = request.into_inner();
+        let node = NodeAddr::parse(&r.node).map_err(from_id_error);
+        let session = SessionId::parse(&r.node_id).map_err(from_id_error);
+        let (node, session) = match (node, session) {
+            (Ok(n), Ok(s)) => (n, s),
+            (Err(e), _) | (_, Err(e)) => return self.reject(e),
+        };
+        let removed_owners = self.store.lock().expect("store lock").unregister(&node, &session);
+        Ok(Response::new(UnregisterNodeResponse { removed_owners }))
+    }
+
+    async fn insert_block_hashes(
+        &self,
+        request: Request<InsertBlockHashesRequest>,
+    ) -> Result<Response<InsertBlockHashesResponse>, Status> {
+        self.gate().await;
+        let r = request.into_inner();
+        let (node, session, hashes) = match self.check_write(&r.namespace, &r.block_hashes, &r.node, &r.node_id) {
+            Ok(v) => v,
+            Err(s) => return self.reject(s),
+        };
+        if self.drop_write() {
+            return Err(Status::unavailable("registration dropped by fault hook"));
+        }
+        let now = self.now_ms();
+        let res = self.store.lock().expect("store lock").insert(&r.namespace, &hashes, &node, &session, now);
+        match res {
+            Ok(out) => {
+                self.metrics.inserted_hashes.fetch_add(out.inserted, Ordering::Relaxed);
+                Ok(Response::new(InsertBlockHashesResponse {
+                    status: Some(ResponseStatus { ok: true, message: String::new() }),
+                    inserted_count: out.inserted,
+                    reclaimable_hashes: out.reclaimable.into_iter().map(|h| h.0).collect(),
+                }))
+            }
+            Err(e) => self.reject(from_store_error(e)),
+        }
+    }
+
+    async fn remove_block_hashes(
+        &self,
+        request: Request<RemoveBlockHashesRequest>,
+    ) -> Result<Response<RemoveBlockHashesResponse>, Status> {
+        self.gate().await;
+        let r = request.into_inner();
+        let (node, session, hashes) = match self.check_write(&r.namespace, &r.block_hashes, &r.node, &r.node_id) {
+            Ok(v) => v,
+            Err(s) => return self.reject(s),
+        };
+        if self.drop_write() {
+            return Err(Status::unavailable("registration dropped by fault hook"));
+        }
+        let now = self.now_ms();
+        let res = self.store.lock().expect("store lock").remove(&r.namespace, &hashes, &node, &session, now);
+        match res {
+            Ok(removed_count) => {
+                self.metrics.removed_hashes.fetch_add(removed_count, Ordering::Relaxed);
+                Ok(Response::new(RemoveBlockHashesResponse {
+                    status: Some(ResponseStatus { ok: true, message: String::new() }),
+                    removed_count,
+                }))
+            }
+            Err(e) => self.reject(from_store_error(e)),
+        }
+    }
+
+    async fn query_prefix_blocks(
+        &self,
+        request: Request<QueryPrefixBlocksRequest>,
+    ) -> Result<Response<QueryPrefixBlocksResponse>, Status> {
+        self.gate().await;
+        let r = request.into_inner();
+        if r.block_hashes.is_empty() {
+            return self.reject(Status::invalid_argument("empty query: block_hashes has no entries"));
+        }
+        if let Err(e) = validate_namespace(&r.namespace) {
+            return self.reject(from_id_error(e));
+        }
+        let hashes = match check_hashes(&r.block_hashes) {
+            Ok(h) => h,
+            Err(s) => return self.reject(s),
+        };
+        let now = self.now_ms();
+        let owners = self.store.lock().expect("store lock").query_prefix(&r.namespace, &hashes, now);
+        self.metrics.queries.fetch_add(1, Ordering::Relaxed);
+        Ok(Response::new(QueryPrefixBlocksResponse {
+            nodes: owners.into_iter().map(|(node, prefix_len)| NodePrefixResult { node: node.0, prefix_len }).collect(),
+        }))
+    }
+}
+
+/// A running MetaServer.
+pub struct MetaServerHandle {
+    /// The bound gRPC address.
+    pub local_addr: SocketAddr,
+    /// The store (read by the simulator's invariants and the exporter).
+    pub store: Arc<Mutex<MetaStore>>,
+    /// Fault switches.
+    pub hooks: Arc<MetaServerHooks>,
+    /// Counters.
+    pub metrics: Arc<MetaServerMetrics>,
+    shutdown: watch::Sender<bool>,
+    serve: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+    sweep: tokio::task::JoinHandle<()>,
+}
+
+impl MetaServerHandle {
+    /// Stops serving (graceful: in-flight RPCs finish) and waits for it.
+    ///
+    /// # Errors
+    /// The transport error that ended serving, if any.
+    pub async fn shutdown(self) -> Result<(), tonic::transport::Error> {
+        let _ = self.shutdown.send(true);
+        self.sweep.abort();
+        match self.serve.await {
+            Ok(r) => r,
+            Err(_) => Ok(()),
+        }
+    }
+
+    /// Waits until serving ends on its own (e.g. a transport error).
+    ///
+    /// # Errors
+    /// The transport error that ended serving.
+    pub async fn wait(&mut self) -> Result<(), tonic::transport::Error> {
+        match (&mut self.serve).await {
+            Ok(r) => r,
+            Err(_) => Ok(()),
+        }
+    }
+}
+
+/// Errors of MetaServer start-up.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The listen address could not be bound (e.g. the port is taken).
+    #[error("cannot bind {addr}: {source}")]
+    Bind {
+        /// The address asked for.
+        addr: SocketAddr,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// A setting is out of range.
+    #[error("bad configuration: {0}")]
+    Config(String),
+}
+
+/// Binds, then serves the MetaServer and runs its TTL sweep. Returns once the
+/// port is bound, so a taken port is an error before anything is served.
+///
+/// # Errors
+/// [`StartError::Bind`] for a taken or invalid address, [`StartError::Config`]
+/// for zero/inconsistent durations.
+pub async fn start(config: MetaServerConfig) -> Result<MetaServerHandle, StartError> {
+    if config.stale_after_secs == 0 || config.sweep_interval_secs == 0 || config.ttl_secs < config.stale_after_secs {
+        return Err(StartError::Config(format!(
+            "need stale_after_secs > 0, sweep_interval_secs > 0, ttl_secs >= stale_after_secs (got {}, {}, {})",
+            config.stale_after_secs, config.sweep_interval_secs, config.ttl_secs
+        )));
+    }
+    let bound = crate::rt::bind(config.addr).await.map_err(|source| StartError::Bind { addr: config.addr, source })?;
+    let local_addr = bound.local_addr;
+    let store = Arc::new(Mutex::new(MetaStore::new(StoreConfig {
+        stale_after_ms: config.stale_after_secs * 1000,
+        ttl_ms: config.ttl_secs * 1000,
+    })));
+    let hooks = Arc::new(MetaServerHooks::default());
+    let metrics = Arc::new(MetaServerMetrics::default());
+    let origin = Instant::now();
+    let svc = MetaServerService {
+        store: store.clone(),
+        origin,
+        stale_after_secs: config.stale_after_secs,
+        hooks: hooks.clone(),
+        metrics: metrics.clone(),
+        rng: Arc::new(Mutex::new(rand::rngs::SmallRng::seed_from_u64(config.seed))),
+    };
+    let (tx, mut rx) = watch::channel(false);
+    let server = MetaServerServer::new(svc)
+        .max_decoding_message_size(limits::GRPC_MESSAGE_BYTES_MAX)
+        .max_encoding_message_size(limits::GRPC_MESSAGE_BYTES_MAX);
+    let router = tonic::transport::Server::builder().add_service(server);
+    let serve = tokio::spawn(crate::rt::serve(router, bound, async move {
+        let _ = rx.wait_for(|v| *v).await;
+    }));
+    let sweep_store = store.clone();
+    let sweep_metrics = metrics.clone();
+    let period = Duration::from_secs(config.sweep_interval_secs);
+    let sweep = tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(period).await;
+            let now = crate::rt::elapsed_ms(origin);
+            let rep = sweep_store.lock().expect("store lock").sweep(now);
+            if rep.nodes_removed > 0 {
+                sweep_metrics.swept_nodes.fetch_add(rep.nodes_removed, Ordering::Relaxed);
+                tracing::info!(nodes = rep.nodes_removed, owners = rep.owners_removed, "ttl sweep");
+            }
+        }
+    });
+    tracing::info!(%local_addr, "metaserver listening");
+    Ok(MetaServerHandle { local_addr, store, hooks, metrics, shutdown: tx, serve, sweep })
+}

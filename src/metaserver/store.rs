@@ -1,0 +1,1676 @@
+//! The MetaServer's in-memory index (design contracts C5, C7): which nodes
+//! hold which blocks, fenced by node sessions.
+//!
+//! The store maps `(namespace, block hash)` to a set of owners; an owner is a
+//! `(node, session)` pair. Every node has at most one record `{ session,
+//! last_heartbeat_ms }`. An owner is *visible* only while its node's record
+//! exists, carries the owner's session and is fresh
+//! (`now_ms - last_heartbeat_ms <= stale_after_ms`).
+//!
+//! The store is pure: no clock, no I/O, no async. Every call takes the
+//! caller's `now_ms` (milliseconds on any monotonic clock the caller picks).
+//!
+//! Layout, chosen for insert speed and for bounded per-call work:
+//! - namespaces and nodes are interned to `u32` indices (both recycled once
+//!   empty/removed, so memory follows the live set);
+//! - each namespace keeps `hash → slot id` plus a slab of slots, and a slot
+//!   holds the hash and a small inline vector of owners `(node index, session
+//!   generation, back-pointer)`;
+//! - each node record keeps a reverse index, a vector of `(namespace, slot)`
+//!   it owns; owners and reverse entries point at each other, so removing one
+//!   ownership is O(1) and dropping a node is O(blocks it owns).
+//!
+//! Invariant: every owner entry in the index belongs to the *current* session
+//! of an existing node record. Takeover, unregister and sweep drop the old
+//! entries eagerly through the reverse index, so no scan of the whole index
+//! is ever needed. Visibility still checks the session generation, as a
+//! second line of defence.
+//!
+//! Inputs are not validated here (hash lengths, namespace length, request
+//! size): the gRPC layer does that against [`crate::limits`] before calling.
+
+use std::collections::hash_map::Entry;
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::fmt;
+use std::hash::{Hash, Hasher};
+use std::mem;
+
+use crate::limits;
+use crate::types::{BlockHash, NodeAddr, SessionId};
+
+/// Timing knobs of a [`MetaStore`], in milliseconds on the caller's clock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoreConfig {
+    /// A node whose last heartbeat is more than this many ms before `now_ms`
+    /// is *stale*: its ownerships are invisible, its writes are fenced and a
+    /// new session may take its address over.
+    pub stale_after_ms: u64,
+    /// A node whose last heartbeat is more than this many ms before `now_ms`
+    /// is deleted by [`MetaStore::sweep`], with all its ownerships. Meant to
+    /// be `>= stale_after_ms`; not enforced.
+    pub ttl_ms: u64,
+}
+
+impl Default for StoreConfig {
+    /// [`limits::STALE_AFTER_SECS_DEFAULT`] and [`limits::NODE_TTL_SECS_DEFAULT`],
+    /// converted to ms.
+    fn default() -> Self {
+        Self { stale_after_ms: limits::STALE_AFTER_SECS_DEFAULT * 1_000, ttl_ms: limits::NODE_TTL_SECS_DEFAULT * 1_000 }
+    }
+}
+
+/// What a successful [`MetaStore::heartbeat`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeartbeatOutcome {
+    /// The node had no record; one was created for this session.
+    Registered,
+    /// The node's record already carried this session; its heartbeat time
+    /// was refreshed (which makes a stale node visible again).
+    Refreshed,
+    /// The node's record carried another session that was stale; this
+    /// session replaced it and the old session's ownerships were dropped.
+    TookOver,
+}
+
+/// Result of a successful [`MetaStore::insert`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct InsertOutcome {
+    /// How many hashes this node newly owns (count of hashes; re-inserting a
+    /// hash it already owned, or a duplicate within the request, is not
+    /// counted).
+    pub inserted: u64,
+    /// Hashes that at least two *other* visible owners also hold, so this
+    /// node's copy is the third-or-later live one and the caller may reclaim
+    /// it. In request order, without duplicates.
+    pub reclaimable: Vec<BlockHash>,
+}
+
+/// Result of [`MetaStore::sweep`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SweepReport {
+    /// Node records deleted because their last heartbeat was older than
+    /// `ttl_ms`.
+    pub nodes_removed: u64,
+    /// Owner entries (one per `(namespace, hash, node)`) deleted with them.
+    pub owners_removed: u64,
+}
+
+/// Sizes of a [`MetaStore`], all counts, for metrics and tests.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StoreStats {
+    /// Node records (live or stale, not yet swept or unregistered).
+    pub nodes: u64,
+    /// Namespaces holding at least one hash.
+    pub namespaces: u64,
+    /// Distinct `(namespace, hash)` keys with at least one owner entry.
+    pub hashes: u64,
+    /// Owner entries, i.e. `(namespace, hash, node)` triples, visible or not.
+    pub owner_entries: u64,
+}
+
+/// Why a [`MetaStore`] call was refused. A refused call changes nothing.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StoreError {
+    /// A write named a node that has no record: it must heartbeat first.
+    #[error("node {node} is not registered; send a heartbeat first")]
+    UnknownNode {
+        /// The node the write named.
+        node: NodeAddr,
+    },
+    /// A write was fenced: the node's record carries another session, or is
+    /// stale.
+    #[error(
+        "write from node {node} with session {got} is fenced: {}",
+        describe_expected(expected.as_ref())
+    )]
+    StaleSession {
+        /// The node the write named.
+        node: NodeAddr,
+        /// The session the record would accept now: `Some` when the record
+        /// is fresh (and so carries a different session), `None` when the
+        /// record is stale (whatever its session).
+        expected: Option<SessionId>,
+        /// The session the write carried.
+        got: SessionId,
+    },
+    /// A heartbeat carried a new session while another session of the same
+    /// node is still fresh: two processes claim one address.
+    #[error(
+        "node {node} already has live session {live_session}; \
+         a new session may take over only after it goes stale"
+    )]
+    LiveSessionConflict {
+        /// The node the heartbeat named.
+        node: NodeAddr,
+        /// The fresh session that holds the node.
+        live_session: SessionId,
+    },
+}
+
+fn describe_expected(expected: Option<&SessionId>) -> String {
+    match expected {
+        Some(s) => format!("the node's live session is {s}"),
+        None => "the node's record is stale; heartbeat again first".to_string(),
+    }
+}
+
+/// A block hash as stored: 32-byte hashes inline (the common case, no
+/// allocation), others boxed. Owning a copy keeps us from pinning the
+/// caller's (possibly large, shared) request buffer.
+#[derive(Clone, PartialEq, Eq)]
+enum HKey {
+    B32([u8; 32]),
+    Var(Box<[u8]>),
+}
+
+impl HKey {
+    /// Placeholder left in freed slots (allocation-free).
+    const EMPTY: HKey = HKey::B32([0; 32]);
+
+    fn new(b: &[u8]) -> Self {
+        match <[u8; 32]>::try_from(b) {
+            Ok(a) => HKey::B32(a),
+            Err(_) => HKey::Var(b.into()),
+        }
+    }
+
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            HKey::B32(a) => a,
+            HKey::Var(b) => b,
+        }
+    }
+
+    fn to_block_hash(&self) -> BlockHash {
+        BlockHash::new(self.as_slice().to_vec())
+    }
+}
+
+impl Hash for HKey {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        // Equal keys always share a variant (32 bytes is always `B32`), so
+        // hashing the bytes alone is consistent with `Eq`.
+        state.write(self.as_slice());
+    }
+}
+
+/// One owner entry of a slot.
+#[derive(Clone, Copy, Default, Debug)]
+struct Owner {
+    /// Index into `MetaStore::nodes`.
+    node: u32,
+    /// The node slot's session generation when the entry was written.
+    generation: u32,
+    /// Position of the matching `(namespace, slot)` in the node's
+    /// `NodeRec::owned`.
+    rev: u32,
+}
+
+const INLINE_OWNERS: usize = 2;
+
+/// A small vector of owners: up to [`INLINE_OWNERS`] inline, then on the heap.
+enum Owners {
+    Inline { len: u8, buf: [Owner; INLINE_OWNERS] },
+    Heap(Vec<Owner>),
+}
+
+impl Owners {
+    const EMPTY: Owners = Owners::Inline { len: 0, buf: [Owner { node: 0, generation: 0, rev: 0 }; INLINE_OWNERS] };
+
+    fn as_slice(&self) -> &[Owner] {
+        match self {
+            Owners::Inline { len, buf } => &buf[..usize::from(*len)],
+            Owners::Heap(v) => v,
+        }
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [Owner] {
+        match self {
+            Owners::Inline { len, buf } => &mut buf[..usize::from(*len)],
+            Owners::Heap(v) => v,
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.as_slice().is_empty()
+    }
+
+    fn position(&self, node: u32) -> Option<usize> {
+        self.as_slice().iter().position(|o| o.node == node)
+    }
+
+    fn push(&mut self, o: Owner) {
+        match self {
+            Owners::Inline { len, buf } if usize::from(*len) < INLINE_OWNERS => {
+                buf[usize::from(*len)] = o;
+                *len += 1;
+            }
+            Owners::Inline { len, buf } => {
+                let mut v = Vec::with_capacity(INLINE_OWNERS * 2);
+                v.extend_from_slice(&buf[..usize::from(*len)]);
+                v.push(o);
+                *self = Owners::Heap(v);
+            }
+            Owners::Heap(v) => v.push(o),
+        }
+    }
+
+    fn swap_remove(&mut self, i: usize) -> Owner {
+        match self {
+            Owners::Inline { len, buf } => {
+                let last = usize::from(*len) - 1;
+                let o = buf[i];
+                buf[i] = buf[last];
+                *len -= 1;
+                o
+            }
+            Owners::Heap(v) => v.swap_remove(i),
+        }
+    }
+}
+
+/// One `(namespace, hash)` key with its owners.
+struct Slot {
+    key: HKey,
+    owners: Owners,
+}
+
+/// One interned namespace.
+struct Namespace {
+    name: String,
+    map: HashMap<HKey, u32>,
+    slots: Vec<Slot>,
+    free_slots: Vec<u32>,
+}
+
+impl Namespace {
+    fn new(name: String) -> Self {
+        Self { name, map: HashMap::new(), slots: Vec::new(), free_slots: Vec::new() }
+    }
+}
+
+/// A node's record.
+struct NodeRec {
+    session: SessionId,
+    last_hb_ms: u64,
+    /// Reverse index: every `(namespace, slot)` this session owns.
+    owned: Vec<(u32, u32)>,
+}
+
+/// An interned node address and its record (`None` while the slot sits on
+/// the free list).
+struct NodeSlot {
+    addr: NodeAddr,
+    /// Bumped every time the slot gets a new session, so owner entries of an
+    /// older session never match.
+    generation: u32,
+    rec: Option<NodeRec>,
+}
+
+fn is_fresh(rec: &NodeRec, now_ms: u64, stale_after_ms: u64) -> bool {
+    now_ms.saturating_sub(rec.last_hb_ms) <= stale_after_ms
+}
+
+fn owner_visible(nodes: &[NodeSlot], o: &Owner, now_ms: u64, stale_after_ms: u64) -> bool {
+    let slot = &nodes[o.node as usize];
+    slot.generation == o.generation && slot.rec.as_ref().is_some_and(|r| is_fresh(r, now_ms, stale_after_ms))
+}
+
+fn to_u32(n: usize) -> u32 {
+    u32::try_from(n).expect("MetaStore index exceeds u32")
+}
+
+/// The MetaServer's index: `(namespace, block hash) → owners`, plus node
+/// records that fence writes by session (contracts C5, C7).
+///
+/// Costs: `insert`, `remove` and `query_prefix` are O(hashes in the call)
+/// (times the owners per hash, a small number); `unregister` and a takeover
+/// are O(blocks the node owns); `sweep` is O(nodes + blocks the expired
+/// nodes own); `visible_entries` is O(everything) and meant for tests.
+pub struct MetaStore {
+    cfg: StoreConfig,
+    node_ids: HashMap<NodeAddr, u32>,
+    nodes: Vec<NodeSlot>,
+    free_nodes: Vec<u32>,
+    ns_ids: HashMap<String, u32>,
+    namespaces: Vec<Namespace>,
+    free_namespaces: Vec<u32>,
+    drop_work: u64,
+}
+
+impl fmt::Debug for MetaStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MetaStore").field("config", &self.cfg).field("stats", &self.stats()).finish()
+    }
+}
+
+impl MetaStore {
+    /// An empty store with the given timing knobs.
+    pub fn new(cfg: StoreConfig) -> Self {
+        Self {
+            cfg,
+            node_ids: HashMap::new(),
+            nodes: Vec::new(),
+            free_nodes: Vec::new(),
+            ns_ids: HashMap::new(),
+            namespaces: Vec::new(),
+            free_namespaces: Vec::new(),
+            drop_work: 0,
+        }
+    }
+
+    /// The timing knobs this store was built with.
+    pub fn config(&self) -> StoreConfig {
+        self.cfg
+    }
+
+    /// Registers or refreshes `node` under `session` at `now_ms`.
+    ///
+    /// - no record: creates one ([`HeartbeatOutcome::Registered`]);
+    /// - same session: sets the heartbeat time to `max(previous, now_ms)`
+    ///   ([`HeartbeatOutcome::Refreshed`]);
+    /// - another session that is stale: replaces it and drops all its
+    ///   ownerships, O(blocks it owned) ([`HeartbeatOutcome::TookOver`]).
+    ///
+    /// # Errors
+    /// [`StoreError::LiveSessionConflict`] when another session of `node` is
+    /// still fresh; nothing changes.
+    pub fn heartbeat(
+        &mut self,
+        node: &NodeAddr,
+        session: &SessionId,
+        now_ms: u64,
+    ) -> Result<HeartbeatOutcome, StoreError> {
+        let Some(&idx) = self.node_ids.get(node) else {
+            self.register(node, session, now_ms);
+            return Ok(HeartbeatOutcome::Registered);
+        };
+        let rec = self.nodes[idx as usize].rec.as_mut().expect("interned node has a record");
+        if rec.session == *session {
+            rec.last_hb_ms = rec.last_hb_ms.max(now_ms);
+            return Ok(HeartbeatOutcome::Refreshed);
+        }
+        if is_fresh(rec, now_ms, self.cfg.stale_after_ms) {
+            return Err(StoreError::LiveSessionConflict { node: node.clone(), live_session: rec.session.clone() });
+        }
+        self.drop_ownerships(idx);
+        let slot = &mut self.nodes[idx as usize];
+        slot.generation = slot.generation.wrapping_add(1);
+        let rec = slot.rec.as_mut().expect("interned node has a record");
+        rec.session = session.clone();
+        rec.last_hb_ms = now_ms;
+        Ok(HeartbeatOutcome::TookOver)
+    }
+
+    /// Records that `node` (session `session`) holds `hashes` in `namespace`
+    /// (upsert; duplicates within the request are fine).
+    ///
+    /// Returns how many hashes are newly owned and which ones are
+    /// reclaimable (see [`InsertOutcome`]). O(`hashes.len()`).
+    ///
+    /// # Errors
+    /// [`StoreError::UnknownNode`] when `node` has no record;
+    /// [`StoreError::StaleSession`] when its record carries another session
+    /// or is stale. On error nothing changes.
+    pub fn insert(
+        &mut self,
+        namespace: &str,
+        hashes: &[BlockHash],
+        node: &NodeAddr,
+        session: &SessionId,
+        now_ms: u64,
+    ) -> Result<InsertOutcome, StoreError> {
+        let idx = self.fence(node, session, now_ms)?;
+        let mut out = InsertOutcome::default();
+        if hashes.is_empty() {
+            return Ok(out);
+        }
+        let ns_id = self.intern_namespace(namespace);
+        let stale_after = self.cfg.stale_after_ms;
+        let generation = self.nodes[idx as usize].generation;
+        let Self { namespaces, nodes, .. } = self;
+        let Namespace { map, slots, free_slots, .. } = &mut namespaces[ns_id as usize];
+        // Slots already reported as reclaimable; only built when needed.
+        let mut reported: Option<HashSet<u32>> = None;
+        for h in hashes {
+            let slot_id = match map.entry(HKey::new(h.as_bytes())) {
+                Entry::Occupied(e) => *e.get(),
+                Entry::Vacant(e) => {
+                    let slot = Slot { key: e.key().clone(), owners: Owners::EMPTY };
+                    let id = match free_slots.pop() {
+                        Some(id) => {
+                            slots[id as usize] = slot;
+                            id
+                        }
+                        None => {
+                            slots.push(slot);
+                            to_u32(slots.len() - 1)
+                        }
+                    };
+                    e.insert(id);
+                    id
+                }
+            };
+            let slot = &mut slots[slot_id as usize];
+            let mut mine = false;
+            let mut others_visible = 0usize;
+            for o in slot.owners.as_slice() {
+                if o.node == idx {
+                    mine = true;
+                } else if owner_visible(nodes, o, now_ms, stale_after) {
+                    others_visible += 1;
+                }
+            }
+            if !mine {
+                let owned = &mut nodes[idx as usize].rec.as_mut().expect("fenced node has a record").owned;
+                slot.owners.push(Owner { node: idx, generation, rev: to_u32(owned.len()) });
+                owned.push((ns_id, slot_id));
+                out.inserted += 1;
+            }
+            if others_visible >= 2 && reported.get_or_insert_default().insert(slot_id) {
+                out.reclaimable.push(h.clone());
+            }
+        }
+        Ok(out)
+    }
+
+    /// Removes `node`'s (session `session`) ownership of `hashes` in
+    /// `namespace`; other owners are untouched. Returns how many ownerships
+    /// were removed (hashes it did not own count 0). O(`hashes.len()`).
+    ///
+    /// # Errors
+    /// As [`MetaStore::insert`]; on error nothing changes.
+    pub fn remove(
+        &mut self,
+        namespace: &str,
+        hashes: &[BlockHash],
+        node: &NodeAddr,
+        session: &SessionId,
+        now_ms: u64,
+    ) -> Result<u64, StoreError> {
+        let idx = self.fence(node, session, now_ms)?;
+        let Some(&ns_id) = self.ns_ids.get(namespace) else {
+            return Ok(0);
+        };
+        let mut removed = 0;
+        for h in hashes {
+            // If the namespace empties mid-loop it is recycled with an empty
+            // map, so later lookups simply miss.
+            let ns = &self.namespaces[ns_id as usize];
+            let Some(&slot_id) = ns.map.get(&HKey::new(h.as_bytes())) else {
+                continue;
+            };
+            let Some(pos) = ns.slots[slot_id as usize].owners.position(idx) else {
+                continue;
+            };
+            self.remove_owner(ns_id, slot_id, pos);
+            removed += 1;
+        }
+        Ok(removed)
+    }
+
+    /// Deletes `node`'s record and all its ownerships, but only when the
+    /// record carries `session`. Returns the number of owner entries removed;
+    /// a late call from an older session, or for an unknown node, is a no-op
+    /// returning 0. O(blocks the node owns).
+    pub fn unregister(&mut self, node: &NodeAddr, session: &SessionId) -> u64 {
+        let Some(&idx) = self.node_ids.get(node) else {
+            return 0;
+        };
+        let matches = self.nodes[idx as usize].rec.as_ref().is_some_and(|r| r.session == *session);
+        if !matches {
+            return 0;
+        }
+        let n = self.drop_ownerships(idx);
+        self.release_node(idx);
+        n
+    }
+
+    /// The visible owners that hold a prefix of `hashes` in `namespace`, as
+    /// `(node, prefix_len)` where `prefix_len` counts the consecutive hashes
+    /// from the first that the node visibly owns.
+    ///
+    /// The walk stops at the first hash with no visible owner at all. Only
+    /// owners with `prefix_len >= 1` are returned, ordered by `prefix_len`
+    /// descending, then node ascending. O(`hashes.len()`).
+    pub fn query_prefix(&self, namespace: &str, hashes: &[BlockHash], now_ms: u64) -> Vec<(NodeAddr, u32)> {
+        let Some(&ns_id) = self.ns_ids.get(namespace) else {
+            return Vec::new();
+        };
+        let ns = &self.namespaces[ns_id as usize];
+        let stale_after = self.cfg.stale_after_ms;
+        // (node index, prefix length so far): only owners of the first hash
+        // can have a prefix at all.
+        let mut cands: Vec<(u32, u32)> = Vec::new();
+        for (i, h) in hashes.iter().enumerate() {
+            let Some(&slot_id) = ns.map.get(&HKey::new(h.as_bytes())) else {
+                break;
+            };
+            let mut grew = false;
+            for o in ns.slots[slot_id as usize].owners.as_slice() {
+                if !owner_visible(&self.nodes, o, now_ms, stale_after) {
+                    continue;
+                }
+                if i == 0 {
+                    cands.push((o.node, 1));
+                    grew = true;
+                } else if let Some(c) = cands.iter_mut().find(|c| c.0 == o.node && c.1 as usize == i) {
+                    c.1 += 1;
+                    grew = true;
+                }
+            }
+            // No candidate extended its prefix: either this hash has no
+            // visible owner (the stop rule) or no later hash can change the
+            // answer.
+            if !grew {
+                break;
+            }
+        }
+        let mut out: Vec<(NodeAddr, u32)> =
+            cands.into_iter().map(|(n, len)| (self.nodes[n as usize].addr.clone(), len)).collect();
+        out.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        out
+    }
+
+    /// Deletes every node record whose last heartbeat is more than `ttl_ms`
+    /// before `now_ms`, with all its ownerships (through the reverse index).
+    ///
+    /// Owner entries of superseded sessions never survive a takeover or an
+    /// unregister, so no further scan is needed. O(nodes + blocks the expired
+    /// nodes own).
+    pub fn sweep(&mut self, now_ms: u64) -> SweepReport {
+        let mut report = SweepReport::default();
+        for idx in 0..self.nodes.len() {
+            let expired =
+                self.nodes[idx].rec.as_ref().is_some_and(|r| now_ms.saturating_sub(r.last_hb_ms) > self.cfg.ttl_ms);
+            if expired {
+                let idx = to_u32(idx);
+                report.owners_removed += self.drop_ownerships(idx);
+                self.release_node(idx);
+                report.nodes_removed += 1;
+            }
+        }
+        report
+    }
+
+    /// The visible owners of `hash` in `namespace`, sorted ascending.
+    pub fn owners(&self, namespace: &str, hash: &BlockHash, now_ms: u64) -> Vec<NodeAddr> {
+        let Some(&ns_id) = self.ns_ids.get(namespace) else {
+            return Vec::new();
+        };
+        let ns = &self.namespaces[ns_id as usize];
+        let Some(&slot_id) = ns.map.get(&HKey::new(hash.as_bytes())) else {
+            return Vec::new();
+        };
+        let mut out: Vec<NodeAddr> = ns.slots[slot_id as usize]
+            .owners
+            .as_slice()
+            .iter()
+            .filter(|o| owner_visible(&self.nodes, o, now_ms, self.cfg.stale_after_ms))
+            .map(|o| self.nodes[o.node as usize].addr.clone())
+            .collect();
+        out.sort();
+        out
+    }
+
+    /// Every visible ownership as `(namespace, hash, node)`. O(everything):
+    /// for the simulator's convergence invariant and tests, not for serving.
+    pub fn visible_entries(&self, now_ms: u64) -> BTreeSet<(String, BlockHash, NodeAddr)> {
+        let mut out = BTreeSet::new();
+        for (name, &ns_id) in &self.ns_ids {
+            let ns = &self.namespaces[ns_id as usize];
+            for &slot_id in ns.map.values() {
+                let slot = &ns.slots[slot_id as usize];
+                for o in slot.owners.as_slice() {
+                    if owner_visible(&self.nodes, o, now_ms, self.cfg.stale_after_ms) {
+                        out.insert((name.clone(), slot.key.to_block_hash(), self.nodes[o.node as usize].addr.clone()));
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// Current sizes. O(nodes + namespaces).
+    pub fn stats(&self) -> StoreStats {
+        let hashes = self.ns_ids.values().map(|&i| self.namespaces[i as usize].map.len() as u64).sum();
+        let owner_entries = self
+            .node_ids
+            .values()
+            .filter_map(|&i| self.nodes[i as usize].rec.as_ref())
+            .map(|r| r.owned.len() as u64)
+            .sum();
+        StoreStats { nodes: self.node_ids.len() as u64, namespaces: self.ns_ids.len() as u64, hashes, owner_entries }
+    }
+
+    /// `node`'s record as `(session, last heartbeat in ms)`, fresh or stale;
+    /// `None` when it has none.
+    pub fn node_session(&self, node: &NodeAddr) -> Option<(SessionId, u64)> {
+        let &idx = self.node_ids.get(node)?;
+        let rec = self.nodes[idx as usize].rec.as_ref()?;
+        Some((rec.session.clone(), rec.last_hb_ms))
+    }
+
+    /// Owner entries visited by bulk drops (unregister, takeover, sweep)
+    /// since the store was created: a cost probe showing those are
+    /// O(blocks the node owned), for tests and metrics.
+    pub fn drop_work(&self) -> u64 {
+        self.drop_work
+    }
+
+    /// Checks the write fence; returns the node index.
+    fn fence(&self, node: &NodeAddr, session: &SessionId, now_ms: u64) -> Result<u32, StoreError> {
+        let Some(&idx) = self.node_ids.get(node) else {
+            return Err(StoreError::UnknownNode { node: node.clone() });
+        };
+        let rec = self.nodes[idx as usize].rec.as_ref().expect("interned node has a record");
+        let fresh = is_fresh(rec, now_ms, self.cfg.stale_after_ms);
+        if rec.session != *session || !fresh {
+            return Err(StoreError::StaleSession {
+                node: node.clone(),
+                expected: fresh.then(|| rec.session.clone()),
+                got: session.clone(),
+            });
+        }
+        Ok(idx)
+    }
+
+    fn register(&mut self, node: &NodeAddr, session: &SessionId, now_ms: u64) {
+        let rec = NodeRec { session: session.clone(), last_hb_ms: now_ms, owned: Vec::new() };
+        let idx = match self.free_nodes.pop() {
+            Some(idx) => {
+                let slot = &mut self.nodes[idx as usize];
+                slot.addr = node.clone();
+                slot.generation = slot.generation.wrapping_add(1);
+                slot.rec = Some(rec);
+                idx
+            }
+            None => {
+                self.nodes.push(NodeSlot { addr: node.clone(), generation: 0, rec: Some(rec) });
+                to_u32(self.nodes.len() - 1)
+            }
+        };
+        self.node_ids.insert(node.clone(), idx);
+    }
+
+    /// Deletes the record of node `idx` (its ownerships must be gone).
+    fn release_node(&mut self, idx: u32) {
+        let slot = &mut self.nodes[idx as usize];
+        debug_assert!(slot.rec.as_ref().is_none_or(|r| r.owned.is_empty()));
+        slot.rec = None;
+        self.node_ids.remove(&slot.addr);
+        self.free_nodes.push(idx);
+    }
+
+    fn intern_namespace(&mut self, name: &str) -> u32 {
+        if let Some(&id) = self.ns_ids.get(name) {
+            return id;
+        }
+        let id = match self.free_namespaces.pop() {
+            Some(id) => {
+                self.namespaces[id as usize].name = name.to_string();
+                id
+            }
+            None => {
+                self.namespaces.push(Namespace::new(name.to_string()));
+                to_u32(self.namespaces.len() - 1)
+            }
+        };
+        self.ns_ids.insert(name.to_string(), id);
+        id
+    }
+
+    /// Drops every ownership of node `idx` through its reverse index; the
+    /// record stays. Returns how many were dropped.
+    fn drop_ownerships(&mut self, idx: u32) -> u64 {
+        let owned = match self.nodes[idx as usize].rec.as_mut() {
+            Some(r) => mem::take(&mut r.owned),
+            None => return 0,
+        };
+        let n = owned.len() as u64;
+        self.drop_work += n;
+        for (ns_id, slot_id) in owned {
+            let owners = &mut self.namespaces[ns_id as usize].slots[slot_id as usize].owners;
+            let pos = owners.position(idx).expect("reverse index points at an owner entry");
+            // Moving another owner within this slot leaves its `rev` valid.
+            owners.swap_remove(pos);
+            if owners.is_empty() {
+                self.free_slot(ns_id, slot_id);
+            }
+        }
+        n
+    }
+
+    /// Removes the owner at `pos` of a slot, keeping the reverse index and
+    /// back-pointers consistent. O(owners of one hash).
+    fn remove_owner(&mut self, ns_id: u32, slot_id: u32, pos: usize) {
+        let o = self.namespaces[ns_id as usize].slots[slot_id as usize].owners.swap_remove(pos);
+        let owned = &mut self.nodes[o.node as usize].rec.as_mut().expect("owner's node has a record").owned;
+        let rev = o.rev as usize;
+        owned.swap_remove(rev);
+        if let Some(&(mns, mslot)) = owned.get(rev) {
+            let moved = &mut self.namespaces[mns as usize].slots[mslot as usize].owners;
+            let p = moved.position(o.node).expect("reverse index points at an owner entry");
+            moved.as_mut_slice()[p].rev = o.rev;
+        }
+        if self.namespaces[ns_id as usize].slots[slot_id as usize].owners.is_empty() {
+            self.free_slot(ns_id, slot_id);
+        }
+    }
+
+    /// Frees an ownerless slot; recycles the namespace when it empties.
+    fn free_slot(&mut self, ns_id: u32, slot_id: u32) {
+        let ns = &mut self.namespaces[ns_id as usize];
+        let slot = &mut ns.slots[slot_id as usize];
+        let key = mem::replace(&mut slot.key, HKey::EMPTY);
+        slot.owners = Owners::EMPTY;
+        ns.map.remove(&key);
+        ns.free_slots.push(slot_id);
+        if ns.map.is_empty() {
+            let name = mem::take(&mut ns.name);
+            // Release the memory: a recycled namespace starts from scratch.
+            *ns = Namespace::new(String::new());
+            self.ns_ids.remove(&name);
+            self.free_namespaces.push(ns_id);
+        }
+    }
+
+    /// Panics unless the forward and reverse indices agree exactly.
+    #[cfg(any(test, fuzzing))]
+    fn assert_consistent(&self) {
+        let mut entries = 0usize;
+        for (name, &ns_id) in &self.ns_ids {
+            let ns = &self.namespaces[ns_id as usize];
+            assert_eq!(&ns.name, name);
+            assert!(!ns.map.is_empty(), "interned namespace {name} is empty");
+            for (key, &slot_id) in &ns.map {
+                let slot = &ns.slots[slot_id as usize];
+                assert!(slot.key == *key, "slot key mismatch");
+                assert!(!slot.owners.is_empty(), "ownerless slot in map");
+                for o in slot.owners.as_slice() {
+                    let node = &self.nodes[o.node as usize];
+                    assert_eq!(node.generation, o.generation, "superseded owner kept");
+                    let rec = node.rec.as_ref().expect("owner of a released node");
+                    assert_eq!(rec.owned[o.rev as usize], (ns_id, slot_id));
+                    assert_eq!(slot.owners.as_slice().iter().filter(|x| x.node == o.node).count(), 1);
+                    entries += 1;
+                }
+            }
+        }
+        let mut reverse = 0usize;
+        for (addr, &idx) in &self.node_ids {
+            let slot = &self.nodes[idx as usize];
+            assert_eq!(&slot.addr, addr);
+            reverse += slot.rec.as_ref().expect("interned node has a record").owned.len();
+        }
+        assert_eq!(entries, reverse, "forward and reverse index sizes differ");
+        let live = self.nodes.iter().filter(|n| n.rec.is_some()).count();
+        assert_eq!(live, self.node_ids.len());
+    }
+}
+
+/// An obviously-correct reference model (BTreeMaps, O(n) scans) and a driver
+/// that replays an op sequence against both it and [`MetaStore`].
+#[cfg(any(test, fuzzing))]
+mod model {
+    use std::collections::{BTreeMap, BTreeSet};
+
+    use arbitrary::Unstructured;
+
+    use super::{HeartbeatOutcome, InsertOutcome, MetaStore, StoreConfig, StoreError, StoreStats, SweepReport};
+    use crate::types::{BlockHash, NodeAddr, SessionId};
+
+    type Key = (String, BlockHash);
+
+    /// The specification, written as directly as possible.
+    pub(super) struct Model {
+        cfg: StoreConfig,
+        nodes: BTreeMap<NodeAddr, (SessionId, u64)>,
+        owners: BTreeMap<Key, BTreeSet<(NodeAddr, SessionId)>>,
+    }
+
+    impl Model {
+        pub(super) fn new(cfg: StoreConfig) -> Self {
+            Self { cfg, nodes: BTreeMap::new(), owners: BTreeMap::new() }
+        }
+
+        fn fresh(&self, node: &NodeAddr, now: u64) -> bool {
+            self.nodes.get(node).is_some_and(|(_, hb)| now.saturating_sub(*hb) <= self.cfg.stale_after_ms)
+        }
+
+        fn visible(&self, node: &NodeAddr, session: &SessionId, now: u64) -> bool {
+            self.nodes.get(node).is_some_and(|(s, _)| s == session) && self.fresh(node, now)
+        }
+
+        /// Drops owner entries not matching a record (all of them, by scan).
+        fn drop_unmatched(&mut self) -> u64 {
+            let mut removed = 0;
+            let nodes = &self.nodes;
+            for set in self.owners.values_mut() {
+                let before = set.len();
+                set.retain(|(n, s)| nodes.get(n).is_some_and(|(rs, _)| rs == s));
+                removed += (before - set.len()) as u64;
+            }
+            self.owners.retain(|_, set| !set.is_empty());
+            removed
+        }
+
+        pub(super) fn heartbeat(
+            &mut self,
+            node: &NodeAddr,
+            session: &SessionId,
+            now: u64,
+        ) -> Result<HeartbeatOutcome, StoreError> {
+            let fresh = self.fresh(node, now);
+            match self.nodes.get_mut(node) {
+                None => {
+                    self.nodes.insert(node.clone(), (session.clone(), now));
+                    Ok(HeartbeatOutcome::Registered)
+                }
+                Some((s, hb)) if s == session => {
+                    *hb = (*hb).max(now);
+                    Ok(HeartbeatOutcome::Refreshed)
+                }
+                Some((s, _)) if fresh => {
+                    Err(StoreError::LiveSessionConflict { node: node.clone(), live_session: s.clone() })
+                }
+                Some(rec) => {
+                    *rec = (session.clone(), now);
+                    self.drop_unmatched();
+                    Ok(HeartbeatOutcome::TookOver)
+                }
+            }
+        }
+
+        fn fence(&self, node: &NodeAddr, session: &SessionId, now: u64) -> Result<(), StoreError> {
+            let Some((s, _)) = self.nodes.get(node) else {
+                return Err(StoreError::UnknownNode { node: node.clone() });
+            };
+            let fresh = self.fresh(node, now);
+            if s != session || !fresh {
+                return Err(StoreError::StaleSession {
+                    node: node.clone(),
+                    expected: if fresh { Some(s.clone()) } else { None },
+                    got: session.clone(),
+                });
+            }
+            Ok(())
+        }
+
+        pub(super) fn insert(
+            &mut self,
+            ns: &str,
+            hashes: &[BlockHash],
+            node: &NodeAddr,
+            session: &SessionId,
+            now: u64,
+        ) -> Result<InsertOutcome, StoreError> {
+            self.fence(node, session, now)?;
+            let mut out = InsertOutcome::default();
+            for h in hashes {
+                let key = (ns.to_string(), h.clone());
+                let set = self.owners.entry(key.clone()).or_default();
+                if set.insert((node.clone(), session.clone())) {
+                    out.inserted += 1;
+                }
+                let set = self.owners[&key].clone();
+                let others = set.iter().filter(|(n, s)| n != node && self.visible(n, s, now)).count();
+                if others >= 2 && !out.reclaimable.contains(h) {
+                    out.reclaimable.push(h.clone());
+                }
+            }
+            Ok(out)
+        }
+
+        pub(super) fn remove(
+            &mut self,
+            ns: &str,
+            hashes: &[BlockHash],
+            node: &NodeAddr,
+            session: &SessionId,
+            now: u64,
+        ) -> Result<u64, StoreError> {
+            self.fence(node, session, now)?;
+            let mut removed = 0;
+            for h in hashes {
+                let key = (ns.to_string(), h.clone());
+                if let Some(set) = self.owners.get_mut(&key) {
+                    if set.remove(&(node.clone(), session.clone())) {
+                        removed += 1;
+                    }
+                    if set.is_empty() {
+                        self.owners.remove(&key);
+                    }
+                }
+            }
+            Ok(removed)
+        }
+
+        pub(super) fn unregister(&mut self, node: &NodeAddr, session: &SessionId) -> u64 {
+            if self.nodes.get(node).is_none_or(|(s, _)| s != session) {
+                return 0;
+            }
+            self.nodes.remove(node);
+            self.drop_unmatched()
+        }
+
+        pub(super) fn sweep(&mut self, now: u64) -> SweepReport {
+            let ttl = self.cfg.ttl_ms;
+            let before = self.nodes.len();
+            self.nodes.retain(|_, (_, hb)| now.saturating_sub(*hb) <= ttl);
+            SweepReport { nodes_removed: (before - self.nodes.len()) as u64, owners_removed: self.drop_unmatched() }
+        }
+
+        pub(super) fn owners(&self, ns: &str, h: &BlockHash, now: u64) -> Vec<NodeAddr> {
+            let key = (ns.to_string(), h.clone());
+            let mut v: Vec<NodeAddr> = self
+                .owners
+                .get(&key)
+                .into_iter()
+                .flatten()
+                .filter(|(n, s)| self.visible(n, s, now))
+                .map(|(n, _)| n.clone())
+                .collect();
+            v.sort();
+            v
+        }
+
+        pub(super) fn query_prefix(&self, ns: &str, hashes: &[BlockHash], now: u64) -> Vec<(NodeAddr, u32)> {
+            let per_hash: Vec<Vec<NodeAddr>> = hashes.iter().map(|h| self.owners(ns, h, now)).collect();
+            let scanned = per_hash.iter().take_while(|o| !o.is_empty()).count();
+            let all: BTreeSet<&NodeAddr> = per_hash[..scanned].iter().flatten().collect();
+            let mut out: Vec<(NodeAddr, u32)> = all
+                .into_iter()
+                .map(|n| {
+                    let len = per_hash[..scanned].iter().take_while(|o| o.contains(n)).count();
+                    (n.clone(), len as u32)
+                })
+                .filter(|(_, len)| *len >= 1)
+                .collect();
+            out.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+            out
+        }
+
+        pub(super) fn visible_entries(&self, now: u64) -> BTreeSet<(String, BlockHash, NodeAddr)> {
+            let mut out = BTreeSet::new();
+            for ((ns, h), set) in &self.owners {
+                for (n, s) in set {
+                    if self.visible(n, s, now) {
+                        out.insert((ns.clone(), h.clone(), n.clone()));
+                    }
+                }
+            }
+            out
+        }
+
+        pub(super) fn stats(&self) -> StoreStats {
+            let namespaces: BTreeSet<&String> = self.owners.keys().map(|(ns, _)| ns).collect();
+            StoreStats {
+                nodes: self.nodes.len() as u64,
+                namespaces: namespaces.len() as u64,
+                hashes: self.owners.len() as u64,
+                owner_entries: self.owners.values().map(|s| s.len() as u64).sum(),
+            }
+        }
+
+        pub(super) fn node_session(&self, node: &NodeAddr) -> Option<(SessionId, u64)> {
+            self.nodes.get(node).cloned()
+        }
+    }
+
+    /// Which session an op uses: mostly the node's current one (so writes
+    /// get through), sometimes a fixed index (old, new or foreign).
+    #[derive(Debug, Clone)]
+    pub(super) enum Sess {
+        Current,
+        Index(u8),
+    }
+
+    /// Which hashes an op names: a run (prefix-shaped, as real requests are)
+    /// or a scattered list.
+    #[derive(Debug, Clone)]
+    pub(super) enum Hashes {
+        Run { start: u8, len: u8 },
+        List(Vec<u8>),
+    }
+
+    /// One step of a random run; indices are reduced modulo the universe.
+    #[derive(Debug, Clone)]
+    pub(super) enum Op {
+        Heartbeat {
+            node: u8,
+            session: Sess,
+        },
+        /// Advance past `stale_after`, then heartbeat with a fixed session
+        /// index (a likely takeover).
+        Takeover {
+            node: u8,
+            session: u8,
+        },
+        Insert {
+            ns: u8,
+            hashes: Hashes,
+            node: u8,
+            session: Sess,
+        },
+        Remove {
+            ns: u8,
+            hashes: Hashes,
+            node: u8,
+            session: Sess,
+        },
+        Unregister {
+            node: u8,
+            session: Sess,
+        },
+        Sweep,
+        /// Advance the clock by `ms / 4` ms (short steps).
+        Advance {
+            ms: u8,
+        },
+        /// Advance the clock by `ms % 1024` ms (long steps).
+        Jump {
+            ms: u16,
+        },
+        Query {
+            ns: u8,
+            hashes: Hashes,
+        },
+        Owners {
+            ns: u8,
+            hash: u8,
+        },
+    }
+
+    /// Decodes one op, a byte or a few per field, weighted like the
+    /// proptest strategy so random bytes make productive runs.
+    pub(super) fn decode_op(u: &mut Unstructured<'_>) -> arbitrary::Result<Op> {
+        fn sess(u: &mut Unstructured<'_>) -> arbitrary::Result<Sess> {
+            let b = u.arbitrary::<u8>()?;
+            Ok(if b < 192 { Sess::Current } else { Sess::Index(b % 3) })
+        }
+        fn hashes(u: &mut Unstructured<'_>) -> arbitrary::Result<Hashes> {
+            let b = u.arbitrary::<u8>()?;
+            if b & 1 == 0 {
+                let len = u.arbitrary::<u8>()?;
+                Ok(Hashes::Run { start: b >> 1, len })
+            } else {
+                let n = usize::from(b >> 1) % 8;
+                let mut v = Vec::with_capacity(n);
+                for _ in 0..n {
+                    v.push(u.arbitrary::<u8>()?);
+                }
+                Ok(Hashes::List(v))
+            }
+        }
+        let kind = u.arbitrary::<u8>()? % 24;
+        Ok(match kind {
+            0..=3 => Op::Heartbeat { node: u.arbitrary()?, session: sess(u)? },
+            4 => Op::Takeover { node: u.arbitrary()?, session: u.arbitrary()? },
+            5..=10 => Op::Insert { ns: u.arbitrary()?, hashes: hashes(u)?, node: u.arbitrary()?, session: sess(u)? },
+            11..=12 => Op::Remove { ns: u.arbitrary()?, hashes: hashes(u)?, node: u.arbitrary()?, session: sess(u)? },
+            13 => Op::Unregister { node: u.arbitrary()?, session: sess(u)? },
+            14 => Op::Sweep,
+            15..=16 => Op::Advance { ms: u.arbitrary()? },
+            17 => Op::Jump { ms: u.arbitrary()? },
+            18..=21 => Op::Query { ns: u.arbitrary()?, hashes: hashes(u)? },
+            _ => Op::Owners { ns: u.arbitrary()?, hash: u.arbitrary()? },
+        })
+    }
+
+    pub(super) const NODES: usize = 4;
+    pub(super) const SESSIONS: usize = 3;
+    pub(super) const NAMESPACES: usize = 2;
+    pub(super) const HASHES: usize = 16;
+    const HASHES_PER_OP_MAX: usize = 12;
+
+    /// The small universe the ops name.
+    struct Universe {
+        nodes: Vec<NodeAddr>,
+        sessions: Vec<Vec<SessionId>>,
+        namespaces: Vec<String>,
+        hashes: Vec<BlockHash>,
+    }
+
+    impl Universe {
+        fn new() -> Self {
+            Self {
+                nodes: (0..NODES).map(|i| NodeAddr(format!("10.0.0.{i}:7000"))).collect(),
+                sessions: (0..NODES).map(|i| (0..SESSIONS).map(|j| SessionId(format!("s{i}-{j}"))).collect()).collect(),
+                namespaces: (0..NAMESPACES).map(|i| format!("ns{i}")).collect(),
+                // Two odd lengths exercise the boxed key path.
+                hashes: (0..HASHES as u64)
+                    .map(|i| match i {
+                        14 => BlockHash::new(vec![0xab; 5]),
+                        15 => BlockHash::new(vec![0xcd; 64]),
+                        _ => BlockHash::from_u64(i),
+                    })
+                    .collect(),
+            }
+        }
+
+        fn node(&self, n: u8) -> &NodeAddr {
+            &self.nodes[usize::from(n) % NODES]
+        }
+
+        /// Resolves a session choice; `Current` reads the *model's* record,
+        /// so both sides get the same input.
+        fn session(&self, model: &Model, n: u8, s: &Sess) -> SessionId {
+            let fixed = |i: u8| self.sessions[usize::from(n) % NODES][usize::from(i) % SESSIONS].clone();
+            match s {
+                Sess::Current => model.node_session(self.node(n)).map_or_else(|| fixed(0), |(s, _)| s),
+                Sess::Index(i) => fixed(*i),
+            }
+        }
+
+        fn ns(&self, ns: u8) -> &str {
+            &self.namespaces[usize::from(ns) % NAMESPACES]
+        }
+
+        fn hash(&self, i: u8) -> BlockHash {
+            self.hashes[usize::from(i) % HASHES].clone()
+        }
+
+        fn hashes(&self, sel: &Hashes) -> Vec<BlockHash> {
+            match sel {
+                Hashes::Run { start, len } => {
+                    let start = usize::from(*start) % 8;
+                    let len = usize::from(*len) % (HASHES_PER_OP_MAX + 1);
+                    (start..(start + len).min(HASHES)).map(|i| self.hashes[i].clone()).collect()
+                }
+                Hashes::List(idx) => idx.iter().take(HASHES_PER_OP_MAX).map(|&i| self.hash(i)).collect(),
+            }
+        }
+    }
+
+    /// Replays `ops` against a [`MetaStore`] and the [`Model`]; panics on the
+    /// first difference in a result or in the observable state.
+    pub(super) fn run_ops(cfg: StoreConfig, ops: &[Op]) {
+        let u = Universe::new();
+        let mut store = MetaStore::new(cfg);
+        let mut model = Model::new(cfg);
+        let mut now: u64 = 1_000;
+        for (step, op) in ops.iter().enumerate() {
+            match op {
+                Op::Takeover { .. } => now += cfg.stale_after_ms + 1,
+                Op::Advance { ms } => now += u64::from(*ms / 4),
+                Op::Jump { ms } => now += u64::from(*ms % 1024),
+                _ => {}
+            }
+            let ctx = || format!("step {step}: {op:?} at {now}");
+            match op {
+                Op::Heartbeat { node, session } => {
+                    let (n, s) = (u.node(*node), u.session(&model, *node, session));
+                    let got = store.heartbeat(n, &s, now);
+                    assert_eq!(got, model.heartbeat(n, &s, now), "{}", ctx());
+                }
+                Op::Takeover { node, session } => {
+                    let n = u.node(*node);
+                    let s = u.session(&model, *node, &Sess::Index(*session));
+                    let got = store.heartbeat(n, &s, now);
+                    assert_eq!(got, model.heartbeat(n, &s, now), "{}", ctx());
+                }
+                Op::Insert { ns, hashes, node, session } => {
+                    let (n, s) = (u.node(*node), u.session(&model, *node, session));
+                    let (ns, hs) = (u.ns(*ns), u.hashes(hashes));
+                    let got = store.insert(ns, &hs, n, &s, now);
+                    assert_eq!(got, model.insert(ns, &hs, n, &s, now), "{}", ctx());
+                }
+                Op::Remove { ns, hashes, node, session } => {
+                    let (n, s) = (u.node(*node), u.session(&model, *node, session));
+                    let (ns, hs) = (u.ns(*ns), u.hashes(hashes));
+                    let got = store.remove(ns, &hs, n, &s, now);
+                    assert_eq!(got, model.remove(ns, &hs, n, &s, now), "{}", ctx());
+                }
+                Op::Unregister { node, session } => {
+                    let (n, s) = (u.node(*node), u.session(&model, *node, session));
+                    let got = store.unregister(n, &s);
+                    assert_eq!(got, model.unregister(n, &s), "{}", ctx());
+                }
+                Op::Sweep => assert_eq!(store.sweep(now), model.sweep(now), "{}", ctx()),
+                Op::Advance { .. } | Op::Jump { .. } => {}
+                Op::Query { ns, hashes } => {
+                    let (ns, hs) = (u.ns(*ns), u.hashes(hashes));
+                    let got = store.query_prefix(ns, &hs, now);
+                    assert_eq!(got, model.query_prefix(ns, &hs, now), "{}", ctx());
+                }
+                Op::Owners { ns, hash } => {
+                    let (ns, h) = (u.ns(*ns), u.hash(*hash));
+                    let got = store.owners(ns, &h, now);
+                    assert_eq!(got, model.owners(ns, &h, now), "{}", ctx());
+                }
+            }
+            store.assert_consistent();
+            assert_eq!(store.stats(), model.stats(), "{}", ctx());
+            let got = store.visible_entries(now);
+            assert_eq!(got, model.visible_entries(now), "{}", ctx());
+            for n in &u.nodes {
+                assert_eq!(store.node_session(n), model.node_session(n), "{}", ctx());
+            }
+        }
+    }
+}
+
+/// Fuzz body: decodes a timing config and up to 256 ops from `data` and
+/// replays them against [`MetaStore`] and an independent reference model
+/// (4 nodes × 3 sessions, 2 namespaces, 16 hashes), checking every result
+/// and the whole observable state after each op.
+///
+/// # Panics
+/// On any difference between the store and the model, or when the store's
+/// forward and reverse indices disagree.
+#[cfg(any(test, fuzzing))]
+pub fn fuzz_store(data: &[u8]) {
+    let mut u = arbitrary::Unstructured::new(data);
+    let cfg = StoreConfig {
+        stale_after_ms: u.int_in_range(20..=200).unwrap_or(100),
+        ttl_ms: u.int_in_range(0..=600).unwrap_or(300),
+    };
+    let mut ops = Vec::new();
+    while ops.len() < 256 && !u.is_empty() {
+        match model::decode_op(&mut u) {
+            Ok(op) => ops.push(op),
+            Err(_) => break,
+        }
+    }
+    model::run_ops(cfg, &ops);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::model::{self, Hashes, Op, Sess};
+    use super::*;
+    use proptest::prelude::*;
+
+    const CFG: StoreConfig = StoreConfig { stale_after_ms: 100, ttl_ms: 1_000 };
+
+    fn n(s: &str) -> NodeAddr {
+        NodeAddr(format!("{s}:1"))
+    }
+
+    fn s(x: &str) -> SessionId {
+        SessionId(x.to_string())
+    }
+
+    fn h(i: u64) -> BlockHash {
+        BlockHash::from_u64(i)
+    }
+
+    fn hs(ids: &[u64]) -> Vec<BlockHash> {
+        ids.iter().map(|&i| h(i)).collect()
+    }
+
+    #[test]
+    fn heartbeat_registers_refreshes_takes_over_and_rejects_live_conflict() {
+        let mut st = MetaStore::new(CFG);
+        let a = n("a");
+        assert_eq!(st.heartbeat(&a, &s("s1"), 0), Ok(HeartbeatOutcome::Registered));
+        assert_eq!(st.heartbeat(&a, &s("s1"), 50), Ok(HeartbeatOutcome::Refreshed));
+        assert_eq!(st.node_session(&a), Some((s("s1"), 50)));
+        // s1 is fresh until 150: a second session is refused.
+        assert_eq!(
+            st.heartbeat(&a, &s("s2"), 150),
+            Err(StoreError::LiveSessionConflict { node: a.clone(), live_session: s("s1") })
+        );
+        assert_eq!(st.node_session(&a), Some((s("s1"), 50)));
+        // Stale at 151: s2 takes over.
+        assert_eq!(st.heartbeat(&a, &s("s2"), 151), Ok(HeartbeatOutcome::TookOver));
+        assert_eq!(st.node_session(&a), Some((s("s2"), 151)));
+        // The old session can no longer come back while s2 is fresh.
+        assert!(matches!(st.heartbeat(&a, &s("s1"), 160), Err(StoreError::LiveSessionConflict { .. })));
+    }
+
+    #[test]
+    fn writes_are_fenced_unknown_old_session_and_stale() {
+        let mut st = MetaStore::new(CFG);
+        let a = n("a");
+        assert_eq!(st.insert("ns", &hs(&[1]), &a, &s("s1"), 0), Err(StoreError::UnknownNode { node: a.clone() }));
+        st.heartbeat(&a, &s("s1"), 0).unwrap();
+        st.heartbeat(&a, &s("s2"), 200).unwrap(); // takeover
+        let old = StoreError::StaleSession { node: a.clone(), expected: Some(s("s2")), got: s("s1") };
+        assert_eq!(st.insert("ns", &hs(&[1]), &a, &s("s1"), 200), Err(old.clone()));
+        assert_eq!(st.remove("ns", &hs(&[1]), &a, &s("s1"), 200), Err(old));
+        // Same session, but stale: fenced with no live session to expect.
+        let stale = StoreError::StaleSession { node: a.clone(), expected: None, got: s("s2") };
+        assert_eq!(st.insert("ns", &hs(&[1]), &a, &s("s2"), 301), Err(stale.clone()));
+        assert_eq!(st.remove("ns", &hs(&[1]), &a, &s("s2"), 301), Err(stale));
+        assert!(st.insert("ns", &hs(&[1]), &a, &s("s2"), 300).is_ok());
+        // Messages name the node and sessions.
+        let msg = st.insert("ns", &hs(&[1]), &a, &s("s1"), 300).unwrap_err().to_string();
+        assert!(msg.contains("a:1") && msg.contains("s1") && msg.contains("s2"), "{msg}");
+    }
+
+    #[test]
+    fn failed_write_changes_nothing() {
+        let mut st = MetaStore::new(CFG);
+        let (a, b) = (n("a"), n("b"));
+        st.heartbeat(&a, &s("s1"), 0).unwrap();
+        st.heartbeat(&b, &s("t1"), 0).unwrap();
+        st.insert("ns", &hs(&[1, 2]), &a, &s("s1"), 0).unwrap();
+        st.insert("ns", &hs(&[1]), &b, &s("t1"), 0).unwrap();
+        let before = (st.visible_entries(10), st.stats(), st.node_session(&a));
+        assert!(st.insert("ns", &hs(&[3, 4]), &a, &s("bad"), 10).is_err());
+        assert!(st.insert("other", &hs(&[3]), &a, &s("bad"), 10).is_err());
+        assert!(st.insert("ns", &hs(&[3]), &n("c"), &s("x"), 10).is_err());
+        assert!(st.remove("ns", &hs(&[1, 2]), &a, &s("bad"), 10).is_err());
+        assert!(st.remove("ns", &hs(&[1]), &b, &s("t1"), 500).is_err()); // stale
+        assert_eq!(before, (st.visible_entries(10), st.stats(), st.node_session(&a)));
+        st.assert_consistent();
+    }
+
+    #[test]
+    fn insert_is_idempotent_and_remove_touches_only_own_ownership() {
+        let mut st = MetaStore::new(CFG);
+        let (a, b) = (n("a"), n("b"));
+        st.heartbeat(&a, &s("s1"), 0).unwrap();
+        st.heartbeat(&b, &s("t1"), 0).unwrap();
+        let out = st.insert("ns", &hs(&[1, 2, 1, 2]), &a, &s("s1"), 0).unwrap();
+        assert_eq!(out.inserted, 2);
+        assert_eq!(st.insert("ns", &hs(&[2, 3]), &a, &s("s1"), 0).unwrap().inserted, 1);
+        st.insert("ns", &hs(&[1]), &b, &s("t1"), 0).unwrap();
+        assert_eq!(st.remove("ns", &hs(&[1, 1, 9]), &a, &s("s1"), 0), Ok(1));
+        assert_eq!(st.owners("ns", &h(1), 0), vec![b.clone()]);
+        assert_eq!(st.remove("nope", &hs(&[1]), &a, &s("s1"), 0), Ok(0));
+        assert_eq!(st.stats(), StoreStats { nodes: 2, namespaces: 1, hashes: 3, owner_entries: 3 });
+        st.assert_consistent();
+    }
+
+    #[test]
+    fn late_unregister_of_old_session_is_noop() {
+        let mut st = MetaStore::new(CFG);
+        let a = n("a");
+        st.heartbeat(&a, &s("s1"), 0).unwrap();
+        st.insert("ns", &hs(&[1]), &a, &s("s1"), 0).unwrap();
+        st.heartbeat(&a, &s("s2"), 500).unwrap();
+        st.insert("ns", &hs(&[2, 3]), &a, &s("s2"), 500).unwrap();
+        assert_eq!(st.unregister(&a, &s("s1")), 0);
+        assert_eq!(st.unregister(&n("zz"), &s("s1")), 0);
+        assert_eq!(st.node_session(&a), Some((s("s2"), 500)));
+        assert_eq!(st.owners("ns", &h(2), 500), vec![a.clone()]);
+        assert_eq!(st.unregister(&a, &s("s2")), 2);
+        assert_eq!(st.node_session(&a), None);
+        assert_eq!(st.stats(), StoreStats::default());
+    }
+
+    #[test]
+    fn superseded_owners_invisible_at_once_after_takeover() {
+        let mut st = MetaStore::new(CFG);
+        let a = n("a");
+        st.heartbeat(&a, &s("s1"), 0).unwrap();
+        st.insert("ns", &hs(&[1, 2]), &a, &s("s1"), 0).unwrap();
+        assert_eq!(st.heartbeat(&a, &s("s2"), 101), Ok(HeartbeatOutcome::TookOver));
+        // The new session is fresh, but none of the old session's blocks show.
+        assert!(st.owners("ns", &h(1), 101).is_empty());
+        assert!(st.query_prefix("ns", &hs(&[1, 2]), 101).is_empty());
+        assert!(st.visible_entries(101).is_empty());
+        assert_eq!(st.stats().owner_entries, 0);
+        assert_eq!(st.insert("ns", &hs(&[1]), &a, &s("s2"), 101).unwrap().inserted, 1);
+    }
+
+    #[test]
+    fn prefix_stops_at_first_hash_without_visible_owner() {
+        let mut st = MetaStore::new(CFG);
+        let (a, b) = (n("a"), n("b"));
+        st.heartbeat(&a, &s("s"), 0).unwrap();
+        st.heartbeat(&b, &s("t"), 0).unwrap();
+        st.insert("ns", &hs(&[1, 2, 4, 5]), &a, &s("s"), 0).unwrap();
+        st.insert("ns", &hs(&[1, 3]), &b, &s("t"), 0).unwrap();
+        // h3 has a visible owner (b), so the walk goes on; a misses h3.
+        assert_eq!(st.query_prefix("ns", &hs(&[1, 2, 3, 4, 5]), 0), vec![(a.clone(), 2), (b.clone(), 1)]);
+        // h9 has no owner: nothing after it counts even though a owns h4, h5.
+        assert_eq!(st.query_prefix("ns", &hs(&[1, 2, 9, 4, 5]), 0), vec![(a.clone(), 2), (b.clone(), 1)]);
+        // An owner that misses the first hash (b misses h2) has no prefix.
+        assert_eq!(st.query_prefix("ns", &hs(&[2, 1]), 0), vec![(a.clone(), 2)]);
+        // A hash whose only owner is stale stops the walk too.
+        st.heartbeat(&a, &s("s"), 150).unwrap();
+        assert_eq!(st.query_prefix("ns", &hs(&[1, 4, 5]), 150), vec![(a.clone(), 3)]);
+        assert_eq!(st.query_prefix("ns", &hs(&[]), 150), vec![]);
+        assert_eq!(st.query_prefix("missing", &hs(&[1]), 150), vec![]);
+    }
+
+    #[test]
+    fn prefix_example_a_b() {
+        let mut st = MetaStore::new(CFG);
+        let (a, b) = (n("A"), n("B"));
+        st.heartbeat(&a, &s("s"), 0).unwrap();
+        st.heartbeat(&b, &s("t"), 0).unwrap();
+        st.insert("ns", &hs(&[1, 2, 3, 4]), &a, &s("s"), 0).unwrap();
+        st.insert("ns", &hs(&[1, 2, 3, 5]), &b, &s("t"), 0).unwrap();
+        assert_eq!(st.query_prefix("ns", &hs(&[1, 2, 3, 4]), 0), vec![(a.clone(), 4), (b.clone(), 3)]);
+        // Missing h2 but owning h3 still gives prefix 1.
+        let c = n("C");
+        st.heartbeat(&c, &s("u"), 0).unwrap();
+        st.insert("ns", &hs(&[1, 3]), &c, &s("u"), 0).unwrap();
+        assert_eq!(st.query_prefix("ns", &hs(&[1, 2, 3, 4]), 0), vec![(a, 4), (b, 3), (c, 1)]);
+    }
+
+    #[test]
+    fn prefix_order_is_deterministic_with_ties_broken_by_node() {
+        let mut st = MetaStore::new(CFG);
+        let nodes = [n("d"), n("b"), n("c"), n("a")];
+        for (i, node) in nodes.iter().enumerate() {
+            st.heartbeat(node, &s("s"), 0).unwrap();
+            let len = if i % 2 == 0 { 2 } else { 3 };
+            let ids: Vec<u64> = (1..=len).collect();
+            st.insert("ns", &hs(&ids), node, &s("s"), 0).unwrap();
+        }
+        let want = vec![(n("a"), 3), (n("b"), 3), (n("c"), 2), (n("d"), 2)];
+        assert_eq!(st.query_prefix("ns", &hs(&[1, 2, 3]), 0), want);
+        assert_eq!(st.owners("ns", &h(1), 0), vec![n("a"), n("b"), n("c"), n("d")]);
+    }
+
+    #[test]
+    fn reclaimable_only_for_third_or_later_live_owner() {
+        let mut st = MetaStore::new(CFG);
+        let (a, b, c, d) = (n("a"), n("b"), n("c"), n("d"));
+        for x in [&a, &b, &c, &d] {
+            st.heartbeat(x, &s("s"), 0).unwrap();
+        }
+        assert!(st.insert("ns", &hs(&[1, 2]), &a, &s("s"), 0).unwrap().reclaimable.is_empty());
+        assert!(st.insert("ns", &hs(&[1]), &b, &s("s"), 0).unwrap().reclaimable.is_empty());
+        // c is the third owner of h1 (not of h2); duplicates reported once.
+        let out = st.insert("ns", &hs(&[2, 1, 1, 3]), &c, &s("s"), 0).unwrap();
+        assert_eq!(out.reclaimable, hs(&[1]));
+        assert_eq!(out.inserted, 3);
+        // Re-inserting as an existing owner still reports it.
+        let out = st.insert("ns", &hs(&[1]), &a, &s("s"), 0).unwrap();
+        assert_eq!((out.inserted, out.reclaimable), (0, hs(&[1])));
+        // Stale owners do not count: at 150 only d (refreshed) and b are live.
+        st.heartbeat(&b, &s("s"), 150).unwrap();
+        st.heartbeat(&d, &s("s"), 150).unwrap();
+        assert!(st.insert("ns", &hs(&[1]), &d, &s("s"), 150).unwrap().reclaimable.is_empty());
+    }
+
+    #[test]
+    fn stale_node_invisible_then_visible_after_refresh() {
+        let mut st = MetaStore::new(CFG);
+        let a = n("a");
+        st.heartbeat(&a, &s("s"), 0).unwrap();
+        st.insert("ns", &hs(&[1, 2]), &a, &s("s"), 0).unwrap();
+        assert_eq!(st.owners("ns", &h(1), 100), vec![a.clone()]);
+        assert!(st.owners("ns", &h(1), 101).is_empty());
+        assert!(st.query_prefix("ns", &hs(&[1, 2]), 101).is_empty());
+        assert!(st.visible_entries(101).is_empty());
+        assert_eq!(st.stats().owner_entries, 2);
+        assert_eq!(st.heartbeat(&a, &s("s"), 500), Ok(HeartbeatOutcome::Refreshed));
+        assert_eq!(st.query_prefix("ns", &hs(&[1, 2]), 500), vec![(a.clone(), 2)]);
+        assert_eq!(st.visible_entries(500).len(), 2);
+    }
+
+    #[test]
+    fn sweep_removes_after_ttl() {
+        let mut st = MetaStore::new(CFG);
+        let (a, b) = (n("a"), n("b"));
+        st.heartbeat(&a, &s("s"), 0).unwrap();
+        st.heartbeat(&b, &s("t"), 0).unwrap();
+        st.insert("ns", &hs(&[1, 2, 3]), &a, &s("s"), 0).unwrap();
+        st.insert("ns", &hs(&[3, 4]), &b, &s("t"), 0).unwrap();
+        st.heartbeat(&b, &s("t"), 900).unwrap();
+        assert_eq!(st.sweep(1_000), SweepReport::default());
+        assert_eq!(st.sweep(1_001), SweepReport { nodes_removed: 1, owners_removed: 3 });
+        assert_eq!(st.node_session(&a), None);
+        assert_eq!(st.insert("ns", &hs(&[1]), &a, &s("s"), 1_001), Err(StoreError::UnknownNode { node: a.clone() }));
+        assert_eq!(st.stats(), StoreStats { nodes: 1, namespaces: 1, hashes: 2, owner_entries: 2 });
+        // The address may register again, with any session.
+        assert_eq!(st.heartbeat(&a, &s("s9"), 1_001), Ok(HeartbeatOutcome::Registered));
+        st.assert_consistent();
+    }
+
+    #[test]
+    fn unregister_cost_touches_only_owned_keys() {
+        let mut st = MetaStore::new(CFG);
+        let (a, big) = (n("a"), n("big"));
+        st.heartbeat(&a, &s("s"), 0).unwrap();
+        st.heartbeat(&big, &s("t"), 0).unwrap();
+        let many: Vec<BlockHash> = (0..10_000).map(h).collect();
+        st.insert("ns", &many, &big, &s("t"), 0).unwrap();
+        st.insert("ns", &hs(&[1, 2, 20_000, 20_001, 20_002]), &a, &s("s"), 0).unwrap();
+        let work = st.drop_work();
+        assert_eq!(st.unregister(&a, &s("s")), 5);
+        // Exactly the 5 owned entries were visited, not the 10 005 keys.
+        assert_eq!(st.drop_work() - work, 5);
+        assert_eq!(st.stats().hashes, 10_000);
+        assert_eq!(st.owners("ns", &h(1), 0), vec![big.clone()]);
+        st.assert_consistent();
+    }
+
+    #[test]
+    fn empty_namespaces_and_nodes_are_recycled() {
+        let mut st = MetaStore::new(CFG);
+        for round in 0..3u64 {
+            let a = n(&format!("a{round}"));
+            st.heartbeat(&a, &s("s"), 0).unwrap();
+            st.insert(&format!("ns{round}"), &hs(&[1, 2]), &a, &s("s"), 0).unwrap();
+            assert_eq!(st.unregister(&a, &s("s")), 2);
+            assert_eq!(st.stats(), StoreStats::default());
+        }
+        assert_eq!(st.namespaces.len(), 1);
+        assert_eq!(st.nodes.len(), 1);
+    }
+
+    #[test]
+    fn odd_length_hashes_round_trip() {
+        let mut st = MetaStore::new(CFG);
+        let a = n("a");
+        st.heartbeat(&a, &s("s"), 0).unwrap();
+        let odd = vec![BlockHash::new(vec![7u8; 5]), BlockHash::new(vec![9u8; 64])];
+        assert_eq!(st.insert("ns", &odd, &a, &s("s"), 0).unwrap().inserted, 2);
+        assert_eq!(st.query_prefix("ns", &odd, 0), vec![(a.clone(), 2)]);
+        let entries: Vec<BlockHash> = st.visible_entries(0).into_iter().map(|e| e.1).collect();
+        assert_eq!(entries, odd);
+    }
+
+    fn op_strategy() -> impl Strategy<Value = Op> {
+        let sess = || {
+            prop_oneof![
+                3 => Just(Sess::Current),
+                1 => (0u8..3).prop_map(Sess::Index),
+            ]
+        };
+        let hashes = || {
+            prop_oneof![
+                (0u8..8, 0u8..13).prop_map(|(start, len)| Hashes::Run { start, len }),
+                prop::collection::vec(0u8..model::HASHES as u8, 0..8).prop_map(Hashes::List),
+            ]
+        };
+        prop_oneof![
+            3 => (0u8..4, sess()).prop_map(|(node, session)| Op::Heartbeat { node, session }),
+            1 => (0u8..4, 0u8..3).prop_map(|(node, session)| Op::Takeover { node, session }),
+            5 => (0u8..2, hashes(), 0u8..4, sess()).prop_map(|(ns, hashes, node, session)| {
+                Op::Insert { ns, hashes, node, session }
+            }),
+            2 => (0u8..2, hashes(), 0u8..4, sess()).prop_map(|(ns, hashes, node, session)| {
+                Op::Remove { ns, hashes, node, session }
+            }),
+            1 => (0u8..4, sess()).prop_map(|(node, session)| Op::Unregister { node, session }),
+            1 => Just(Op::Sweep),
+            2 => any::<u8>().prop_map(|ms| Op::Advance { ms }),
+            1 => any::<u16>().prop_map(|ms| Op::Jump { ms }),
+            3 => (0u8..2, hashes()).prop_map(|(ns, hashes)| Op::Query { ns, hashes }),
+            1 => (0u8..2, 0u8..16).prop_map(|(ns, hash)| Op::Owners { ns, hash }),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+        #[test]
+        fn matches_reference_model(
+            stale in 20u64..200,
+            ttl in 0u64..600,
+            ops in prop::collection::vec(op_strategy(), 1..120),
+        ) {
+            model::run_ops(StoreConfig { stale_after_ms: stale, ttl_ms: ttl }, &ops);
+        }
+    }
+
+    fn splitmix64(state: &mut u64) -> u64 {
+        *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = *state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    #[test]
+    fn fuzz_store_seeded() {
+        for seed in 0..3_000u64 {
+            let mut st = seed;
+            let len = 1 + (splitmix64(&mut st) % 511) as usize;
+            let data: Vec<u8> = (0..len).map(|_| splitmix64(&mut st) as u8).collect();
+            fuzz_store(&data);
+        }
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/fuzz/regressions/metaserver_store/");
+        if let Ok(entries) = std::fs::read_dir(dir) {
+            for entry in entries {
+                let path = entry.expect("readable regression dir").path();
+                if path.is_file() {
+                    fuzz_store(&std::fs::read(&path).expect("readable regression file"));
+                }
+            }
+        }
+    }
+
+    /// Timing check against the perf targets; run with
+    /// `cargo test --release -- --ignored perf_targets --nocapture`.
+    #[test]
+    #[ignore = "timing; run in release with --ignored"]
+    fn perf_targets() {
+        use std::time::Instant;
+        const N: u64 = 1_000_000;
+        let keys: Vec<BlockHash> = (0..N).map(|i| h(i.wrapping_mul(0x9e37_79b9_7f4a_7c15))).collect();
+        let raw: Vec<[u8; 32]> = keys.iter().map(|k| k.as_bytes().try_into().unwrap()).collect();
+        let (a, b) = (n("a"), n("b"));
+        let (sa, sb) = (s("s"), s("t"));
+        // Best of 5, interleaved, to ride out a noisy shared machine.
+        let (mut base_s, mut store_s, mut unreg_s) = (f64::MAX, f64::MAX, f64::MAX);
+        for _ in 0..5 {
+            let t = Instant::now();
+            let mut base: HashMap<[u8; 32], u32> = HashMap::new();
+            for (i, k) in raw.iter().enumerate() {
+                base.insert(*k, i as u32);
+            }
+            base_s = base_s.min(t.elapsed().as_secs_f64());
+            std::hint::black_box(&base);
+            let mut st = MetaStore::new(CFG);
+            st.heartbeat(&a, &sa, 0).unwrap();
+            st.heartbeat(&b, &sb, 0).unwrap();
+            let t = Instant::now();
+            for chunk in keys.chunks(limits::HASHES_PER_REQUEST_MAX) {
+                st.insert("ns", chunk, &a, &sa, 0).unwrap();
+            }
+            store_s = store_s.min(t.elapsed().as_secs_f64());
+            st.insert("ns", &keys[..10_000], &b, &sb, 0).unwrap();
+            let t = Instant::now();
+            assert_eq!(st.unregister(&b, &sb), 10_000);
+            unreg_s = unreg_s.min(t.elapsed().as_secs_f64());
+        }
+        println!(
+            "baseline {:.0}/s, store {:.0}/s (ratio {:.2}, target >= 0.5); \
+             unregister 10k of 1M: {:.3} ms (target <= 10)",
+            N as f64 / base_s,
+            N as f64 / store_s,
+            base_s / store_s,
+            unreg_s * 1e3
+        );
+    }
+}

@@ -1,0 +1,166 @@
+//! `P2pTransferService`: the minimal Engine gRPC surface a serving peer
+//! exposes (design.md §2.4): `RdmaHandshake`, `QueryBlocksForTransfer`,
+//! `ReleaseTransferLock`, `Health`. Every other Engine RPC answers
+//! `UNIMPLEMENTED`. Input is validated before anything is locked; bad input
+//! gets `INVALID_ARGUMENT`, never a panic.
+
+use std::pin::Pin;
+
+use tonic::{Request, Response, Status};
+
+use crate::engine::Engine;
+use crate::engine::fetch::transfer_block_info;
+use crate::limits;
+use crate::proto::engine_server::Engine as EngineRpc;
+use crate::proto::*;
+use crate::status::from_id_error;
+use crate::transport::HandshakeMetadata;
+use crate::types::{BlockHash, NodeAddr, validate_namespace};
+
+/// The service over an [`Engine`].
+#[derive(Clone)]
+pub struct P2pTransferService {
+    engine: Engine,
+}
+
+impl P2pTransferService {
+    /// Wraps an engine.
+    pub fn new(engine: Engine) -> Self {
+        Self { engine }
+    }
+}
+
+fn ok() -> Option<ResponseStatus> {
+    Some(ResponseStatus { ok: true, message: String::new() })
+}
+
+fn unimplemented<T>(name: &str) -> Result<Response<T>, Status> {
+    Err(Status::unimplemented(format!("{name} is not served by the P2P transfer service")))
+}
+
+type SessionStream = Pin<Box<dyn futures::Stream<Item = Result<SessionEvent, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl EngineRpc for P2pTransferService {
+    async fn register_context_batch(
+        &self,
+        _: Request<RegisterContextBatchRequest>,
+    ) -> Result<Response<SimpleResponse>, Status> {
+        unimplemented("RegisterContextBatch")
+    }
+    async fn save(&self, _: Request<SaveRequest>) -> Result<Response<SimpleResponse>, Status> {
+        unimplemented("Save")
+    }
+    async fn load(&self, _: Request<LoadRequest>) -> Result<Response<SimpleResponse>, Status> {
+        unimplemented("Load")
+    }
+    async fn query_prefetch(&self, _: Request<QueryPrefetchRequest>) -> Result<Response<SimpleResponse>, Status> {
+        unimplemented("QueryPrefetch")
+    }
+    async fn release(&self, _: Request<ReleaseRequest>) -> Result<Response<SimpleResponse>, Status> {
+        unimplemented("Release")
+    }
+    async fn unregister_context(
+        &self,
+        _: Request<UnregisterContextRequest>,
+    ) -> Result<Response<SimpleResponse>, Status> {
+        unimplemented("UnregisterContext")
+    }
+    async fn shutdown(&self, _: Request<ShutdownRequest>) -> Result<Response<SimpleResponse>, Status> {
+        unimplemented("Shutdown")
+    }
+
+    type SessionStream = SessionStream;
+
+    async fn session(&self, _: Request<SessionRequest>) -> Result<Response<Self::SessionStream>, Status> {
+        unimplemented("Session")
+    }
+
+    async fn rdma_handshake(
+        &self,
+        request: Request<RdmaHandshakeRequest>,
+    ) -> Result<Response<RdmaHandshakeResponse>, Status> {
+        let r = request.into_inner();
+        NodeAddr::parse(&r.requester_id).map_err(from_id_error)?;
+        if r.handshake_metadata.len() > limits::HANDSHAKE_METADATA_BYTES_MAX {
+            return Err(Status::invalid_argument("handshake metadata too large"));
+        }
+        let Some(transport) = self.engine.transport() else {
+            return Err(Status::unavailable("no transport installed"));
+        };
+        // Validate the requester's metadata (versioned; unknown versions and
+        // trailing bytes are rejected). TCP needs nothing back-connected.
+        let remote = HandshakeMetadata::decode(&r.handshake_metadata)
+            .map_err(|e| Status::invalid_argument(format!("handshake metadata: {e}")))?;
+        if remote.transport != transport.kind() {
+            return Err(Status::failed_precondition(format!(
+                "requester speaks {:?}, this node {:?}",
+                remote.transport,
+                transport.kind()
+            )));
+        }
+        Ok(Response::new(RdmaHandshakeResponse {
+            status: ok(),
+            handshake_metadata: transport.local_metadata().encode().into(),
+        }))
+    }
+
+    async fn query_blocks_for_transfer(
+        &self,
+        request: Request<QueryBlocksForTransferRequest>,
+    ) -> Result<Response<QueryBlocksForTransferResponse>, Status> {
+        let r = request.into_inner();
+        validate_namespace(&r.namespace).map_err(from_id_error)?;
+        if r.block_hashes.is_empty() {
+            return Err(Status::invalid_argument("empty block_hashes"));
+        }
+        if r.block_hashes.len() > limits::HASHES_PER_REQUEST_MAX {
+            return Err(Status::invalid_argument(format!(
+                "{} hashes; the limit is {}",
+                r.block_hashes.len(),
+                limits::HASHES_PER_REQUEST_MAX
+            )));
+        }
+        let hashes: Vec<BlockHash> = r
+            .block_hashes
+            .into_iter()
+            .map(|b| {
+                let h = BlockHash(b);
+                h.validate().map(|_| h).map_err(from_id_error)
+            })
+            .collect::<Result<_, _>>()?;
+        let Ok((_, layout)) = self.engine.layout(&r.namespace) else {
+            // Unknown namespace here: nothing to lock.
+            return Ok(Response::new(QueryBlocksForTransferResponse {
+                status: ok(),
+                blocks: Vec::new(),
+                transfer_session_id: String::new(),
+                lock_timeout_secs: 0,
+            }));
+        };
+        let (session, found) = self
+            .engine
+            .lock_for_transfer(&r.namespace, &hashes)
+            .map_err(|e| Status::resource_exhausted(e.to_string()))?;
+        let blocks = found.iter().map(|(h, b)| transfer_block_info(&layout, h, b)).collect();
+        Ok(Response::new(QueryBlocksForTransferResponse {
+            status: ok(),
+            blocks,
+            transfer_session_id: session.unwrap_or_default(),
+            lock_timeout_secs: self.engine.lock_timeout_secs(),
+        }))
+    }
+
+    async fn release_transfer_lock(
+        &self,
+        request: Request<ReleaseTransferLockRequest>,
+    ) -> Result<Response<ReleaseTransferLockResponse>, Status> {
+        let r = request.into_inner();
+        let released = self.engine.release_transfer(&r.transfer_session_id);
+        Ok(Response::new(ReleaseTransferLockResponse { status: ok(), released_blocks: released as u64 }))
+    }
+
+    async fn health(&self, _: Request<HealthRequest>) -> Result<Response<HealthResponse>, Status> {
+        Ok(Response::new(HealthResponse { status: ok() }))
+    }
+}

@@ -1,0 +1,3 @@
+//! The main job: P/D replay of a real trace (`kvferry pd`).
+
+pub mod trace;

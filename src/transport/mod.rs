@@ -1,0 +1,171 @@
+//! The `Transport` door: one-sided READ of a peer's registered memory, shaped
+//! like RDMA verbs — register regions once at start, exchange versioned
+//! handshake metadata, post a batch of reads, get a completion that hands
+//! the local buffers back.
+//!
+//! # Failure contract
+//! - [`Transport::read`] takes ownership of the local extents and its
+//!   [`ReadCompletion`] returns every one of them with a per-extent result.
+//!   A deadline or a peer failure fails the affected extents; it never frees
+//!   a buffer a read may still write into (C11): backends with DMA (verbs)
+//!   keep the extents until the hardware completion arrives.
+//! - An extent whose result is `Ok` holds exactly the bytes the peer served
+//!   (integrity is still checked by the caller against the seal-time
+//!   checksums, C10).
+//! - Any error on a connection invalidates that connection; the next read
+//!   reconnects. [`Transport::disconnect`] forgets a peer entirely so the next
+//!   handshake starts clean.
+//! - The serving side authorizes every read against the transfer session it
+//!   names (C13) through a [`DataSource`]; anything else is an error reply
+//!   and the server stays healthy.
+//!
+//! Backends: [`tcp`] (embedded default, real sockets), `sim` (the simulator)
+//! and `verbs` (feature `rdma`, later).
+
+pub mod frame;
+pub mod handshake;
+pub mod tcp;
+
+use async_trait::async_trait;
+use tokio::time::Instant;
+
+pub use handshake::{HandshakeMetadata, Region, TransportKind};
+
+use crate::engine::locks::AccessError;
+use crate::engine::pool::{Extent, SealedExtent};
+use crate::types::NodeAddr;
+
+/// The serving side's access policy and memory: authorizes a read under a
+/// transfer session and returns the block extent (a clone that pins the
+/// memory while the bytes are sent) with the range's offset inside it.
+pub trait DataSource: Send + Sync + 'static {
+    /// See the trait doc.
+    ///
+    /// # Errors
+    /// [`AccessError`] for an unknown session or an out-of-range read.
+    fn authorize(&self, session: &str, region: u32, offset: u64, len: u64) -> Result<(SealedExtent, u64), AccessError>;
+}
+
+/// One remote read: `len` bytes at `(region, remote_offset)` on the peer into
+/// `local[local_extent][local_offset..]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReadOp {
+    /// Peer region id (from its handshake metadata).
+    pub region: u32,
+    /// Offset in that region.
+    pub remote_offset: u64,
+    /// Bytes.
+    pub len: u64,
+    /// Index of the local extent.
+    pub local_extent: usize,
+    /// Offset inside the local extent.
+    pub local_offset: u64,
+}
+
+/// Transport errors.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TransportError {
+    /// Could not reach the peer's data plane.
+    #[error("connect to {addr} failed: {reason}")]
+    Connect {
+        /// Data-plane address.
+        addr: String,
+        /// OS error text.
+        reason: String,
+    },
+    /// The peer's metadata is unusable for this backend.
+    #[error("handshake rejected: {0}")]
+    Handshake(String),
+    /// No handshake happened with this peer.
+    #[error("not connected to {0}")]
+    NotConnected(String),
+    /// The peer refused the read.
+    #[error("peer refused read: {status} ({message})")]
+    Refused {
+        /// Frame status name.
+        status: String,
+        /// Peer's message.
+        message: String,
+    },
+    /// I/O error mid-read (peer died, connection reset).
+    #[error("i/o error: {0}")]
+    Io(String),
+    /// The peer broke the protocol.
+    #[error("protocol error: {0}")]
+    Protocol(String),
+    /// The deadline passed.
+    #[error("read deadline passed")]
+    Timeout,
+    /// The read batch itself is malformed (local ranges).
+    #[error("bad read op: {0}")]
+    BadOp(String),
+}
+
+/// Completion of a read batch: every local extent, each with its result.
+pub struct ReadCompletion {
+    /// The local extents, in the order given.
+    pub local: Vec<Extent>,
+    /// Per extent: `Ok` when all its ops landed.
+    pub results: Vec<Result<(), TransportError>>,
+}
+
+/// The transport trait. See the module doc for the failure contract.
+#[async_trait]
+pub trait Transport: Send + Sync + 'static {
+    /// Backend kind.
+    fn kind(&self) -> TransportKind;
+
+    /// Metadata describing this node's data plane (regions registered at
+    /// start), sent in the handshake.
+    fn local_metadata(&self) -> HandshakeMetadata;
+
+    /// Prepares reads from `peer` described by `remote` (validate, open
+    /// connections / queue pairs), bounded by `deadline`.
+    ///
+    /// # Errors
+    /// [`TransportError::Handshake`] / [`TransportError::Connect`] /
+    /// [`TransportError::Timeout`].
+    async fn connect(
+        &self,
+        peer: &NodeAddr,
+        remote: &HandshakeMetadata,
+        deadline: Instant,
+    ) -> Result<(), TransportError>;
+
+    /// Forgets a peer (connections, metadata).
+    fn disconnect(&self, peer: &NodeAddr);
+
+    /// Posts a batch of reads from `peer` under transfer session `session`.
+    async fn read(
+        &self,
+        peer: &NodeAddr,
+        session: &str,
+        ops: Vec<ReadOp>,
+        local: Vec<Extent>,
+        deadline: Instant,
+    ) -> ReadCompletion;
+}
+
+/// Validates that every op lands inside its local extent.
+///
+/// # Errors
+/// [`TransportError::BadOp`].
+pub fn validate_local(ops: &[ReadOp], local: &[Extent]) -> Result<(), TransportError> {
+    for op in ops {
+        let ext = local
+            .get(op.local_extent)
+            .ok_or_else(|| TransportError::BadOp(format!("local extent {} of {}", op.local_extent, local.len())))?;
+        match op.local_offset.checked_add(op.len) {
+            Some(end) if end <= ext.len() && op.len > 0 => {}
+            _ => {
+                return Err(TransportError::BadOp(format!(
+                    "[{}, +{}) outside local extent of {}",
+                    op.local_offset,
+                    op.len,
+                    ext.len()
+                )));
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,466 @@
+//! The `tcp` transport: one-sided READ semantics over plain TCP sockets — the
+//! embedded default data plane.
+//!
+//! Each node runs one data-plane listener. A reader keeps a small pool of
+//! connections per peer (`TCP_CONNECTIONS_PER_PEER_DEFAULT`) and pipelines
+//! its reads: per connection a writer half streams every request frame while
+//! the reader half receives the responses in order straight into the local
+//! pool extents (no intermediate copy). The server answers requests in
+//! order, sending payload bytes straight from the locked block's memory.
+//!
+//! Access is by capability (C13): every request names a transfer session;
+//! the server asks its [`DataSource`] (the engine's lock table) whether the
+//! range lies inside a block locked by that session. Unknown sessions and
+//! out-of-range reads get an error frame and the connection stays usable; a
+//! malformed frame gets an error frame and the connection is closed. Input
+//! from the network never panics and never allocates by an unchecked length.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use crate::rt::timeout_at;
+use async_trait::async_trait;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::time::Instant;
+
+use super::frame::{self, ReadRequest, Request, ResponseHeader, Status};
+use super::handshake::{HandshakeMetadata, Region, TransportKind};
+use super::{DataSource, ReadCompletion, ReadOp, Transport, TransportError, validate_local};
+use crate::engine::locks::AccessError;
+use crate::engine::pool::Extent;
+use crate::limits;
+use crate::types::NodeAddr;
+
+/// Largest request frame the server buffers before deciding it is malformed.
+const REQUEST_BUFFER_BYTES_MAX: usize = 64 << 10;
+
+/// Counters and fault switches of a TCP transport.
+#[derive(Debug, Default)]
+pub struct TcpHooks {
+    /// Flip one payload byte in each of the next N served reads (test hook:
+    /// corruption on the wire must be caught by the fetcher's checksums).
+    pub corrupt_next_reads: AtomicU64,
+    /// Reads served OK.
+    pub reads_served: AtomicU64,
+    /// Payload bytes served.
+    pub bytes_served: AtomicU64,
+    /// Error frames sent (unknown session, out of range, malformed).
+    pub errors_sent: AtomicU64,
+    /// Connections accepted.
+    pub connections_accepted: AtomicU64,
+}
+
+struct Peer {
+    data_addr: String,
+    conns: Vec<tokio::sync::Mutex<Option<TcpStream>>>,
+    next: AtomicUsize,
+}
+
+/// The TCP transport of one node (server and client sides).
+pub struct TcpTransport {
+    local: HandshakeMetadata,
+    peers: Mutex<HashMap<NodeAddr, Arc<Peer>>>,
+    conns_per_peer: usize,
+    next_req: AtomicU64,
+    /// Counters and fault switches.
+    pub hooks: Arc<TcpHooks>,
+    server: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for TcpTransport {
+    fn drop(&mut self) {
+        self.server.abort();
+    }
+}
+
+impl TcpTransport {
+    /// Binds the data-plane listener on `bind` (a taken port is an error
+    /// here, before anything is served) and starts serving reads of the
+    /// pool (region 0, `pool_len` bytes) authorized by `source`.
+    /// `advertise_host` is the host peers use to reach us.
+    ///
+    /// # Errors
+    /// The bind error.
+    pub async fn start(
+        bind: SocketAddr,
+        advertise_host: &str,
+        node: NodeAddr,
+        pool_len: u64,
+        source: Arc<dyn DataSource>,
+        conns_per_peer: usize,
+    ) -> std::io::Result<Self> {
+        let listener = TcpListener::bind(bind).await?;
+        let port = listener.local_addr()?.port();
+        let hooks = Arc::new(TcpHooks::default());
+        let local = HandshakeMetadata {
+            transport: TransportKind::Tcp,
+            node: node.0.clone(),
+            data_addr: format!("{advertise_host}:{port}"),
+            regions: vec![Region { id: 0, base: 0, len: pool_len, rkey: 0 }],
+            verbs: None,
+        };
+        let server = tokio::spawn(accept_loop(listener, source, hooks.clone()));
+        Ok(Self {
+            local,
+            peers: Mutex::new(HashMap::new()),
+            conns_per_peer: conns_per_peer.max(1),
+            next_req: AtomicU64::new(1),
+            hooks,
+            server,
+        })
+    }
+
+    /// The data-plane address peers connect to.
+    pub fn data_addr(&self) -> &str {
+        &self.local.data_addr
+    }
+
+    /// Peers with an established handshake.
+    pub fn connected_peers(&self) -> usize {
+        self.peers.lock().expect("peers lock").len()
+    }
+}
+
+async fn accept_loop(listener: TcpListener, source: Arc<dyn DataSource>, hooks: Arc<TcpHooks>) {
+    loop {
+        match listener.accept().await {
+            Ok((stream, _)) => {
+                let _ = stream.set_nodelay(true);
+                hooks.connections_accepted.fetch_add(1, Ordering::Relaxed);
+                tokio::spawn(serve_conn(stream, source.clone(), hooks.clone()));
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "data-plane accept failed");
+                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+            }
+        }
+    }
+}
+
+async fn send_error(
+    wr: &mut TcpStream,
+    hooks: &TcpHooks,
+    req_id: u64,
+    status: Status,
+    msg: &str,
+) -> std::io::Result<()> {
+    hooks.errors_sent.fetch_add(1, Ordering::Relaxed);
+    let msg = &msg.as_bytes()[..msg.len().min(frame::ERROR_MESSAGE_BYTES_MAX)];
+    let mut out = Vec::with_capacity(frame::RESPONSE_HEADER_BYTES + msg.len());
+    frame::encode_response_header(&ResponseHeader { req_id, status, len: msg.len() as u64 }, &mut out)
+        .map_err(std::io::Error::other)?;
+    out.extend_from_slice(msg);
+    wr.write_all(&out).await
+}
+
+async fn serve_conn(mut stream: TcpStream, source: Arc<dyn DataSource>, hooks: Arc<TcpHooks>) {
+    let mut buf: Vec<u8> = Vec::with_capacity(4096);
+    loop {
+        match frame::decode_request(&buf) {
+            Ok(Some((req, used))) => {
+                buf.drain(..used);
+                let r = match req {
+                    Request::Ping { req_id } => {
+                        let mut out = Vec::new();
+                        match frame::encode_response_header(
+                            &ResponseHeader { req_id, status: Status::Ok, len: 0 },
+                            &mut out,
+                        ) {
+                            Ok(()) => stream.write_all(&out).await,
+                            Err(e) => Err(std::io::Error::other(e)),
+                        }
+                    }
+                    Request::Read(rr) => serve_read(&mut stream, &*source, &hooks, rr).await,
+                };
+                if r.is_err() {
+                    return;
+                }
+            }
+            Ok(None) => {
+                if buf.len() > REQUEST_BUFFER_BYTES_MAX {
+                    let _ = send_error(&mut stream, &hooks, 0, Status::Malformed, "request frame too long").await;
+                    return;
+                }
+                match stream.read_buf(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(_) => {}
+                }
+            }
+            Err(e) => {
+                let _ = send_error(&mut stream, &hooks, 0, Status::Malformed, &e.to_string()).await;
+                return;
+            }
+        }
+    }
+}
+
+async fn serve_read(
+    stream: &mut TcpStream,
+    source: &dyn DataSource,
+    hooks: &TcpHooks,
+    rr: ReadRequest,
+) -> std::io::Result<()> {
+    let (extent, off) = match source.authorize(&rr.session, rr.region, rr.offset, rr.len) {
+        Ok(v) => v,
+        Err(e) => {
+            let status = match e {
+                AccessError::UnknownSession => Status::UnknownSession,
+                AccessError::OutOfRange { .. } => Status::OutOfRange,
+            };
+            return send_error(stream, hooks, rr.req_id, status, &e.to_string()).await;
+        }
+    };
+    // `extent` (a clone) pins the block's memory until the bytes are sent (C11).
+    let start = off as usize;
+    let payload = &extent.as_slice()[start..start + rr.len as usize];
+    let mut hdr = Vec::with_capacity(frame::RESPONSE_HEADER_BYTES);
+    frame::encode_response_header(&ResponseHeader { req_id: rr.req_id, status: Status::Ok, len: rr.len }, &mut hdr)
+        .map_err(std::io::Error::other)?;
+    stream.write_all(&hdr).await?;
+    let corrupt =
+        hooks.corrupt_next_reads.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok();
+    if corrupt {
+        let mut copy = payload.to_vec();
+        let mid = copy.len() / 2;
+        copy[mid] ^= 0x5A;
+        stream.write_all(&copy).await?;
+    } else {
+        stream.write_all(payload).await?;
+    }
+    hooks.reads_served.fetch_add(1, Ordering::Relaxed);
+    hooks.bytes_served.fetch_add(rr.len, Ordering::Relaxed);
+    Ok(())
+}
+
+/// Work of one connection: extents (with their batch index) and their ops.
+type ConnWork = Vec<(usize, Extent, Vec<ReadOp>)>;
+
+fn io_err(e: std::io::Error) -> TransportError {
+    TransportError::Io(e.to_string())
+}
+
+/// Runs one connection's share of a batch. Always returns every extent.
+async fn run_conn(
+    stream: TcpStream,
+    session: &str,
+    work: ConnWork,
+    first_req: u64,
+    deadline: Instant,
+) -> (Vec<(usize, Extent, Result<(), TransportError>)>, Option<TcpStream>) {
+    let mut wire = Vec::new();
+    let mut req_id = first_req;
+    for (_, _, ops) in &work {
+        for op in ops {
+            let req = Request::Read(ReadRequest {
+                req_id,
+                session: session.to_string(),
+                region: op.region,
+                offset: op.remote_offset,
+                len: op.len,
+            });
+            if let Err(e) = frame::encode_request(&req, &mut wire) {
+                // A malformed session id (it came from a peer): nothing was sent.
+                let e = TransportError::BadOp(e.to_string());
+                return (work.into_iter().map(|(i, ext, _)| (i, ext, Err(e.clone()))).collect(), Some(stream));
+            }
+            req_id += 1;
+        }
+    }
+    let (mut rd, mut wr) = tokio::io::split(stream);
+    let writer = async {
+        match timeout_at(deadline, wr.write_all(&wire)).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(io_err(e)),
+            Err(_) => Err(TransportError::Timeout),
+        }
+    };
+    let reader = async {
+        let mut out = Vec::with_capacity(work.len());
+        let mut healthy = true;
+        let mut expect = first_req;
+        for (idx, mut ext, ops) in work {
+            let mut result = Ok(());
+            for op in ops {
+                let id = expect;
+                expect += 1;
+                if !healthy {
+                    result = Err(TransportError::Io("connection lost earlier in the batch".into()));
+                    continue;
+                }
+                match read_one(&mut rd, &mut ext, &op, id, deadline).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(refused)) => result = Err(refused),
+                    Err(fatal) => {
+                        healthy = false;
+                        result = Err(fatal);
+                    }
+                }
+            }
+            out.push((idx, ext, result));
+        }
+        (out, healthy)
+    };
+    let (w, (out, healthy)) = tokio::join!(writer, reader);
+    let stream = rd.unsplit(wr);
+    (out, (healthy && w.is_ok()).then_some(stream))
+}
+
+/// Reads one response. `Ok(Err(_))`: the peer refused this read, the stream
+/// is still in sync. `Err(_)`: the stream is unusable.
+async fn read_one(
+    rd: &mut tokio::io::ReadHalf<TcpStream>,
+    ext: &mut Extent,
+    op: &ReadOp,
+    id: u64,
+    deadline: Instant,
+) -> Result<Result<(), TransportError>, TransportError> {
+    let mut hdr = [0u8; frame::RESPONSE_HEADER_BYTES];
+    match timeout_at(deadline, rd.read_exact(&mut hdr)).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => return Err(io_err(e)),
+        Err(_) => return Err(TransportError::Timeout),
+    }
+    let h = match frame::decode_response_header(&hdr) {
+        Ok(Some((h, _))) => h,
+        Ok(None) => return Err(TransportError::Protocol("short response header".into())),
+        Err(e) => return Err(TransportError::Protocol(e.to_string())),
+    };
+    if h.req_id != id {
+        // A malformed-frame reply carries req_id 0; anything else out of order is a broken peer.
+        return Err(TransportError::Protocol(format!("response for request {} while expecting {id}", h.req_id)));
+    }
+    if h.status != Status::Ok {
+        let n = (h.len as usize).min(frame::ERROR_MESSAGE_BYTES_MAX);
+        let mut msg = vec![0u8; n];
+        match timeout_at(deadline, rd.read_exact(&mut msg)).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => return Err(io_err(e)),
+            Err(_) => return Err(TransportError::Timeout),
+        }
+        return Ok(Err(TransportError::Refused {
+            status: format!("{:?}", h.status),
+            message: String::from_utf8_lossy(&msg).into_owned(),
+        }));
+    }
+    if h.len != op.len {
+        return Err(TransportError::Protocol(format!("served {} bytes for a read of {}", h.len, op.len)));
+    }
+    let dst = &mut ext.as_mut_slice()[op.local_offset as usize..(op.local_offset + op.len) as usize];
+    match timeout_at(deadline, rd.read_exact(dst)).await {
+        Ok(Ok(_)) => Ok(Ok(())),
+        Ok(Err(e)) => Err(io_err(e)),
+        Err(_) => Err(TransportError::Timeout),
+    }
+}
+
+async fn dial(addr: &str, deadline: Instant) -> Result<TcpStream, TransportError> {
+    let err = |reason: String| TransportError::Connect { addr: addr.to_string(), reason };
+    match timeout_at(deadline, TcpStream::connect(addr)).await {
+        Ok(Ok(s)) => {
+            let _ = s.set_nodelay(true);
+            Ok(s)
+        }
+        Ok(Err(e)) => Err(err(e.to_string())),
+        Err(_) => Err(TransportError::Timeout),
+    }
+}
+
+#[async_trait]
+impl Transport for TcpTransport {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Tcp
+    }
+
+    fn local_metadata(&self) -> HandshakeMetadata {
+        self.local.clone()
+    }
+
+    async fn connect(
+        &self,
+        peer: &NodeAddr,
+        remote: &HandshakeMetadata,
+        deadline: Instant,
+    ) -> Result<(), TransportError> {
+        if remote.transport != TransportKind::Tcp {
+            return Err(TransportError::Handshake(format!("peer speaks {:?}, we speak tcp", remote.transport)));
+        }
+        if remote.data_addr.is_empty() {
+            return Err(TransportError::Handshake("peer sent no data-plane address".into()));
+        }
+        let first = dial(&remote.data_addr, deadline).await?;
+        let conns: Vec<_> = (0..self.conns_per_peer).map(|_| tokio::sync::Mutex::new(None)).collect();
+        *conns[0].try_lock().expect("fresh mutex") = Some(first);
+        let p = Arc::new(Peer { data_addr: remote.data_addr.clone(), conns, next: AtomicUsize::new(0) });
+        self.peers.lock().expect("peers lock").insert(peer.clone(), p);
+        Ok(())
+    }
+
+    fn disconnect(&self, peer: &NodeAddr) {
+        self.peers.lock().expect("peers lock").remove(peer);
+    }
+
+    async fn read(
+        &self,
+        peer: &NodeAddr,
+        session: &str,
+        ops: Vec<ReadOp>,
+        local: Vec<Extent>,
+        deadline: Instant,
+    ) -> ReadCompletion {
+        let n = local.len();
+        let fail_all =
+            |local: Vec<Extent>, e: TransportError| ReadCompletion { results: vec![Err(e); local.len()], local };
+        if let Err(e) = validate_local(&ops, &local) {
+            return fail_all(local, e);
+        }
+        if let Some(op) = ops.iter().find(|op| op.len > limits::TCP_READ_BYTES_MAX) {
+            return fail_all(local, TransportError::BadOp(format!("read of {} bytes over the frame limit", op.len)));
+        }
+        let Some(p) = self.peers.lock().expect("peers lock").get(peer).cloned() else {
+            return fail_all(local, TransportError::NotConnected(peer.0.clone()));
+        };
+        // Group ops by extent, spread extents over the connections.
+        let mut per_ext: Vec<Vec<ReadOp>> = vec![Vec::new(); n];
+        for op in ops {
+            per_ext[op.local_extent].push(op);
+        }
+        let k = p.conns.len();
+        let start = p.next.fetch_add(1, Ordering::Relaxed);
+        let mut works: Vec<ConnWork> = (0..k).map(|_| Vec::new()).collect();
+        for (i, (ext, ops)) in local.into_iter().zip(per_ext).enumerate() {
+            works[(start + i) % k].push((i, ext, ops));
+        }
+        let total_ops: u64 = works.iter().flatten().map(|(_, _, o)| o.len() as u64).sum();
+        let mut req = self.next_req.fetch_add(total_ops, Ordering::Relaxed);
+        let futs = works.into_iter().enumerate().filter(|(_, w)| !w.is_empty()).map(|(ci, w)| {
+            let first = req;
+            req += w.iter().map(|(_, _, o)| o.len() as u64).sum::<u64>();
+            let p = p.clone();
+            async move {
+                let mut guard = p.conns[ci].lock().await;
+                let stream = match guard.take() {
+                    Some(s) => s,
+                    None => match dial(&p.data_addr, deadline).await {
+                        Ok(s) => s,
+                        Err(e) => return w.into_iter().map(|(i, ext, _)| (i, ext, Err(e.clone()))).collect::<Vec<_>>(),
+                    },
+                };
+                // An unhealthy stream is dropped: its state is unknown, reconnect next time.
+                let (out, stream) = run_conn(stream, session, w, first, deadline).await;
+                *guard = stream;
+                out
+            }
+        });
+        let mut slots: Vec<Option<(Extent, Result<(), TransportError>)>> = (0..n).map(|_| None).collect();
+        for part in futures::future::join_all(futs).await {
+            for (i, ext, r) in part {
+                slots[i] = Some((ext, r));
+            }
+        }
+        let (local, results) = slots.into_iter().map(|s| s.expect("every extent comes back")).unzip();
+        ReadCompletion { local, results }
+    }
+}
