@@ -35,6 +35,8 @@
 
 pub mod client;
 pub mod engine;
+#[cfg(not(madsim))]
+pub mod exporter;
 pub mod gpu;
 pub mod limits;
 pub mod logging;

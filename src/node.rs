@@ -108,8 +108,19 @@ impl NodeHandle {
     /// the last reference to the transport drops.
     pub async fn shutdown(self, deadline: Duration) {
         self.engine.client().shutdown(deadline).await;
+        self.transport.shutdown();
         let _ = self.shutdown.send(true);
         let _ = tokio::time::timeout(deadline, self.serve).await;
+    }
+
+    /// Abrupt stop (a crash): the data plane and the gRPC server stop at
+    /// once, no unregister is sent, the MetaServer keeps listing this node's
+    /// blocks until its session goes stale.
+    pub fn kill(self) {
+        self.transport.shutdown();
+        let _ = self.shutdown.send(true);
+        self.serve.abort();
+        self.engine.client().abort();
     }
 }
 

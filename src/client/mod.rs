@@ -290,11 +290,9 @@ impl MetaServerClient {
     /// best-effort `UnregisterNode` bounded by `deadline`. Afterwards
     /// `flush()` returns at once and offers are dropped.
     pub async fn shutdown(&self, deadline: Duration) {
-        if self.inner.closed.swap(true, Ordering::SeqCst) {
+        if !self.abort() {
             return;
         }
-        resolve(&self.inner, |core| core.queue.close());
-        let _ = self.inner.stop.send(true);
         let req =
             UnregisterNodeRequest { node: self.inner.cfg.node.0.clone(), node_id: self.inner.cfg.session.0.clone() };
         let mut grpc = self.inner.grpc.clone();
@@ -303,6 +301,20 @@ impl MetaServerClient {
             Ok(Err(e)) => tracing::debug!(error = %e, "unregister failed"),
             Err(_) => tracing::debug!("unregister timed out"),
         }
+    }
+}
+
+impl MetaServerClient {
+    /// Stops without telling the MetaServer (a crash, as far as it can
+    /// tell): queued commands are dropped (`Shutdown`), waiting flushes
+    /// resolve, the driver stops. Returns false if already stopped.
+    pub fn abort(&self) -> bool {
+        if self.inner.closed.swap(true, Ordering::SeqCst) {
+            return false;
+        }
+        resolve(&self.inner, |core| core.queue.close());
+        let _ = self.inner.stop.send(true);
+        true
     }
 }
 

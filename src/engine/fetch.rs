@@ -215,7 +215,9 @@ impl Engine {
             };
             let pick = owners.into_iter().find(|(n, len)| *n != me && *len > 0 && !rep.owners.contains(n));
             let Some((owner, len)) = pick else {
-                rep.stopped = Some(FetchError::NoOwner);
+                // Keep why the last owner stopped short (stale, checksum,
+                // transport, …): "no owner" only when none failed before.
+                rep.stopped = Some(rep.stopped.take().unwrap_or(FetchError::NoOwner));
                 break;
             };
             rep.owners.push(owner.clone());

@@ -328,6 +328,9 @@ struct PoolInner {
     arena: NonNull<u8>,
     arena_layout: AllocLayout,
     /// Copies of the allocator's constants, readable without the lock.
+    /// The allocation `arena` sits in (freed on drop).
+    raw: NonNull<u8>,
+    raw_layout: AllocLayout,
     capacity: u64,
     align: u64,
     allocator: Mutex<ExtentAllocator>,
@@ -364,10 +367,10 @@ impl PoolInner {
 
 impl Drop for PoolInner {
     fn drop(&mut self) {
-        // SAFETY: `arena` was returned by `alloc_zeroed(arena_layout)` and is
+        // SAFETY: `raw` was returned by `alloc_zeroed(raw_layout)` and is
         // freed exactly once, here, when the last handle (pool or extent) is
-        // gone, so no slice into it can outlive this call.
-        unsafe { alloc::dealloc(self.arena.as_ptr(), self.arena_layout) }
+        // gone, so no slice into the arena can outlive this call.
+        unsafe { alloc::dealloc(self.raw.as_ptr(), self.raw_layout) }
     }
 }
 
@@ -408,11 +411,35 @@ impl Pool {
         let arena_layout =
             AllocLayout::from_size_align(size, align_usize).map_err(|_| bad("capacity or align too large"))?;
         let allocator = ExtentAllocator::new(capacity, align)?;
-        // SAFETY: `arena_layout` has a non-zero size (`capacity >= align >= 1`).
-        let raw = unsafe { alloc::alloc_zeroed(arena_layout) };
-        let arena = NonNull::new(raw).ok_or(PoolError::ArenaAlloc { bytes: arena_bytes })?;
+        // Over-allocate with the allocator's natural alignment and align by
+        // hand: `alloc_zeroed` with a large alignment goes through
+        // `posix_memalign` + memset, touching (and committing) every page of a
+        // multi-GiB arena up front; with a small alignment it is `calloc`,
+        // whose large blocks are fresh zero pages mapped on first touch.
+        let raw_size = size.checked_add(align_usize).ok_or(bad("capacity exceeds the address space"))?;
+        let raw_layout = AllocLayout::from_size_align(raw_size, 16).map_err(|_| bad("capacity too large"))?;
+        // SAFETY: `raw_layout` has a non-zero size.
+        let raw = unsafe { alloc::alloc_zeroed(raw_layout) };
+        let raw = NonNull::new(raw).ok_or(PoolError::ArenaAlloc { bytes: arena_bytes })?;
+        let pad = raw.as_ptr().align_offset(align_usize);
+        if pad >= align_usize {
+            // SAFETY: `raw` was just allocated with `raw_layout`.
+            unsafe { alloc::dealloc(raw.as_ptr(), raw_layout) };
+            return Err(PoolError::ArenaAlloc { bytes: arena_bytes });
+        }
+        // SAFETY: `pad < align_usize`, so `raw + pad .. raw + pad + size` lies
+        // inside the `size + align_usize` bytes allocated.
+        let arena = unsafe { NonNull::new_unchecked(raw.as_ptr().add(pad)) };
         Ok(Pool {
-            inner: Arc::new(PoolInner { arena, arena_layout, capacity, align, allocator: Mutex::new(allocator) }),
+            inner: Arc::new(PoolInner {
+                arena,
+                arena_layout,
+                raw,
+                raw_layout,
+                capacity,
+                align,
+                allocator: Mutex::new(allocator),
+            }),
         })
     }
 

@@ -375,6 +375,8 @@ pub async fn start(config: MetaServerConfig) -> Result<MetaServerHandle, StartEr
     let server = MetaServerServer::new(svc)
         .max_decoding_message_size(limits::GRPC_MESSAGE_BYTES_MAX)
         .max_encoding_message_size(limits::GRPC_MESSAGE_BYTES_MAX);
+    #[cfg(not(madsim))]
+    let server = crate::status::LimitAsResourceExhausted(server);
     let router = tonic::transport::Server::builder().add_service(server);
     let serve = tokio::spawn(crate::rt::serve(router, bound, async move {
         let _ = rx.wait_for(|v| *v).await;

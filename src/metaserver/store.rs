@@ -1603,31 +1603,9 @@ mod tests {
         }
     }
 
-    fn splitmix64(state: &mut u64) -> u64 {
-        *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = *state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
     #[test]
     fn fuzz_store_seeded() {
-        for seed in 0..3_000u64 {
-            let mut st = seed;
-            let len = 1 + (splitmix64(&mut st) % 511) as usize;
-            let data: Vec<u8> = (0..len).map(|_| splitmix64(&mut st) as u8).collect();
-            fuzz_store(&data);
-        }
-        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/fuzz/regressions/metaserver_store/");
-        if let Ok(entries) = std::fs::read_dir(dir) {
-            for entry in entries {
-                let path = entry.expect("readable regression dir").path();
-                if path.is_file() {
-                    fuzz_store(&std::fs::read(&path).expect("readable regression file"));
-                }
-            }
-        }
+        crate::testing::run_fuzz_seeded("metaserver_store", 3_000, 512, fuzz_store);
     }
 
     /// Timing check against the perf targets; run with

@@ -26,8 +26,9 @@ pub const TRACE_BLOCK_TOKENS: u64 = 512;
 /// no newlines can make the parser take.
 pub const TRACE_LINE_BYTES_MAX: usize = 16 << 20;
 
-/// Where the main job and the tests expect the Mooncake conversation trace.
-pub const DEFAULT_TRACE_PATH: &str = "/work/shared/traces/conversation_trace.jsonl";
+/// The bundled Mooncake conversation trace (Apache-2.0, see `data/NOTICE`),
+/// as an absolute path inside this source tree.
+pub const DEFAULT_TRACE_PATH: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/data/conversation_trace.jsonl");
 
 /// Length of the engine block hashes built by [`engine_block_hash`] (bytes).
 pub const ENGINE_BLOCK_HASH_BYTES: usize = 32;

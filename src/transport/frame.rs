@@ -699,49 +699,25 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    /// splitmix64 (Steele, Lea, Flood 2014): every output bit depends on the
-    /// whole state, so low bytes are as good as high ones.
-    struct SplitMix64(u64);
-
-    impl SplitMix64 {
-        fn next(&mut self) -> u64 {
-            self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = self.0;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^ (z >> 31)
-        }
-
-        fn below(&mut self, n: u64) -> u64 {
-            if n == 0 { 0 } else { self.next() % n }
-        }
-
-        fn below_usize(&mut self, n: usize) -> usize {
-            usize::try_from(self.below(n as u64)).unwrap()
-        }
-
-        fn bytes(&mut self, n: usize) -> Vec<u8> {
-            (0..n).map(|_| self.next() as u8).collect()
-        }
-    }
+    use crate::testing::SplitMix64;
 
     const SESSION_ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.";
 
     fn random_request(rng: &mut SplitMix64) -> Request {
         if rng.below(4) == 0 {
-            return Request::Ping { req_id: rng.next() };
+            return Request::Ping { req_id: rng.next_u64() };
         }
         let n = 1 + rng.below_usize(limits::SESSION_ID_BYTES_MAX);
         let session = (0..n).map(|_| char::from(SESSION_ALPHABET[rng.below_usize(SESSION_ALPHABET.len())])).collect();
         let len = 1 + rng.below(limits::TCP_READ_BYTES_MAX);
         let offset = if rng.below(2) == 0 { rng.below(1 << 32) } else { rng.below(u64::MAX - len + 1) };
-        Request::Read(ReadRequest { req_id: rng.next(), session, region: rng.next() as u32, offset, len })
+        Request::Read(ReadRequest { req_id: rng.next_u64(), session, region: rng.next_u64() as u32, offset, len })
     }
 
     fn random_response(rng: &mut SplitMix64, out: &mut Vec<u8>) {
         let status = Status::from_u8(rng.below(6) as u8).unwrap();
         let len = rng.below(40);
-        let h = ResponseHeader { req_id: rng.next(), status, len };
+        let h = ResponseHeader { req_id: rng.next_u64(), status, len };
         encode_response_header(&h, out).unwrap();
         out.extend(rng.bytes(len as usize));
     }
@@ -1103,19 +1079,6 @@ mod tests {
             }
             fuzz_frame_decode(&data);
         }
-        replay_regressions(concat!(env!("CARGO_MANIFEST_DIR"), "/fuzz/regressions/tcp_frame/"));
-    }
-
-    fn replay_regressions(dir: &str) {
-        let Ok(entries) = std::fs::read_dir(dir) else {
-            return;
-        };
-        let mut paths: Vec<_> = entries.map(|e| e.unwrap().path()).collect();
-        paths.sort();
-        for p in paths.iter().filter(|p| p.is_file()) {
-            let data = std::fs::read(p).unwrap();
-            eprintln!("replaying {}", p.display());
-            fuzz_frame_decode(&data);
-        }
+        crate::testing::replay_regressions("tcp_frame", fuzz_frame_decode);
     }
 }

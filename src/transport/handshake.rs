@@ -634,26 +634,7 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    /// splitmix64 (Steele, Lea, Flood 2014).
-    struct SplitMix64(u64);
-
-    impl SplitMix64 {
-        fn next(&mut self) -> u64 {
-            self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = self.0;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^ (z >> 31)
-        }
-
-        fn below(&mut self, n: u64) -> u64 {
-            if n == 0 { 0 } else { self.next() % n }
-        }
-
-        fn below_usize(&mut self, n: usize) -> usize {
-            usize::try_from(self.below(n as u64)).unwrap()
-        }
-    }
+    use crate::testing::SplitMix64;
 
     fn tcp_sample() -> HandshakeMetadata {
         HandshakeMetadata {
@@ -1096,14 +1077,14 @@ mod tests {
 
     fn random_valid(rng: &mut SplitMix64) -> HandshakeMetadata {
         let mut m = if rng.below(2) == 0 { tcp_sample() } else { verbs_sample() };
-        m.node = format!("n{}:{}", rng.next(), rng.below(65536));
+        m.node = format!("n{}:{}", rng.next_u64(), rng.below(65536));
         let n = rng.below_usize(5);
         m.regions = (0..n as u64)
             .map(|i| Region {
-                id: rng.next() as u32 ^ (i as u32),
+                id: rng.next_u64() as u32 ^ (i as u32),
                 base: i << 40,
                 len: 1 + rng.below(1 << 40),
-                rkey: rng.next() as u32,
+                rkey: rng.next_u64() as u32,
             })
             .collect();
         m
@@ -1119,13 +1100,13 @@ mod tests {
             let mut data = match rng.below(3) {
                 0 => {
                     let n = rng.below_usize(256);
-                    (0..n).map(|_| rng.next() as u8).collect()
+                    (0..n).map(|_| rng.next_u64() as u8).collect()
                 }
                 1 => {
                     let mut d = HANDSHAKE_MAGIC.to_vec();
                     d.push(HANDSHAKE_VERSION);
                     let n = rng.below_usize(250);
-                    d.extend((0..n).map(|_| rng.next() as u8));
+                    d.extend((0..n).map(|_| rng.next_u64() as u8));
                     d
                 }
                 _ => random_valid(&mut rng).encode(),
@@ -1141,24 +1122,11 @@ mod tests {
                     let keep = rng.below_usize(data.len() + 1);
                     data.truncate(keep);
                 }
-                1 => data.push(rng.next() as u8),
+                1 => data.push(rng.next_u64() as u8),
                 _ => {}
             }
             fuzz_handshake_decode(&data);
         }
-        replay_regressions(concat!(env!("CARGO_MANIFEST_DIR"), "/fuzz/regressions/handshake/"));
-    }
-
-    fn replay_regressions(dir: &str) {
-        let Ok(entries) = std::fs::read_dir(dir) else {
-            return;
-        };
-        let mut paths: Vec<_> = entries.map(|e| e.unwrap().path()).collect();
-        paths.sort();
-        for p in paths.iter().filter(|p| p.is_file()) {
-            let data = std::fs::read(p).unwrap();
-            eprintln!("replaying {}", p.display());
-            fuzz_handshake_decode(&data);
-        }
+        crate::testing::replay_regressions("handshake", fuzz_handshake_decode);
     }
 }

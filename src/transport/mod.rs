@@ -19,11 +19,14 @@
 //!   names (C13) through a [`DataSource`]; anything else is an error reply
 //!   and the server stays healthy.
 //!
-//! Backends: [`tcp`] (embedded default, real sockets), `sim` (the simulator)
-//! and `verbs` (feature `rdma`, later).
+//! Backends: [`tcp`] (embedded default, real sockets), `sim` (the simulator:
+//! the TCP backend over madsim's network with fault injection; `--cfg
+//! madsim` only) and `verbs` (feature `rdma`, later).
 
 pub mod frame;
 pub mod handshake;
+#[cfg(madsim)]
+pub mod sim;
 pub mod tcp;
 
 use async_trait::async_trait;

@@ -24,6 +24,7 @@ use crate::rt::timeout_at;
 use async_trait::async_trait;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::frame::{self, ReadRequest, Request, ResponseHeader, Status};
@@ -51,6 +52,16 @@ pub struct TcpHooks {
     pub errors_sent: AtomicU64,
     /// Connections accepted.
     pub connections_accepted: AtomicU64,
+    /// Client side, test hook: the next N read ops fail as if the connection
+    /// reset mid-read (the stream is dropped and the rest of its batch fails
+    /// with [`TransportError::Io`]). Used by the simulator (`transport::sim`).
+    pub fail_next_reads: AtomicU64,
+    /// Client side, test hook: every read op waits this many ms before taking
+    /// its response (a slow peer or link); the wait counts against the read
+    /// deadline. 0 = off.
+    pub read_delay_ms: AtomicU64,
+    /// Read ops failed by `fail_next_reads`.
+    pub injected_read_errors: AtomicU64,
 }
 
 struct Peer {
@@ -67,12 +78,12 @@ pub struct TcpTransport {
     next_req: AtomicU64,
     /// Counters and fault switches.
     pub hooks: Arc<TcpHooks>,
-    server: tokio::task::JoinHandle<()>,
+    stop: watch::Sender<bool>,
 }
 
 impl Drop for TcpTransport {
     fn drop(&mut self) {
-        self.server.abort();
+        self.shutdown();
     }
 }
 
@@ -102,15 +113,23 @@ impl TcpTransport {
             regions: vec![Region { id: 0, base: 0, len: pool_len, rkey: 0 }],
             verbs: None,
         };
-        let server = tokio::spawn(accept_loop(listener, source, hooks.clone()));
+        let (stop, stop_rx) = watch::channel(false);
+        tokio::spawn(accept_loop(listener, source, hooks.clone(), stop_rx));
         Ok(Self {
             local,
             peers: Mutex::new(HashMap::new()),
             conns_per_peer: conns_per_peer.max(1),
             next_req: AtomicU64::new(1),
             hooks,
-            server,
+            stop,
         })
+    }
+
+    /// Stops serving: the listener closes and every served connection is
+    /// dropped at its next request (a killed node's data plane). Reads this
+    /// node posts to peers are unaffected.
+    pub fn shutdown(&self) {
+        let _ = self.stop.send(true);
     }
 
     /// The data-plane address peers connect to.
@@ -124,13 +143,28 @@ impl TcpTransport {
     }
 }
 
-async fn accept_loop(listener: TcpListener, source: Arc<dyn DataSource>, hooks: Arc<TcpHooks>) {
+async fn accept_loop(
+    listener: TcpListener,
+    source: Arc<dyn DataSource>,
+    hooks: Arc<TcpHooks>,
+    mut stop: watch::Receiver<bool>,
+) {
     loop {
-        match listener.accept().await {
+        let accepted = tokio::select! {
+            a = listener.accept() => a,
+            _ = stop.wait_for(|s| *s) => return,
+        };
+        match accepted {
             Ok((stream, _)) => {
                 let _ = stream.set_nodelay(true);
                 hooks.connections_accepted.fetch_add(1, Ordering::Relaxed);
-                tokio::spawn(serve_conn(stream, source.clone(), hooks.clone()));
+                let (source, hooks, mut stop) = (source.clone(), hooks.clone(), stop.clone());
+                tokio::spawn(async move {
+                    tokio::select! {
+                        _ = serve_conn(stream, source, hooks) => {}
+                        _ = stop.wait_for(|s| *s) => {}
+                    }
+                });
             }
             Err(e) => {
                 tracing::warn!(error = %e, "data-plane accept failed");
@@ -153,7 +187,8 @@ async fn send_error(
     frame::encode_response_header(&ResponseHeader { req_id, status, len: msg.len() as u64 }, &mut out)
         .map_err(std::io::Error::other)?;
     out.extend_from_slice(msg);
-    wr.write_all(&out).await
+    wr.write_all(&out).await?;
+    wr.flush().await
 }
 
 async fn serve_conn(mut stream: TcpStream, source: Arc<dyn DataSource>, hooks: Arc<TcpHooks>) {
@@ -169,7 +204,10 @@ async fn serve_conn(mut stream: TcpStream, source: Arc<dyn DataSource>, hooks: A
                             &ResponseHeader { req_id, status: Status::Ok, len: 0 },
                             &mut out,
                         ) {
-                            Ok(()) => stream.write_all(&out).await,
+                            Ok(()) => match stream.write_all(&out).await {
+                                Ok(()) => stream.flush().await,
+                                Err(e) => Err(e),
+                            },
                             Err(e) => Err(std::io::Error::other(e)),
                         }
                     }
@@ -190,7 +228,7 @@ async fn serve_conn(mut stream: TcpStream, source: Arc<dyn DataSource>, hooks: A
                 }
             }
             Err(e) => {
-                let _ = send_error(&mut stream, &hooks, 0, Status::Malformed, &e.to_string()).await;
+                let _ = send_error(&mut stream, &hooks, 0, e.status(), &e.to_string()).await;
                 return;
             }
         }
@@ -230,6 +268,9 @@ async fn serve_read(
     } else {
         stream.write_all(payload).await?;
     }
+    // A no-op on real sockets; madsim's simulated stream sends buffered
+    // bytes only on flush.
+    stream.flush().await?;
     hooks.reads_served.fetch_add(1, Ordering::Relaxed);
     hooks.bytes_served.fetch_add(rr.len, Ordering::Relaxed);
     Ok(())
@@ -245,6 +286,7 @@ fn io_err(e: std::io::Error) -> TransportError {
 /// Runs one connection's share of a batch. Always returns every extent.
 async fn run_conn(
     stream: TcpStream,
+    hooks: &TcpHooks,
     session: &str,
     work: ConnWork,
     first_req: u64,
@@ -271,7 +313,13 @@ async fn run_conn(
     }
     let (mut rd, mut wr) = tokio::io::split(stream);
     let writer = async {
-        match timeout_at(deadline, wr.write_all(&wire)).await {
+        let write = async {
+            wr.write_all(&wire).await?;
+            // A no-op on real sockets; madsim's simulated stream sends
+            // buffered bytes only on flush.
+            wr.flush().await
+        };
+        match timeout_at(deadline, write).await {
             Ok(Ok(())) => Ok(()),
             Ok(Err(e)) => Err(io_err(e)),
             Err(_) => Err(TransportError::Timeout),
@@ -290,6 +338,11 @@ async fn run_conn(
                     result = Err(TransportError::Io("connection lost earlier in the batch".into()));
                     continue;
                 }
+                if let Err(fatal) = injected_fault(hooks, deadline).await {
+                    healthy = false;
+                    result = Err(fatal);
+                    continue;
+                }
                 match read_one(&mut rd, &mut ext, &op, id, deadline).await {
                     Ok(Ok(())) => {}
                     Ok(Err(refused)) => result = Err(refused),
@@ -306,6 +359,22 @@ async fn run_conn(
     let (w, (out, healthy)) = tokio::join!(writer, reader);
     let stream = rd.unsplit(wr);
     (out, (healthy && w.is_ok()).then_some(stream))
+}
+
+/// Applies the client-side test hooks before one read op: the configured
+/// delay (bounded by `deadline`), then an injected connection failure.
+async fn injected_fault(hooks: &TcpHooks, deadline: Instant) -> Result<(), TransportError> {
+    let delay_ms = hooks.read_delay_ms.load(Ordering::Relaxed);
+    if delay_ms > 0
+        && timeout_at(deadline, tokio::time::sleep(std::time::Duration::from_millis(delay_ms))).await.is_err()
+    {
+        return Err(TransportError::Timeout);
+    }
+    if hooks.fail_next_reads.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok() {
+        hooks.injected_read_errors.fetch_add(1, Ordering::Relaxed);
+        return Err(TransportError::Io("injected read error (test hook)".into()));
+    }
+    Ok(())
 }
 
 /// Reads one response. `Ok(Err(_))`: the peer refused this read, the stream
@@ -439,6 +508,7 @@ impl Transport for TcpTransport {
             let first = req;
             req += w.iter().map(|(_, _, o)| o.len() as u64).sum::<u64>();
             let p = p.clone();
+            let hooks = self.hooks.clone();
             async move {
                 let mut guard = p.conns[ci].lock().await;
                 let stream = match guard.take() {
@@ -449,7 +519,7 @@ impl Transport for TcpTransport {
                     },
                 };
                 // An unhealthy stream is dropped: its state is unknown, reconnect next time.
-                let (out, stream) = run_conn(stream, session, w, first, deadline).await;
+                let (out, stream) = run_conn(stream, &hooks, session, w, first, deadline).await;
                 *guard = stream;
                 out
             }

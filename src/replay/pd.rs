@@ -1,0 +1,645 @@
+//! `kvferry pd`: the P/D replay of a real trace across an embedded cluster
+//! (design.md §6).
+//!
+//! One MetaServer (embedded, or external with `metaserver`), `prefill` +
+//! `decode` nodes, each a real [`crate::node`] with its own gRPC server and
+//! TCP data plane on loopback. Per request: route to a prefill node, reuse
+//! its longest cached prefix (local, else fetched from a peer), "compute"
+//! the rest (KV bytes from [`fill_kv`], a pure function of namespace, block
+//! hash, layer and segment, so any node can recompute them), save,
+//! `flush_saves_and_registrations`, signal a decode node; the decode node
+//! fetches, loads, verifies every byte against recomputation and recomputes
+//! what it could not fetch.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use serde::Serialize;
+use tokio::time::Instant;
+
+use super::trace::{self, ModelPreset, TraceError, TraceRequest, fill_kv, verify_kv};
+use crate::engine::layout::{DeviceBufferId, LayerLayout, buffer_bytes_needed, contiguous};
+use crate::engine::{Engine, EngineConfig};
+use crate::gpu::Gpu;
+use crate::metaserver::{self, MetaServerConfig, MetaServerHandle};
+use crate::node::{self, NodeConfig, NodeHandle};
+use crate::types::BlockHash;
+
+/// How requests pick a prefill node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
+pub enum Routing {
+    /// Request i goes to live prefill node i mod P.
+    RoundRobin,
+    /// The live prefill node with the longest local prefix (ties: round robin).
+    PrefixAware,
+}
+
+/// Replay settings (the `kvferry pd` flags).
+#[derive(Clone, Debug)]
+pub struct PdConfig {
+    /// Trace file (JSON lines: timestamp, input_length, output_length, hash_ids).
+    pub trace: PathBuf,
+    /// Model preset name (`qwen3-8b`, `llama3-8b`, `tiny`).
+    pub model: String,
+    /// Tokens per engine block (divides 512).
+    pub block_tokens: u64,
+    /// First request of the window.
+    pub first: usize,
+    /// Requests to replay (None: all from `first`, or the time window).
+    pub requests: Option<usize>,
+    /// Replay the requests of this many seconds of trace time instead.
+    pub window_secs: Option<u64>,
+    /// Prefill nodes.
+    pub prefill: usize,
+    /// Decode nodes.
+    pub decode: usize,
+    /// Pinned pool per node (bytes).
+    pub pool_bytes: u64,
+    /// Routing policy.
+    pub routing: Routing,
+    /// Seed (node RNGs, fault hooks).
+    pub seed: u64,
+    /// External MetaServer (`http://host:port`); None embeds one.
+    pub metaserver: Option<String>,
+    /// Kill (and later restart, empty) the embedded MetaServer at this
+    /// fraction of the requests.
+    pub kill_metaserver_at: Option<f64>,
+    /// Kill prefill node 0 at this fraction of the requests.
+    pub kill_prefill_at: Option<f64>,
+    /// Fraction of registration RPCs the embedded MetaServer drops.
+    pub drop_registrations: f64,
+    /// Requests in flight at once.
+    pub concurrency: usize,
+    /// Deadline of one handoff flush.
+    pub flush_deadline: Duration,
+    /// Deadline of one fetch.
+    pub fetch_deadline: Duration,
+}
+
+impl Default for PdConfig {
+    fn default() -> Self {
+        Self {
+            trace: PathBuf::from(trace::DEFAULT_TRACE_PATH),
+            model: "tiny".into(),
+            block_tokens: 64,
+            first: 0,
+            requests: Some(400),
+            window_secs: None,
+            prefill: 2,
+            decode: 2,
+            pool_bytes: 1 << 30,
+            routing: Routing::RoundRobin,
+            seed: 0,
+            metaserver: None,
+            kill_metaserver_at: None,
+            kill_prefill_at: None,
+            drop_registrations: 0.0,
+            concurrency: 4,
+            flush_deadline: Duration::from_secs(5),
+            fetch_deadline: Duration::from_secs(5),
+        }
+    }
+}
+
+/// The final report (`--json` writes it; keys are stable).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct PdReport {
+    /// Requests replayed.
+    pub requests: u64,
+    /// Engine blocks across all requests (decode side).
+    pub blocks_total: u64,
+    /// Blocks whose bytes on the decode device equal recomputation (= all).
+    pub blocks_verified: u64,
+    /// Blocks the decode nodes fetched from peers.
+    pub blocks_fetched: u64,
+    /// Blocks the decode nodes recomputed (not fetched).
+    pub blocks_recomputed: u64,
+    /// Blocks decode nodes already held locally.
+    pub blocks_decode_local: u64,
+    /// Prefill-side prefix hits: local cache.
+    pub prefill_local_hits: u64,
+    /// Prefill-side prefix hits fetched from a peer.
+    pub prefill_fetched: u64,
+    /// Bytes moved through the transport (all fetches).
+    pub bytes_transferred: u64,
+    /// Transport throughput: bytes ÷ time inside fetches (GB/s, 1e9).
+    pub transport_gbps: f64,
+    /// Prefill prefix hit rate (local + fetched) over all blocks.
+    pub prefix_hit_rate: f64,
+    /// The trace window's infinite-cache oracle at engine-block granularity.
+    pub oracle_hit_rate: f64,
+    /// Handoff latency (flush + query + fetch) percentiles (ms).
+    pub handoff_p50_ms: f64,
+    /// 99th percentile.
+    pub handoff_p99_ms: f64,
+    /// Registrations dropped (all flush reports, all nodes).
+    pub registrations_dropped: u64,
+    /// Registrations delivered.
+    pub registrations_delivered: u64,
+    /// Blocks rejected by checksum.
+    pub checksum_failures: u64,
+    /// Faults injected, in order.
+    pub faults: Vec<String>,
+    /// Model preset.
+    pub model: String,
+    /// Tokens per block.
+    pub block_tokens: u64,
+    /// Bytes per block.
+    pub block_bytes: u64,
+    /// Wall-clock seconds.
+    pub wall_s: f64,
+}
+
+/// Replay errors: all are configuration or input problems, reported before
+/// the cluster starts where possible.
+#[derive(Debug, thiserror::Error)]
+pub enum PdError {
+    /// The trace could not be read or parsed.
+    #[error(transparent)]
+    Trace(#[from] TraceError),
+    /// A flag is out of range.
+    #[error("{0}")]
+    Config(String),
+    /// A node or the MetaServer failed to start.
+    #[error("start-up failed: {0}")]
+    Start(String),
+    /// A device operation failed.
+    #[error("device error: {0}")]
+    Device(String),
+}
+
+/// Progress callbacks (the binary draws a bar; tests pass `()`).
+pub trait Progress: Send + Sync {
+    /// Called once with the number of requests.
+    fn start(&self, _total: u64) {}
+    /// Called after each request.
+    fn tick(&self, _bytes_so_far: u64) {}
+    /// Called when a fault is injected.
+    fn fault(&self, _what: &str) {}
+    /// Called at the end.
+    fn finish(&self) {}
+}
+
+impl Progress for () {}
+
+/// A node of the replay and its device KV region.
+struct PdNode {
+    handle: std::sync::Mutex<Option<NodeHandle>>,
+    engine: Engine,
+    /// Device buffer (one per node; layer-first split K/V).
+    buffer: DeviceBufferId,
+    /// Serializes use of the device region (block slots are per request).
+    device: tokio::sync::Mutex<()>,
+}
+
+struct Shape {
+    ns: String,
+    model: &'static ModelPreset,
+    seg: u64,
+    device_blocks: u64,
+}
+
+fn layers(shape: &Shape, buffer: DeviceBufferId) -> Vec<LayerLayout> {
+    contiguous(buffer, shape.model.layers, shape.device_blocks, shape.seg, true, true)
+}
+
+/// Validates the configuration and loads the trace window.
+fn prepare(cfg: &PdConfig) -> Result<(Vec<TraceRequest>, &'static ModelPreset), PdError> {
+    if cfg.prefill == 0 || cfg.decode == 0 {
+        return Err(PdError::Config(format!(
+            "need at least one prefill and one decode node (got {} prefill, {} decode)",
+            cfg.prefill, cfg.decode
+        )));
+    }
+    if cfg.concurrency == 0 {
+        return Err(PdError::Config("concurrency must be at least 1".into()));
+    }
+    if !(0.0..=1.0).contains(&cfg.drop_registrations) {
+        return Err(PdError::Config(format!("--drop-registrations {} not in [0, 1]", cfg.drop_registrations)));
+    }
+    for (name, f) in [("--kill-metaserver-at", cfg.kill_metaserver_at), ("--kill-prefill-at", cfg.kill_prefill_at)] {
+        if let Some(f) = f {
+            if !(0.0..=1.0).contains(&f) {
+                return Err(PdError::Config(format!("{name} {f} not in [0, 1]")));
+            }
+        }
+    }
+    if cfg.metaserver.is_some() && (cfg.kill_metaserver_at.is_some() || cfg.drop_registrations > 0.0) {
+        return Err(PdError::Config(
+            "--kill-metaserver-at and --drop-registrations need the embedded MetaServer (omit --metaserver)".into(),
+        ));
+    }
+    if cfg.kill_prefill_at.is_some() && cfg.prefill < 2 {
+        return Err(PdError::Config("--kill-prefill-at needs at least 2 prefill nodes".into()));
+    }
+    let model = trace::preset(&cfg.model)?;
+    trace::check_block_tokens(cfg.block_tokens)?;
+    let block_bytes = model.block_bytes(cfg.block_tokens);
+    if cfg.pool_bytes < block_bytes {
+        return Err(PdError::Config(format!(
+            "--pool-size {} bytes is smaller than one block ({block_bytes} bytes for {} at {} tokens/block)",
+            cfg.pool_bytes, model.name, cfg.block_tokens
+        )));
+    }
+    let all = trace::load_trace(&cfg.trace)?;
+    let reqs = match cfg.window_secs {
+        Some(secs) => {
+            let start = all.get(cfg.first).map(|r| r.timestamp_ms).unwrap_or(0);
+            trace::window_by_time(&all, start, secs * 1000).to_vec()
+        }
+        None => trace::window(&all, cfg.first, cfg.requests).to_vec(),
+    };
+    if reqs.is_empty() {
+        return Err(PdError::Config("the selected trace window holds no requests".into()));
+    }
+    Ok((reqs, model))
+}
+
+/// Fills device slot `slot` with the KV of `hash` (the "compute").
+fn compute_block(
+    gpu: &dyn Gpu,
+    shape: &Shape,
+    buffer: DeviceBufferId,
+    slot: u64,
+    hash: &BlockHash,
+) -> Result<(), PdError> {
+    let mut buf = vec![0u8; shape.seg as usize];
+    for (l, ly) in layers_for_slot(shape, buffer).iter().enumerate() {
+        for seg in 0..2u32 {
+            fill_kv(&shape.ns, hash, l as u32, seg, &mut buf);
+            let off = ly.base_offset + slot * ly.block_stride + u64::from(seg) * ly.kv_stride;
+            gpu.write(buffer, off, &buf).map_err(|e| PdError::Device(e.to_string()))?;
+        }
+    }
+    Ok(())
+}
+
+/// Checks device slot `slot` holds exactly the KV of `hash`.
+fn verify_block(
+    gpu: &dyn Gpu,
+    shape: &Shape,
+    buffer: DeviceBufferId,
+    slot: u64,
+    hash: &BlockHash,
+) -> Result<bool, PdError> {
+    let mut buf = vec![0u8; shape.seg as usize];
+    for (l, ly) in layers_for_slot(shape, buffer).iter().enumerate() {
+        for seg in 0..2u32 {
+            let off = ly.base_offset + slot * ly.block_stride + u64::from(seg) * ly.kv_stride;
+            gpu.read(buffer, off, &mut buf).map_err(|e| PdError::Device(e.to_string()))?;
+            if !verify_kv(&shape.ns, hash, l as u32, seg, &buf) {
+                return Ok(false);
+            }
+        }
+    }
+    Ok(true)
+}
+
+fn layers_for_slot(shape: &Shape, buffer: DeviceBufferId) -> Vec<LayerLayout> {
+    layers(shape, buffer)
+}
+
+/// Per-request outcome.
+#[derive(Default)]
+struct ReqOutcome {
+    blocks: u64,
+    prefill_local: u64,
+    prefill_fetched: u64,
+    decode_local: u64,
+    decode_fetched: u64,
+    verified: u64,
+    bytes: u64,
+    fetch_time: Duration,
+    handoff: Duration,
+    delivered: u64,
+    dropped: u64,
+}
+
+async fn start_metaserver(addr: SocketAddr, cfg: &PdConfig) -> Result<MetaServerHandle, PdError> {
+    let mut mcfg = MetaServerConfig::new(addr);
+    mcfg.seed = cfg.seed;
+    mcfg.stale_after_secs = 4;
+    mcfg.ttl_secs = 30;
+    mcfg.sweep_interval_secs = 2;
+    let h = metaserver::start(mcfg).await.map_err(|e| PdError::Start(e.to_string()))?;
+    h.hooks.drop_writes_ppm.store((cfg.drop_registrations * 1e6) as u32, Ordering::Relaxed);
+    Ok(h)
+}
+
+/// Runs the replay. See the module doc.
+///
+/// # Errors
+/// [`PdError`] for bad flags, an unreadable trace, or a start-up failure.
+pub async fn run(
+    cfg: PdConfig,
+    gpu_factory: impl Fn(usize) -> Result<Arc<dyn Gpu>, PdError>,
+    progress: &dyn Progress,
+) -> Result<PdReport, PdError> {
+    run_with_observer(cfg, gpu_factory, progress, |_| Ok(())).await
+}
+
+/// [`run`], calling `on_ready` with every node's engine once the cluster is
+/// up (the binary starts its metrics exporter there).
+///
+/// # Errors
+/// As [`run`]; an `on_ready` error aborts the run as [`PdError::Start`].
+pub async fn run_with_observer(
+    cfg: PdConfig,
+    gpu_factory: impl Fn(usize) -> Result<Arc<dyn Gpu>, PdError>,
+    progress: &dyn Progress,
+    on_ready: impl FnOnce(&[Engine]) -> Result<(), String>,
+) -> Result<PdReport, PdError> {
+    let (reqs, model) = prepare(&cfg)?;
+    let wall = Instant::now();
+    let oracle = trace::oracle_engine_blocks(&reqs, cfg.block_tokens);
+    let max_blocks = reqs.iter().map(|r| r.input_length / cfg.block_tokens).max().unwrap_or(1).max(1);
+    let shape = Arc::new(Shape {
+        ns: format!("{}-bf16-tp1-bt{}", model.name, cfg.block_tokens),
+        model,
+        seg: model.segment_bytes(cfg.block_tokens),
+        device_blocks: max_blocks,
+    });
+
+    let mut faults = Vec::new();
+    let mut ms: Option<MetaServerHandle> = None;
+    let ms_url = match &cfg.metaserver {
+        Some(url) => url.clone(),
+        None => {
+            let h = start_metaserver("127.0.0.1:0".parse().expect("literal"), &cfg).await?;
+            let url = format!("http://{}", h.local_addr);
+            ms = Some(h);
+            url
+        }
+    };
+    let ms_addr = ms.as_ref().map(|h| h.local_addr);
+
+    let mut nodes: Vec<Arc<PdNode>> = Vec::new();
+    for i in 0..cfg.prefill + cfg.decode {
+        let mut ncfg = NodeConfig::loopback(ms_url.clone());
+        ncfg.engine = EngineConfig {
+            pool_bytes: cfg.pool_bytes,
+            seed: cfg.seed.wrapping_add(i as u64),
+            fetch_deadline: cfg.fetch_deadline,
+            lock_timeout_secs: 10,
+            ..EngineConfig::default()
+        };
+        ncfg.metaserver_rpc_timeout = Duration::from_millis(1000);
+        let gpu = gpu_factory(i)?;
+        let handle = node::start(ncfg, gpu).await.map_err(|e| PdError::Start(e.to_string()))?;
+        let engine = handle.engine.clone();
+        let bytes = buffer_bytes_needed(&layers(&shape, DeviceBufferId(0)));
+        let buffer = engine.gpu().alloc(bytes).map_err(|e| PdError::Device(e.to_string()))?;
+        engine.register_layout(&shape.ns, layers(&shape, buffer)).map_err(|e| PdError::Start(e.to_string()))?;
+        nodes.push(Arc::new(PdNode {
+            handle: std::sync::Mutex::new(Some(handle)),
+            engine,
+            buffer,
+            device: tokio::sync::Mutex::new(()),
+        }));
+    }
+    let engines: Vec<Engine> = nodes.iter().map(|n| n.engine.clone()).collect();
+    on_ready(&engines).map_err(PdError::Start)?;
+    let prefill: Vec<Arc<PdNode>> = nodes[..cfg.prefill].to_vec();
+    let decode: Vec<Arc<PdNode>> = nodes[cfg.prefill..].to_vec();
+
+    let n = reqs.len();
+    progress.start(n as u64);
+    let kill_ms_at = cfg.kill_metaserver_at.map(|f| ((n as f64) * f) as usize);
+    let restart_ms_at = kill_ms_at.map(|k| k + (n / 20).max(1));
+    let kill_prefill_at = cfg.kill_prefill_at.map(|f| ((n as f64) * f) as usize);
+    let prefill_alive: Arc<Vec<std::sync::atomic::AtomicBool>> =
+        Arc::new((0..cfg.prefill).map(|_| std::sync::atomic::AtomicBool::new(true)).collect());
+
+    let mut outcomes: Vec<ReqOutcome> = Vec::with_capacity(n);
+    let mut inflight: tokio::task::JoinSet<Result<ReqOutcome, PdError>> = tokio::task::JoinSet::new();
+    let mut bytes_so_far = 0u64;
+    for (i, req) in reqs.iter().enumerate() {
+        // Faults fire between requests, with earlier requests possibly in flight.
+        if Some(i) == kill_ms_at {
+            if let Some(h) = ms.take() {
+                let _ = h.shutdown().await;
+                let msg = format!("metaserver killed at request {i}");
+                progress.fault(&msg);
+                faults.push(msg);
+            }
+        }
+        if Some(i) == restart_ms_at {
+            if let Some(addr) = ms_addr {
+                // Restart empty on the same port; nodes re-heartbeat and backfill (C6).
+                match start_metaserver(addr, &cfg).await {
+                    Ok(h) => {
+                        ms = Some(h);
+                        let msg = format!("metaserver restarted empty at request {i}");
+                        progress.fault(&msg);
+                        faults.push(msg);
+                    }
+                    Err(e) => faults.push(format!("metaserver restart failed at request {i}: {e}")),
+                }
+            }
+        }
+        if Some(i) == kill_prefill_at {
+            // Wait for in-flight requests so the node is not mid-save.
+            while let Some(r) = inflight.join_next().await {
+                outcomes.push(r.map_err(|e| PdError::Start(e.to_string()))??);
+            }
+            prefill_alive[0].store(false, Ordering::SeqCst);
+            if let Some(h) = prefill[0].handle.lock().expect("handle lock").take() {
+                h.kill();
+            }
+            let msg = format!("prefill node 0 killed at request {i}");
+            progress.fault(&msg);
+            faults.push(msg);
+        }
+        while inflight.len() >= cfg.concurrency {
+            if let Some(r) = inflight.join_next().await {
+                let o = r.map_err(|e| PdError::Start(e.to_string()))??;
+                bytes_so_far += o.bytes;
+                progress.tick(bytes_so_far);
+                outcomes.push(o);
+            }
+        }
+        let hashes: Vec<BlockHash> = trace::engine_blocks(req, cfg.block_tokens)?.into_iter().map(|b| b.hash).collect();
+        let p = pick_prefill(&prefill, &prefill_alive, cfg.routing, i, &shape.ns, &hashes);
+        let d = decode[i % decode.len()].clone();
+        let p = prefill[p].clone();
+        let shape = shape.clone();
+        let flush_deadline = cfg.flush_deadline;
+        inflight.spawn(async move { serve_request(&p, &d, &shape, hashes, flush_deadline).await });
+    }
+    while let Some(r) = inflight.join_next().await {
+        let o = r.map_err(|e| PdError::Start(e.to_string()))??;
+        bytes_so_far += o.bytes;
+        progress.tick(bytes_so_far);
+        outcomes.push(o);
+    }
+    progress.finish();
+
+    let mut rep = PdReport {
+        requests: n as u64,
+        model: model.name.to_string(),
+        block_tokens: cfg.block_tokens,
+        block_bytes: model.block_bytes(cfg.block_tokens),
+        oracle_hit_rate: oracle.hit_rate(),
+        faults,
+        ..Default::default()
+    };
+    let mut handoffs: Vec<f64> = Vec::with_capacity(n);
+    let mut fetch_time = Duration::ZERO;
+    for o in &outcomes {
+        rep.blocks_total += o.blocks;
+        rep.blocks_verified += o.verified;
+        rep.blocks_fetched += o.decode_fetched;
+        rep.blocks_decode_local += o.decode_local;
+        rep.blocks_recomputed += o.blocks - o.decode_fetched - o.decode_local;
+        rep.prefill_local_hits += o.prefill_local;
+        rep.prefill_fetched += o.prefill_fetched;
+        rep.bytes_transferred += o.bytes;
+        rep.registrations_delivered += o.delivered;
+        rep.registrations_dropped += o.dropped;
+        fetch_time += o.fetch_time;
+        handoffs.push(o.handoff.as_secs_f64() * 1e3);
+    }
+    rep.prefix_hit_rate = if rep.blocks_total == 0 {
+        0.0
+    } else {
+        (rep.prefill_local_hits + rep.prefill_fetched) as f64 / rep.blocks_total as f64
+    };
+    rep.transport_gbps =
+        if fetch_time.is_zero() { 0.0 } else { rep.bytes_transferred as f64 / fetch_time.as_secs_f64() / 1e9 };
+    handoffs.sort_by(|a, b| a.total_cmp(b));
+    rep.handoff_p50_ms = percentile(&handoffs, 0.50);
+    rep.handoff_p99_ms = percentile(&handoffs, 0.99);
+    rep.checksum_failures = nodes.iter().map(|n| n.engine.metrics().checksum_failures.load(Ordering::Relaxed)).sum();
+
+    for node in nodes {
+        let h = node.handle.lock().expect("handle lock").take();
+        if let Some(h) = h {
+            h.shutdown(Duration::from_millis(500)).await;
+        }
+    }
+    if let Some(h) = ms {
+        let _ = h.shutdown().await;
+    }
+    rep.wall_s = wall.elapsed().as_secs_f64();
+    Ok(rep)
+}
+
+fn percentile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let idx = ((sorted.len() as f64 - 1.0) * q).round() as usize;
+    sorted[idx.min(sorted.len() - 1)]
+}
+
+fn pick_prefill(
+    prefill: &[Arc<PdNode>],
+    alive: &[std::sync::atomic::AtomicBool],
+    routing: Routing,
+    i: usize,
+    ns: &str,
+    hashes: &[BlockHash],
+) -> usize {
+    let live: Vec<usize> = (0..prefill.len()).filter(|&p| alive[p].load(Ordering::SeqCst)).collect();
+    let rr = live[i % live.len()];
+    match routing {
+        Routing::RoundRobin => rr,
+        Routing::PrefixAware => {
+            let best = live
+                .iter()
+                .map(|&p| (prefill[p].engine.query_prefix(ns, hashes), p))
+                .max_by_key(|(hit, p)| (*hit, usize::MAX - p));
+            match best {
+                Some((hit, p)) if hit > 0 => p,
+                _ => rr,
+            }
+        }
+    }
+}
+
+async fn serve_request(
+    p: &PdNode,
+    d: &PdNode,
+    shape: &Shape,
+    hashes: Vec<BlockHash>,
+    flush_deadline: Duration,
+) -> Result<ReqOutcome, PdError> {
+    let n = hashes.len();
+    let mut o = ReqOutcome { blocks: n as u64, ..Default::default() };
+    if n == 0 {
+        return Ok(o);
+    }
+    let pe = &p.engine;
+    let gpu = pe.gpu().clone();
+    // Prefill: reuse the longest cached prefix (local, else fetched), compute the rest, save.
+    let handoff_start;
+    {
+        let _dev = p.device.lock().await;
+        let local = pe.query_prefix(&shape.ns, &hashes);
+        let t = Instant::now();
+        let fetched = if local < n { pe.fetch(&shape.ns, &hashes).await } else { Default::default() };
+        o.fetch_time += t.elapsed();
+        o.bytes += fetched.bytes;
+        let reuse = local.max(fetched.available);
+        o.prefill_local = local as u64;
+        o.prefill_fetched = (reuse - local) as u64;
+        let reused: Vec<(BlockHash, u64)> = hashes[..reuse].iter().cloned().zip(0u64..).collect();
+        if !reused.is_empty() {
+            let rep = pe.load(&shape.ns, &reused).await.map_err(|e| PdError::Device(e.to_string()))?;
+            // A block evicted between the lookup and the load is recomputed.
+            for (j, r) in rep.results.iter().enumerate() {
+                if r.is_err() {
+                    compute_block(&*gpu, shape, p.buffer, j as u64, &hashes[j])?;
+                }
+            }
+        }
+        for (j, h) in hashes.iter().enumerate().skip(reuse) {
+            compute_block(&*gpu, shape, p.buffer, j as u64, h)?;
+        }
+        let to_save: Vec<(u64, BlockHash)> = (0u64..).zip(hashes.iter().cloned()).collect();
+        pe.save(&shape.ns, &to_save).await.map_err(|e| PdError::Device(e.to_string()))?;
+        handoff_start = Instant::now();
+        let fr = pe.flush_saves_and_registrations(flush_deadline).await;
+        o.delivered += fr.delivered;
+        o.dropped += fr.dropped;
+    }
+    // Decode: query + fetch, load, verify every byte, recompute the rest.
+    let de = &d.engine;
+    let dgpu = de.gpu().clone();
+    let _dev = d.device.lock().await;
+    let local = de.query_prefix(&shape.ns, &hashes);
+    let t = Instant::now();
+    let fetched = de.fetch(&shape.ns, &hashes).await;
+    o.fetch_time += t.elapsed();
+    o.handoff = handoff_start.elapsed();
+    o.bytes += fetched.bytes;
+    let have = fetched.available.max(local);
+    o.decode_local = local as u64;
+    o.decode_fetched = (have - local) as u64;
+    let mut loaded = vec![false; n];
+    if have > 0 {
+        let blocks: Vec<(BlockHash, u64)> = hashes[..have].iter().cloned().zip(0u64..).collect();
+        let rep = de.load(&shape.ns, &blocks).await.map_err(|e| PdError::Device(e.to_string()))?;
+        for (j, r) in rep.results.iter().enumerate() {
+            loaded[j] = r.is_ok();
+        }
+    }
+    for (j, h) in hashes.iter().enumerate() {
+        if !loaded[j] {
+            if j < have {
+                // Evicted between fetch and load: recomputed, not fetched.
+                if (j as u64) < o.decode_local + o.decode_fetched {
+                    if j < local { o.decode_local -= 1 } else { o.decode_fetched -= 1 }
+                }
+            }
+            compute_block(&*dgpu, shape, d.buffer, j as u64, h)?;
+        }
+        if verify_block(&*dgpu, shape, d.buffer, j as u64, h)? {
+            o.verified += 1;
+        }
+    }
+    Ok(o)
+}
