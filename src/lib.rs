@@ -33,6 +33,8 @@
 //! `/health`) and GPU backends whose drivers block (`cuda`). Std mutexes are
 //! held only for short, non-awaiting sections.
 
+#[cfg(not(madsim))]
+pub mod bench;
 pub mod client;
 pub mod engine;
 #[cfg(not(madsim))]

@@ -41,6 +41,39 @@ enum Cmd {
     },
     /// Replay a request trace across an embedded P/D cluster (the main job).
     Pd(PdArgs),
+    /// Benchmarks: ratios measured side by side in one run.
+    Bench {
+        #[command(subcommand)]
+        which: BenchCmd,
+        /// Write the figures and ratios as JSON here.
+        #[arg(long, global = true)]
+        json: Option<PathBuf>,
+    },
+}
+
+#[derive(Subcommand)]
+enum BenchCmd {
+    /// Host-backend save/load of a Qwen3-8B layout vs memcpy.
+    Engine {
+        /// Blocks (2.25 MiB each).
+        #[arg(long, default_value_t = 128)]
+        blocks: u64,
+    },
+    /// TCP fetch vs raw socket copy on loopback (T4).
+    Transport {
+        /// Blocks to fetch.
+        #[arg(long, default_value_t = 64)]
+        blocks: u64,
+        /// MiB per block.
+        #[arg(long, default_value_t = 8)]
+        block_mib: u64,
+    },
+    /// MetaServer store and gRPC insert rates, unregister cost (T5–T7).
+    Store {
+        /// Keys inserted.
+        #[arg(long, default_value_t = 1_000_000)]
+        keys: u64,
+    },
 }
 
 #[derive(clap::Args)]
@@ -78,6 +111,9 @@ struct PdArgs {
     /// Requests in flight at once.
     #[arg(long, default_value_t = 4)]
     concurrency: usize,
+    /// Keep only the first N blocks of each request (cheaper replay, same prefix structure).
+    #[arg(long)]
+    max_blocks: Option<u64>,
     /// Seed.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -195,6 +231,7 @@ async fn run_pd(a: PdArgs) -> Result<(), String> {
         kill_prefill_at: a.kill_prefill_at,
         drop_registrations: a.drop_registrations,
         concurrency: a.concurrency,
+        max_blocks: a.max_blocks,
         ..PdConfig::default()
     };
     let bar = indicatif::ProgressBar::new(0);
@@ -293,6 +330,18 @@ fn main() -> ExitCode {
                 run_metaserver(addr, stale_after_secs, ttl_secs, sweep_interval_secs, http_addr).await
             }
             Cmd::Pd(a) => run_pd(a).await,
+            Cmd::Bench { which, json } => {
+                let v = match which {
+                    BenchCmd::Engine { blocks } => kvferry::bench::engine(blocks).await,
+                    BenchCmd::Transport { blocks, block_mib } => kvferry::bench::transport(blocks, block_mib).await,
+                    BenchCmd::Store { keys } => kvferry::bench::store(keys).await,
+                }?;
+                if let Some(path) = json {
+                    let text = serde_json::to_string_pretty(&v).map_err(|e| e.to_string())?;
+                    std::fs::write(&path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+                }
+                Ok(())
+            }
         }
     });
     match result {

@@ -138,8 +138,17 @@ pub async fn start(cfg: NodeConfig, gpu: Arc<dyn Gpu>) -> Result<NodeHandle, Nod
     ccfg.queue = cfg.queue;
     ccfg.rpc_timeout = cfg.metaserver_rpc_timeout;
     let client = MetaServerClient::start(ccfg)?;
-    let engine = Engine::new(node.clone(), cfg.engine.clone(), gpu, client)?;
-    let transport = TcpTransport::start(
+    // A start that fails from here on must stop the client: its driver would
+    // otherwise heartbeat forever for a node that never became ready, keeping
+    // the address alive at the MetaServer (a later node on it is rejected).
+    let engine = match Engine::new(node.clone(), cfg.engine.clone(), gpu, client.clone()) {
+        Ok(e) => e,
+        Err(e) => {
+            client.shutdown(cfg.metaserver_rpc_timeout).await;
+            return Err(e.into());
+        }
+    };
+    let transport = match TcpTransport::start(
         cfg.data_addr,
         &cfg.advertise_host,
         node.clone(),
@@ -148,7 +157,13 @@ pub async fn start(cfg: NodeConfig, gpu: Arc<dyn Gpu>) -> Result<NodeHandle, Nod
         cfg.tcp_connections_per_peer,
     )
     .await
-    .map_err(|source| NodeError::BindData { addr: cfg.data_addr, source })?;
+    {
+        Ok(t) => t,
+        Err(source) => {
+            client.shutdown(cfg.metaserver_rpc_timeout).await;
+            return Err(NodeError::BindData { addr: cfg.data_addr, source });
+        }
+    };
     let transport = Arc::new(transport);
     engine.set_transport(transport.clone());
     let (tx, mut rx) = watch::channel(false);

@@ -5,8 +5,9 @@
 //! tie-break) → handshake once per peer (single-flight; a failure leaves no
 //! state, so the next attempt starts clean) → `QueryBlocksForTransfer` →
 //! READ into freshly allocated pool slots → verify each slot's CRC-32C →
-//! seal locally → release the transfer lock → register the fetched blocks
-//! as owned here. When an owner delivers only part of what it advertised,
+//! seal locally and register the fetched blocks as owned here (one
+//! synchronous step, so no eviction can slip between them) → release the
+//! transfer lock. When an owner delivers only part of what it advertised,
 //! the next owner is asked for the rest (stitching one prefix from several
 //! owners, C14), at most one transfer query per owner per fetch and at most
 //! `FETCH_OWNERS_MAX` owners. Every step runs under the fetch's deadline.
@@ -310,10 +311,6 @@ impl Engine {
             }
         }
         guard.release().await;
-        if out.0 > 0 {
-            let ns = namespace.to_string();
-            self.advertise(&ns, &want[..out.0]);
-        }
         out
     }
 
@@ -402,6 +399,12 @@ impl Engine {
         }
         self.inner.metrics.fetched_blocks.fetch_add(got as u64, Ordering::Relaxed);
         self.inner.metrics.fetched_bytes.fetch_add(bytes, Ordering::Relaxed);
+        // Register in the same synchronous section that sealed them (as
+        // `save` does): deferring it past the release RPC let an eviction
+        // in between enqueue the removal *before* the insert, leaving a
+        // stale owner entry the index never withdraws; a cancel there left
+        // resident blocks never registered (found by the simulator).
+        self.advertise(&ns, &want[..got]);
         if got < want.len() && stop.is_none() {
             stop = Some(FetchError::Stale);
         }

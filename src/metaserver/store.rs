@@ -1607,48 +1607,4 @@ mod tests {
     fn fuzz_store_seeded() {
         crate::testing::run_fuzz_seeded("metaserver_store", 3_000, 512, fuzz_store);
     }
-
-    /// Timing check against the perf targets; run with
-    /// `cargo test --release -- --ignored perf_targets --nocapture`.
-    #[test]
-    #[ignore = "timing; run in release with --ignored"]
-    fn perf_targets() {
-        use std::time::Instant;
-        const N: u64 = 1_000_000;
-        let keys: Vec<BlockHash> = (0..N).map(|i| h(i.wrapping_mul(0x9e37_79b9_7f4a_7c15))).collect();
-        let raw: Vec<[u8; 32]> = keys.iter().map(|k| k.as_bytes().try_into().unwrap()).collect();
-        let (a, b) = (n("a"), n("b"));
-        let (sa, sb) = (s("s"), s("t"));
-        // Best of 5, interleaved, to ride out a noisy shared machine.
-        let (mut base_s, mut store_s, mut unreg_s) = (f64::MAX, f64::MAX, f64::MAX);
-        for _ in 0..5 {
-            let t = Instant::now();
-            let mut base: HashMap<[u8; 32], u32> = HashMap::new();
-            for (i, k) in raw.iter().enumerate() {
-                base.insert(*k, i as u32);
-            }
-            base_s = base_s.min(t.elapsed().as_secs_f64());
-            std::hint::black_box(&base);
-            let mut st = MetaStore::new(CFG);
-            st.heartbeat(&a, &sa, 0).unwrap();
-            st.heartbeat(&b, &sb, 0).unwrap();
-            let t = Instant::now();
-            for chunk in keys.chunks(limits::HASHES_PER_REQUEST_MAX) {
-                st.insert("ns", chunk, &a, &sa, 0).unwrap();
-            }
-            store_s = store_s.min(t.elapsed().as_secs_f64());
-            st.insert("ns", &keys[..10_000], &b, &sb, 0).unwrap();
-            let t = Instant::now();
-            assert_eq!(st.unregister(&b, &sb), 10_000);
-            unreg_s = unreg_s.min(t.elapsed().as_secs_f64());
-        }
-        println!(
-            "baseline {:.0}/s, store {:.0}/s (ratio {:.2}, target >= 0.5); \
-             unregister 10k of 1M: {:.3} ms (target <= 10)",
-            N as f64 / base_s,
-            N as f64 / store_s,
-            base_s / store_s,
-            unreg_s * 1e3
-        );
-    }
 }

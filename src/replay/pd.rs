@@ -73,6 +73,10 @@ pub struct PdConfig {
     pub drop_registrations: f64,
     /// Requests in flight at once.
     pub concurrency: usize,
+    /// Keep only the first N engine blocks of each request (a cheaper
+    /// replay with the same prefix structure; the oracle is computed on the
+    /// truncated requests too).
+    pub max_blocks: Option<u64>,
     /// Deadline of one handoff flush.
     pub flush_deadline: Duration,
     /// Deadline of one fetch.
@@ -98,6 +102,7 @@ impl Default for PdConfig {
             kill_prefill_at: None,
             drop_registrations: 0.0,
             concurrency: 4,
+            max_blocks: None,
             flush_deadline: Duration::from_secs(5),
             fetch_deadline: Duration::from_secs(5),
         }
@@ -255,7 +260,23 @@ fn prepare(cfg: &PdConfig) -> Result<(Vec<TraceRequest>, &'static ModelPreset), 
     if reqs.is_empty() {
         return Err(PdError::Config("the selected trace window holds no requests".into()));
     }
+    let reqs = match cfg.max_blocks {
+        Some(0) => return Err(PdError::Config("--max-blocks must be at least 1".into())),
+        Some(m) => reqs.into_iter().map(|r| truncate(r, m * cfg.block_tokens)).collect(),
+        None => reqs,
+    };
     Ok((reqs, model))
+}
+
+/// Cuts a request to its first `tokens` prompt tokens (whole trace blocks kept
+/// as far as they are covered).
+fn truncate(mut r: TraceRequest, tokens: u64) -> TraceRequest {
+    if r.input_length > tokens {
+        r.input_length = tokens;
+        let keep = tokens.div_ceil(trace::TRACE_BLOCK_TOKENS) as usize;
+        r.hash_ids.truncate(keep.max(1));
+    }
+    r
 }
 
 /// Fills device slot `slot` with the KV of `hash` (the "compute").

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Every test tier of kvferry, in order. The README's test command; CI runs it.
+#
+#   scripts/test.sh            all tiers
+#   SIM_SEEDS=N scripts/test.sh   seeds of the main simulation scenario (default 500)
+#   FUZZ_SECS=N scripts/test.sh   seconds per fuzz target in the smoke run (default 20)
+#
+# Tiers:
+#   1. cargo test (real tokio): unit tests (incl. seeded fuzz-body replays and
+#      fuzz/regressions/), integration tests on loopback, properties, the
+#      main job on a small trace window.
+#   2. madsim build: library unit tests under --cfg madsim, then the
+#      simulation sweep (scripts/sim.sh): SIM_SEEDS seeds of the main
+#      scenario, the determinism sample, the broken-build checks.
+#   3. fuzz smoke (scripts/fuzz.sh smoke): each coverage-guided target briefly.
+#   4. clippy in both cfgs (warnings are errors).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SIM_SEEDS=${SIM_SEEDS:-500}
+FUZZ_SECS=${FUZZ_SECS:-20}
+step() { printf '\n==== %s\n' "$*"; }
+
+step "tier 1: cargo test (real tokio)"
+cargo test --all-targets
+
+step "tier 2a: library unit tests under --cfg madsim"
+RUSTFLAGS="--cfg madsim ${RUSTFLAGS:-}" CARGO_TARGET_DIR=target-sim cargo test --lib
+
+step "tier 2b: simulation sweep ($SIM_SEEDS seeds)"
+scripts/sim.sh "$SIM_SEEDS"
+
+step "tier 3: fuzz smoke (${FUZZ_SECS}s per target)"
+scripts/fuzz.sh smoke "$FUZZ_SECS"
+
+step "tier 4: clippy (tokio and madsim)"
+cargo clippy --all-targets -- -D warnings
+RUSTFLAGS="--cfg madsim ${RUSTFLAGS:-}" CARGO_TARGET_DIR=target-sim cargo clippy --lib --tests -- -D warnings
+
+step "all tiers passed"

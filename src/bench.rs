@@ -1,0 +1,322 @@
+//! `kvferry bench …`: benchmarks that print ratios measured side by side in
+//! one run (perf.md: these machines are noisy, only ratios carry over).
+//!
+//! - `engine` — host-backend save/load of a Qwen3-8B-shaped layout (36
+//!   layers, split K/V, 32 KiB segments, 16-token blocks) ÷ a plain memcpy
+//!   of the same bytes.
+//! - `transport` — TCP fetch of large blocks on loopback ÷ a raw socket
+//!   copy of the same bytes over the same number of connections (T4).
+//! - `store` — MetaServer store inserts/s ÷ `HashMap<[u8;32],u32>` inserts/s
+//!   (T5), loopback gRPC inserts ÷ store rate (T6), unregister of a node
+//!   owning 10 k of 1 M keys (T7).
+//!
+//! Every figure is the best of a few repetitions, interleaved with its
+//! baseline. Throughput is timed to completion (T9): a save is timed until
+//! its blocks are sealed, a fetch until its blocks are verified and sealed.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::client::{ClientConfig, MetaServerClient};
+use crate::engine::layout::{DeviceBufferId, buffer_bytes_needed, contiguous};
+use crate::engine::{Engine, EngineConfig};
+use crate::gpu::Gpu;
+use crate::gpu::host::HostGpu;
+use crate::metaserver::store::{MetaStore, StoreConfig};
+use crate::metaserver::{self, MetaServerConfig};
+use crate::node::{self, NodeConfig};
+use crate::types::{BlockHash, NodeAddr, SessionId};
+
+const REPS: usize = 3;
+
+fn gbps(bytes: u64, s: f64) -> f64 {
+    bytes as f64 / s / 1e9
+}
+
+/// `bench engine`: returns the JSON it printed.
+///
+/// # Errors
+/// Set-up failures as text.
+pub async fn engine(blocks: u64) -> Result<serde_json::Value, String> {
+    let (layers, seg) = (36u32, 32u64 << 10);
+    let gpu = Arc::new(HostGpu::new());
+    let shape = contiguous(DeviceBufferId(0), layers, blocks, seg, true, true);
+    let buf = gpu.alloc(buffer_bytes_needed(&shape)).map_err(|e| e.to_string())?;
+    let shape = contiguous(buf, layers, blocks, seg, true, true);
+    let block_bytes = u64::from(layers) * 2 * seg;
+    let total = blocks * block_bytes;
+    // An engine with a MetaServer address nobody listens on: registrations
+    // are dropped by the client; the save path itself is what we time.
+    let client = MetaServerClient::start(ClientConfig::new(
+        "127.0.0.1:9",
+        NodeAddr::parse("127.0.0.1:1").map_err(|e| e.to_string())?,
+        SessionId::parse("bench").map_err(|e| e.to_string())?,
+    ))
+    .map_err(|e| e.to_string())?;
+    let cfg = EngineConfig { pool_bytes: total + (64 << 20), ..EngineConfig::default() };
+    let engine = Engine::new(NodeAddr::parse("127.0.0.1:1").map_err(|e| e.to_string())?, cfg, gpu.clone(), client)
+        .map_err(|e| e.to_string())?;
+    engine.register_layout("bench", shape).map_err(|e| e.to_string())?;
+    // Touch device and baseline memory once so page faults are not timed.
+    let pattern: Vec<u8> = (0..total).map(|i| (i * 31 % 251) as u8).collect();
+    gpu.write(buf, 0, &pattern).map_err(|e| e.to_string())?;
+    let mut dst = vec![0u8; total as usize];
+    dst.copy_from_slice(&pattern);
+
+    let mut memcpy_s = f64::MAX;
+    let mut save_s = f64::MAX;
+    let mut load_s = f64::MAX;
+    for rep in 0..REPS {
+        let t = Instant::now();
+        dst.copy_from_slice(&pattern);
+        std::hint::black_box(&dst);
+        memcpy_s = memcpy_s.min(t.elapsed().as_secs_f64());
+        engine.evict(u64::MAX);
+        let items: Vec<(u64, BlockHash)> =
+            (0..blocks).map(|i| (i, BlockHash::from_u64(rep as u64 * blocks + i))).collect();
+        let t = Instant::now();
+        let r = engine.save("bench", &items).await.map_err(|e| e.to_string())?;
+        save_s = save_s.min(t.elapsed().as_secs_f64());
+        if r.saved.len() as u64 != blocks {
+            return Err(format!("saved {} of {blocks} blocks", r.saved.len()));
+        }
+        let loads: Vec<(BlockHash, u64)> = items.iter().map(|(i, h)| (h.clone(), *i)).collect();
+        let t = Instant::now();
+        let r = engine.load("bench", &loads).await.map_err(|e| e.to_string())?;
+        load_s = load_s.min(t.elapsed().as_secs_f64());
+        if r.loaded() as u64 != blocks {
+            return Err(format!("loaded {} of {blocks} blocks", r.loaded()));
+        }
+    }
+    let out = json!({
+        "layout": "qwen3-8b layer-first split K/V, 36 layers x 32 KiB segments, 16-token blocks",
+        "blocks": blocks, "bytes": total,
+        "memcpy_gbps": gbps(total, memcpy_s),
+        "save_gbps": gbps(total, save_s),
+        "load_gbps": gbps(total, load_s),
+        "save_ratio": memcpy_s / save_s,
+        "load_ratio": memcpy_s / load_s,
+    });
+    println!(
+        "bench engine (host backend), {} blocks = {:.2} GiB, best of {REPS}",
+        blocks,
+        total as f64 / (1u64 << 30) as f64
+    );
+    println!("  plain memcpy    {:>7.2} GB/s", gbps(total, memcpy_s));
+    println!("  save (+crc32c)  {:>7.2} GB/s   ratio {:.3}", gbps(total, save_s), memcpy_s / save_s);
+    println!("  load            {:>7.2} GB/s   ratio {:.3}", gbps(total, load_s), memcpy_s / load_s);
+    client_shutdown(&engine).await;
+    Ok(out)
+}
+
+async fn client_shutdown(engine: &Engine) {
+    engine.client().abort();
+}
+
+/// Raw loopback socket copy of `total` bytes over `conns` connections
+/// (seconds).
+async fn raw_socket_copy(total: u64, conns: usize) -> Result<f64, String> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.map_err(|e| e.to_string())?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let per = total / conns as u64;
+    let server = tokio::spawn(async move {
+        let mut hs = Vec::new();
+        for _ in 0..conns {
+            let (mut s, _) = listener.accept().await?;
+            hs.push(tokio::spawn(async move {
+                let buf = vec![7u8; 1 << 20];
+                let mut left = per;
+                while left > 0 {
+                    let n = left.min(buf.len() as u64) as usize;
+                    s.write_all(&buf[..n]).await?;
+                    left -= n as u64;
+                }
+                Ok::<_, std::io::Error>(())
+            }));
+        }
+        for h in hs {
+            h.await.map_err(std::io::Error::other)??;
+        }
+        Ok::<_, std::io::Error>(())
+    });
+    let t = Instant::now();
+    let mut readers = Vec::new();
+    for _ in 0..conns {
+        let mut s = tokio::net::TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
+        s.set_nodelay(true).map_err(|e| e.to_string())?;
+        readers.push(tokio::spawn(async move {
+            let mut buf = vec![0u8; 8 << 20];
+            let mut left = per;
+            while left > 0 {
+                let n = left.min(buf.len() as u64) as usize;
+                s.read_exact(&mut buf[..n]).await?;
+                left -= n as u64;
+            }
+            Ok::<_, std::io::Error>(())
+        }));
+    }
+    for r in readers {
+        r.await.map_err(|e| e.to_string())?.map_err(|e| e.to_string())?;
+    }
+    let secs = t.elapsed().as_secs_f64();
+    server.await.map_err(|e| e.to_string())?.map_err(|e| e.to_string())?;
+    Ok(secs)
+}
+
+/// `bench transport` (T4): returns the JSON it printed.
+///
+/// # Errors
+/// Set-up failures as text.
+pub async fn transport(blocks: u64, block_mib: u64) -> Result<serde_json::Value, String> {
+    let ms = metaserver::start(MetaServerConfig::new("127.0.0.1:0".parse().expect("literal")))
+        .await
+        .map_err(|e| e.to_string())?;
+    let url = format!("http://{}", ms.local_addr);
+    let block_bytes = block_mib << 20;
+    let total = blocks * block_bytes;
+    let mut nodes = Vec::new();
+    for _ in 0..2 {
+        let mut cfg = NodeConfig::loopback(url.clone());
+        cfg.engine.pool_bytes = total + (64 << 20);
+        cfg.engine.fetch_deadline = Duration::from_secs(60);
+        nodes.push(node::start(cfg, Arc::new(HostGpu::new())).await.map_err(|e| e.to_string())?);
+    }
+    let conns = crate::limits::TCP_CONNECTIONS_PER_PEER_DEFAULT;
+    // One layer, one segment: a block is one contiguous read.
+    for n in &nodes {
+        let buf = n.engine.gpu().alloc(blocks * block_bytes).map_err(|e| e.to_string())?;
+        n.engine
+            .register_layout("bench", contiguous(buf, 1, blocks, block_bytes, false, true))
+            .map_err(|e| e.to_string())?;
+    }
+    let (src, dst) = (&nodes[0].engine, &nodes[1].engine);
+    let pattern: Vec<u8> = (0..block_bytes).map(|i| (i * 131 % 253) as u8).collect();
+    for i in 0..blocks {
+        src.gpu().write(DeviceBufferId(0), i * block_bytes, &pattern).map_err(|e| e.to_string())?;
+    }
+    let mut fetch_s = f64::MAX;
+    let mut raw_s = f64::MAX;
+    for rep in 0..REPS {
+        let hashes: Vec<BlockHash> = (0..blocks).map(|i| BlockHash::from_u64((rep as u64) << 32 | i)).collect();
+        let items: Vec<(u64, BlockHash)> = hashes.iter().cloned().zip(0..).map(|(h, i)| (i, h)).collect();
+        src.evict(u64::MAX);
+        src.save("bench", &items).await.map_err(|e| e.to_string())?;
+        let fr = src.flush_saves_and_registrations(Duration::from_secs(10)).await;
+        if fr.dropped > 0 || fr.timed_out {
+            return Err(format!("registration failed: {fr:?}"));
+        }
+        dst.evict(u64::MAX);
+        let t = Instant::now();
+        let r = dst.fetch("bench", &hashes).await;
+        let secs = t.elapsed().as_secs_f64();
+        if r.fetched as u64 != blocks {
+            return Err(format!("fetched {} of {blocks}: {:?}", r.fetched, r.stopped));
+        }
+        fetch_s = fetch_s.min(secs);
+        raw_s = raw_s.min(raw_socket_copy(total, conns).await?);
+    }
+    let t4 = raw_s / fetch_s;
+    println!(
+        "bench transport (tcp, loopback), {blocks} blocks x {block_mib} MiB = {:.2} GiB, {conns} connections, best of {REPS}",
+        total as f64 / (1u64 << 30) as f64
+    );
+    println!("  raw socket copy       {:>7.2} GB/s", gbps(total, raw_s));
+    println!(
+        "  kvferry fetch         {:>7.2} GB/s   (query + lock + read + crc32c verify + seal)",
+        gbps(total, fetch_s)
+    );
+    println!("  T4 = fetch / raw      {t4:>7.3}   (target >= 0.85)");
+    for n in nodes {
+        n.shutdown(Duration::from_millis(300)).await;
+    }
+    let _ = ms.shutdown().await;
+    Ok(json!({
+        "blocks": blocks, "block_bytes": block_bytes, "bytes": total, "connections": conns,
+        "raw_socket_gbps": gbps(total, raw_s), "fetch_gbps": gbps(total, fetch_s), "T4": t4,
+    }))
+}
+
+/// `bench store` (T5, T6, T7): returns the JSON it printed.
+///
+/// # Errors
+/// Set-up failures as text.
+pub async fn store(keys_n: u64) -> Result<serde_json::Value, String> {
+    let hash = |i: u64| BlockHash::from_u64(i.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    let keys: Vec<BlockHash> = (0..keys_n).map(hash).collect();
+    let raw: Vec<[u8; 32]> = keys.iter().map(|k| k.as_bytes().try_into().expect("32-byte hashes")).collect();
+    let a = NodeAddr::parse("10.0.0.1:1").map_err(|e| e.to_string())?;
+    let b = NodeAddr::parse("10.0.0.2:1").map_err(|e| e.to_string())?;
+    let sa = SessionId::parse("sa").map_err(|e| e.to_string())?;
+    let sb = SessionId::parse("sb").map_err(|e| e.to_string())?;
+    let cfg = StoreConfig { stale_after_ms: 30_000, ttl_ms: 120_000 };
+    let (mut base_s, mut store_s, mut unreg_s) = (f64::MAX, f64::MAX, f64::MAX);
+    for _ in 0..REPS {
+        let t = Instant::now();
+        let mut base: HashMap<[u8; 32], u32> = HashMap::new();
+        for (i, k) in raw.iter().enumerate() {
+            base.insert(*k, i as u32);
+        }
+        base_s = base_s.min(t.elapsed().as_secs_f64());
+        std::hint::black_box(&base);
+        let mut st = MetaStore::new(cfg);
+        st.heartbeat(&a, &sa, 0).map_err(|e| e.to_string())?;
+        st.heartbeat(&b, &sb, 0).map_err(|e| e.to_string())?;
+        let t = Instant::now();
+        for chunk in keys.chunks(crate::limits::HASHES_PER_REQUEST_MAX) {
+            st.insert("ns", chunk, &a, &sa, 0).map_err(|e| e.to_string())?;
+        }
+        store_s = store_s.min(t.elapsed().as_secs_f64());
+        let owned = 10_000.min(keys.len());
+        st.insert("ns", &keys[..owned], &b, &sb, 0).map_err(|e| e.to_string())?;
+        let t = Instant::now();
+        let removed = st.unregister(&b, &sb);
+        unreg_s = unreg_s.min(t.elapsed().as_secs_f64());
+        if removed != owned as u64 {
+            return Err(format!("unregister removed {removed}, expected {owned}"));
+        }
+    }
+    let base_rate = keys_n as f64 / base_s;
+    let store_rate = keys_n as f64 / store_s;
+
+    // T6: the same inserts through loopback gRPC from the real client.
+    let ms = metaserver::start(MetaServerConfig::new("127.0.0.1:0".parse().expect("literal")))
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut grpc_s = f64::MAX;
+    for rep in 0..REPS {
+        let mut ccfg = ClientConfig::new(
+            format!("http://{}", ms.local_addr),
+            NodeAddr::parse(&format!("127.0.0.1:{}", 20_000 + rep)).map_err(|e| e.to_string())?,
+            SessionId::parse(&format!("g{rep}")).map_err(|e| e.to_string())?,
+        );
+        ccfg.queue.depth_max = keys.len() + 1;
+        ccfg.rpc_timeout = Duration::from_secs(30);
+        let client = MetaServerClient::start(ccfg).map_err(|e| e.to_string())?;
+        client.flush().await; // first heartbeat out of the way
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let t = Instant::now();
+        client.try_register(&format!("ns{rep}"), &keys);
+        let r = client.flush().await;
+        grpc_s = grpc_s.min(t.elapsed().as_secs_f64());
+        if r.delivered != keys_n {
+            return Err(format!("gRPC inserts delivered {} of {keys_n}", r.delivered));
+        }
+        client.shutdown(Duration::from_secs(1)).await;
+    }
+    let _ = ms.shutdown().await;
+    let grpc_rate = keys_n as f64 / grpc_s;
+    let (t5, t6, t7_ms) = (store_rate / base_rate, grpc_rate / store_rate, unreg_s * 1e3);
+    println!("bench store, {keys_n} keys, best of {REPS}");
+    println!("  HashMap<[u8;32],u32> inserts {:>12.0} /s", base_rate);
+    println!("  MetaStore inserts            {:>12.0} /s   T5 = {t5:.3} (target >= 0.5)", store_rate);
+    println!("  loopback gRPC inserts        {:>12.0} /s   T6 = {t6:.3} (target >= 0.5)", grpc_rate);
+    println!("  unregister 10k of {keys_n}        {t7_ms:>9.3} ms   T7 (target <= 10 ms)");
+    Ok(json!({
+        "keys": keys_n, "hashmap_inserts_per_s": base_rate, "store_inserts_per_s": store_rate,
+        "grpc_inserts_per_s": grpc_rate, "T5": t5, "T6": t6, "T7_ms": t7_ms,
+    }))
+}
