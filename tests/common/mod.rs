@@ -1,0 +1,262 @@
+//! Shared helpers of `tests/engine.rs` and `tests/fetch.rs`: a real
+//! MetaServer, real nodes on loopback with short deadlines, deterministic KV
+//! bytes on the (host) device, and a GPU whose completions can be held back.
+#![allow(dead_code)]
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use kvferry::engine::layout::{self, DeviceBufferId, LayerLayout};
+use kvferry::engine::{Engine, EngineConfig};
+use kvferry::gpu::host::HostGpu;
+use kvferry::gpu::{Completion, CopyBatch, Gpu, GpuError};
+use kvferry::metaserver::{self, MetaServerConfig, MetaServerHandle};
+use kvferry::node::{self, NodeConfig, NodeHandle};
+use kvferry::replay::trace::{fill_kv, verify_kv};
+use kvferry::types::{BlockHash, NodeAddr};
+use tokio::sync::watch;
+
+/// The namespace most tests use.
+pub const NS: &str = "test/llama/bf16/tp1/bt16";
+
+/// Small default block geometry: 4 layers x 2 segments x 4 KiB = 32 KiB.
+pub const LAYERS: u32 = 4;
+pub const SEG: u64 = 4 << 10;
+pub const BLOCK: u64 = LAYERS as u64 * 2 * SEG;
+
+/// Fetch deadline of every test engine.
+pub const FETCH_DEADLINE: Duration = Duration::from_secs(2);
+/// Transfer-lock timeout of every test engine (s).
+pub const LOCK_TIMEOUT_SECS: u32 = 1;
+/// MetaServer RPC deadline of every test node.
+pub const RPC_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// Every test body runs under this bound: a hang is a failure, not a stuck CI job.
+pub async fn bounded<F: Future>(f: F) -> F::Output {
+    tokio::time::timeout(Duration::from_secs(60), f).await.expect("test hung (60 s bound)")
+}
+
+/// Polls `f` every 10 ms until it holds or `within` passes; returns whether it held.
+pub async fn eventually(within: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let end = tokio::time::Instant::now() + within;
+    loop {
+        if f() {
+            return true;
+        }
+        if tokio::time::Instant::now() >= end {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Engine settings with short deadlines.
+pub fn engine_cfg(pool_bytes: u64) -> EngineConfig {
+    EngineConfig {
+        pool_bytes,
+        lock_timeout_secs: LOCK_TIMEOUT_SECS,
+        lock_gc_interval: Duration::from_millis(100),
+        fetch_deadline: FETCH_DEADLINE,
+        peer_rpc_timeout: Duration::from_millis(500),
+        ..EngineConfig::default()
+    }
+}
+
+/// A real MetaServer on an OS-picked loopback port.
+pub async fn start_ms() -> MetaServerHandle {
+    metaserver::start(MetaServerConfig::new("127.0.0.1:0".parse().expect("literal"))).await.expect("metaserver start")
+}
+
+/// Loopback node settings pointing at `ms`.
+pub fn node_cfg(ms_addr: std::net::SocketAddr, pool_bytes: u64) -> NodeConfig {
+    let mut c = NodeConfig::loopback(format!("http://{ms_addr}"));
+    c.engine = engine_cfg(pool_bytes);
+    c.metaserver_rpc_timeout = RPC_TIMEOUT;
+    c
+}
+
+/// A node with its own host "GPU"; the concrete GPU handle comes back too
+/// (failure injection).
+pub async fn start_node(ms: &MetaServerHandle, pool_bytes: u64) -> (NodeHandle, Arc<HostGpu>) {
+    start_node_cfg(node_cfg(ms.local_addr, pool_bytes)).await
+}
+
+/// [`start_node`] with explicit settings.
+pub async fn start_node_cfg(cfg: NodeConfig) -> (NodeHandle, Arc<HostGpu>) {
+    let gpu = Arc::new(HostGpu::new());
+    let n = node::start(cfg, gpu.clone() as Arc<dyn Gpu>).await.expect("node start");
+    (n, gpu)
+}
+
+/// One registered KV layout on one device buffer.
+#[derive(Clone, Debug)]
+pub struct Kv {
+    pub ns: String,
+    pub buffer: DeviceBufferId,
+    pub layers: Vec<LayerLayout>,
+}
+
+impl Kv {
+    /// Bytes of one block in the pool (all slots).
+    pub fn block_bytes(&self) -> u64 {
+        self.layers.iter().map(|l| u64::from(l.segments) * l.bytes_per_block).sum()
+    }
+
+    pub fn num_blocks(&self) -> u64 {
+        self.layers[0].num_blocks
+    }
+}
+
+/// Allocates a device buffer for [`layout::contiguous`] and registers it.
+pub fn register(
+    engine: &Engine,
+    ns: &str,
+    layers: u32,
+    num_blocks: u64,
+    seg: u64,
+    split: bool,
+    layer_first: bool,
+) -> Kv {
+    let ll = layout::contiguous(DeviceBufferId(u32::MAX), layers, num_blocks, seg, split, layer_first);
+    let need = layout::buffer_bytes_needed(&ll);
+    let buffer = engine.gpu().alloc(need).expect("device alloc");
+    let ll = layout::contiguous(buffer, layers, num_blocks, seg, split, layer_first);
+    engine.register_layout(ns, ll.clone()).expect("register layout");
+    Kv { ns: ns.to_string(), buffer, layers: ll }
+}
+
+/// The default small split layer-first layout (4 x 2 x 4 KiB).
+pub fn register_default(engine: &Engine, num_blocks: u64) -> Kv {
+    register(engine, NS, LAYERS, num_blocks, SEG, true, true)
+}
+
+/// Writes the deterministic KV of `hash` into device block `idx`.
+pub fn fill(engine: &Engine, kv: &Kv, idx: u64, hash: &BlockHash) {
+    for (l, ly) in kv.layers.iter().enumerate() {
+        for s in 0..ly.segments {
+            let mut data = vec![0u8; ly.bytes_per_block as usize];
+            fill_kv(&kv.ns, hash, l as u32, u32::from(s), &mut data);
+            let off = ly.segment_offset(idx, s).expect("offset");
+            engine.gpu().write(kv.buffer, off, &data).expect("device write");
+        }
+    }
+}
+
+/// Zeroes device block `idx`.
+pub fn clear(engine: &Engine, kv: &Kv, idx: u64) {
+    for ly in &kv.layers {
+        for s in 0..ly.segments {
+            let zeros = vec![0u8; ly.bytes_per_block as usize];
+            engine.gpu().write(kv.buffer, ly.segment_offset(idx, s).expect("offset"), &zeros).expect("device write");
+        }
+    }
+}
+
+/// Whether device block `idx` holds exactly the KV of `hash`.
+pub fn verify(engine: &Engine, kv: &Kv, idx: u64, hash: &BlockHash) -> bool {
+    kv.layers.iter().enumerate().all(|(l, ly)| {
+        (0..ly.segments).all(|s| {
+            let mut data = vec![0u8; ly.bytes_per_block as usize];
+            engine.gpu().read(kv.buffer, ly.segment_offset(idx, s).expect("offset"), &mut data).expect("device read");
+            verify_kv(&kv.ns, hash, l as u32, u32::from(s), &data)
+        })
+    })
+}
+
+/// `BlockHash::from_u64` over a range.
+pub fn hashes(ids: std::ops::Range<u64>) -> Vec<BlockHash> {
+    ids.map(BlockHash::from_u64).collect()
+}
+
+/// Fills device blocks `first_idx..` with `hs` and saves them; panics unless
+/// every one was newly saved.
+pub async fn fill_and_save(engine: &Engine, kv: &Kv, first_idx: u64, hs: &[BlockHash]) {
+    let blocks: Vec<(u64, BlockHash)> = hs.iter().enumerate().map(|(i, h)| (first_idx + i as u64, h.clone())).collect();
+    for (idx, h) in &blocks {
+        fill(engine, kv, *idx, h);
+    }
+    let rep = engine.save(&kv.ns, &blocks).await.expect("save");
+    assert_eq!(rep.saved.len(), hs.len(), "save report {rep:?}");
+}
+
+/// Clears device blocks `first_idx..`, loads `hs` into them and verifies
+/// every byte against recomputation.
+pub async fn load_and_verify(engine: &Engine, kv: &Kv, first_idx: u64, hs: &[BlockHash]) {
+    let blocks: Vec<(BlockHash, u64)> = hs.iter().enumerate().map(|(i, h)| (h.clone(), first_idx + i as u64)).collect();
+    for (_, idx) in &blocks {
+        clear(engine, kv, *idx);
+    }
+    let rep = engine.load(&kv.ns, &blocks).await.expect("load");
+    assert_eq!(rep.loaded(), hs.len(), "load report {rep:?}");
+    for (h, idx) in &blocks {
+        assert!(verify(engine, kv, *idx, h), "block {h:?} at device index {idx} differs from recomputation");
+    }
+}
+
+/// The MetaServer's prefix answer for `hs`, as the engine's client sees it.
+pub async fn ms_prefix(engine: &Engine, ns: &str, hs: &[BlockHash]) -> Vec<(NodeAddr, u32)> {
+    engine.client().query_prefix(ns, hs, Duration::from_secs(2)).await.expect("metaserver query")
+}
+
+/// The prefix length the MetaServer lists for `node` (0 when not listed).
+pub async fn ms_prefix_of(engine: &Engine, ns: &str, hs: &[BlockHash], node: &NodeAddr) -> u32 {
+    ms_prefix(engine, ns, hs).await.into_iter().find(|(n, _)| n == node).map_or(0, |(_, l)| l)
+}
+
+/// A host GPU whose completions wait until the gate opens (the copies
+/// themselves run at submit): a save stays "in flight" as long as the test
+/// wants.
+pub struct GatedGpu {
+    pub inner: Arc<HostGpu>,
+    gate: watch::Sender<bool>,
+    /// Batches submitted whose completion has not resolved yet.
+    pub pending: Arc<AtomicUsize>,
+}
+
+impl GatedGpu {
+    /// A closed gate over a fresh host GPU.
+    pub fn new() -> Self {
+        Self { inner: Arc::new(HostGpu::new()), gate: watch::channel(false).0, pending: Arc::default() }
+    }
+
+    /// Opens (or closes) the gate.
+    pub fn set_open(&self, open: bool) {
+        self.gate.send_replace(open);
+    }
+}
+
+impl Gpu for GatedGpu {
+    fn name(&self) -> &'static str {
+        "gated-host"
+    }
+
+    fn alloc(&self, bytes: u64) -> Result<DeviceBufferId, GpuError> {
+        self.inner.alloc(bytes)
+    }
+
+    fn buffer_len(&self, id: DeviceBufferId) -> Option<u64> {
+        self.inner.buffer_len(id)
+    }
+
+    fn submit(&self, batch: CopyBatch) -> Completion {
+        let done = self.inner.submit(batch);
+        let mut rx = self.gate.subscribe();
+        let pending = self.pending.clone();
+        pending.fetch_add(1, Ordering::SeqCst);
+        Box::pin(async move {
+            let _ = rx.wait_for(|open| *open).await;
+            pending.fetch_sub(1, Ordering::SeqCst);
+            done.await
+        })
+    }
+
+    fn write(&self, id: DeviceBufferId, offset: u64, data: &[u8]) -> Result<(), GpuError> {
+        self.inner.write(id, offset, data)
+    }
+
+    fn read(&self, id: DeviceBufferId, offset: u64, out: &mut [u8]) -> Result<(), GpuError> {
+        self.inner.read(id, offset, out)
+    }
+}

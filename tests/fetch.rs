@@ -1,0 +1,974 @@
+//! P2P transfer service, TCP transport and decode-side fetch (issue "P2P
+//! transfer service, TCP transport, fetch"): real nodes and a real MetaServer
+//! on loopback.
+//!
+//! | test | contract |
+//! | --- | --- |
+//! | `fetch_33_blocks_byte_identical_then_third_node_fetches_from_decode` | §5, C10, C8 release, re-advertise |
+//! | `stale_owner_degrades_fast` | C9 (stale owner) |
+//! | `owner_killed_mid_read_degrades_within_deadline` | C9 (owner dead), C11, C14 |
+//! | `requester_dropped_mid_fetch_releases_or_expires_the_lock` | C8 (cancel → guard; dead requester → GC) |
+//! | `metaserver_down_fetch_returns_zero_quickly` | C9 (MetaServer down) |
+//! | `corrupted_byte_on_the_wire_rejects_the_block` | C10, C9 (verified prefix), C14 |
+//! | `concurrent_and_mutual_handshakes_are_single_flight` | §5 single-flight handshake |
+//! | `stitches_one_prefix_from_two_owners` | C14 |
+//! | `taken_port_fails_before_ready` | C12 |
+//! | `failed_start_leaves_no_ghost_node_at_the_metaserver` | C12, C5 |
+//! | `data_plane_rejects_bad_input_and_keeps_serving` | C13 |
+//! | `p2p_grpc_surface` | §2.4, wire.md, C8 idempotent release |
+//!
+//! Where a test needs an owner to die or freeze at an exact point of a read,
+//! the owner is assembled from the same parts as `node::start` on its own
+//! one-worker runtime, with a data-plane access policy that can stop the
+//! world at the N-th authorized read (`Freeze`); killing that runtime is a
+//! process death as far as its peers can tell (sockets closed, no
+//! unregister, no lock release).
+
+mod common;
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use common::*;
+use kvferry::client::{ClientConfig, MetaServerClient};
+use kvferry::engine::fetch::FetchError;
+use kvferry::engine::locks::AccessError;
+use kvferry::engine::pool::SealedExtent;
+use kvferry::engine::{Engine, slot_checksums};
+use kvferry::gpu::Gpu;
+use kvferry::gpu::host::HostGpu;
+use kvferry::limits;
+use kvferry::metaserver::MetaServerConfig;
+use kvferry::node::{self, NodeError};
+use kvferry::p2p::P2pTransferService;
+use kvferry::proto::engine_client::EngineClient;
+use kvferry::proto::engine_server::EngineServer;
+use kvferry::proto::*;
+use kvferry::replay::trace::fill_kv;
+use kvferry::transport::frame::{self, ReadRequest, Request, ResponseHeader, Status};
+use kvferry::transport::tcp::TcpTransport;
+use kvferry::transport::{DataSource, HandshakeMetadata, Transport};
+use kvferry::types::{BlockHash, NodeAddr, SessionId};
+use rand::SeedableRng;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::time::Instant;
+use tonic::Code;
+
+const MIB: u64 = 1 << 20;
+
+// ---------------------------------------------------------------- helpers
+
+/// Saves `hs` at device blocks `0..` on `e` and waits until they are
+/// registered at the MetaServer.
+async fn prefill(e: &Engine, kv: &Kv, hs: &[BlockHash]) {
+    fill_and_save(e, kv, 0, hs).await;
+    let fr = e.flush_saves_and_registrations(Duration::from_secs(3)).await;
+    assert_eq!((fr.delivered, fr.dropped, fr.timed_out), (hs.len() as u64, 0, false), "{fr:?}");
+}
+
+/// What to do when a frozen read is let go.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Resume {
+    /// Serve it normally.
+    Continue,
+    /// Unwind the serving task (its connection drops) — used right after the
+    /// owner's runtime was shut down.
+    Die,
+}
+
+#[derive(Default)]
+struct FreezeState {
+    calls: u64,
+    arm_at: Option<u64>,
+    frozen: bool,
+    resume: Option<Resume>,
+}
+
+/// Stops the owner's data plane (and, since the owner runs on one worker,
+/// the whole owner) inside the N-th read authorization.
+#[derive(Default)]
+struct Freeze {
+    st: Mutex<FreezeState>,
+    cv: Condvar,
+}
+
+impl Freeze {
+    /// Lets `ok_reads` more reads through, then freezes the next one.
+    fn arm_after(&self, ok_reads: u64) {
+        let mut st = self.st.lock().unwrap();
+        st.arm_at = Some(st.calls + ok_reads + 1);
+        st.frozen = false;
+        st.resume = None;
+    }
+
+    fn is_frozen(&self) -> bool {
+        self.st.lock().unwrap().frozen
+    }
+
+    fn calls(&self) -> u64 {
+        self.st.lock().unwrap().calls
+    }
+
+    fn resume(&self, r: Resume) {
+        self.st.lock().unwrap().resume = Some(r);
+        self.cv.notify_all();
+    }
+}
+
+struct FreezingSource {
+    inner: Arc<dyn DataSource>,
+    freeze: Arc<Freeze>,
+}
+
+impl DataSource for FreezingSource {
+    fn authorize(&self, session: &str, region: u32, offset: u64, len: u64) -> Result<(SealedExtent, u64), AccessError> {
+        let mut st = self.freeze.st.lock().unwrap();
+        st.calls += 1;
+        if st.arm_at == Some(st.calls) {
+            st.arm_at = None;
+            st.frozen = true;
+            // Bounded, so a failing test cannot wedge the owner thread forever.
+            let (mut st, _) =
+                self.freeze.cv.wait_timeout_while(st, Duration::from_secs(30), |s| s.resume.is_none()).unwrap();
+            st.frozen = false;
+            let r = st.resume.take();
+            drop(st);
+            if r == Some(Resume::Die) {
+                std::panic::resume_unwind(Box::new("owner killed"));
+            }
+        } else {
+            drop(st);
+        }
+        self.inner.authorize(session, region, offset, len)
+    }
+}
+
+/// A node assembled from the parts `node::start` uses, on its own one-worker
+/// runtime, serving its data plane through a [`FreezingSource`].
+struct Owner {
+    rt: Option<tokio::runtime::Runtime>,
+    engine: Engine,
+    node: NodeAddr,
+    transport: Arc<TcpTransport>,
+    freeze: Arc<Freeze>,
+}
+
+impl Owner {
+    /// Starts the owner and prefills `hs` (default small layout, registered).
+    async fn start(ms_addr: std::net::SocketAddr, hs: Vec<BlockHash>) -> Owner {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("owner-node")
+            .enable_all()
+            .build()
+            .unwrap();
+        let freeze = Arc::new(Freeze::default());
+        let f = freeze.clone();
+        let (engine, node, transport) = rt
+            .spawn(async move {
+                let bound = kvferry::rt::bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
+                let port = bound.local_addr.port();
+                let node = NodeAddr::parse(&format!("127.0.0.1:{port}")).unwrap();
+                let session = SessionId::random(&mut rand::rngs::StdRng::seed_from_u64(u64::from(port)));
+                let mut cc = ClientConfig::new(format!("http://{ms_addr}"), node.clone(), session);
+                cc.rpc_timeout = RPC_TIMEOUT;
+                let client = MetaServerClient::start(cc).unwrap();
+                let gpu: Arc<dyn Gpu> = Arc::new(HostGpu::new());
+                let engine = Engine::new(node.clone(), engine_cfg(4 * MIB), gpu, client).unwrap();
+                let source = Arc::new(FreezingSource { inner: engine.data_source(), freeze: f });
+                let transport = TcpTransport::start(
+                    "127.0.0.1:0".parse().unwrap(),
+                    "127.0.0.1",
+                    node.clone(),
+                    engine.pool().arena_len(),
+                    source,
+                    limits::TCP_CONNECTIONS_PER_PEER_DEFAULT,
+                )
+                .await
+                .unwrap();
+                let transport = Arc::new(transport);
+                engine.set_transport(transport.clone());
+                let router = tonic::transport::Server::builder()
+                    .add_service(EngineServer::new(P2pTransferService::new(engine.clone())));
+                tokio::spawn(kvferry::rt::serve(router, bound, std::future::pending()));
+                let kv = register_default(&engine, 64);
+                prefill(&engine, &kv, &hs).await;
+                (engine, node, transport)
+            })
+            .await
+            .unwrap();
+        Owner { rt: Some(rt), engine, node, transport, freeze }
+    }
+
+    /// Process death: every task of the owner is dropped (sockets close), the
+    /// frozen read unwinds. No unregister, no release.
+    fn kill(&mut self) {
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_background();
+        }
+        self.freeze.resume(Resume::Die);
+    }
+}
+
+impl Drop for Owner {
+    fn drop(&mut self) {
+        self.freeze.resume(Resume::Continue);
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+/// Reads one data-plane response (header + payload).
+async fn read_response(s: &mut TcpStream) -> (ResponseHeader, Vec<u8>) {
+    let mut hdr = [0u8; frame::RESPONSE_HEADER_BYTES];
+    tokio::time::timeout(Duration::from_secs(2), s.read_exact(&mut hdr))
+        .await
+        .expect("a response in time")
+        .expect("response header");
+    let (h, used) = frame::decode_response_header(&hdr).expect("valid header").expect("complete header");
+    assert_eq!(used, frame::RESPONSE_HEADER_BYTES);
+    let mut payload = vec![0u8; h.len as usize];
+    tokio::time::timeout(Duration::from_secs(2), s.read_exact(&mut payload))
+        .await
+        .expect("payload in time")
+        .expect("payload");
+    (h, payload)
+}
+
+/// Asserts the server closed the connection (EOF or reset) within 2 s.
+async fn assert_closed(s: &mut TcpStream) {
+    let mut b = [0u8; 1];
+    match tokio::time::timeout(Duration::from_secs(2), s.read(&mut b)).await {
+        Ok(Ok(0)) | Ok(Err(_)) => {}
+        other => panic!("connection still open: {other:?}"),
+    }
+}
+
+fn read_req(req_id: u64, session: &str, region: u32, offset: u64, len: u64) -> Vec<u8> {
+    let mut out = Vec::new();
+    frame::encode_request(
+        &Request::Read(ReadRequest { req_id, session: session.into(), region, offset, len }),
+        &mut out,
+    )
+    .expect("encodable");
+    out
+}
+
+async fn connect_raw(addr: &str) -> TcpStream {
+    TcpStream::connect(addr).await.expect("connect data plane")
+}
+
+// ------------------------------------------------------------------ tests
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fetch_33_blocks_byte_identical_then_third_node_fetches_from_decode() {
+    bounded(async {
+        let ms = start_ms().await;
+        let (p, _) = start_node(&ms, 4 * MIB).await;
+        let (d, _) = start_node(&ms, 4 * MIB).await;
+        let (t, _) = start_node(&ms, 4 * MIB).await;
+        let kp = register_default(&p.engine, 40);
+        let kd = register_default(&d.engine, 40);
+        let kt = register_default(&t.engine, 40);
+        let hs = hashes(1..34);
+        prefill(&p.engine, &kp, &hs).await;
+
+        let rep = d.engine.fetch(NS, &hs).await;
+        assert_eq!(rep.requested, 33);
+        assert_eq!(rep.available, 33, "{rep:?}");
+        assert_eq!((rep.local_hits, rep.fetched), (0, 33));
+        assert_eq!(rep.bytes, 33 * BLOCK);
+        assert_eq!(rep.owners, vec![p.node.clone()]);
+        assert_eq!(rep.stopped, None);
+        assert_eq!(d.engine.metrics().fetched_blocks.load(Ordering::Relaxed), 33);
+        assert_eq!(d.engine.metrics().checksum_failures.load(Ordering::Relaxed), 0);
+        assert_eq!(d.engine.handshaken_peers(), 1);
+        // The holder's lock was released by the requester (not left to the GC).
+        assert_eq!(p.engine.metrics().transfer_locks_created.load(Ordering::Relaxed), 1);
+        assert!(eventually(Duration::from_secs(1), || p.engine.gauges().active_transfer_locks == 0).await);
+        assert_eq!(p.engine.metrics().transfer_locks_expired.load(Ordering::Relaxed), 0);
+        // Byte-identical on the decode node's device.
+        assert_eq!(d.engine.query_prefix(NS, &hs), 33);
+        load_and_verify(&d.engine, &kd, 0, &hs).await;
+        // The fetched slots carry the checksums of the bytes.
+        let (_, layout) = d.engine.layout(NS).unwrap();
+        let (sid, locked) = d.engine.lock_for_transfer(NS, &hs[..1]).unwrap();
+        assert_eq!(locked[0].1.checksums, slot_checksums(&layout, locked[0].1.extent.as_slice()));
+        d.engine.release_transfer(&sid.unwrap());
+
+        // Registered as owned by the decode node after its barrier.
+        let fr = d.engine.flush_saves_and_registrations(Duration::from_secs(2)).await;
+        assert_eq!((fr.delivered, fr.dropped, fr.timed_out), (33, 0, false), "{fr:?}");
+        let mut owners = ms_prefix(&d.engine, NS, &hs).await;
+        owners.sort();
+        let mut want = vec![(p.node.clone(), 33), (d.node.clone(), 33)];
+        want.sort();
+        assert_eq!(owners, want);
+
+        // Fetching again is all local.
+        let again = d.engine.fetch(NS, &hs).await;
+        assert_eq!((again.available, again.local_hits, again.fetched), (33, 33, 0));
+        assert!(again.owners.is_empty());
+
+        // The prefill node leaves; a third node fetches everything from the decode node.
+        p.shutdown(Duration::from_secs(1)).await;
+        assert_eq!(ms_prefix(&t.engine, NS, &hs).await, vec![(d.node.clone(), 33)]);
+        let rep = t.engine.fetch(NS, &hs).await;
+        assert_eq!((rep.available, rep.fetched), (33, 33), "{rep:?}");
+        assert_eq!(rep.owners, vec![d.node.clone()]);
+        load_and_verify(&t.engine, &kt, 0, &hs).await;
+        assert!(eventually(Duration::from_secs(1), || d.engine.gauges().active_transfer_locks == 0).await);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stale_owner_degrades_fast() {
+    bounded(async {
+        let ms = start_ms().await;
+        let (p, _) = start_node(&ms, 4 * MIB).await;
+        let (d, _) = start_node(&ms, 4 * MIB).await;
+        let kp = register_default(&p.engine, 16);
+        let _kd = register_default(&d.engine, 16);
+        let hs = hashes(1..11);
+        prefill(&p.engine, &kp, &hs).await;
+        // Evict everything while the MetaServer drops the removals.
+        ms.hooks.drop_writes_ppm.store(1_000_000, Ordering::SeqCst);
+        assert_eq!(p.engine.evict(u64::MAX), 10);
+        let fr = p.engine.flush_saves_and_registrations(Duration::from_secs(2)).await;
+        assert_eq!((fr.delivered, fr.dropped), (0, 10), "{fr:?}");
+        ms.hooks.drop_writes_ppm.store(0, Ordering::SeqCst);
+        assert_eq!(ms_prefix(&d.engine, NS, &hs).await, vec![(p.node.clone(), 10)], "the index is stale");
+
+        let t0 = Instant::now();
+        let rep = d.engine.fetch(NS, &hs).await;
+        let took = t0.elapsed();
+        assert!(took < Duration::from_secs(1), "stale owner took {took:?}");
+        assert_eq!(rep.available, 0, "{rep:?}");
+        assert_eq!(rep.fetched, 0);
+        assert_eq!(rep.owners, vec![p.node.clone()]);
+        assert_eq!(rep.stopped, Some(FetchError::Stale));
+        // Nothing was locked on the owner and nothing leaked on the requester.
+        assert_eq!(p.engine.metrics().transfer_locks_created.load(Ordering::Relaxed), 0);
+        assert_eq!(p.engine.gauges().active_transfer_locks, 0);
+        assert_eq!(d.engine.gauges().pool_used_bytes, 0);
+        assert_eq!(d.engine.gauges().resident_blocks, 0);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn owner_killed_mid_read_degrades_within_deadline() {
+    bounded(async {
+        let ms = start_ms().await;
+        let n = 32usize;
+        let hs = hashes(1..1 + n as u64);
+        let mut owner = Owner::start(ms.local_addr, hs.clone()).await;
+        // One connection, so the owner serves the blocks in order.
+        let mut dcfg = node_cfg(ms.local_addr, 4 * MIB);
+        dcfg.tcp_connections_per_peer = 1;
+        let (d, _) = start_node_cfg(dcfg).await;
+        let kd = register_default(&d.engine, 64);
+
+        owner.freeze.arm_after(8);
+        let fetch = {
+            let e = d.engine.clone();
+            let hs = hs.clone();
+            tokio::spawn(async move {
+                let t0 = Instant::now();
+                let rep = e.fetch(NS, &hs).await;
+                (rep, t0.elapsed())
+            })
+        };
+        assert!(eventually(Duration::from_secs(5), || owner.freeze.is_frozen()).await, "the 9th read never came");
+        assert_eq!(owner.engine.gauges().active_transfer_locks, 1);
+        // Let the requester drain what was served, then the owner dies mid-batch.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        owner.kill();
+        let (rep, took) = fetch.await.unwrap();
+        assert!(took <= FETCH_DEADLINE + Duration::from_millis(500), "fetch took {took:?}");
+        assert_eq!(owner.transport.hooks.reads_served.load(Ordering::Relaxed), 8);
+        assert_eq!(rep.available, 8, "the 8 served blocks are the verified prefix: {rep:?}");
+        assert!(matches!(rep.stopped, Some(FetchError::Transport(_))), "{rep:?}");
+        assert_eq!(rep.owners, vec![owner.node.clone()]);
+        // Every accepted block is byte-identical; nothing else is resident.
+        assert_eq!(d.engine.query_prefix(NS, &hs), 8);
+        assert_eq!(d.engine.gauges().resident_blocks, 8);
+        load_and_verify(&d.engine, &kd, 0, &hs[..8]).await;
+        // No leak on the live side: no lock, and no pool bytes beyond the 8 blocks.
+        assert_eq!(d.engine.gauges().active_transfer_locks, 0);
+        assert_eq!(d.engine.gauges().pool_used_bytes, 8 * BLOCK);
+
+        // The dead owner is still listed: a second fetch degrades fast too.
+        let t0 = Instant::now();
+        let rep2 = d.engine.fetch(NS, &hs).await;
+        assert!(t0.elapsed() <= FETCH_DEADLINE + Duration::from_millis(500), "took {:?}", t0.elapsed());
+        assert_eq!((rep2.available, rep2.local_hits, rep2.fetched), (8, 8, 0), "{rep2:?}");
+        assert!(rep2.stopped.is_some());
+        assert_eq!(d.engine.gauges().pool_used_bytes, 8 * BLOCK);
+
+        // A third node skips the dead owner and takes the prefix from the decode node.
+        let fr = d.engine.flush_saves_and_registrations(Duration::from_secs(2)).await;
+        assert_eq!(fr.dropped, 0);
+        let (t, _) = start_node(&ms, 4 * MIB).await;
+        let kt = register_default(&t.engine, 64);
+        let rep3 = t.engine.fetch(NS, &hs).await;
+        assert_eq!(rep3.owners, vec![owner.node.clone(), d.node.clone()], "{rep3:?}");
+        assert_eq!(rep3.available, 8, "{rep3:?}");
+        load_and_verify(&t.engine, &kt, 0, &hs[..8]).await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requester_dropped_mid_fetch_releases_or_expires_the_lock() {
+    bounded(async {
+        let ms = start_ms().await;
+        let hs = hashes(1..17);
+        let owner = Owner::start(ms.local_addr, hs.clone()).await;
+        let pe = owner.engine.clone();
+
+        // (a) The fetch task is aborted mid-read: the guard releases the lock.
+        let (d, _) = start_node(&ms, 4 * MIB).await;
+        let _kd = register_default(&d.engine, 64);
+        owner.freeze.arm_after(3);
+        let task = {
+            let e = d.engine.clone();
+            let hs = hs.clone();
+            tokio::spawn(async move { e.fetch(NS, &hs).await })
+        };
+        assert!(eventually(Duration::from_secs(5), || owner.freeze.is_frozen()).await);
+        assert_eq!(pe.gauges().active_transfer_locks, 1);
+        task.abort();
+        assert!(task.await.unwrap_err().is_cancelled());
+        owner.freeze.resume(Resume::Continue);
+        assert!(
+            eventually(Duration::from_millis(800), || pe.gauges().active_transfer_locks == 0).await,
+            "the cancelled requester's guard released the lock before it could expire"
+        );
+        assert_eq!(pe.metrics().transfer_locks_expired.load(Ordering::Relaxed), 0);
+        // The cancelled fetch left nothing half-written behind on the requester.
+        assert!(
+            eventually(Duration::from_secs(1), || d.engine.gauges().pool_used_bytes
+                == d.engine.gauges().resident_blocks * BLOCK)
+            .await
+        );
+        assert_eq!(d.engine.gauges().resident_blocks, 0);
+
+        // (b) The requester process dies mid-read: nobody releases, the owner's GC expires the lock.
+        let d2_rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("dying-requester")
+            .enable_all()
+            .build()
+            .unwrap();
+        let ms_addr = ms.local_addr;
+        let d2 = d2_rt
+            .spawn(async move {
+                let (n, _) = start_node_cfg(node_cfg(ms_addr, 4 * MIB)).await;
+                let _ = register_default(&n.engine, 64);
+                n
+            })
+            .await
+            .unwrap();
+        let created = pe.metrics().transfer_locks_created.load(Ordering::Relaxed);
+        // Let (a)'s last served connections wind down before re-arming.
+        loop {
+            let c = owner.freeze.calls();
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            if owner.freeze.calls() == c {
+                break;
+            }
+        }
+        owner.freeze.arm_after(3);
+        {
+            let e = d2.engine.clone();
+            let hs = hs.clone();
+            d2_rt.spawn(async move { e.fetch(NS, &hs).await });
+        }
+        assert!(eventually(Duration::from_secs(5), || owner.freeze.is_frozen()).await);
+        assert_eq!(pe.metrics().transfer_locks_created.load(Ordering::Relaxed), created + 1);
+        assert_eq!(pe.gauges().active_transfer_locks, 1);
+        let killed_at = Instant::now();
+        d2_rt.shutdown_background();
+        owner.freeze.resume(Resume::Continue);
+        let within = Duration::from_secs(u64::from(LOCK_TIMEOUT_SECS)) + Duration::from_secs(1);
+        assert!(
+            eventually(within, || pe.gauges().active_transfer_locks == 0).await,
+            "the lock of a dead requester expires"
+        );
+        assert!(killed_at.elapsed() >= Duration::from_millis(500), "freed by expiry, not by a release");
+        assert_eq!(pe.metrics().transfer_locks_expired.load(Ordering::Relaxed), 1);
+        // The owner keeps serving.
+        let rep = d.engine.fetch(NS, &hs).await;
+        assert_eq!(rep.available, 16, "{rep:?}");
+        drop(d2);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metaserver_down_fetch_returns_zero_quickly() {
+    bounded(async {
+        let ms = start_ms().await;
+        let (p, _) = start_node(&ms, 4 * MIB).await;
+        let (d, _) = start_node(&ms, 4 * MIB).await;
+        let kp = register_default(&p.engine, 16);
+        let _kd = register_default(&d.engine, 16);
+        let hs = hashes(1..9);
+        prefill(&p.engine, &kp, &hs).await;
+        let _ = tokio::time::timeout(Duration::from_secs(3), ms.shutdown()).await;
+
+        let t0 = Instant::now();
+        let rep = d.engine.fetch(NS, &hs).await;
+        let took = t0.elapsed();
+        assert!(took < Duration::from_secs(1), "fetch took {took:?} with the MetaServer down");
+        assert_eq!((rep.requested, rep.available, rep.fetched), (8, 0, 0), "{rep:?}");
+        assert!(matches!(rep.stopped, Some(FetchError::MetaServer(_))), "{rep:?}");
+        assert!(rep.owners.is_empty());
+        assert_eq!(p.engine.metrics().transfer_locks_created.load(Ordering::Relaxed), 0);
+        assert_eq!(d.engine.gauges().pool_used_bytes, 0);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corrupted_byte_on_the_wire_rejects_the_block() {
+    bounded(async {
+        let ms = start_ms().await;
+        let (a, _) = start_node(&ms, 4 * MIB).await;
+        let (b, _) = start_node(&ms, 4 * MIB).await;
+        let mut dcfg = node_cfg(ms.local_addr, 4 * MIB);
+        dcfg.tcp_connections_per_peer = 1; // B serves its blocks in order
+        let (d, _) = start_node_cfg(dcfg).await;
+        let ka = register_default(&a.engine, 16);
+        let kb = register_default(&b.engine, 16);
+        let kd = register_default(&d.engine, 16);
+        let hs = hashes(1..9);
+        // A advertises 0..8 but holds only 0..4 (removals of 4..8 lost); B holds 4..8.
+        prefill(&a.engine, &ka, &hs).await;
+        let keep = a.engine.lease(NS, &hs[..4]);
+        ms.hooks.drop_writes_ppm.store(1_000_000, Ordering::SeqCst);
+        assert_eq!(a.engine.evict(u64::MAX), 4);
+        a.engine.flush_saves_and_registrations(Duration::from_secs(2)).await;
+        ms.hooks.drop_writes_ppm.store(0, Ordering::SeqCst);
+        drop(keep);
+        fill_and_save(&b.engine, &kb, 4, &hs[4..]).await;
+        b.engine.flush_saves_and_registrations(Duration::from_secs(2)).await;
+
+        b.transport.hooks.corrupt_next_reads.store(1, Ordering::SeqCst);
+        let rep = d.engine.fetch(NS, &hs).await;
+        assert_eq!(rep.owners, vec![a.node.clone(), b.node.clone()], "{rep:?}");
+        assert_eq!((rep.available, rep.fetched), (4, 4), "the prefix before the bad block is accepted: {rep:?}");
+        assert_eq!(rep.stopped, Some(FetchError::Checksum));
+        assert_eq!(d.engine.metrics().checksum_failures.load(Ordering::Relaxed), 1);
+        assert_eq!(b.transport.hooks.corrupt_next_reads.load(Ordering::SeqCst), 0, "the corruption happened");
+        assert_eq!(d.engine.query_prefix(NS, &hs), 4, "the corrupted block was not sealed");
+        assert_eq!(d.engine.gauges().resident_blocks, 4);
+        assert_eq!(d.engine.gauges().pool_used_bytes, 4 * BLOCK);
+        load_and_verify(&d.engine, &kd, 0, &hs[..4]).await;
+        assert!(eventually(Duration::from_secs(1), || b.engine.gauges().active_transfer_locks == 0).await);
+
+        // Without corruption the rest arrives intact.
+        let rep = d.engine.fetch(NS, &hs).await;
+        assert_eq!((rep.available, rep.local_hits, rep.fetched), (8, 4, 4), "{rep:?}");
+        assert_eq!(d.engine.metrics().checksum_failures.load(Ordering::Relaxed), 1);
+        load_and_verify(&d.engine, &kd, 8, &hs).await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_and_mutual_handshakes_are_single_flight() {
+    bounded(async {
+        let ms = start_ms().await;
+        let (p, _) = start_node(&ms, 4 * MIB).await;
+        let (d, _) = start_node(&ms, 4 * MIB).await;
+        let kp = register_default(&p.engine, 32);
+        let kd = register_default(&d.engine, 32);
+        let hs = hashes(1..17);
+        prefill(&p.engine, &kp, &hs).await;
+
+        // Eight fetches from one decode node to one peer at once.
+        let tasks: Vec<_> = (1..=8)
+            .map(|i| {
+                let e = d.engine.clone();
+                let want = hs[..2 * i].to_vec();
+                tokio::spawn(async move { e.fetch(NS, &want).await })
+            })
+            .collect();
+        for (i, t) in tasks.into_iter().enumerate() {
+            let rep = t.await.expect("no panic");
+            assert_eq!(rep.available, 2 * (i + 1), "{rep:?}");
+        }
+        assert_eq!(d.engine.handshaken_peers(), 1);
+        assert_eq!(d.transport.connected_peers(), 1);
+        let conns = p.transport.hooks.connections_accepted.load(Ordering::Relaxed);
+        assert!(
+            conns as usize <= limits::TCP_CONNECTIONS_PER_PEER_DEFAULT,
+            "{conns} data-plane connections: more than one handshake's worth"
+        );
+        load_and_verify(&d.engine, &kd, 0, &hs).await;
+        assert_eq!(d.engine.gauges().pool_used_bytes, 16 * BLOCK, "duplicate fetches left no extents behind");
+        assert!(eventually(Duration::from_secs(1), || p.engine.gauges().active_transfer_locks == 0).await);
+
+        // A and B fetch from each other at the same moment.
+        let (a, _) = start_node(&ms, 4 * MIB).await;
+        let (b, _) = start_node(&ms, 4 * MIB).await;
+        let ka = register(&a.engine, "mutual", LAYERS, 16, SEG, true, true);
+        let kb = register(&b.engine, "mutual", LAYERS, 16, SEG, true, true);
+        let ha = hashes(100..108);
+        let hb = hashes(200..208);
+        prefill(&a.engine, &ka, &ha).await;
+        prefill(&b.engine, &kb, &hb).await;
+        let (ra, rb) = tokio::join!(a.engine.fetch("mutual", &hb), b.engine.fetch("mutual", &ha));
+        assert_eq!((ra.available, rb.available), (8, 8), "{ra:?} {rb:?}");
+        assert_eq!((a.engine.handshaken_peers(), b.engine.handshaken_peers()), (1, 1));
+        load_and_verify(&a.engine, &ka, 8, &hb).await;
+        load_and_verify(&b.engine, &kb, 8, &ha).await;
+        // And again: no second handshake.
+        let more = a.engine.fetch("mutual", &hb).await;
+        assert_eq!(more.local_hits, 8);
+        assert_eq!(a.engine.handshaken_peers(), 1);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stitches_one_prefix_from_two_owners() {
+    bounded(async {
+        let ms = start_ms().await;
+        let (a, _) = start_node(&ms, 4 * MIB).await;
+        let (b, _) = start_node(&ms, 4 * MIB).await;
+        let (d, _) = start_node(&ms, 4 * MIB).await;
+        let ka = register_default(&a.engine, 32);
+        let kb = register_default(&b.engine, 32);
+        let kd = register_default(&d.engine, 32);
+        let hs = hashes(1..21);
+        // A advertises 0..20 but evicted 10..20 with the removals lost.
+        prefill(&a.engine, &ka, &hs).await;
+        let keep = a.engine.lease(NS, &hs[..10]);
+        ms.hooks.drop_writes_ppm.store(1_000_000, Ordering::SeqCst);
+        assert_eq!(a.engine.evict(u64::MAX), 10);
+        let fr = a.engine.flush_saves_and_registrations(Duration::from_secs(2)).await;
+        assert_eq!(fr.dropped, 10);
+        ms.hooks.drop_writes_ppm.store(0, Ordering::SeqCst);
+        drop(keep);
+        // B holds only 10..20: it cannot serve the prefix on its own.
+        fill_and_save(&b.engine, &kb, 10, &hs[10..]).await;
+        b.engine.flush_saves_and_registrations(Duration::from_secs(2)).await;
+        assert_eq!(ms_prefix(&d.engine, NS, &hs).await, vec![(a.node.clone(), 20)]);
+
+        let rep = d.engine.fetch(NS, &hs).await;
+        assert_eq!(rep.owners, vec![a.node.clone(), b.node.clone()], "{rep:?}");
+        assert_eq!(rep.owners.len(), 2);
+        assert_eq!((rep.available, rep.fetched), (20, 20), "{rep:?}");
+        assert_eq!(rep.stopped, None);
+        load_and_verify(&d.engine, &kd, 0, &hs).await;
+        assert!(
+            eventually(Duration::from_secs(1), || a.engine.gauges().active_transfer_locks == 0
+                && b.engine.gauges().active_transfer_locks == 0)
+            .await
+        );
+        // The stitched prefix is advertised by the decode node as a whole.
+        d.engine.flush_saves_and_registrations(Duration::from_secs(2)).await;
+        assert_eq!(ms_prefix_of(&d.engine, NS, &hs, &d.node).await, 20);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn taken_port_fails_before_ready() {
+    bounded(async {
+        let ms = start_ms().await;
+        let taken = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = taken.local_addr().unwrap();
+
+        let mut cfg = node_cfg(ms.local_addr, MIB);
+        cfg.grpc_addr = addr;
+        match node::start(cfg, Arc::new(HostGpu::new())).await {
+            Ok(_) => panic!("a node started on a taken gRPC port"),
+            Err(e) => assert!(matches!(e, NodeError::BindGrpc { addr: a, .. } if a == addr), "{e}"),
+        }
+        let mut cfg = node_cfg(ms.local_addr, MIB);
+        cfg.data_addr = addr;
+        match node::start(cfg, Arc::new(HostGpu::new())).await {
+            Ok(_) => panic!("a node started on a taken data-plane port"),
+            Err(e) => assert!(matches!(e, NodeError::BindData { addr: a, .. } if a == addr), "{e}"),
+        }
+        // The port's owner is undisturbed, and a node on free ports starts.
+        let (n, _) = start_node(&ms, MIB).await;
+        assert_ne!(n.grpc_addr, addr);
+        drop(taken);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_start_leaves_no_ghost_node_at_the_metaserver() {
+    bounded(async {
+        // Short staleness so a leftover heartbeat loop would be visible quickly.
+        let mut mc = MetaServerConfig::new("127.0.0.1:0".parse().unwrap());
+        mc.stale_after_secs = 1;
+        let ms = kvferry::metaserver::start(mc).await.unwrap();
+        let taken = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let grpc = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+
+        // The gRPC port binds, the data-plane port is taken: start fails…
+        let mut cfg = node_cfg(ms.local_addr, MIB);
+        cfg.grpc_addr = grpc;
+        cfg.data_addr = taken.local_addr().unwrap();
+        match node::start(cfg, Arc::new(HostGpu::new())).await {
+            Ok(_) => panic!("a node started on a taken data-plane port"),
+            Err(e) => assert!(matches!(e, NodeError::BindData { .. }), "{e}"),
+        }
+        // …and must not leave a client behind that keeps the address alive at
+        // the MetaServer: once any session it announced is stale, a node
+        // started on the same address registers normally.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let mut cfg = node_cfg(ms.local_addr, MIB);
+        cfg.grpc_addr = grpc;
+        let (n, _) = start_node_cfg(cfg).await;
+        let kv = register_default(&n.engine, 4);
+        let hs = hashes(1..2);
+        fill_and_save(&n.engine, &kv, 0, &hs).await;
+        let fr = n.engine.flush_saves_and_registrations(Duration::from_secs(2)).await;
+        assert_eq!((fr.delivered, fr.dropped), (1, 0), "{fr:?}");
+        assert_eq!(ms_prefix(&n.engine, NS, &hs).await, vec![(n.node.clone(), 1)]);
+        drop(taken);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn data_plane_rejects_bad_input_and_keeps_serving() {
+    bounded(async {
+        let ms = start_ms().await;
+        let (p, _) = start_node(&ms, 4 * MIB).await;
+        let (d, _) = start_node(&ms, 4 * MIB).await;
+        let kp = register_default(&p.engine, 16);
+        let kd = register_default(&d.engine, 16);
+        let hs = hashes(1..9);
+        prefill(&p.engine, &kp, &hs).await;
+        let addr = p.transport.data_addr().to_string();
+
+        // Garbage: Malformed (req_id 0), then the server closes the connection.
+        let mut s = connect_raw(&addr).await;
+        s.write_all(b"GARBAGE-GARBAGE-GARBAGE-GARBAGE-").await.unwrap();
+        let (h, msg) = read_response(&mut s).await;
+        assert_eq!((h.status, h.req_id), (Status::Malformed, 0));
+        assert!(frame::decode_error_message(&msg).is_ok());
+        assert_closed(&mut s).await;
+
+        // A Read naming an unknown session: an error reply, the connection stays usable.
+        let mut s = connect_raw(&addr).await;
+        s.write_all(&read_req(7, "no-such-session", 0, 0, 64)).await.unwrap();
+        let (h, _) = read_response(&mut s).await;
+        assert_eq!((h.status, h.req_id), (Status::UnknownSession, 7));
+        let mut ping = Vec::new();
+        frame::encode_request(&Request::Ping { req_id: 8 }, &mut ping).unwrap();
+        s.write_all(&ping).await.unwrap();
+        let (h, payload) = read_response(&mut s).await;
+        assert_eq!((h.status, h.req_id, payload.len()), (Status::Ok, 8, 0));
+
+        // Under a valid session: the locked block reads back, anything else is OutOfRange.
+        let (sid, found) = p.engine.lock_for_transfer(NS, &hs[..1]).unwrap();
+        let sid = sid.unwrap();
+        let off = found[0].1.extent.offset();
+        drop(found);
+        s.write_all(&read_req(9, &sid, 0, off, BLOCK)).await.unwrap();
+        let (h, payload) = read_response(&mut s).await;
+        assert_eq!((h.status, h.req_id, h.len), (Status::Ok, 9, BLOCK));
+        let mut k0 = vec![0u8; SEG as usize];
+        fill_kv(NS, &hs[0], 0, 0, &mut k0);
+        assert_eq!(&payload[..SEG as usize], &k0[..], "slot 0 K as sealed");
+        for (id, region, offset, len) in [
+            (10, 0, off, BLOCK + 1),
+            (11, 0, off + BLOCK, 8),
+            (12, 1, off, 8),
+            (13, 0, off + BLOCK - 8, 16),
+            (14, 0, u64::MAX - 16, 16),
+        ] {
+            s.write_all(&read_req(id, &sid, region, offset, len)).await.unwrap();
+            let (h, _) = read_response(&mut s).await;
+            assert_eq!((h.status, h.req_id), (Status::OutOfRange, id), "read {id}");
+        }
+        // Pipelined: an in-range read after the refusals is still answered in order.
+        let mut two = read_req(15, &sid, 0, off + 100, 10);
+        two.extend(read_req(16, "no-such-session", 0, off, 10));
+        s.write_all(&two).await.unwrap();
+        let (h, payload) = read_response(&mut s).await;
+        assert_eq!((h.status, h.req_id), (Status::Ok, 15));
+        assert_eq!(payload, k0[100..110].to_vec());
+        let (h, _) = read_response(&mut s).await;
+        assert_eq!((h.status, h.req_id), (Status::UnknownSession, 16));
+        // Released: the session no longer authorizes anything.
+        assert_eq!(p.engine.release_transfer(&sid), 1);
+        s.write_all(&read_req(17, &sid, 0, off, 8)).await.unwrap();
+        let (h, _) = read_response(&mut s).await;
+        assert_eq!((h.status, h.req_id), (Status::UnknownSession, 17));
+
+        // A read longer than the frame limit: TooLarge, then the connection closes.
+        let mut big = read_req(18, "abc", 0, 0, 1);
+        let n = big.len();
+        big[n - 8..].copy_from_slice(&(limits::TCP_READ_BYTES_MAX + 1).to_le_bytes());
+        let mut s2 = connect_raw(&addr).await;
+        s2.write_all(&big).await.unwrap();
+        let (h, _) = read_response(&mut s2).await;
+        assert_eq!(h.status, Status::TooLarge);
+        assert_closed(&mut s2).await;
+
+        // Other malformed frames, each on its own connection.
+        let mut bad_version = ping.clone();
+        bad_version[4] = 9;
+        let mut bad_kind = ping.clone();
+        bad_kind[5] = 7;
+        let mut bad_flags = ping.clone();
+        bad_flags[6] = 1;
+        let mut bad_session = read_req(19, "abc", 0, 0, 8);
+        bad_session[18] = b'/';
+        let mut zero_len = read_req(20, "abc", 0, 0, 8);
+        let n = zero_len.len();
+        zero_len[n - 8..].copy_from_slice(&0u64.to_le_bytes());
+        let mut overflow = read_req(21, "abc", 0, 0, 8);
+        overflow[n - 16..n - 8].copy_from_slice(&u64::MAX.to_le_bytes());
+        let mut empty_session = ping.clone();
+        empty_session[5] = 1; // a Read…
+        empty_session.extend_from_slice(&0u16.to_le_bytes()); // …with a 0-byte session
+        for (name, bytes) in [
+            ("version", bad_version),
+            ("kind", bad_kind),
+            ("flags", bad_flags),
+            ("session bytes", bad_session),
+            ("zero length", zero_len),
+            ("range overflow", overflow),
+            ("empty session", empty_session),
+        ] {
+            let mut c = connect_raw(&addr).await;
+            c.write_all(&bytes).await.unwrap();
+            let (h, _) = read_response(&mut c).await;
+            assert_eq!(h.status, Status::Malformed, "{name}");
+            assert_closed(&mut c).await;
+        }
+        // A peer that sends half a frame and vanishes.
+        let mut c = connect_raw(&addr).await;
+        c.write_all(&ping[..5]).await.unwrap();
+        drop(c);
+        assert!(p.transport.hooks.errors_sent.load(Ordering::Relaxed) >= 17);
+
+        // The server still serves a real fetch.
+        let rep = d.engine.fetch(NS, &hs).await;
+        assert_eq!(rep.available, 8, "{rep:?}");
+        load_and_verify(&d.engine, &kd, 0, &hs).await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn p2p_grpc_surface() {
+    bounded(async {
+        let ms = start_ms().await;
+        let (p, _) = start_node(&ms, 4 * MIB).await;
+        let (d, _) = start_node(&ms, 4 * MIB).await;
+        let kp = register_default(&p.engine, 16);
+        let hs = hashes(1..5);
+        prefill(&p.engine, &kp, &hs).await;
+        let mut c = EngineClient::connect(format!("http://{}", p.grpc_addr)).await.unwrap();
+
+        let h = c.health(HealthRequest {}).await.unwrap().into_inner();
+        assert!(h.status.unwrap().ok);
+
+        // Every Engine RPC outside the P2P four is UNIMPLEMENTED.
+        let code = |r: Result<tonic::Response<SimpleResponse>, tonic::Status>| r.unwrap_err().code();
+        assert_eq!(code(c.save(SaveRequest {}).await), Code::Unimplemented);
+        assert_eq!(code(c.load(LoadRequest {}).await), Code::Unimplemented);
+        assert_eq!(code(c.register_context_batch(RegisterContextBatchRequest {}).await), Code::Unimplemented);
+        assert_eq!(code(c.query_prefetch(QueryPrefetchRequest {}).await), Code::Unimplemented);
+        assert_eq!(code(c.release(ReleaseRequest {}).await), Code::Unimplemented);
+        assert_eq!(code(c.unregister_context(UnregisterContextRequest {}).await), Code::Unimplemented);
+        assert_eq!(code(c.shutdown(ShutdownRequest {}).await), Code::Unimplemented);
+        assert_eq!(c.session(SessionRequest {}).await.unwrap_err().code(), Code::Unimplemented);
+
+        // QueryBlocksForTransfer: bad input is INVALID_ARGUMENT and locks nothing.
+        let q = |hashes: Vec<bytes::Bytes>, ns: &str| QueryBlocksForTransferRequest {
+            namespace: ns.into(),
+            block_hashes: hashes,
+            requester_id: d.node.0.clone(),
+        };
+        let err = c.query_blocks_for_transfer(q(vec![], NS)).await.unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument);
+        let err = c.query_blocks_for_transfer(q(vec![bytes::Bytes::new()], NS)).await.unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument);
+        let err = c.query_blocks_for_transfer(q(vec![hs[0].0.clone()], "")).await.unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument);
+        let too_many = vec![hs[0].0.clone(); limits::HASHES_PER_REQUEST_MAX + 1];
+        let err = c.query_blocks_for_transfer(q(too_many, NS)).await.unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument);
+        // Unknown namespace / unknown blocks: OK with no session.
+        let r = c.query_blocks_for_transfer(q(vec![hs[0].0.clone()], "elsewhere")).await.unwrap().into_inner();
+        assert!(r.transfer_session_id.is_empty() && r.blocks.is_empty());
+        let r = c.query_blocks_for_transfer(q(vec![BlockHash::from_u64(99).0], NS)).await.unwrap().into_inner();
+        assert!(r.transfer_session_id.is_empty() && r.blocks.is_empty());
+        assert_eq!(p.engine.gauges().active_transfer_locks, 0);
+
+        // Exactly the found blocks are locked (not a prefix scan): a gap is skipped.
+        let ask = vec![hs[0].0.clone(), BlockHash::from_u64(99).0, hs[2].0.clone(), hs[3].0.clone()];
+        let r = c.query_blocks_for_transfer(q(ask, NS)).await.unwrap().into_inner();
+        assert!(r.status.unwrap().ok);
+        assert!(!r.transfer_session_id.is_empty());
+        assert_eq!(r.lock_timeout_secs, LOCK_TIMEOUT_SECS);
+        let got: Vec<_> = r.blocks.iter().map(|b| b.block_hash.clone()).collect();
+        assert_eq!(got, vec![hs[0].0.clone(), hs[2].0.clone(), hs[3].0.clone()]);
+        for b in &r.blocks {
+            assert_eq!(b.slots.len(), LAYERS as usize);
+            for s in &b.slots {
+                assert_eq!((s.k_size, s.v_size, s.v_ptr), (SEG, SEG, s.k_ptr + SEG));
+            }
+        }
+        assert_eq!(p.engine.gauges().active_transfer_locks, 1);
+
+        // Release is idempotent.
+        let rel = |sid: &str| ReleaseTransferLockRequest { transfer_session_id: sid.into() };
+        let r1 = c.release_transfer_lock(rel(&r.transfer_session_id)).await.unwrap().into_inner();
+        assert_eq!(r1.released_blocks, 3);
+        assert!(r1.status.unwrap().ok);
+        let r2 = c.release_transfer_lock(rel(&r.transfer_session_id)).await.unwrap().into_inner();
+        assert_eq!(r2.released_blocks, 0);
+        assert!(r2.status.unwrap().ok);
+        let r3 = c.release_transfer_lock(rel("never-issued")).await.unwrap().into_inner();
+        assert_eq!(r3.released_blocks, 0);
+        assert_eq!(p.engine.gauges().active_transfer_locks, 0);
+
+        // RdmaHandshake: garbage metadata and a malformed requester are INVALID_ARGUMENT.
+        let hs_req = |requester: &str, meta: Vec<u8>| RdmaHandshakeRequest {
+            requester_id: requester.into(),
+            handshake_metadata: meta.into(),
+        };
+        let err = c.rdma_handshake(hs_req(&d.node.0, b"garbage".to_vec())).await.unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument);
+        let err = c.rdma_handshake(hs_req(&d.node.0, vec![])).await.unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument);
+        let mut trailing = d.transport.local_metadata().encode().to_vec();
+        trailing.push(0);
+        let err = c.rdma_handshake(hs_req(&d.node.0, trailing)).await.unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument);
+        let good = d.transport.local_metadata().encode().to_vec();
+        let err = c.rdma_handshake(hs_req("not an address", good.clone())).await.unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument);
+        let err = c.rdma_handshake(hs_req(&d.node.0, vec![0u8; limits::HANDSHAKE_METADATA_BYTES_MAX + 1])).await;
+        assert_eq!(err.unwrap_err().code(), Code::InvalidArgument);
+        // A valid one answers with the server's own metadata.
+        let ok = c.rdma_handshake(hs_req(&d.node.0, good)).await.unwrap().into_inner();
+        assert!(ok.status.unwrap().ok);
+        let meta = HandshakeMetadata::decode(&ok.handshake_metadata).unwrap();
+        assert_eq!(meta.data_addr, p.transport.data_addr());
+        assert_eq!(meta, p.transport.local_metadata());
+
+        // Still healthy after all of the above.
+        assert!(c.health(HealthRequest {}).await.unwrap().into_inner().status.unwrap().ok);
+    })
+    .await;
+}
