@@ -320,3 +320,132 @@ pub async fn store(keys_n: u64) -> Result<serde_json::Value, String> {
         "grpc_inserts_per_s": grpc_rate, "T5": t5, "T6": t6, "T7_ms": t7_ms,
     }))
 }
+
+/// `bench gpu` (T1–T3, feature `cuda`): runs the Gpu conformance body on the
+/// device, then times raw pinned copies and engine save/load side by side.
+/// Returns the JSON it printed.
+///
+/// # Errors
+/// No usable GPU, a conformance failure, or a set-up failure, as text.
+#[cfg(feature = "cuda")]
+pub async fn gpu(device: usize) -> Result<serde_json::Value, String> {
+    use crate::engine::pool::Pool;
+    use crate::gpu::Direction;
+    use crate::gpu::cuda::CudaGpu;
+
+    let cuda = Arc::new(CudaGpu::new(device).map_err(|e| e.to_string())?);
+    crate::gpu::conformance(&*cuda).await.map_err(|e| format!("conformance on cuda:{device}: {e}"))?;
+    let name = cuda.device_name();
+    const RAW: u64 = 256 << 20;
+    let raw_pool = Pool::new(2 * RAW, 4096).map_err(|e| e.to_string())?;
+    cuda.register_host(raw_pool.base_ptr(), raw_pool.arena_len()).map_err(|e| e.to_string())?;
+    let mut ha = raw_pool.alloc(RAW).map_err(|e| e.to_string())?;
+    let mut hb = raw_pool.alloc(RAW).map_err(|e| e.to_string())?;
+    ha.as_mut_slice().fill(1);
+    hb.as_mut_slice().fill(2);
+    let rawbuf = cuda.alloc(2 * RAW).map_err(|e| e.to_string())?;
+    let dptr = cuda.device_ptr(rawbuf).ok_or("raw buffer")?;
+    let h2d_s = cuda.time_raw_copy(Direction::HostToDevice, ha.as_mut_ptr(), dptr, RAW as usize, 10).map_err(|e| e.to_string())?;
+    let d2h_s = cuda.time_raw_copy(Direction::DeviceToHost, ha.as_mut_ptr(), dptr, RAW as usize, 10).map_err(|e| e.to_string())?;
+    let bidir_s = cuda
+        .time_raw_bidir(ha.as_mut_ptr(), hb.as_mut_ptr(), dptr, dptr + RAW, RAW as usize, 10)
+        .map_err(|e| e.to_string())?;
+    let (h2d, d2h, bidir) = (gbps(RAW, h2d_s), gbps(RAW, d2h_s), gbps(2 * RAW, bidir_s));
+
+    // Engine on the same device, registrations going nowhere (only copies are timed).
+    let node = NodeAddr::parse("127.0.0.1:1").map_err(|e| e.to_string())?;
+    let client = MetaServerClient::start(ClientConfig::new("127.0.0.1:9", node.clone(), SessionId::parse("bench").map_err(|e| e.to_string())?))
+        .map_err(|e| e.to_string())?;
+    let cfg = EngineConfig { pool_bytes: 3 << 30, ..EngineConfig::default() };
+    let engine = Engine::new(node, cfg, cuda.clone(), client).map_err(|e| e.to_string())?;
+
+    // T1: contiguous blocks (one 4 MiB segment each).
+    let (t1_blocks, t1_seg) = (64u64, 4u64 << 20);
+    let t1_shape = contiguous(DeviceBufferId(0), 1, t1_blocks, t1_seg, false, true);
+    let b1 = cuda.alloc(buffer_bytes_needed(&t1_shape)).map_err(|e| e.to_string())?;
+    engine.register_layout("t1", contiguous(b1, 1, t1_blocks, t1_seg, false, true)).map_err(|e| e.to_string())?;
+    // T2: Qwen3-8B layer-first split K/V, 32 KiB fragments, 16-token blocks.
+    let (t2_blocks, layers, seg) = (256u64, 36u32, 32u64 << 10);
+    let t2_shape = contiguous(DeviceBufferId(0), layers, t2_blocks, seg, true, true);
+    let b2 = cuda.alloc(buffer_bytes_needed(&t2_shape)).map_err(|e| e.to_string())?;
+    engine.register_layout("t2", contiguous(b2, layers, t2_blocks, seg, true, true)).map_err(|e| e.to_string())?;
+    let pattern: Vec<u8> = (0..buffer_bytes_needed(&t2_shape)).map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8).collect();
+    cuda.write(b2, 0, &pattern).map_err(|e| e.to_string())?;
+    cuda.write(b1, 0, &pattern[..buffer_bytes_needed(&t1_shape).min(pattern.len() as u64) as usize]).map_err(|e| e.to_string())?;
+
+    let mut run = 0u64;
+    let mut time_save_load = |ns: &'static str, blocks: u64| {
+        run += 1;
+        let engine = engine.clone();
+        let base = run << 40;
+        async move {
+            engine.evict(u64::MAX);
+            let items: Vec<(u64, BlockHash)> = (0..blocks).map(|i| (i, BlockHash::from_u64(base | i))).collect();
+            let t = Instant::now();
+            let r = engine.save(ns, &items).await.map_err(|e| e.to_string())?;
+            let save_s = t.elapsed().as_secs_f64();
+            if r.saved.len() as u64 != blocks {
+                return Err(format!("{ns}: saved {} of {blocks}", r.saved.len()));
+            }
+            let loads: Vec<(BlockHash, u64)> = items.iter().map(|(i, h)| (h.clone(), *i)).collect();
+            let t = Instant::now();
+            let r = engine.load(ns, &loads).await.map_err(|e| e.to_string())?;
+            let load_s = t.elapsed().as_secs_f64();
+            if r.loaded() as u64 != blocks {
+                return Err(format!("{ns}: loaded {} of {blocks}", r.loaded()));
+            }
+            Ok::<_, String>((save_s, load_s))
+        }
+    };
+    let (mut t1_save, mut t1_load, mut t2_save, mut t2_load) = (f64::MAX, f64::MAX, f64::MAX, f64::MAX);
+    for _ in 0..REPS + 1 {
+        let (s, l) = time_save_load("t1", t1_blocks).await?;
+        t1_save = t1_save.min(s);
+        t1_load = t1_load.min(l);
+        let (s, l) = time_save_load("t2", t2_blocks).await?;
+        t2_save = t2_save.min(s);
+        t2_load = t2_load.min(l);
+    }
+    let t1_bytes = t1_blocks * t1_seg;
+    let t2_bytes = t2_blocks * u64::from(layers) * 2 * seg;
+    let (t1_save_gbps, t1_load_gbps) = (gbps(t1_bytes, t1_save), gbps(t1_bytes, t1_load));
+    let (t2_save_gbps, t2_load_gbps) = (gbps(t2_bytes, t2_save), gbps(t2_bytes, t2_load));
+
+    // T3: save half the T2 blocks while loading the other half.
+    let half = t2_blocks / 2;
+    engine.evict(u64::MAX);
+    let resident: Vec<(u64, BlockHash)> = (half..t2_blocks).map(|i| (i, BlockHash::from_u64(0xAB << 40 | i))).collect();
+    engine.save("t2", &resident).await.map_err(|e| e.to_string())?;
+    let loads: Vec<(BlockHash, u64)> = resident.iter().map(|(i, h)| (h.clone(), *i)).collect();
+    let mut t3_s = f64::MAX;
+    for rep in 0..REPS as u64 {
+        let saves: Vec<(u64, BlockHash)> = (0..half).map(|i| (i, BlockHash::from_u64((0xCD + rep) << 40 | i))).collect();
+        let t = Instant::now();
+        let (s, l) = tokio::join!(engine.save("t2", &saves), engine.load("t2", &loads));
+        t3_s = t3_s.min(t.elapsed().as_secs_f64());
+        s.map_err(|e| e.to_string())?;
+        if l.map_err(|e| e.to_string())?.loaded() as u64 != half {
+            return Err("T3 load incomplete".into());
+        }
+        engine.evict(0);
+    }
+    let t3_gbps = gbps(t2_bytes, t3_s);
+    let peak = h2d.min(d2h);
+    let (t1s, t1l) = (t1_save_gbps / d2h, t1_load_gbps / h2d);
+    let (t2s, t2l) = (t2_save_gbps / peak, t2_load_gbps / peak);
+    let t3 = t3_gbps / bidir;
+    println!("bench gpu on cuda:{device} ({name}), conformance passed, best of {REPS}+1");
+    println!("  raw pinned copy   H2D {h2d:>6.2} GB/s   D2H {d2h:>6.2} GB/s   both at once {bidir:>6.2} GB/s");
+    println!("  T1 contiguous      save {t1_save_gbps:>6.2} GB/s = {t1s:.3} x D2H    load {t1_load_gbps:>6.2} GB/s = {t1l:.3} x H2D   (target >= 0.95)");
+    println!("  T2 qwen3-8b 32 KiB save {t2_save_gbps:>6.2} GB/s = {t2s:.3} x peak   load {t2_load_gbps:>6.2} GB/s = {t2l:.3} x peak  (target >= 0.90)");
+    println!("  T3 save+load       {t3_gbps:>6.2} GB/s = {t3:.3} x bidirectional peak   (target >= 0.85)");
+    println!("  (save = copy + CRC-32C seal of every slot; timed to completion)");
+    engine.client().abort();
+    Ok(json!({
+        "device": format!("cuda:{device}"), "name": name,
+        "raw_h2d_gbps": h2d, "raw_d2h_gbps": d2h, "raw_bidir_gbps": bidir,
+        "t1_save_gbps": t1_save_gbps, "t1_load_gbps": t1_load_gbps,
+        "t2_save_gbps": t2_save_gbps, "t2_load_gbps": t2_load_gbps, "t3_gbps": t3_gbps,
+        "T1": {"save": t1s, "load": t1l}, "T2": {"save": t2s, "load": t2l}, "T3": t3,
+    }))
+}

@@ -68,6 +68,12 @@ enum BenchCmd {
         #[arg(long, default_value_t = 8)]
         block_mib: u64,
     },
+    /// CUDA save/load through the engine vs raw pinned copies (T1–T3); needs the `cuda` feature and a GPU.
+    Gpu {
+        /// CUDA device.
+        #[arg(long, default_value_t = 0)]
+        device: usize,
+    },
     /// MetaServer store and gRPC insert rates, unregister cost (T5–T7).
     Store {
         /// Keys inserted.
@@ -138,7 +144,69 @@ struct PdArgs {
     /// Hide the progress bar.
     #[arg(long)]
     quiet: bool,
+    /// GPU backend of every node: host (device = host memory) or cuda (needs the `cuda` build feature and a GPU).
+    #[arg(long, value_enum, default_value = "host")]
+    gpu: GpuChoice,
+    /// CUDA devices of the prefill nodes (node i uses entry i mod len); default: round robin over all visible devices.
+    #[arg(long, value_delimiter = ',')]
+    prefill_devices: Vec<usize>,
+    /// CUDA devices of the decode nodes (node i uses entry i mod len); default: round robin over all visible devices.
+    #[arg(long, value_delimiter = ',')]
+    decode_devices: Vec<usize>,
 }
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum GpuChoice {
+    Host,
+    Cuda,
+}
+
+/// Builds the GPU factory of `kvferry pd`.
+fn gpu_factory(
+    choice: GpuChoice,
+    prefill: Vec<usize>,
+    decode: Vec<usize>,
+    prefill_n: usize,
+) -> Result<impl Fn(pd::Role, usize) -> Result<(Arc<dyn Gpu>, String), PdError>, String> {
+    let visible = match choice {
+        GpuChoice::Host => 0,
+        GpuChoice::Cuda => cuda_device_count()?,
+    };
+    Ok(move |role: pd::Role, i: usize| -> Result<(Arc<dyn Gpu>, String), PdError> {
+        match choice {
+            GpuChoice::Host => Ok((Arc::new(HostGpu::new()) as Arc<dyn Gpu>, "host".to_string())),
+            GpuChoice::Cuda => {
+                let list = if role == pd::Role::Prefill { &prefill } else { &decode };
+                let global = if role == pd::Role::Prefill { i } else { prefill_n + i };
+                let dev = if list.is_empty() { global % visible.max(1) } else { list[i % list.len()] };
+                open_cuda(dev).map(|g| (g, format!("cuda:{dev}")))
+            }
+        }
+    })
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_device_count() -> Result<usize, String> {
+    kvferry::gpu::cuda::device_count().map_err(|e| e.to_string())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_device_count() -> Result<usize, String> {
+    Err(NO_CUDA.to_string())
+}
+
+#[cfg(feature = "cuda")]
+fn open_cuda(dev: usize) -> Result<Arc<dyn Gpu>, PdError> {
+    kvferry::gpu::cuda::CudaGpu::new(dev).map(|g| Arc::new(g) as Arc<dyn Gpu>).map_err(|e| PdError::Device(e.to_string()))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn open_cuda(_dev: usize) -> Result<Arc<dyn Gpu>, PdError> {
+    Err(PdError::Device(NO_CUDA.to_string()))
+}
+
+#[cfg(not(feature = "cuda"))]
+const NO_CUDA: &str = "this kvferry was built without the `cuda` feature: rebuild with `cargo build --release --features cuda`";
 
 /// Parses sizes like `4GiB`, `512MiB`, `64KiB`, `1000` (bytes).
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -210,6 +278,18 @@ fn print_report(r: &pd::PdReport) {
             println!("  fault                  {f}");
         }
     }
+    for n in &r.nodes {
+        println!(
+            "  {:<7} {} on {:<7}  save {:>7.2} GB/s ({:.2} GiB)   load {:>7.2} GB/s ({:.2} GiB)",
+            n.role,
+            n.index,
+            n.device,
+            n.save_gbps,
+            n.save_bytes as f64 / (1u64 << 30) as f64,
+            n.load_gbps,
+            n.load_bytes as f64 / (1u64 << 30) as f64
+        );
+    }
     println!("  wall                   {:.1} s", r.wall_s);
 }
 
@@ -242,7 +322,7 @@ async fn run_pd(a: PdArgs) -> Result<(), String> {
         indicatif::ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} requests, {msg}")
             .expect("static template"),
     );
-    let gpu = |_: usize| -> Result<Arc<dyn Gpu>, PdError> { Ok(Arc::new(HostGpu::new())) };
+    let gpu = gpu_factory(a.gpu, a.prefill_devices, a.decode_devices, a.prefill)?;
     let http = a.http_addr;
     let report = pd::run_with_observer(cfg, gpu, &Bar(bar), move |engines| {
         if let Some(addr) = http {
@@ -269,6 +349,16 @@ async fn run_pd(a: PdArgs) -> Result<(), String> {
         ));
     }
     Ok(())
+}
+
+#[cfg(feature = "cuda")]
+async fn bench_gpu(device: usize) -> Result<serde_json::Value, String> {
+    kvferry::bench::gpu(device).await
+}
+
+#[cfg(not(feature = "cuda"))]
+async fn bench_gpu(_device: usize) -> Result<serde_json::Value, String> {
+    Err(NO_CUDA.to_string())
 }
 
 async fn shutdown_signal() {
@@ -335,6 +425,7 @@ fn main() -> ExitCode {
                     BenchCmd::Engine { blocks } => kvferry::bench::engine(blocks).await,
                     BenchCmd::Transport { blocks, block_mib } => kvferry::bench::transport(blocks, block_mib).await,
                     BenchCmd::Store { keys } => kvferry::bench::store(keys).await,
+                    BenchCmd::Gpu { device } => bench_gpu(device).await,
                 }?;
                 if let Some(path) = json {
                     let text = serde_json::to_string_pretty(&v).map_err(|e| e.to_string())?;

@@ -19,6 +19,8 @@
 //! Backends: [`host`] (embedded default: the "device" is host memory; also
 //! the simulator's GPU) and `cuda` (feature `cuda`, H200 runs).
 
+#[cfg(all(feature = "cuda", not(madsim)))]
+pub mod cuda;
 pub mod host;
 
 use std::future::Future;
@@ -138,6 +140,15 @@ pub trait Gpu: Send + Sync + 'static {
     /// Length of a buffer in bytes, `None` if unknown.
     fn buffer_len(&self, id: DeviceBufferId) -> Option<u64>;
 
+    /// Registers host memory (the pinned pool, once at start) so copies can
+    /// reach it. The host backend needs nothing; CUDA pins and maps it.
+    ///
+    /// # Errors
+    /// [`GpuError::Unavailable`] when the memory cannot be registered.
+    fn register_host(&self, _base: *mut u8, _len: u64) -> Result<(), GpuError> {
+        Ok(())
+    }
+
     /// Submits a batch; the completion resolves when every copy landed or
     /// the batch failed, and returns the host buffers.
     fn submit(&self, batch: CopyBatch) -> Completion;
@@ -191,4 +202,80 @@ pub fn validate_batch(batch: &CopyBatch, buffer_len: impl Fn(DeviceBufferId) -> 
         }
     }
     Ok(())
+}
+
+/// The conformance body every backend must pass (run against `host` in
+/// `cargo test`, against `cuda` by `kvferry bench gpu` on the H200): scattered
+/// device→host and host→device copies land byte for byte, buffers come back
+/// with their completion on success and on error, bad batches are errors.
+///
+/// # Errors
+/// The first violated expectation, as text.
+pub async fn conformance(gpu: &dyn Gpu) -> Result<(), String> {
+    use crate::engine::pool::Pool;
+    const FRAG: u64 = 32 << 10;
+    const FRAGS: u64 = 64;
+    let pool = Pool::new(4 * FRAG * FRAGS, 256).map_err(|e| e.to_string())?;
+    gpu.register_host(pool.base_ptr(), pool.arena_len()).map_err(|e| e.to_string())?;
+    let dev = gpu.alloc(2 * FRAG * FRAGS).map_err(|e| e.to_string())?;
+    let pattern: Vec<u8> = (0..FRAG * FRAGS).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+    gpu.write(dev, 0, &pattern).map_err(|e| e.to_string())?;
+    // Save: fragment i of the device goes to slot (FRAGS-1-i) of one extent (shuffled), plus an odd-sized tail op.
+    let ext = pool.alloc(FRAG * FRAGS).map_err(|e| e.to_string())?;
+    let mut ops: Vec<CopyOp> = (0..FRAGS)
+        .map(|i| CopyOp { buffer: dev, device_offset: i * FRAG, extent: 0, host_offset: (FRAGS - 1 - i) * FRAG, len: FRAG })
+        .collect();
+    ops[3].len = FRAG - 7; // unaligned length
+    let done = gpu.submit(CopyBatch { direction: Direction::DeviceToHost, ops: ops.clone(), host: vec![HostBuf::Writable(ext)] }).await;
+    done.result.map_err(|e| format!("save batch failed: {e}"))?;
+    let Some(HostBuf::Writable(ext)) = done.host.into_iter().next() else { return Err("buffer not returned".into()) };
+    for op in &ops {
+        let h = &ext.as_slice()[op.host_offset as usize..(op.host_offset + op.len) as usize];
+        let d = &pattern[op.device_offset as usize..(op.device_offset + op.len) as usize];
+        if h != d {
+            return Err(format!("device->host fragment at {} differs", op.device_offset));
+        }
+    }
+    // Load: copy the extent back into the second half of the device buffer, same shuffle.
+    let sealed = ext.seal();
+    let back: Vec<CopyOp> = ops.iter().map(|op| CopyOp { device_offset: op.device_offset + FRAG * FRAGS, ..*op }).collect();
+    let done = gpu.submit(CopyBatch { direction: Direction::HostToDevice, ops: back, host: vec![HostBuf::Sealed(sealed)] }).await;
+    done.result.map_err(|e| format!("load batch failed: {e}"))?;
+    if done.host.len() != 1 {
+        return Err("load did not return its buffer".into());
+    }
+    let mut out = vec![0u8; (FRAG * FRAGS) as usize];
+    gpu.read(dev, FRAG * FRAGS, &mut out).map_err(|e| e.to_string())?;
+    for op in &ops {
+        let a = &out[op.device_offset as usize..(op.device_offset + op.len) as usize];
+        let b = &pattern[op.device_offset as usize..(op.device_offset + op.len) as usize];
+        if a != b {
+            return Err(format!("host->device fragment at {} differs", op.device_offset));
+        }
+    }
+    // Bad batches: an error, and the buffers still come back.
+    let ext = pool.alloc(FRAG).map_err(|e| e.to_string())?;
+    let bad = CopyOp { buffer: dev, device_offset: 2 * FRAG * FRAGS - 1, extent: 0, host_offset: 0, len: 2 };
+    let done = gpu.submit(CopyBatch { direction: Direction::DeviceToHost, ops: vec![bad], host: vec![HostBuf::Writable(ext)] }).await;
+    if !matches!(done.result, Err(GpuError::OutOfRange(_))) || done.host.len() != 1 {
+        return Err(format!("out-of-range op not rejected cleanly: {:?}", done.result));
+    }
+    let unknown = CopyOp { buffer: DeviceBufferId(u32::MAX), device_offset: 0, extent: 0, host_offset: 0, len: 1 };
+    let done = gpu.submit(CopyBatch { direction: Direction::DeviceToHost, ops: vec![unknown], host: done.host }).await;
+    if !matches!(done.result, Err(GpuError::UnknownBuffer(_))) || done.host.len() != 1 {
+        return Err(format!("unknown buffer not rejected cleanly: {:?}", done.result));
+    }
+    if gpu.write(dev, 2 * FRAG * FRAGS, &[1]).is_ok() {
+        return Err("write past the end accepted".into());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[tokio::test]
+    async fn host_backend_conforms() {
+        let gpu = super::host::HostGpu::new();
+        super::conformance(&gpu).await.expect("host backend conformance");
+    }
 }

@@ -37,6 +37,35 @@ pub enum Routing {
     PrefixAware,
 }
 
+/// A node's role in the replay.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum Role {
+    /// Computes and saves KV.
+    Prefill,
+    /// Fetches and loads KV.
+    Decode,
+}
+
+/// Per-node copy statistics (device save/load rates, timed submit to
+/// completion).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct NodeStat {
+    /// `prefill` or `decode`.
+    pub role: String,
+    /// Index within the role.
+    pub index: usize,
+    /// Device label (`host`, `cuda:0`, …).
+    pub device: String,
+    /// Bytes copied device → pool.
+    pub save_bytes: u64,
+    /// Save copy rate (GB/s).
+    pub save_gbps: f64,
+    /// Bytes copied pool → device.
+    pub load_bytes: u64,
+    /// Load copy rate (GB/s).
+    pub load_gbps: f64,
+}
+
 /// Replay settings (the `kvferry pd` flags).
 #[derive(Clone, Debug)]
 pub struct PdConfig {
@@ -154,6 +183,8 @@ pub struct PdReport {
     pub block_tokens: u64,
     /// Bytes per block.
     pub block_bytes: u64,
+    /// Per-node device copy statistics.
+    pub nodes: Vec<NodeStat>,
     /// Wall-clock seconds.
     pub wall_s: f64,
 }
@@ -192,6 +223,9 @@ impl Progress for () {}
 
 /// A node of the replay and its device KV region.
 struct PdNode {
+    role: Role,
+    index: usize,
+    device_label: String,
     handle: std::sync::Mutex<Option<NodeHandle>>,
     engine: Engine,
     /// Device buffer (one per node; layer-first split K/V).
@@ -356,7 +390,7 @@ async fn start_metaserver(addr: SocketAddr, cfg: &PdConfig) -> Result<MetaServer
 /// [`PdError`] for bad flags, an unreadable trace, or a start-up failure.
 pub async fn run(
     cfg: PdConfig,
-    gpu_factory: impl Fn(usize) -> Result<Arc<dyn Gpu>, PdError>,
+    gpu_factory: impl Fn(Role, usize) -> Result<(Arc<dyn Gpu>, String), PdError>,
     progress: &dyn Progress,
 ) -> Result<PdReport, PdError> {
     run_with_observer(cfg, gpu_factory, progress, |_| Ok(())).await
@@ -369,7 +403,7 @@ pub async fn run(
 /// As [`run`]; an `on_ready` error aborts the run as [`PdError::Start`].
 pub async fn run_with_observer(
     cfg: PdConfig,
-    gpu_factory: impl Fn(usize) -> Result<Arc<dyn Gpu>, PdError>,
+    gpu_factory: impl Fn(Role, usize) -> Result<(Arc<dyn Gpu>, String), PdError>,
     progress: &dyn Progress,
     on_ready: impl FnOnce(&[Engine]) -> Result<(), String>,
 ) -> Result<PdReport, PdError> {
@@ -408,13 +442,17 @@ pub async fn run_with_observer(
             ..EngineConfig::default()
         };
         ncfg.metaserver_rpc_timeout = Duration::from_millis(1000);
-        let gpu = gpu_factory(i)?;
+        let (role, index) = if i < cfg.prefill { (Role::Prefill, i) } else { (Role::Decode, i - cfg.prefill) };
+        let (gpu, device_label) = gpu_factory(role, index)?;
         let handle = node::start(ncfg, gpu).await.map_err(|e| PdError::Start(e.to_string()))?;
         let engine = handle.engine.clone();
         let bytes = buffer_bytes_needed(&layers(&shape, DeviceBufferId(0)));
         let buffer = engine.gpu().alloc(bytes).map_err(|e| PdError::Device(e.to_string()))?;
         engine.register_layout(&shape.ns, layers(&shape, buffer)).map_err(|e| PdError::Start(e.to_string()))?;
         nodes.push(Arc::new(PdNode {
+            role,
+            index,
+            device_label,
             handle: std::sync::Mutex::new(Some(handle)),
             engine,
             buffer,
@@ -534,6 +572,24 @@ pub async fn run_with_observer(
     rep.handoff_p50_ms = percentile(&handoffs, 0.50);
     rep.handoff_p99_ms = percentile(&handoffs, 0.99);
     rep.checksum_failures = nodes.iter().map(|n| n.engine.metrics().checksum_failures.load(Ordering::Relaxed)).sum();
+    let rate = |b: u64, ns: u64| if ns == 0 { 0.0 } else { b as f64 / ns as f64 };
+    rep.nodes = nodes
+        .iter()
+        .map(|n| {
+            let m = n.engine.metrics();
+            let (sb, sn) = (m.save_copy_bytes.load(Ordering::Relaxed), m.save_copy_ns.load(Ordering::Relaxed));
+            let (lb, ln) = (m.load_copy_bytes.load(Ordering::Relaxed), m.load_copy_ns.load(Ordering::Relaxed));
+            NodeStat {
+                role: format!("{:?}", n.role).to_lowercase(),
+                index: n.index,
+                device: n.device_label.clone(),
+                save_bytes: sb,
+                save_gbps: rate(sb, sn),
+                load_bytes: lb,
+                load_gbps: rate(lb, ln),
+            }
+        })
+        .collect();
 
     for node in nodes {
         let h = node.handle.lock().expect("handle lock").take();
