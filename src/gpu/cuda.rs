@@ -77,6 +77,14 @@ pub fn device_count() -> Result<usize, GpuError> {
     Ok(n as usize)
 }
 
+/// A descriptor table: `cap` u64s of pinned host memory and its mapped
+/// device address.
+struct Table {
+    host: *mut u64,
+    cap: usize,
+    device: sys::CUdeviceptr,
+}
+
 struct Registered {
     host: usize,
     len: usize,
@@ -92,6 +100,10 @@ struct Inner {
     buffers: Mutex<Vec<(sys::CUdeviceptr, u64)>>,
     /// Host memory registered with the driver (the pool).
     registered: Mutex<Vec<Registered>>,
+    /// Free descriptor tables in pinned, mapped host memory, reused across
+    /// batches (no device allocation or synchronous copy per batch, which
+    /// would serialize concurrent batches).
+    tables: Mutex<Vec<Table>>,
     sm_count: u32,
 }
 
@@ -146,6 +158,7 @@ impl CudaGpu {
                 kernel,
                 buffers: Mutex::new(Vec::new()),
                 registered: Mutex::new(Vec::new()),
+                tables: Mutex::new(Vec::new()),
                 sm_count,
             }),
         })
@@ -270,28 +283,49 @@ impl Inner {
             Direction::HostToDevice => &self.h2d,
         };
         self.ctx.bind_to_thread().map_err(dev_err)?;
-        // SAFETY: a fresh allocation sized for the table, freed after the
-        // stream finished with it.
-        let table = unsafe { result::malloc_sync(desc.len() * 8) }.map_err(dev_err)?;
+        let table = self.take_table(desc.len())?;
+        // SAFETY: the table holds at least `desc.len()` u64s and is ours
+        // until `put_table`.
+        unsafe { std::ptr::copy_nonoverlapping(desc.as_ptr(), table.host, desc.len()) };
         let res = (|| {
-            // SAFETY: `table` holds `desc.len()` u64s.
-            unsafe { result::memcpy_htod_sync(table, &desc) }.map_err(dev_err)?;
             let grid = (pieces as u32).min(self.sm_count * 32).max(1);
             let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
             let mut b = stream.launch_builder(&self.kernel);
-            b.arg(&table);
+            b.arg(&table.device);
             b.arg(&pieces);
             // SAFETY: every descriptor was validated against its buffer and
             // a registered host region; the kernel touches only those ranges.
             unsafe { b.launch(cfg) }.map_err(dev_err)?;
-            stream.synchronize().map_err(dev_err)
+            // Wait for this batch only (other batches may share the stream).
+            let done = stream.record_event(None).map_err(dev_err)?;
+            done.synchronize().map_err(dev_err)
         })();
-        // SAFETY: the stream is idle (synchronized) or the launch failed.
-        let _ = stream.synchronize();
-        unsafe {
-            let _ = result::free_sync(table);
+        if res.is_err() {
+            // Do not reuse a table a failed launch might still read.
+            let _ = stream.synchronize();
         }
+        self.put_table(table);
         res
+    }
+
+    fn take_table(&self, n: usize) -> Result<Table, GpuError> {
+        let mut free = self.tables.lock().expect("tables lock");
+        if let Some(i) = free.iter().position(|t| t.cap >= n) {
+            return Ok(free.swap_remove(i));
+        }
+        drop(free);
+        let cap = n.next_power_of_two().max(3 * 1024);
+        let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
+        // SAFETY: a fresh pinned allocation of `cap` u64s.
+        let host = unsafe { result::malloc_host(cap * 8, flags) }.map_err(dev_err)? as *mut u64;
+        let mut device: sys::CUdeviceptr = 0;
+        // SAFETY: `host` was allocated with DEVICEMAP.
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, host.cast(), 0) }.result().map_err(dev_err)?;
+        Ok(Table { host, cap, device })
+    }
+
+    fn put_table(&self, t: Table) {
+        self.tables.lock().expect("tables lock").push(t);
     }
 }
 
@@ -386,6 +420,12 @@ impl Drop for Inner {
             // SAFETY: allocated by `alloc`, freed once, device idle.
             unsafe {
                 let _ = result::free_sync(ptr);
+            }
+        }
+        for t in self.tables.lock().expect("tables lock").drain(..) {
+            // SAFETY: allocated by `take_table`, device idle.
+            unsafe {
+                let _ = result::free_host(t.host.cast());
             }
         }
         for r in self.registered.lock().expect("registered lock").drain(..) {
