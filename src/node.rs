@@ -17,7 +17,6 @@ use crate::client::{ClientConfig, ClientError, MetaServerClient, QueueConfig};
 use crate::engine::{Engine, EngineConfig, EngineError};
 use crate::gpu::Gpu;
 use crate::p2p::P2pTransferService;
-use crate::proto::engine_server::EngineServer;
 use crate::transport::tcp::TcpTransport;
 use crate::types::{NodeAddr, SessionId};
 
@@ -167,10 +166,7 @@ pub async fn start(cfg: NodeConfig, gpu: Arc<dyn Gpu>) -> Result<NodeHandle, Nod
     let transport = Arc::new(transport);
     engine.set_transport(transport.clone());
     let (tx, mut rx) = watch::channel(false);
-    let svc = EngineServer::new(P2pTransferService::new(engine.clone()))
-        .max_decoding_message_size(crate::limits::GRPC_MESSAGE_BYTES_MAX)
-        .max_encoding_message_size(crate::limits::GRPC_MESSAGE_BYTES_MAX);
-    let router = tonic::transport::Server::builder().add_service(svc);
+    let router = P2pTransferService::new(engine.clone()).router();
     let serve = tokio::spawn(crate::rt::serve(router, bound, async move {
         let _ = rx.wait_for(|v| *v).await;
     }));

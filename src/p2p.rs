@@ -11,7 +11,7 @@ use tonic::{Request, Response, Status};
 use crate::engine::Engine;
 use crate::engine::fetch::transfer_block_info;
 use crate::limits;
-use crate::proto::engine_server::Engine as EngineRpc;
+use crate::proto::engine_server::{Engine as EngineRpc, EngineServer};
 use crate::proto::*;
 use crate::status::from_id_error;
 use crate::transport::HandshakeMetadata;
@@ -28,6 +28,56 @@ impl P2pTransferService {
     pub fn new(engine: Engine) -> Self {
         Self { engine }
     }
+
+    /// The tonic router serving this service with 64 MiB message limits.
+    pub fn router(self) -> tonic::transport::server::Router {
+        let svc = EngineServer::new(self)
+            .max_decoding_message_size(limits::GRPC_MESSAGE_BYTES_MAX)
+            .max_encoding_message_size(limits::GRPC_MESSAGE_BYTES_MAX);
+        tonic::transport::Server::builder().add_service(svc)
+    }
+
+    /// Serves on a listener the embedder already bound (bind-first: the
+    /// embedder learns about a taken port from its own bind) until
+    /// `shutdown` resolves.
+    ///
+    /// # Errors
+    /// [`ServeError::Bind`] if the listener's address cannot be read,
+    /// [`ServeError::Transport`] when serving fails.
+    #[cfg(not(madsim))]
+    pub async fn serve_with_incoming(
+        self,
+        listener: tokio::net::TcpListener,
+        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    ) -> Result<(), ServeError> {
+        let bound = crate::rt::BoundListener::from_listener(listener).map_err(ServeError::Bind)?;
+        crate::rt::serve(self.router(), bound, shutdown).await.map_err(ServeError::Transport)
+    }
+
+    /// Binds `addr` first — a taken port is [`ServeError::Bind`] before
+    /// anything is served — then serves until `shutdown` resolves.
+    ///
+    /// # Errors
+    /// [`ServeError::Bind`], [`ServeError::Transport`].
+    pub async fn serve(
+        self,
+        addr: std::net::SocketAddr,
+        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    ) -> Result<(), ServeError> {
+        let bound = crate::rt::bind(addr).await.map_err(ServeError::Bind)?;
+        crate::rt::serve(self.router(), bound, shutdown).await.map_err(ServeError::Transport)
+    }
+}
+
+/// Errors of serving the P2P service.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// The address could not be bound (e.g. the port is taken).
+    #[error("cannot bind: {0}")]
+    Bind(std::io::Error),
+    /// The gRPC server failed.
+    #[error("serving failed: {0}")]
+    Transport(tonic::transport::Error),
 }
 
 fn ok() -> Option<ResponseStatus> {

@@ -322,7 +322,7 @@ fn compute_block(
     hash: &BlockHash,
 ) -> Result<(), PdError> {
     let mut buf = vec![0u8; shape.seg as usize];
-    for (l, ly) in layers_for_slot(shape, buffer).iter().enumerate() {
+    for (l, ly) in layers(shape, buffer).iter().enumerate() {
         for seg in 0..2u32 {
             fill_kv(&shape.ns, hash, l as u32, seg, &mut buf);
             let off = ly.base_offset + slot * ly.block_stride + u64::from(seg) * ly.kv_stride;
@@ -341,7 +341,7 @@ fn verify_block(
     hash: &BlockHash,
 ) -> Result<bool, PdError> {
     let mut buf = vec![0u8; shape.seg as usize];
-    for (l, ly) in layers_for_slot(shape, buffer).iter().enumerate() {
+    for (l, ly) in layers(shape, buffer).iter().enumerate() {
         for seg in 0..2u32 {
             let off = ly.base_offset + slot * ly.block_stride + u64::from(seg) * ly.kv_stride;
             gpu.read(buffer, off, &mut buf).map_err(|e| PdError::Device(e.to_string()))?;
@@ -351,10 +351,6 @@ fn verify_block(
         }
     }
     Ok(true)
-}
-
-fn layers_for_slot(shape: &Shape, buffer: DeviceBufferId) -> Vec<LayerLayout> {
-    layers(shape, buffer)
 }
 
 /// Per-request outcome.
@@ -694,8 +690,6 @@ async fn serve_request(
     o.handoff = handoff_start.elapsed();
     o.bytes += fetched.bytes;
     let have = fetched.available.max(local);
-    o.decode_local = local as u64;
-    o.decode_fetched = (have - local) as u64;
     let mut loaded = vec![false; n];
     if have > 0 {
         let blocks: Vec<(BlockHash, u64)> = hashes[..have].iter().cloned().zip(0u64..).collect();
@@ -704,14 +698,11 @@ async fn serve_request(
             loaded[j] = r.is_ok();
         }
     }
+    // A block evicted between the fetch and the load counts as recomputed.
+    o.decode_local = loaded[..local].iter().filter(|l| **l).count() as u64;
+    o.decode_fetched = loaded[local..].iter().filter(|l| **l).count() as u64;
     for (j, h) in hashes.iter().enumerate() {
         if !loaded[j] {
-            if j < have {
-                // Evicted between fetch and load: recomputed, not fetched.
-                if (j as u64) < o.decode_local + o.decode_fetched {
-                    if j < local { o.decode_local -= 1 } else { o.decode_fetched -= 1 }
-                }
-            }
             compute_block(&*dgpu, shape, d.buffer, j as u64, h)?;
         }
         if verify_block(&*dgpu, shape, d.buffer, j as u64, h)? {
