@@ -808,28 +808,6 @@ mod tests {
     }
 
     #[test]
-    #[ignore = "micro-benchmark; run with --ignored --nocapture in release"]
-    fn kv_throughput() {
-        let h = engine_block_hash(1, 2);
-        let mut buf = vec![0u8; 32 << 10]; // one qwen3-8b 16-token segment
-        let rounds = 100_000u32;
-        let t = std::time::Instant::now();
-        for i in 0..rounds {
-            fill_kv("bench", &h, i, 0, &mut buf);
-            std::hint::black_box(&mut buf);
-        }
-        let fill = (buf.len() as f64 * f64::from(rounds)) / t.elapsed().as_secs_f64() / 1e9;
-        let t = std::time::Instant::now();
-        let mut ok = 0u32;
-        for _ in 0..rounds {
-            ok += u32::from(verify_kv("bench", &h, rounds - 1, 0, std::hint::black_box(&buf)));
-        }
-        let verify = (buf.len() as f64 * f64::from(rounds)) / t.elapsed().as_secs_f64() / 1e9;
-        assert_eq!(ok, rounds);
-        println!("fill_kv {fill:.2} GB/s, verify_kv {verify:.2} GB/s (32 KiB buffers)");
-    }
-
-    #[test]
     fn presets_size_blocks() {
         let q = preset("qwen3-8b").unwrap();
         assert_eq!((q.layers, q.kv_heads, q.head_dim, q.dtype_bytes), (36, 8, 128, 2));
