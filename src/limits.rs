@@ -96,3 +96,11 @@ pub const HANDSHAKE_METADATA_BYTES_MAX: usize = 64 << 10;
 
 /// Most regions a handshake may describe.
 pub const HANDSHAKE_REGIONS_MAX: usize = 1_024;
+
+/// Longest MetaServer duration setting (s): a week. Bounds `stale_after`,
+/// TTL and sweep interval so their millisecond forms cannot overflow.
+pub const METASERVER_DURATION_SECS_MAX: u64 = 7 * 24 * 3600;
+
+/// Most prompt tokens one trace request may claim (the replay sizes device
+/// buffers from it): 4 × the longest request of the bundled trace.
+pub const TRACE_INPUT_TOKENS_MAX: u64 = 1 << 19;

@@ -197,7 +197,9 @@ fn cuda_device_count() -> Result<usize, String> {
 
 #[cfg(feature = "cuda")]
 fn open_cuda(dev: usize) -> Result<Arc<dyn Gpu>, PdError> {
-    kvferry::gpu::cuda::CudaGpu::new(dev).map(|g| Arc::new(g) as Arc<dyn Gpu>).map_err(|e| PdError::Device(e.to_string()))
+    kvferry::gpu::cuda::CudaGpu::new(dev)
+        .map(|g| Arc::new(g) as Arc<dyn Gpu>)
+        .map_err(|e| PdError::Device(e.to_string()))
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -206,7 +208,8 @@ fn open_cuda(_dev: usize) -> Result<Arc<dyn Gpu>, PdError> {
 }
 
 #[cfg(not(feature = "cuda"))]
-const NO_CUDA: &str = "this kvferry was built without the `cuda` feature: rebuild with `cargo build --release --features cuda`";
+const NO_CUDA: &str =
+    "this kvferry was built without the `cuda` feature: rebuild with `cargo build --release --features cuda`";
 
 /// Parses sizes like `4GiB`, `512MiB`, `64KiB`, `1000` (bytes).
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -242,7 +245,23 @@ impl pd::Progress for Bar {
     }
 }
 
+/// Writes to stdout, ignoring a closed pipe (`kvferry pd | head`).
+fn out(text: &str) {
+    use std::io::Write;
+    let mut o = std::io::stdout().lock();
+    let _ = o.write_all(text.as_bytes()).and_then(|_| o.flush());
+}
+
 fn print_report(r: &pd::PdReport) {
+    out(&report_text(r));
+}
+
+fn report_text(r: &pd::PdReport) -> String {
+    use std::fmt::Write;
+    let mut s = String::new();
+    macro_rules! println {
+        ($($t:tt)*) => {{ let _ = writeln!(s, $($t)*); }};
+    }
     let gib = r.bytes_transferred as f64 / (1u64 << 30) as f64;
     println!(
         "kvferry pd — {} requests, model {} ({} tokens/block, {} KiB/block)",
@@ -291,9 +310,14 @@ fn print_report(r: &pd::PdReport) {
         );
     }
     println!("  wall                   {:.1} s", r.wall_s);
+    s
 }
 
 async fn run_pd(a: PdArgs) -> Result<(), String> {
+    if let Some(path) = &a.json {
+        // Fail on an unwritable report path before the run, not after it.
+        std::fs::write(path, b"{}").map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    }
     let cfg = PdConfig {
         trace: a.trace.unwrap_or_else(|| PathBuf::from(kvferry::replay::trace::DEFAULT_TRACE_PATH)),
         model: a.model,
@@ -392,9 +416,9 @@ async fn run_metaserver(
     let mut h = metaserver::start(cfg).await.map_err(|e| e.to_string())?;
     if let Some(http) = http_addr {
         let local = kvferry::exporter::serve(http, kvferry::exporter::metaserver_samples(&h))?;
-        tracing::info!(%local, "metrics and health over http");
+        out(&format!("metrics and health on http://{local}/metrics, /health\n"));
     }
-    println!("metaserver ready on {}", h.local_addr);
+    out(&format!("metaserver ready on {}\n", h.local_addr));
     tokio::select! {
         _ = shutdown_signal() => {
             tracing::info!("shutting down");

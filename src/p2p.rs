@@ -206,6 +206,9 @@ impl EngineRpc for P2pTransferService {
         request: Request<ReleaseTransferLockRequest>,
     ) -> Result<Response<ReleaseTransferLockResponse>, Status> {
         let r = request.into_inner();
+        if r.transfer_session_id.len() > limits::SESSION_ID_BYTES_MAX {
+            return Err(Status::invalid_argument("transfer_session_id too long"));
+        }
         let released = self.engine.release_transfer(&r.transfer_session_id);
         Ok(Response::new(ReleaseTransferLockResponse { status: ok(), released_blocks: released as u64 }))
     }

@@ -348,10 +348,16 @@ pub enum StartError {
 /// [`StartError::Bind`] for a taken or invalid address, [`StartError::Config`]
 /// for zero/inconsistent durations.
 pub async fn start(config: MetaServerConfig) -> Result<MetaServerHandle, StartError> {
-    if config.stale_after_secs == 0 || config.sweep_interval_secs == 0 || config.ttl_secs < config.stale_after_secs {
+    let max = limits::METASERVER_DURATION_SECS_MAX;
+    if config.stale_after_secs == 0
+        || config.sweep_interval_secs == 0
+        || config.ttl_secs < config.stale_after_secs
+        || config.ttl_secs > max
+        || config.sweep_interval_secs > max
+    {
         return Err(StartError::Config(format!(
-            "need stale_after_secs > 0, sweep_interval_secs > 0, ttl_secs >= stale_after_secs (got {}, {}, {})",
-            config.stale_after_secs, config.sweep_interval_secs, config.ttl_secs
+            "need 0 < stale_after_secs <= ttl_secs <= {max} and 0 < sweep_interval_secs <= {max} (got stale_after {}, ttl {}, sweep {})",
+            config.stale_after_secs, config.ttl_secs, config.sweep_interval_secs
         )));
     }
     let bound = crate::rt::bind(config.addr).await.map_err(|source| StartError::Bind { addr: config.addr, source })?;

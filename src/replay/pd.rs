@@ -28,6 +28,9 @@ use crate::metaserver::{self, MetaServerConfig, MetaServerHandle};
 use crate::node::{self, NodeConfig, NodeHandle};
 use crate::types::BlockHash;
 
+/// Largest device KV region one replay node allocates (bytes).
+const DEVICE_BYTES_MAX: u64 = 32 << 30;
+
 /// How requests pick a prefill node.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
 pub enum Routing {
@@ -261,8 +264,10 @@ fn prepare(cfg: &PdConfig) -> Result<(Vec<TraceRequest>, &'static ModelPreset), 
     }
     for (name, f) in [("--kill-metaserver-at", cfg.kill_metaserver_at), ("--kill-prefill-at", cfg.kill_prefill_at)] {
         if let Some(f) = f {
-            if !(0.0..=1.0).contains(&f) {
-                return Err(PdError::Config(format!("{name} {f} not in [0, 1]")));
+            if !(0.0..1.0).contains(&f) {
+                return Err(PdError::Config(format!(
+                    "{name} {f} not in [0, 1): the fault must fire before the run ends"
+                )));
             }
         }
     }
@@ -407,6 +412,14 @@ pub async fn run_with_observer(
     let wall = Instant::now();
     let oracle = trace::oracle_engine_blocks(&reqs, cfg.block_tokens);
     let max_blocks = reqs.iter().map(|r| r.input_length / cfg.block_tokens).max().unwrap_or(1).max(1);
+    let device_bytes = max_blocks.saturating_mul(model.block_bytes(cfg.block_tokens));
+    if device_bytes > DEVICE_BYTES_MAX {
+        return Err(PdError::Config(format!(
+            "the longest request needs a {:.1} GiB device KV region per node (limit {} GiB): use --max-blocks or a smaller model",
+            device_bytes as f64 / (1u64 << 30) as f64,
+            DEVICE_BYTES_MAX >> 30
+        )));
+    }
     let shape = Arc::new(Shape {
         ns: format!("{}-bf16-tp1-bt{}", model.name, cfg.block_tokens),
         model,
@@ -457,6 +470,22 @@ pub async fn run_with_observer(
     }
     let engines: Vec<Engine> = nodes.iter().map(|n| n.engine.clone()).collect();
     on_ready(&engines).map_err(PdError::Start)?;
+    if cfg.metaserver.is_some() {
+        // An explicit MetaServer that cannot be reached is a configuration
+        // error, not a silent all-recompute run.
+        let probe = [BlockHash::from_u64(0)];
+        if let Err(e) = engines[0].client().query_prefix(&shape.ns, &probe, Duration::from_secs(3)).await {
+            for node in &nodes {
+                node.engine.client().abort();
+            }
+            return Err(PdError::Start(format!("MetaServer {ms_url} is unreachable: {e}")));
+        }
+    }
+    if cfg.drop_registrations > 0.0 {
+        let msg = format!("metaserver drops {:.1} % of registration RPCs", cfg.drop_registrations * 100.0);
+        progress.fault(&msg);
+        faults.push(msg);
+    }
     let prefill: Vec<Arc<PdNode>> = nodes[..cfg.prefill].to_vec();
     let decode: Vec<Arc<PdNode>> = nodes[cfg.prefill..].to_vec();
 
@@ -469,6 +498,7 @@ pub async fn run_with_observer(
         Arc::new((0..cfg.prefill).map(|_| std::sync::atomic::AtomicBool::new(true)).collect());
 
     let mut outcomes: Vec<ReqOutcome> = Vec::with_capacity(n);
+    let mut assigned = vec![0u64; cfg.prefill];
     let mut inflight: tokio::task::JoinSet<Result<ReqOutcome, PdError>> = tokio::task::JoinSet::new();
     let mut bytes_so_far = 0u64;
     for (i, req) in reqs.iter().enumerate() {
@@ -517,7 +547,7 @@ pub async fn run_with_observer(
             }
         }
         let hashes: Vec<BlockHash> = trace::engine_blocks(req, cfg.block_tokens)?.into_iter().map(|b| b.hash).collect();
-        let p = pick_prefill(&prefill, &prefill_alive, cfg.routing, i, &shape.ns, &hashes);
+        let p = pick_prefill(&prefill, &prefill_alive, &mut assigned, cfg.routing, i, &shape.ns, &hashes);
         let d = decode[i % decode.len()].clone();
         let p = prefill[p].clone();
         let shape = shape.clone();
@@ -608,9 +638,17 @@ fn percentile(sorted: &[f64], q: f64) -> f64 {
     sorted[idx.min(sorted.len() - 1)]
 }
 
+/// Picks a prefill node. Prefix-aware routing sends a request to the live
+/// node with the longest local prefix, among the nodes under a load bound
+/// of 1.25 × the fair share of requests so far (bounded-load placement,
+/// after Mirrokni, Thorup, Zadimoghaddam, "Consistent Hashing with Bounded
+/// Loads", SODA 2018); ties go round robin. Without the bound, the block
+/// every request shares (the system prompt) would pull all traffic to the
+/// first node that cached it.
 fn pick_prefill(
     prefill: &[Arc<PdNode>],
     alive: &[std::sync::atomic::AtomicBool],
+    assigned: &mut [u64],
     routing: Routing,
     i: usize,
     ns: &str,
@@ -618,19 +656,23 @@ fn pick_prefill(
 ) -> usize {
     let live: Vec<usize> = (0..prefill.len()).filter(|&p| alive[p].load(Ordering::SeqCst)).collect();
     let rr = live[i % live.len()];
-    match routing {
+    let pick = match routing {
         Routing::RoundRobin => rr,
         Routing::PrefixAware => {
-            let best = live
+            let total: u64 = live.iter().map(|&p| assigned[p]).sum::<u64>() + 1;
+            let cap = (total as f64 * 1.25 / live.len() as f64).ceil() as u64;
+            let eligible: Vec<(usize, usize)> = live
                 .iter()
+                .filter(|&&p| assigned[p] < cap)
                 .map(|&p| (prefill[p].engine.query_prefix(ns, hashes), p))
-                .max_by_key(|(hit, p)| (*hit, usize::MAX - p));
-            match best {
-                Some((hit, p)) if hit > 0 => p,
-                _ => rr,
-            }
+                .collect();
+            let best = eligible.iter().map(|(h, _)| *h).max().unwrap_or(0);
+            let tied: Vec<usize> = eligible.iter().filter(|(h, _)| *h == best).map(|(_, p)| *p).collect();
+            if tied.is_empty() { rr } else { tied[i % tied.len()] }
         }
-    }
+    };
+    assigned[pick] += 1;
+    pick
 }
 
 async fn serve_request(

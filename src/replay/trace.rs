@@ -66,6 +66,17 @@ pub enum TraceError {
         /// 1-based line number.
         line: usize,
     },
+    /// `input_length` is larger than its `hash_ids` cover (512 tokens each)
+    /// or than [`crate::limits::TRACE_INPUT_TOKENS_MAX`].
+    #[error("trace line {line}: input_length {input_length} does not fit {blocks} hash_ids of 512 tokens (or exceeds {max} tokens)", max = crate::limits::TRACE_INPUT_TOKENS_MAX)]
+    InputLength {
+        /// 1-based line number.
+        line: usize,
+        /// The claimed prompt length.
+        input_length: u64,
+        /// Number of `hash_ids`.
+        blocks: usize,
+    },
     /// A line longer than [`TRACE_LINE_BYTES_MAX`].
     #[error("trace line {line}: longer than {max} bytes", max = TRACE_LINE_BYTES_MAX)]
     LineTooLong {
@@ -138,6 +149,10 @@ fn parse_trace_capped(mut reader: impl BufRead, max_line: usize) -> Result<Vec<T
         let req: TraceRequest = serde_json::from_slice(content).map_err(|source| TraceError::Json { line, source })?;
         if req.hash_ids.is_empty() {
             return Err(TraceError::EmptyHashIds { line });
+        }
+        let covered = (req.hash_ids.len() as u64).saturating_mul(TRACE_BLOCK_TOKENS);
+        if req.input_length > covered || req.input_length > crate::limits::TRACE_INPUT_TOKENS_MAX {
+            return Err(TraceError::InputLength { line, input_length: req.input_length, blocks: req.hash_ids.len() });
         }
         out.push(req);
     }
@@ -525,6 +540,16 @@ mod tests {
         let mut big = vec![b' '; TRACE_LINE_BYTES_MAX + 1];
         big.extend_from_slice(b"\n");
         assert!(matches!(parse_trace(Cursor::new(big)), Err(TraceError::LineTooLong { line: 1 })));
+    }
+
+    #[test]
+    fn input_length_beyond_its_blocks_is_rejected() {
+        let text = "{\"timestamp\": 0, \"input_length\": 600, \"output_length\": 1, \"hash_ids\": [0, 1]}\n\
+                    {\"timestamp\": 1, \"input_length\": 1025, \"output_length\": 1, \"hash_ids\": [0, 1]}\n";
+        assert!(matches!(
+            parse_trace(Cursor::new(text)),
+            Err(TraceError::InputLength { line: 2, input_length: 1025, blocks: 2 })
+        ));
     }
 
     #[test]
