@@ -9,6 +9,8 @@
 #   1. cargo test (real tokio): unit tests (incl. seeded fuzz-body replays and
 #      fuzz/regressions/), integration tests on loopback, properties, the
 #      main job on a small trace window.
+#   1b. feature builds: `cuda` (no CUDA needed to build), `rdma` (its
+#      device-free tests; scripts/hw-rdma.sh runs the device tests).
 #   2. madsim build: library unit tests under --cfg madsim, then the
 #      simulation sweep (scripts/sim.sh): SIM_SEEDS seeds of the main
 #      scenario, the determinism sample, the broken-build checks.
@@ -23,6 +25,10 @@ step() { printf '\n==== %s\n' "$*"; }
 step "tier 1: cargo test (real tokio)"
 cargo test --all-targets
 
+step "tier 1b: feature builds (cuda needs no CUDA to build; rdma's device-free tests)"
+cargo build --features cuda
+cargo test --features rdma --lib transport::verbs
+
 step "tier 2a: library unit tests under --cfg madsim"
 RUSTFLAGS="--cfg madsim ${RUSTFLAGS:-}" CARGO_TARGET_DIR=target-sim cargo test --lib
 
@@ -34,6 +40,6 @@ scripts/fuzz.sh smoke "$FUZZ_SECS"
 
 step "tier 4: clippy (tokio and madsim)"
 cargo clippy --all-targets -- -D warnings
-RUSTFLAGS="--cfg madsim ${RUSTFLAGS:-}" CARGO_TARGET_DIR=target-sim cargo clippy --lib --tests -- -D warnings
+RUSTFLAGS="--cfg madsim ${RUSTFLAGS:-}" CARGO_TARGET_DIR=target-sim cargo clippy --lib --test sim -- -D warnings
 
 step "all tiers passed"

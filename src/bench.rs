@@ -345,8 +345,12 @@ pub async fn gpu(device: usize) -> Result<serde_json::Value, String> {
     hb.as_mut_slice().fill(2);
     let rawbuf = cuda.alloc(2 * RAW).map_err(|e| e.to_string())?;
     let dptr = cuda.device_ptr(rawbuf).ok_or("raw buffer")?;
-    let h2d_s = cuda.time_raw_copy(Direction::HostToDevice, ha.as_mut_ptr(), dptr, RAW as usize, 10).map_err(|e| e.to_string())?;
-    let d2h_s = cuda.time_raw_copy(Direction::DeviceToHost, ha.as_mut_ptr(), dptr, RAW as usize, 10).map_err(|e| e.to_string())?;
+    let h2d_s = cuda
+        .time_raw_copy(Direction::HostToDevice, ha.as_mut_ptr(), dptr, RAW as usize, 10)
+        .map_err(|e| e.to_string())?;
+    let d2h_s = cuda
+        .time_raw_copy(Direction::DeviceToHost, ha.as_mut_ptr(), dptr, RAW as usize, 10)
+        .map_err(|e| e.to_string())?;
     let bidir_s = cuda
         .time_raw_bidir(ha.as_mut_ptr(), hb.as_mut_ptr(), dptr, dptr + RAW, RAW as usize, 10)
         .map_err(|e| e.to_string())?;
@@ -354,8 +358,12 @@ pub async fn gpu(device: usize) -> Result<serde_json::Value, String> {
 
     // Engine on the same device, registrations going nowhere (only copies are timed).
     let node = NodeAddr::parse("127.0.0.1:1").map_err(|e| e.to_string())?;
-    let client = MetaServerClient::start(ClientConfig::new("127.0.0.1:9", node.clone(), SessionId::parse("bench").map_err(|e| e.to_string())?))
-        .map_err(|e| e.to_string())?;
+    let client = MetaServerClient::start(ClientConfig::new(
+        "127.0.0.1:9",
+        node.clone(),
+        SessionId::parse("bench").map_err(|e| e.to_string())?,
+    ))
+    .map_err(|e| e.to_string())?;
     let cfg = EngineConfig { pool_bytes: 3 << 30, ..EngineConfig::default() };
     let engine = Engine::new(node, cfg, cuda.clone(), client).map_err(|e| e.to_string())?;
 
@@ -369,9 +377,11 @@ pub async fn gpu(device: usize) -> Result<serde_json::Value, String> {
     let t2_shape = contiguous(DeviceBufferId(0), layers, t2_blocks, seg, true, true);
     let b2 = cuda.alloc(buffer_bytes_needed(&t2_shape)).map_err(|e| e.to_string())?;
     engine.register_layout("t2", contiguous(b2, layers, t2_blocks, seg, true, true)).map_err(|e| e.to_string())?;
-    let pattern: Vec<u8> = (0..buffer_bytes_needed(&t2_shape)).map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8).collect();
+    let pattern: Vec<u8> =
+        (0..buffer_bytes_needed(&t2_shape)).map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8).collect();
     cuda.write(b2, 0, &pattern).map_err(|e| e.to_string())?;
-    cuda.write(b1, 0, &pattern[..buffer_bytes_needed(&t1_shape).min(pattern.len() as u64) as usize]).map_err(|e| e.to_string())?;
+    cuda.write(b1, 0, &pattern[..buffer_bytes_needed(&t1_shape).min(pattern.len() as u64) as usize])
+        .map_err(|e| e.to_string())?;
 
     let mut run = 0u64;
     let mut time_save_load = |ns: &'static str, blocks: u64| {
@@ -419,7 +429,8 @@ pub async fn gpu(device: usize) -> Result<serde_json::Value, String> {
     let loads: Vec<(BlockHash, u64)> = resident.iter().map(|(i, h)| (h.clone(), *i)).collect();
     let mut t3_s = f64::MAX;
     for rep in 0..REPS as u64 {
-        let saves: Vec<(u64, BlockHash)> = (0..half).map(|i| (i, BlockHash::from_u64((0xCD + rep) << 40 | i))).collect();
+        let saves: Vec<(u64, BlockHash)> =
+            (0..half).map(|i| (i, BlockHash::from_u64((0xCD + rep) << 40 | i))).collect();
         let t = Instant::now();
         let (s, l) = tokio::join!(engine.save("t2", &saves), engine.load("t2", &loads));
         t3_s = t3_s.min(t.elapsed().as_secs_f64());
@@ -436,8 +447,12 @@ pub async fn gpu(device: usize) -> Result<serde_json::Value, String> {
     let t3 = t3_gbps / bidir;
     println!("bench gpu on cuda:{device} ({name}), conformance passed, best of {REPS}+1");
     println!("  raw pinned copy   H2D {h2d:>6.2} GB/s   D2H {d2h:>6.2} GB/s   both at once {bidir:>6.2} GB/s");
-    println!("  T1 contiguous      save {t1_save_gbps:>6.2} GB/s = {t1s:.3} x D2H    load {t1_load_gbps:>6.2} GB/s = {t1l:.3} x H2D   (target >= 0.95)");
-    println!("  T2 qwen3-8b 32 KiB save {t2_save_gbps:>6.2} GB/s = {t2s:.3} x peak   load {t2_load_gbps:>6.2} GB/s = {t2l:.3} x peak  (target >= 0.90)");
+    println!(
+        "  T1 contiguous      save {t1_save_gbps:>6.2} GB/s = {t1s:.3} x D2H    load {t1_load_gbps:>6.2} GB/s = {t1l:.3} x H2D   (target >= 0.95)"
+    );
+    println!(
+        "  T2 qwen3-8b 32 KiB save {t2_save_gbps:>6.2} GB/s = {t2s:.3} x peak   load {t2_load_gbps:>6.2} GB/s = {t2l:.3} x peak  (target >= 0.90)"
+    );
     println!("  T3 save+load       {t3_gbps:>6.2} GB/s = {t3:.3} x bidirectional peak   (target >= 0.85)");
     println!("  (save = copy + CRC-32C seal of every slot; timed to completion)");
     engine.client().abort();

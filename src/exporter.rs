@@ -36,8 +36,9 @@ pub type Collect = Arc<dyn Fn() -> Vec<Sample> + Send + Sync>;
 /// Renders samples in the Prometheus text format.
 pub fn render(samples: &[Sample]) -> String {
     let mut reg = Registry::with_prefix("kvferry");
-    let mut counters: Vec<(&'static str, Family<Vec<(String, String)>, Counter<u64, AtomicU64>>)> = Vec::new();
-    let mut gauges: Vec<(&'static str, Family<Vec<(String, String)>, Gauge<u64, AtomicU64>>)> = Vec::new();
+    type Labels = Vec<(String, String)>;
+    let mut counters: Vec<(&'static str, Family<Labels, Counter<u64, AtomicU64>>)> = Vec::new();
+    let mut gauges: Vec<(&'static str, Family<Labels, Gauge<u64, AtomicU64>>)> = Vec::new();
     for s in samples {
         if s.counter {
             let fam = match counters.iter().find(|(n, _)| *n == s.name) {

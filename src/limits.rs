@@ -33,6 +33,23 @@ pub const REGISTRATION_QUEUE_DEPTH_DEFAULT: usize = 4096;
 /// responses for long prompts carry many slot descriptors.
 pub const GRPC_MESSAGE_BYTES_MAX: usize = 64 << 20;
 
+/// Chunk RPCs of one batch group the client keeps in flight at once. Two
+/// already hide one RPC's encode/transfer/decode behind the server's store
+/// work on the previous chunk; four absorb scheduling jitter. Each in-flight
+/// chunk holds ~0.6 MiB on each side, so this also bounds that memory.
+pub const METASERVER_CHUNKS_IN_FLIGHT_MAX: usize = 4;
+
+/// HTTP/2 stream flow-control window (bytes) of every gRPC client and
+/// server. hyper's server default (1 MiB per stream and per connection)
+/// holds fewer than two ~0.6 MiB registration chunks, so pipelined chunk
+/// RPCs waited on WINDOW_UPDATE round trips (measured: ~12 % of T6 on 2
+/// cores). A window is a limit on unread bytes, not an allocation.
+pub const GRPC_STREAM_WINDOW_BYTES: u32 = 4 << 20;
+
+/// HTTP/2 connection flow-control window (bytes): room for
+/// `METASERVER_CHUNKS_IN_FLIGHT_MAX` full streams at once.
+pub const GRPC_CONNECTION_WINDOW_BYTES: u32 = 16 << 20;
+
 /// Default per-RPC deadline for MetaServer calls (ms). Loopback RPCs take
 /// well under a millisecond; 2 s survives a loaded 2-core machine.
 pub const METASERVER_RPC_TIMEOUT_MS_DEFAULT: u64 = 2_000;
@@ -83,6 +100,15 @@ pub const TCP_PIPELINE_DEPTH: usize = 32;
 
 /// TCP connections per peer (the pool reads are spread over).
 pub const TCP_CONNECTIONS_PER_PEER_DEFAULT: usize = 4;
+
+/// Smallest share of a fetched batch (bytes) worth its own checksum task:
+/// below this the task hand-off costs more than the CRC-32C it moves (a
+/// core checksums ~10 MB in about a millisecond from memory).
+pub const FETCH_VERIFY_PART_BYTES_MIN: u64 = 32 << 20;
+
+/// Most checksum tasks one fetch spreads its verification over: memory
+/// bandwidth, not cores, bounds the CRC pass beyond a handful.
+pub const FETCH_VERIFY_TASKS_MAX: usize = 8;
 
 /// Most owners one fetch will try (C14 stitching): one transfer query per
 /// owner per request, so this bounds the RPCs a fetch can cost.

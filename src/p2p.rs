@@ -34,7 +34,7 @@ impl P2pTransferService {
         let svc = EngineServer::new(self)
             .max_decoding_message_size(limits::GRPC_MESSAGE_BYTES_MAX)
             .max_encoding_message_size(limits::GRPC_MESSAGE_BYTES_MAX);
-        tonic::transport::Server::builder().add_service(svc)
+        crate::rt::server_builder().add_service(svc)
     }
 
     /// Serves on a listener the embedder already bound (bind-first: the
@@ -131,7 +131,6 @@ impl EngineRpc for P2pTransferService {
         request: Request<RdmaHandshakeRequest>,
     ) -> Result<Response<RdmaHandshakeResponse>, Status> {
         let r = request.into_inner();
-        NodeAddr::parse(&r.requester_id).map_err(from_id_error)?;
         if r.handshake_metadata.len() > limits::HANDSHAKE_METADATA_BYTES_MAX {
             return Err(Status::invalid_argument("handshake metadata too large"));
         }
@@ -149,10 +148,13 @@ impl EngineRpc for P2pTransferService {
                 transport.kind()
             )));
         }
-        Ok(Response::new(RdmaHandshakeResponse {
-            status: ok(),
-            handshake_metadata: transport.local_metadata().encode().into(),
-        }))
+        let requester = NodeAddr::parse(&r.requester_id).map_err(from_id_error)?;
+        let deadline =
+            tokio::time::Instant::now() + std::time::Duration::from_millis(limits::METASERVER_RPC_TIMEOUT_MS_DEFAULT);
+        let answer = transport
+            .answer(&requester, &remote, deadline)
+            .map_err(|e| Status::failed_precondition(format!("handshake: {e}")))?;
+        Ok(Response::new(RdmaHandshakeResponse { status: ok(), handshake_metadata: answer.encode().into() }))
     }
 
     async fn query_blocks_for_transfer(

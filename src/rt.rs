@@ -12,6 +12,8 @@ use std::time::Duration;
 
 use tonic::transport::{Channel, Endpoint};
 
+use crate::limits;
+
 /// A bound (real) or reserved (simulated) server address.
 #[derive(Debug)]
 pub struct BoundListener {
@@ -82,7 +84,36 @@ pub fn channel(addr: &str, timeout: Duration) -> Result<Channel, tonic::transpor
     } else {
         format!("http://{addr}")
     };
-    Ok(Endpoint::from_shared(uri)?.timeout(timeout).connect_timeout(timeout).tcp_nodelay(true).connect_lazy())
+    Ok(Endpoint::from_shared(uri)?
+        .timeout(timeout)
+        .connect_timeout(timeout)
+        .tcp_nodelay(true)
+        .initial_stream_window_size(limits::GRPC_STREAM_WINDOW_BYTES)
+        .initial_connection_window_size(limits::GRPC_CONNECTION_WINDOW_BYTES)
+        .connect_lazy())
+}
+
+/// A gRPC server builder with this crate's HTTP/2 flow-control windows
+/// (see [`limits::GRPC_STREAM_WINDOW_BYTES`]); every service starts from it.
+pub fn server_builder() -> tonic::transport::Server {
+    tonic::transport::Server::builder()
+        .initial_stream_window_size(limits::GRPC_STREAM_WINDOW_BYTES)
+        .initial_connection_window_size(limits::GRPC_CONNECTION_WINDOW_BYTES)
+}
+
+/// Worker threads that CPU-bound work (e.g. a fetch's checksum pass) may
+/// spread over: the machine's parallelism on real tokio; 1 under the
+/// simulator, which runs every task on one thread anyway, so that a seed
+/// replays identically whatever host runs it.
+pub fn cpu_parallelism() -> usize {
+    #[cfg(not(madsim))]
+    {
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    }
+    #[cfg(madsim)]
+    {
+        1
+    }
 }
 
 /// Milliseconds since `origin` on the runtime clock (simulated under madsim).

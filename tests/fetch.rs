@@ -24,6 +24,9 @@
 //! process death as far as its peers can tell (sockets closed, no
 //! unregister, no lock release).
 
+// Loopback tests on real tokio and tonic; the simulator tier lives in sim/.
+#![cfg(not(madsim))]
+
 mod common;
 
 use std::sync::atomic::Ordering;

@@ -19,6 +19,9 @@
 //! | `bad_input_*` | wire.md errors, C5 |
 //! | `start_on_taken_port_fails_with_bind_error` | C12 |
 
+// Loopback tests on real tokio and tonic; the simulator tier lives in sim/.
+#![cfg(not(madsim))]
+
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -1,6 +1,9 @@
 //! Embedding the P2P transfer service (C12): bind-first serving on the
 //! embedder's listener, and a taken port reported before anything serves.
 
+// Loopback tests on real tokio and tonic; the simulator tier lives in sim/.
+#![cfg(not(madsim))]
+
 use std::sync::Arc;
 use std::time::Duration;
 

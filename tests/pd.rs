@@ -1,6 +1,9 @@
 //! The main job end to end: `kvferry pd` on a small window of the bundled
 //! trace, with and without faults, and its bad-input errors.
 
+// Loopback tests on real tokio and tonic; the simulator tier lives in sim/.
+#![cfg(not(madsim))]
+
 use std::process::Command;
 
 fn kvferry() -> Command {

@@ -186,7 +186,7 @@ impl MetaServerClient {
         let ns: Arc<str> = Arc::from(namespace);
         let accepted = {
             let mut core = self.inner.core.lock().expect("core lock");
-            hashes.iter().filter(|h| core.queue.offer(&ns, (*h).clone(), op)).count()
+            core.queue.offer_many(&ns, hashes, op)
         };
         if accepted > 0 {
             self.inner.wake.notify_one();
@@ -355,15 +355,17 @@ async fn drive(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
         }
         let batch = inner.core.lock().expect("core lock").queue.take_batch();
         if let Some(chunks) = batch {
-            for chunk in chunks {
-                send_chunk(&inner, chunk).await;
-            }
+            send_batch(&inner, chunks).await;
             continue; // more may have queued meanwhile
         }
+        // `biased`: an unbiased select! draws from tokio's thread RNG, whose
+        // seed mixes a process-global counter, so a simulation seed would
+        // replay differently depending on what ran before it in the process.
         tokio::select! {
+            biased;
+            _ = stop.changed() => {}
             _ = inner.wake.notified() => {}
             _ = tokio::time::sleep_until(next_heartbeat) => {}
-            _ = stop.changed() => {}
         }
     }
 }
@@ -379,7 +381,14 @@ async fn heartbeat(inner: &Inner) -> Option<Duration> {
             inner.metrics.heartbeats_ok.fetch_add(1, Ordering::Relaxed);
             inner.needs_heartbeat.store(false, Ordering::Relaxed);
             let was_registered = inner.ever_registered.swap(true, Ordering::Relaxed);
-            if r.new_session && was_registered {
+            // On first contact a backfill is needed only if registrations
+            // were already lost (e.g. a restarted node fenced until its old
+            // session went stale); without this, such blocks stayed
+            // invisible even across later MetaServer restarts (C6, found by
+            // the simulator).
+            let lost_before_contact =
+                !was_registered && inner.core.lock().expect("core lock").queue.counters().dropped() > 0;
+            if r.new_session && (was_registered || lost_before_contact) {
                 tracing::info!(node = %inner.cfg.node, "metaserver lost our session; backfilling");
                 inner.needs_backfill.store(true, Ordering::Relaxed);
             }
@@ -457,6 +466,29 @@ async fn rpc_chunk(inner: &Inner, chunk: &Chunk) -> Result<(), tonic::Status> {
         }
     };
     res.unwrap_or_else(|_| Err(tonic::Status::deadline_exceeded("metaserver rpc deadline")))
+}
+
+/// Sends a batch's chunks. Chunks of one `(namespace, op)` group go up to
+/// [`limits::METASERVER_CHUNKS_IN_FLIGHT_MAX`] at a time: netting made their
+/// hashes distinct and their op the same, so the order in which the
+/// MetaServer applies them cannot matter, and overlapping them hides the
+/// per-RPC encode/transfer/decode time behind the server's store work.
+/// Groups go strictly one after another, so a group's removes are applied
+/// before the next group's inserts begin (the order `take_batch` promises).
+/// Returns once every chunk has an outcome, so a flush still resolves only
+/// after all of them (C1).
+async fn send_batch(inner: &Inner, chunks: Vec<Chunk>) {
+    use futures::stream::StreamExt;
+    let mut chunks = chunks.into_iter().peekable();
+    while let Some(first) = chunks.next() {
+        let mut group = vec![first];
+        while let Some(c) = chunks.next_if(|c| c.op == group[0].op && c.namespace == group[0].namespace) {
+            group.push(c);
+        }
+        futures::stream::iter(group)
+            .for_each_concurrent(limits::METASERVER_CHUNKS_IN_FLIGHT_MAX, |c| send_chunk(inner, c))
+            .await;
+    }
 }
 
 /// Sends one chunk: on FAILED_PRECONDITION re-heartbeats and retries once;

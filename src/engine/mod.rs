@@ -232,6 +232,10 @@ impl std::fmt::Debug for Engine {
     }
 }
 
+/// A new transfer session (None when nothing was found) and the blocks it
+/// pins, in request order.
+pub type TransferLock = (Option<String>, Vec<(BlockHash, CachedBlock)>);
+
 /// A lease: pins blocks (their memory cannot be evicted or reused) until
 /// dropped.
 #[derive(Debug)]
@@ -691,11 +695,7 @@ impl Engine {
     ///
     /// # Errors
     /// [`EngineError::Lock`] when the table is full.
-    pub fn lock_for_transfer(
-        &self,
-        namespace: &str,
-        hashes: &[BlockHash],
-    ) -> Result<(Option<String>, Vec<(BlockHash, CachedBlock)>), EngineError> {
+    pub fn lock_for_transfer(&self, namespace: &str, hashes: &[BlockHash]) -> Result<TransferLock, EngineError> {
         let Ok((ns, _)) = self.layout(namespace) else { return Ok((None, Vec::new())) };
         let found: Vec<(BlockHash, CachedBlock)> = {
             let mut cache = self.inner.cache.lock().expect("cache lock");
@@ -740,6 +740,7 @@ impl Engine {
 /// Bytes of blocks above which seal-time checksums are computed on several
 /// OS threads (outside the simulator): CRC-32C runs at ~10 GB/s per core,
 /// a GPU copies at ~55 GB/s, so one core would be the save bottleneck.
+#[cfg(not(madsim))]
 const PARALLEL_CHECKSUM_BYTES_MIN: u64 = 16 << 20;
 
 /// Seal-time checksums of many blocks, in order; parallel for large batches
@@ -753,7 +754,9 @@ pub fn checksum_blocks(layout: &Layout, blocks: &[Extent]) -> Vec<Arc<[u32]>> {
         return std::thread::scope(|s| {
             let handles: Vec<_> = blocks
                 .chunks(per)
-                .map(|part| s.spawn(move || part.iter().map(|e| slot_checksums(layout, e.as_slice())).collect::<Vec<_>>()))
+                .map(|part| {
+                    s.spawn(move || part.iter().map(|e| slot_checksums(layout, e.as_slice())).collect::<Vec<_>>())
+                })
                 .collect();
             handles.into_iter().flat_map(|h| h.join().expect("checksum thread")).collect()
         });

@@ -27,7 +27,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::sys;
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg, result};
 
-use super::{CopyBatch, Completed, Completion, Direction, Gpu, GpuError, HostBuf, validate_batch};
+use super::{Completed, Completion, CopyBatch, Direction, Gpu, GpuError, HostBuf, validate_batch};
 use crate::engine::layout::DeviceBufferId;
 
 /// Pieces larger than this are split so work spreads over the SMs (bytes).
@@ -180,7 +180,14 @@ impl CudaGpu {
     ///
     /// # Errors
     /// Driver errors.
-    pub fn time_raw_copy(&self, dir: Direction, host: *mut u8, device: u64, len: usize, reps: usize) -> Result<f64, GpuError> {
+    pub fn time_raw_copy(
+        &self,
+        dir: Direction,
+        host: *mut u8,
+        device: u64,
+        len: usize,
+        reps: usize,
+    ) -> Result<f64, GpuError> {
         let i = &self.inner;
         i.ctx.bind_to_thread().map_err(dev_err)?;
         let stream = match dir {
@@ -197,12 +204,12 @@ impl CudaGpu {
             // caller owns for the duration; `device..device+len` is ours.
             unsafe {
                 match dir {
-                    Direction::DeviceToHost => {
-                        sys::cuMemcpyDtoHAsync_v2(host.cast(), device, len, stream.cu_stream()).result().map_err(dev_err)?
-                    }
-                    Direction::HostToDevice => {
-                        sys::cuMemcpyHtoDAsync_v2(device, host.cast(), len, stream.cu_stream()).result().map_err(dev_err)?
-                    }
+                    Direction::DeviceToHost => sys::cuMemcpyDtoHAsync_v2(host.cast(), device, len, stream.cu_stream())
+                        .result()
+                        .map_err(dev_err)?,
+                    Direction::HostToDevice => sys::cuMemcpyHtoDAsync_v2(device, host.cast(), len, stream.cu_stream())
+                        .result()
+                        .map_err(dev_err)?,
                 }
             }
             end.record(stream).map_err(dev_err)?;
@@ -217,7 +224,15 @@ impl CudaGpu {
     ///
     /// # Errors
     /// Driver errors.
-    pub fn time_raw_bidir(&self, host_a: *mut u8, host_b: *mut u8, dev_a: u64, dev_b: u64, len: usize, reps: usize) -> Result<f64, GpuError> {
+    pub fn time_raw_bidir(
+        &self,
+        host_a: *mut u8,
+        host_b: *mut u8,
+        dev_a: u64,
+        dev_b: u64,
+        len: usize,
+        reps: usize,
+    ) -> Result<f64, GpuError> {
         let i = &self.inner;
         i.ctx.bind_to_thread().map_err(dev_err)?;
         let mut best = f64::MAX;
@@ -339,12 +354,14 @@ impl Gpu for CudaGpu {
         i.ctx.bind_to_thread().map_err(dev_err)?;
         let len = usize::try_from(bytes).map_err(|_| GpuError::Alloc { bytes, reason: "too large".into() })?;
         // SAFETY: a plain device allocation of `len` bytes, zeroed next.
-        let ptr = unsafe { result::malloc_sync(len.max(1)) }
-            .map_err(|e| GpuError::Alloc { bytes, reason: e.to_string() })?;
+        let ptr =
+            unsafe { result::malloc_sync(len.max(1)) }.map_err(|e| GpuError::Alloc { bytes, reason: e.to_string() })?;
         // SAFETY: `ptr` is a fresh allocation of at least `len` bytes.
         unsafe { result::memset_d8_sync(ptr, 0, len) }.map_err(|e| GpuError::Alloc { bytes, reason: e.to_string() })?;
         let mut bufs = i.buffers.lock().expect("buffers lock");
-        let id = DeviceBufferId(u32::try_from(bufs.len()).map_err(|_| GpuError::Alloc { bytes, reason: "too many buffers".into() })?);
+        let id = DeviceBufferId(
+            u32::try_from(bufs.len()).map_err(|_| GpuError::Alloc { bytes, reason: "too many buffers".into() })?,
+        );
         bufs.push((ptr, bytes));
         Ok(id)
     }
@@ -367,7 +384,11 @@ impl Gpu for CudaGpu {
         unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dptr, base.cast(), 0) }
             .result()
             .map_err(|e| unavailable(format!("cuMemHostGetDevicePointer: {e}")))?;
-        i.registered.lock().expect("registered lock").push(Registered { host: base as usize, len: len as usize, device: dptr });
+        i.registered.lock().expect("registered lock").push(Registered {
+            host: base as usize,
+            len: len as usize,
+            device: dptr,
+        });
         Ok(())
     }
 
@@ -392,7 +413,14 @@ impl Gpu for CudaGpu {
     }
 
     fn write(&self, id: DeviceBufferId, offset: u64, data: &[u8]) -> Result<(), GpuError> {
-        let (ptr, len) = self.inner.buffers.lock().expect("buffers lock").get(id.0 as usize).copied().ok_or(GpuError::UnknownBuffer(id))?;
+        let (ptr, len) = self
+            .inner
+            .buffers
+            .lock()
+            .expect("buffers lock")
+            .get(id.0 as usize)
+            .copied()
+            .ok_or(GpuError::UnknownBuffer(id))?;
         if offset.checked_add(data.len() as u64).is_none_or(|e| e > len) {
             return Err(GpuError::OutOfRange(format!("[{offset}, +{}) beyond {len}", data.len())));
         }
@@ -402,7 +430,14 @@ impl Gpu for CudaGpu {
     }
 
     fn read(&self, id: DeviceBufferId, offset: u64, out: &mut [u8]) -> Result<(), GpuError> {
-        let (ptr, len) = self.inner.buffers.lock().expect("buffers lock").get(id.0 as usize).copied().ok_or(GpuError::UnknownBuffer(id))?;
+        let (ptr, len) = self
+            .inner
+            .buffers
+            .lock()
+            .expect("buffers lock")
+            .get(id.0 as usize)
+            .copied()
+            .ok_or(GpuError::UnknownBuffer(id))?;
         if offset.checked_add(out.len() as u64).is_none_or(|e| e > len) {
             return Err(GpuError::OutOfRange(format!("[{offset}, +{}) beyond {len}", out.len())));
         }

@@ -223,10 +223,18 @@ pub async fn conformance(gpu: &dyn Gpu) -> Result<(), String> {
     // Save: fragment i of the device goes to slot (FRAGS-1-i) of one extent (shuffled), plus an odd-sized tail op.
     let ext = pool.alloc(FRAG * FRAGS).map_err(|e| e.to_string())?;
     let mut ops: Vec<CopyOp> = (0..FRAGS)
-        .map(|i| CopyOp { buffer: dev, device_offset: i * FRAG, extent: 0, host_offset: (FRAGS - 1 - i) * FRAG, len: FRAG })
+        .map(|i| CopyOp {
+            buffer: dev,
+            device_offset: i * FRAG,
+            extent: 0,
+            host_offset: (FRAGS - 1 - i) * FRAG,
+            len: FRAG,
+        })
         .collect();
     ops[3].len = FRAG - 7; // unaligned length
-    let done = gpu.submit(CopyBatch { direction: Direction::DeviceToHost, ops: ops.clone(), host: vec![HostBuf::Writable(ext)] }).await;
+    let done = gpu
+        .submit(CopyBatch { direction: Direction::DeviceToHost, ops: ops.clone(), host: vec![HostBuf::Writable(ext)] })
+        .await;
     done.result.map_err(|e| format!("save batch failed: {e}"))?;
     let Some(HostBuf::Writable(ext)) = done.host.into_iter().next() else { return Err("buffer not returned".into()) };
     for op in &ops {
@@ -238,8 +246,11 @@ pub async fn conformance(gpu: &dyn Gpu) -> Result<(), String> {
     }
     // Load: copy the extent back into the second half of the device buffer, same shuffle.
     let sealed = ext.seal();
-    let back: Vec<CopyOp> = ops.iter().map(|op| CopyOp { device_offset: op.device_offset + FRAG * FRAGS, ..*op }).collect();
-    let done = gpu.submit(CopyBatch { direction: Direction::HostToDevice, ops: back, host: vec![HostBuf::Sealed(sealed)] }).await;
+    let back: Vec<CopyOp> =
+        ops.iter().map(|op| CopyOp { device_offset: op.device_offset + FRAG * FRAGS, ..*op }).collect();
+    let done = gpu
+        .submit(CopyBatch { direction: Direction::HostToDevice, ops: back, host: vec![HostBuf::Sealed(sealed)] })
+        .await;
     done.result.map_err(|e| format!("load batch failed: {e}"))?;
     if done.host.len() != 1 {
         return Err("load did not return its buffer".into());
@@ -256,7 +267,9 @@ pub async fn conformance(gpu: &dyn Gpu) -> Result<(), String> {
     // Bad batches: an error, and the buffers still come back.
     let ext = pool.alloc(FRAG).map_err(|e| e.to_string())?;
     let bad = CopyOp { buffer: dev, device_offset: 2 * FRAG * FRAGS - 1, extent: 0, host_offset: 0, len: 2 };
-    let done = gpu.submit(CopyBatch { direction: Direction::DeviceToHost, ops: vec![bad], host: vec![HostBuf::Writable(ext)] }).await;
+    let done = gpu
+        .submit(CopyBatch { direction: Direction::DeviceToHost, ops: vec![bad], host: vec![HostBuf::Writable(ext)] })
+        .await;
     if !matches!(done.result, Err(GpuError::OutOfRange(_))) || done.host.len() != 1 {
         return Err(format!("out-of-range op not rejected cleanly: {:?}", done.result));
     }

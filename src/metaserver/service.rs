@@ -50,7 +50,9 @@ impl MetaServerConfig {
 /// --drop-registrations`). All off by default; cheap atomics on the hot path.
 #[derive(Debug, Default)]
 pub struct MetaServerHooks {
-    /// While set, every RPC waits (accepts, never answers) — a stalled server.
+    /// While set, every RPC waits (accepts, never answers) — a stalled
+    /// server. RPCs caught by a stall fail with `UNAVAILABLE` when it lifts
+    /// and are never applied (as if their clients had reset them).
     pub stall: AtomicBool,
     /// Fraction (per million) of insert/remove RPCs answered `UNAVAILABLE`
     /// without touching the store: lost registrations.
@@ -95,10 +97,21 @@ impl MetaServerService {
         crate::rt::elapsed_ms(self.origin)
     }
 
-    async fn gate(&self) {
+    /// The `stall` hook. An RPC that meets a stall is never served: it
+    /// waits until the stall lifts, then fails with `UNAVAILABLE` without
+    /// touching the store. A real tonic server drops the handler of a
+    /// request whose client gave up (stream reset); releasing gated writes
+    /// instead let a write the client had already counted as dropped land
+    /// after a newer one (a stale removal undid a delivered insert: C1,
+    /// found by the simulator, which does not propagate cancellation).
+    async fn gate(&self) -> Result<(), Status> {
+        if !self.hooks.stall.load(Ordering::Relaxed) {
+            return Ok(());
+        }
         while self.hooks.stall.load(Ordering::Relaxed) {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+        Err(Status::unavailable("request arrived during a stall (fault hook); not served"))
     }
 
     fn drop_write(&self) -> bool {
@@ -124,7 +137,7 @@ impl MetaServerService {
     fn check_write(
         &self,
         namespace: &str,
-        hashes: &[bytes::Bytes],
+        hashes: Vec<bytes::Bytes>,
         node: &str,
         node_id: &str,
     ) -> Result<(NodeAddr, SessionId, Vec<BlockHash>), Status> {
@@ -142,7 +155,10 @@ impl MetaServerService {
 }
 
 /// Validates a hash list: at most `HASHES_PER_REQUEST_MAX`, each well formed.
-fn check_hashes(hashes: &[bytes::Bytes]) -> Result<Vec<BlockHash>, Status> {
+/// Takes the request's list by value and rewraps it in place (`BlockHash` is
+/// a newtype over `Bytes`): no allocation and no reference-count traffic per
+/// hash on the hot insert path.
+fn check_hashes(hashes: Vec<bytes::Bytes>) -> Result<Vec<BlockHash>, Status> {
     if hashes.len() > limits::HASHES_PER_REQUEST_MAX {
         return Err(Status::invalid_argument(format!(
             "{} hashes in one request; the limit is {}",
@@ -150,14 +166,11 @@ fn check_hashes(hashes: &[bytes::Bytes]) -> Result<Vec<BlockHash>, Status> {
             limits::HASHES_PER_REQUEST_MAX
         )));
     }
-    hashes
-        .iter()
-        .map(|h| {
-            let h = BlockHash(h.clone());
-            h.validate().map_err(from_id_error)?;
-            Ok(h)
-        })
-        .collect()
+    let hashes: Vec<BlockHash> = hashes.into_iter().map(BlockHash).collect();
+    if let Some(bad) = hashes.iter().find_map(|h| h.validate().err()) {
+        return Err(from_id_error(bad));
+    }
+    Ok(hashes)
 }
 
 #[tonic::async_trait]
@@ -166,7 +179,7 @@ impl MetaServer for MetaServerService {
         &self,
         request: Request<HeartbeatNodeRequest>,
     ) -> Result<Response<HeartbeatNodeResponse>, Status> {
-        self.gate().await;
+        self.gate().await?;
         let r = request.into_inner();
         let node = NodeAddr::parse(&r.node).map_err(from_id_error);
         let session = SessionId::parse(&r.node_id).map_err(from_id_error);
@@ -192,7 +205,7 @@ impl MetaServer for MetaServerService {
         &self,
         request: Request<UnregisterNodeRequest>,
     ) -> Result<Response<UnregisterNodeResponse>, Status> {
-        self.gate().await;
+        self.gate().await?;
         let r = request.into_inner();
         let node = NodeAddr::parse(&r.node).map_err(from_id_error);
         let session = SessionId::parse(&r.node_id).map_err(from_id_error);
@@ -208,12 +221,13 @@ impl MetaServer for MetaServerService {
         &self,
         request: Request<InsertBlockHashesRequest>,
     ) -> Result<Response<InsertBlockHashesResponse>, Status> {
-        self.gate().await;
-        let r = request.into_inner();
-        let (node, session, hashes) = match self.check_write(&r.namespace, &r.block_hashes, &r.node, &r.node_id) {
-            Ok(v) => v,
-            Err(s) => return self.reject(s),
-        };
+        self.gate().await?;
+        let mut r = request.into_inner();
+        let (node, session, hashes) =
+            match self.check_write(&r.namespace, std::mem::take(&mut r.block_hashes), &r.node, &r.node_id) {
+                Ok(v) => v,
+                Err(s) => return self.reject(s),
+            };
         if self.drop_write() {
             return Err(Status::unavailable("registration dropped by fault hook"));
         }
@@ -236,12 +250,13 @@ impl MetaServer for MetaServerService {
         &self,
         request: Request<RemoveBlockHashesRequest>,
     ) -> Result<Response<RemoveBlockHashesResponse>, Status> {
-        self.gate().await;
-        let r = request.into_inner();
-        let (node, session, hashes) = match self.check_write(&r.namespace, &r.block_hashes, &r.node, &r.node_id) {
-            Ok(v) => v,
-            Err(s) => return self.reject(s),
-        };
+        self.gate().await?;
+        let mut r = request.into_inner();
+        let (node, session, hashes) =
+            match self.check_write(&r.namespace, std::mem::take(&mut r.block_hashes), &r.node, &r.node_id) {
+                Ok(v) => v,
+                Err(s) => return self.reject(s),
+            };
         if self.drop_write() {
             return Err(Status::unavailable("registration dropped by fault hook"));
         }
@@ -263,15 +278,15 @@ impl MetaServer for MetaServerService {
         &self,
         request: Request<QueryPrefixBlocksRequest>,
     ) -> Result<Response<QueryPrefixBlocksResponse>, Status> {
-        self.gate().await;
-        let r = request.into_inner();
+        self.gate().await?;
+        let mut r = request.into_inner();
         if r.block_hashes.is_empty() {
             return self.reject(Status::invalid_argument("empty query: block_hashes has no entries"));
         }
         if let Err(e) = validate_namespace(&r.namespace) {
             return self.reject(from_id_error(e));
         }
-        let hashes = match check_hashes(&r.block_hashes) {
+        let hashes = match check_hashes(std::mem::take(&mut r.block_hashes)) {
             Ok(h) => h,
             Err(s) => return self.reject(s),
         };
@@ -383,7 +398,7 @@ pub async fn start(config: MetaServerConfig) -> Result<MetaServerHandle, StartEr
         .max_encoding_message_size(limits::GRPC_MESSAGE_BYTES_MAX);
     #[cfg(not(madsim))]
     let server = crate::status::LimitAsResourceExhausted(server);
-    let router = tonic::transport::Server::builder().add_service(server);
+    let router = crate::rt::server_builder().add_service(server);
     let serve = tokio::spawn(crate::rt::serve(router, bound, async move {
         let _ = rx.wait_for(|v| *v).await;
     }));

@@ -17,6 +17,8 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
 use serde::Serialize;
 use tokio::time::Instant;
 
@@ -499,7 +501,9 @@ pub async fn run_with_observer(
 
     let mut outcomes: Vec<ReqOutcome> = Vec::with_capacity(n);
     let mut assigned = vec![0u64; cfg.prefill];
-    let mut inflight: tokio::task::JoinSet<Result<ReqOutcome, PdError>> = tokio::task::JoinSet::new();
+    // Spawned request tasks (madsim has no `JoinSet`; a `FuturesUnordered` of
+    // join handles works on both runtimes).
+    let mut inflight: FuturesUnordered<tokio::task::JoinHandle<Result<ReqOutcome, PdError>>> = FuturesUnordered::new();
     let mut bytes_so_far = 0u64;
     for (i, req) in reqs.iter().enumerate() {
         // Faults fire between requests, with earlier requests possibly in flight.
@@ -527,7 +531,7 @@ pub async fn run_with_observer(
         }
         if Some(i) == kill_prefill_at {
             // Wait for in-flight requests so the node is not mid-save.
-            while let Some(r) = inflight.join_next().await {
+            while let Some(r) = inflight.next().await {
                 outcomes.push(r.map_err(|e| PdError::Start(e.to_string()))??);
             }
             prefill_alive[0].store(false, Ordering::SeqCst);
@@ -539,7 +543,7 @@ pub async fn run_with_observer(
             faults.push(msg);
         }
         while inflight.len() >= cfg.concurrency {
-            if let Some(r) = inflight.join_next().await {
+            if let Some(r) = inflight.next().await {
                 let o = r.map_err(|e| PdError::Start(e.to_string()))??;
                 bytes_so_far += o.bytes;
                 progress.tick(bytes_so_far);
@@ -552,9 +556,9 @@ pub async fn run_with_observer(
         let p = prefill[p].clone();
         let shape = shape.clone();
         let flush_deadline = cfg.flush_deadline;
-        inflight.spawn(async move { serve_request(&p, &d, &shape, hashes, flush_deadline).await });
+        inflight.push(tokio::spawn(async move { serve_request(&p, &d, &shape, hashes, flush_deadline).await }));
     }
-    while let Some(r) = inflight.join_next().await {
+    while let Some(r) = inflight.next().await {
         let o = r.map_err(|e| PdError::Start(e.to_string()))??;
         bytes_so_far += o.bytes;
         progress.tick(bytes_so_far);

@@ -28,6 +28,7 @@ pub mod handshake;
 #[cfg(madsim)]
 pub mod sim;
 pub mod tcp;
+pub mod verbs;
 
 use async_trait::async_trait;
 use tokio::time::Instant;
@@ -134,6 +135,22 @@ pub trait Transport: Send + Sync + 'static {
         remote: &HandshakeMetadata,
         deadline: Instant,
     ) -> Result<(), TransportError>;
+
+    /// The serving side of a handshake: the metadata to answer `requester`
+    /// with, given its offer. Backends that need per-peer state on the
+    /// serving side (verbs: queue pairs connected to the requester's) build
+    /// it here; the default answers with [`Transport::local_metadata`].
+    ///
+    /// # Errors
+    /// [`TransportError::Handshake`] when the offer cannot be served.
+    fn answer(
+        &self,
+        _requester: &NodeAddr,
+        _offer: &HandshakeMetadata,
+        _deadline: Instant,
+    ) -> Result<HandshakeMetadata, TransportError> {
+        Ok(self.local_metadata())
+    }
 
     /// Forgets a peer (connections, metadata).
     fn disconnect(&self, peer: &NodeAddr);

@@ -65,8 +65,3 @@ pub fn set_read_delay(t: &SimTransport, delay: Duration) {
 pub fn corrupt_next_reads(t: &SimTransport, n: u64) {
     t.hooks.corrupt_next_reads.fetch_add(n, Ordering::SeqCst);
 }
-
-/// Injected faults consumed so far: (read errors, corruptions still pending).
-pub fn injected(t: &SimTransport) -> (u64, u64) {
-    (t.hooks.injected_read_errors.load(Ordering::SeqCst), t.hooks.corrupt_next_reads.load(Ordering::SeqCst))
-}

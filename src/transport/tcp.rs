@@ -150,9 +150,13 @@ async fn accept_loop(
     mut stop: watch::Receiver<bool>,
 ) {
     loop {
+        // `biased` (stop first) here and below: an unbiased select! draws
+        // from tokio's thread RNG, seeded with a process-global counter,
+        // which breaks seed replay in the simulator.
         let accepted = tokio::select! {
-            a = listener.accept() => a,
+            biased;
             _ = stop.wait_for(|s| *s) => return,
+            a = listener.accept() => a,
         };
         match accepted {
             Ok((stream, _)) => {
@@ -161,8 +165,9 @@ async fn accept_loop(
                 let (source, hooks, mut stop) = (source.clone(), hooks.clone(), stop.clone());
                 tokio::spawn(async move {
                     tokio::select! {
-                        _ = serve_conn(stream, source, hooks) => {}
+                        biased;
                         _ = stop.wait_for(|s| *s) => {}
+                        _ = serve_conn(stream, source, hooks) => {}
                     }
                 });
             }
@@ -257,16 +262,18 @@ async fn serve_read(
     let mut hdr = Vec::with_capacity(frame::RESPONSE_HEADER_BYTES);
     frame::encode_response_header(&ResponseHeader { req_id: rr.req_id, status: Status::Ok, len: rr.len }, &mut hdr)
         .map_err(std::io::Error::other)?;
-    stream.write_all(&hdr).await?;
     let corrupt =
         hooks.corrupt_next_reads.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok();
+    // Header and payload leave in one vectored write (one syscall, and with
+    // TCP_NODELAY no lone header segment for the reader to wake up for);
+    // where vectored writes are not supported this writes them in turn.
     if corrupt {
         let mut copy = payload.to_vec();
         let mid = copy.len() / 2;
         copy[mid] ^= 0x5A;
-        stream.write_all(&copy).await?;
+        stream.write_all_buf(&mut bytes::Buf::chain(&hdr[..], &copy[..])).await?;
     } else {
-        stream.write_all(payload).await?;
+        stream.write_all_buf(&mut bytes::Buf::chain(&hdr[..], payload)).await?;
     }
     // A no-op on real sockets; madsim's simulated stream sends buffered
     // bytes only on flush.

@@ -1,0 +1,537 @@
+//! The simulated cluster: one MetaServer and `PREFILL + DECODE` kvferry nodes,
+//! each a madsim node booted through the production entry points
+//! (`metaserver::start`, `node::start`), so a kill + restart reruns real
+//! start-up (new session id, empty pool, empty cache, fresh "GPU").
+//!
+//! # Address plan
+//! | who | madsim node name | IP | ports |
+//! | --- | --- | --- | --- |
+//! | MetaServer | `metaserver` | 10.0.0.1 | gRPC 7000 |
+//! | node i (1-based) | `node{i}` | 10.0.1.i | gRPC (P2P service) 7001, data plane (TCP transport) 7002 |
+//!
+//! Nodes `1..=PREFILL` are prefill nodes, the next `DECODE` are decode
+//! nodes. The supervisor (madsim node 0, where the test body runs) has no IP:
+//! it never talks over the network; it spawns workload tasks *on* the nodes
+//! and reads their state directly.
+//!
+//! # Reaching into nodes
+//! Each node's init closure publishes what the checker needs (engine,
+//! transport, GPU) into an `Arc<Mutex<Option<NodeSlot>>>` on every (re)start;
+//! the MetaServer's init closure publishes its store and hooks the same way.
+//! [`Cluster::kill_node`]/[`Cluster::kill_metaserver`] empty the slot (after
+//! folding the dying incarnation's counters into [`Retired`]), so nothing of
+//! a dead process outlives it through the harness.
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kvferry::engine::layout::{DeviceBufferId, LayerLayout, buffer_bytes_needed, contiguous};
+use kvferry::engine::{Engine, EngineConfig};
+use kvferry::gpu::Gpu;
+use kvferry::gpu::host::HostGpu;
+use kvferry::metaserver::store::MetaStore;
+use kvferry::metaserver::{self, MetaServerConfig, MetaServerHooks};
+use kvferry::node::{self, NodeConfig};
+use kvferry::transport::sim::SimTransport;
+use madsim::net::NetSim;
+use madsim::runtime::Handle;
+use madsim::task::NodeId;
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+use tokio::time::Instant;
+
+use crate::invariants::Checker;
+use crate::workload;
+
+/// Prefill nodes (indices `0..PREFILL`).
+pub const PREFILL: usize = 2;
+/// Decode nodes (indices `PREFILL..PREFILL + DECODE`).
+pub const DECODE: usize = 2;
+/// All kvferry nodes.
+pub const NODES: usize = PREFILL + DECODE;
+/// MetaServer gRPC port.
+pub const MS_PORT: u16 = 7000;
+/// Node gRPC (P2P service) port.
+pub const GRPC_PORT: u16 = 7001;
+/// Node data-plane port.
+pub const DATA_PORT: u16 = 7002;
+
+/// The MetaServer's IP.
+pub fn ms_ip() -> IpAddr {
+    IpAddr::V4(Ipv4Addr::new(10, 0, 0, 1))
+}
+
+/// Node `index`'s IP (index is 0-based; the address plan is 1-based).
+pub fn node_ip(index: usize) -> IpAddr {
+    IpAddr::V4(Ipv4Addr::new(10, 0, 1, (index + 1) as u8))
+}
+
+/// Timing and sizing knobs of one run (some drawn from the seed).
+#[derive(Clone, Debug)]
+pub struct Params {
+    /// Seed of the run (also seeds the engines' and MetaServer's RNGs).
+    pub seed: u64,
+    /// Pool per node (bytes).
+    pub pool_bytes: u64,
+    /// Device layout: layer-first (true) or fused blocks (false).
+    pub layer_first: bool,
+    /// Engine fetch deadline.
+    pub fetch_deadline: Duration,
+    /// Peer RPC deadline inside a fetch.
+    pub peer_rpc_timeout: Duration,
+    /// Deadline of every MetaServer RPC.
+    pub metaserver_rpc_timeout: Duration,
+    /// Transfer-lock timeout (s).
+    pub lock_timeout_secs: u32,
+    /// Engine lock-GC period.
+    pub lock_gc_interval: Duration,
+    /// MetaServer `stale_after` (s).
+    pub stale_after_secs: u64,
+    /// MetaServer TTL (s).
+    pub ttl_secs: u64,
+    /// MetaServer sweep period (s).
+    pub sweep_interval_secs: u64,
+    /// Device blocks per node (request slots × blocks per request).
+    pub device_blocks: u64,
+}
+
+impl Params {
+    /// Bytes of one block in the pool.
+    pub fn block_bytes(&self) -> u64 {
+        workload::block_bytes()
+    }
+}
+
+/// What the MetaServer's init closure publishes.
+#[derive(Clone)]
+pub struct MsSlot {
+    /// The index store (read directly by the checker).
+    pub store: Arc<Mutex<MetaStore>>,
+    /// Fault switches.
+    pub hooks: Arc<MetaServerHooks>,
+    /// The service's clock origin (its `now_ms` is `origin.elapsed()`).
+    pub origin: Instant,
+    /// 1 for the first start, +1 per restart.
+    pub incarnation: u64,
+}
+
+impl MsSlot {
+    /// The store's clock now (ms).
+    pub fn now_ms(&self) -> u64 {
+        self.origin.elapsed().as_millis() as u64
+    }
+}
+
+/// What a node's init closure publishes.
+#[derive(Clone)]
+pub struct NodeSlot {
+    /// The engine.
+    pub engine: Engine,
+    /// The data plane (with the sim fault switches).
+    pub transport: Arc<SimTransport>,
+    /// The host "GPU".
+    pub gpu: Arc<HostGpu>,
+    /// The KV device buffer.
+    pub buffer: DeviceBufferId,
+    /// The registered layers (to address device segments).
+    pub layers: Arc<Vec<LayerLayout>>,
+    /// 1 for the first start, +1 per restart.
+    pub incarnation: u64,
+}
+
+/// Counters of dead incarnations (their engines are gone, their history is
+/// not).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Retired {
+    /// Checksum failures seen by fetchers.
+    pub checksum_failures: u64,
+    /// Registration commands dropped (any reason) by clients.
+    pub registrations_dropped: u64,
+}
+
+/// State shared by the supervisor, the fault injector and workload tasks
+/// running on the nodes.
+pub struct Shared {
+    /// Run parameters.
+    pub params: Params,
+    /// The MetaServer, while up.
+    pub ms: Arc<Mutex<Option<MsSlot>>>,
+    /// Per node, while up.
+    pub nodes: Vec<Arc<Mutex<Option<NodeSlot>>>>,
+    /// Drop-registration fault windows opened so far.
+    pub drop_windows: AtomicU64,
+    /// Drop-registration fault windows open now.
+    pub drop_active: AtomicU64,
+    /// Per node: forced `evict(everything)` calls so far (eviction storms,
+    /// lease pressure, the cancel probe).
+    pub forced_evictions: Vec<AtomicU64>,
+    /// Counters of dead incarnations.
+    pub retired: Mutex<Retired>,
+    /// Violations and check counts.
+    pub checker: Checker,
+    /// Draws of the workload made while it runs (e.g. when to cancel a
+    /// fetch); deterministic because the simulation is.
+    pub rng: Mutex<StdRng>,
+    /// Fetches cancelled by the `fetch_cancel` fault.
+    pub cancelled_fetches: AtomicU64,
+    /// Per node: held by a prefill when prefills are serial.
+    pub prefill_serial: Vec<Arc<tokio::sync::Mutex<()>>>,
+}
+
+impl Shared {
+    /// The MetaServer slot, if up.
+    pub fn ms(&self) -> Option<MsSlot> {
+        self.ms.lock().expect("ms slot").clone()
+    }
+
+    /// Node `i`'s slot, if up.
+    pub fn node(&self, i: usize) -> Option<NodeSlot> {
+        self.nodes[i].lock().expect("node slot").clone()
+    }
+
+    /// Evicts every unpinned block on node `i` (a forced eviction).
+    pub fn evict_all(&self, i: usize, n: &NodeSlot) -> usize {
+        self.forced_evictions[i].fetch_add(1, Ordering::SeqCst);
+        n.engine.evict(u64::MAX)
+    }
+
+    /// `(windows opened, windows open)` of the drop-registration fault.
+    pub fn drop_state(&self) -> (u64, u64) {
+        (self.drop_windows.load(Ordering::SeqCst), self.drop_active.load(Ordering::SeqCst))
+    }
+}
+
+/// The cluster as the supervisor sees it.
+pub struct Cluster {
+    /// Shared state.
+    pub shared: Arc<Shared>,
+    /// madsim id of the MetaServer node.
+    pub ms_id: NodeId,
+    /// madsim ids of the kvferry nodes.
+    pub node_ids: Vec<NodeId>,
+    up: Mutex<Up>,
+    net: Mutex<Clogs>,
+}
+
+/// Which processes are up.
+struct Up {
+    ms: bool,
+    nodes: Vec<bool>,
+}
+
+/// Reference counts of clogs, so overlapping faults heal correctly.
+#[derive(Default)]
+struct Clogs {
+    nodes: BTreeMap<NodeId, u32>,
+    links: BTreeMap<(NodeId, NodeId), u32>,
+}
+
+/// A network endpoint of the address plan.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Target {
+    /// The MetaServer.
+    Ms,
+    /// Node index.
+    Node(usize),
+}
+
+impl std::fmt::Display for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Target::Ms => f.write_str("metaserver"),
+            Target::Node(i) => write!(f, "node{}", i + 1),
+        }
+    }
+}
+
+impl Cluster {
+    /// Boots the MetaServer and every node, then waits until each node has
+    /// published its slot.
+    pub async fn boot(params: Params, checker: Checker) -> Cluster {
+        let handle = Handle::current();
+        let ms_slot: Arc<Mutex<Option<MsSlot>>> = Arc::new(Mutex::new(None));
+        let ms_incarnation = Arc::new(AtomicU64::new(0));
+        let ms_id = {
+            let (slot, inc, p) = (ms_slot.clone(), ms_incarnation.clone(), params.clone());
+            handle
+                .create_node()
+                .name("metaserver")
+                .ip(ms_ip())
+                .init(move || {
+                    let (slot, inc, p) = (slot.clone(), inc.clone(), p.clone());
+                    async move {
+                        let incarnation = inc.fetch_add(1, Ordering::SeqCst) + 1;
+                        let mut cfg = MetaServerConfig::new(SocketAddr::new(ms_ip(), MS_PORT));
+                        cfg.stale_after_secs = p.stale_after_secs;
+                        cfg.ttl_secs = p.ttl_secs;
+                        cfg.sweep_interval_secs = p.sweep_interval_secs;
+                        cfg.seed = p.seed ^ (incarnation << 48);
+                        let origin = Instant::now();
+                        let h = metaserver::start(cfg).await.expect("metaserver start");
+                        *slot.lock().expect("ms slot") =
+                            Some(MsSlot { store: h.store.clone(), hooks: h.hooks.clone(), origin, incarnation });
+                        std::future::pending::<()>().await;
+                        drop(h);
+                    }
+                })
+                .build()
+                .id()
+        };
+        let mut nodes = Vec::with_capacity(NODES);
+        let mut node_ids = Vec::with_capacity(NODES);
+        for i in 0..NODES {
+            let slot: Arc<Mutex<Option<NodeSlot>>> = Arc::new(Mutex::new(None));
+            let incarnations = Arc::new(AtomicU64::new(0));
+            let (s, inc, p) = (slot.clone(), incarnations, params.clone());
+            let id = handle
+                .create_node()
+                .name(format!("node{}", i + 1))
+                .ip(node_ip(i))
+                .init(move || {
+                    let (slot, inc, p) = (s.clone(), inc.clone(), p.clone());
+                    async move {
+                        let incarnation = inc.fetch_add(1, Ordering::SeqCst) + 1;
+                        let published = boot_node(i, incarnation, &p).await;
+                        let keep = published.1;
+                        *slot.lock().expect("node slot") = Some(published.0);
+                        std::future::pending::<()>().await;
+                        drop(keep);
+                    }
+                })
+                .build()
+                .id();
+            nodes.push(slot);
+            node_ids.push(id);
+        }
+        let rng = Mutex::new(StdRng::seed_from_u64(params.seed ^ 0x5EED_CA4C));
+        let shared = Arc::new(Shared {
+            params,
+            ms: ms_slot,
+            nodes,
+            drop_windows: AtomicU64::new(0),
+            drop_active: AtomicU64::new(0),
+            forced_evictions: (0..NODES).map(|_| AtomicU64::new(0)).collect(),
+            retired: Mutex::new(Retired::default()),
+            rng,
+            cancelled_fetches: AtomicU64::new(0),
+            prefill_serial: (0..NODES).map(|_| Arc::new(tokio::sync::Mutex::new(()))).collect(),
+            checker,
+        });
+        let c = Cluster {
+            shared,
+            ms_id,
+            node_ids,
+            up: Mutex::new(Up { ms: true, nodes: vec![true; NODES] }),
+            net: Mutex::new(Clogs::default()),
+        };
+        c.wait_published().await;
+        c
+    }
+
+    /// Waits (bounded) until every up node and the MetaServer published
+    /// their slots.
+    pub async fn wait_published(&self) {
+        for _ in 0..200 {
+            let ok = {
+                let up = self.up.lock().expect("up");
+                (!up.ms || self.shared.ms().is_some())
+                    && (0..NODES).all(|i| !up.nodes[i] || self.shared.node(i).is_some())
+            };
+            if ok {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("cluster did not finish start-up within 2 s of simulated time");
+    }
+
+    /// Whether node `i` is up (not killed).
+    pub fn node_up(&self, i: usize) -> bool {
+        self.up.lock().expect("up").nodes[i]
+    }
+
+    /// Kills node `i` (no graceful shutdown: a crash). Returns false when it
+    /// was already down.
+    pub fn kill_node(&self, i: usize) -> bool {
+        {
+            let mut up = self.up.lock().expect("up");
+            if !up.nodes[i] {
+                return false;
+            }
+            up.nodes[i] = false;
+        }
+        Handle::current().kill(self.node_ids[i]);
+        if let Some(slot) = self.shared.nodes[i].lock().expect("node slot").take() {
+            let m = slot.engine.metrics();
+            let mut r = self.shared.retired.lock().expect("retired");
+            r.checksum_failures += m.checksum_failures.load(Ordering::SeqCst);
+            r.registrations_dropped += workload::registrations_dropped(&slot);
+        }
+        true
+    }
+
+    /// Restarts node `i` (reruns its init: `node::start`). Returns false
+    /// when it was up.
+    pub async fn restart_node(&self, i: usize) -> bool {
+        {
+            let mut up = self.up.lock().expect("up");
+            if up.nodes[i] {
+                return false;
+            }
+            up.nodes[i] = true;
+        }
+        Handle::current().restart(self.node_ids[i]);
+        self.wait_published().await;
+        true
+    }
+
+    /// Kills the MetaServer (its state is lost). Returns false when down.
+    pub fn kill_metaserver(&self) -> bool {
+        {
+            let mut up = self.up.lock().expect("up");
+            if !up.ms {
+                return false;
+            }
+            up.ms = false;
+        }
+        Handle::current().kill(self.ms_id);
+        self.shared.ms.lock().expect("ms slot").take();
+        true
+    }
+
+    /// Restarts the MetaServer with an empty store. Returns false when up.
+    pub async fn restart_metaserver(&self) -> bool {
+        {
+            let mut up = self.up.lock().expect("up");
+            if up.ms {
+                return false;
+            }
+            up.ms = true;
+        }
+        Handle::current().restart(self.ms_id);
+        self.wait_published().await;
+        true
+    }
+
+    fn id(&self, t: Target) -> NodeId {
+        match t {
+            Target::Ms => self.ms_id,
+            Target::Node(i) => self.node_ids[i],
+        }
+    }
+
+    /// Isolates `t` from everyone (both directions) until a matching
+    /// [`Cluster::unisolate`].
+    pub fn isolate(&self, t: Target) {
+        let id = self.id(t);
+        let mut c = self.net.lock().expect("clogs");
+        let n = c.nodes.entry(id).or_default();
+        *n += 1;
+        if *n == 1 {
+            NetSim::current().clog_node(id);
+        }
+    }
+
+    /// Undoes one [`Cluster::isolate`].
+    pub fn unisolate(&self, t: Target) {
+        let id = self.id(t);
+        let mut c = self.net.lock().expect("clogs");
+        if let Some(n) = c.nodes.get_mut(&id) {
+            *n -= 1;
+            if *n == 0 {
+                c.nodes.remove(&id);
+                NetSim::current().unclog_node(id);
+            }
+        }
+    }
+
+    /// Clogs the link between `a` and `b`, both directions.
+    pub fn clog(&self, a: Target, b: Target) {
+        let (a, b) = (self.id(a), self.id(b));
+        let mut c = self.net.lock().expect("clogs");
+        for (s, d) in [(a, b), (b, a)] {
+            let n = c.links.entry((s, d)).or_default();
+            *n += 1;
+            if *n == 1 {
+                NetSim::current().clog_link(s, d);
+            }
+        }
+    }
+
+    /// Undoes one [`Cluster::clog`].
+    pub fn unclog(&self, a: Target, b: Target) {
+        let (a, b) = (self.id(a), self.id(b));
+        let mut c = self.net.lock().expect("clogs");
+        for (s, d) in [(a, b), (b, a)] {
+            if let Some(n) = c.links.get_mut(&(s, d)) {
+                *n -= 1;
+                if *n == 0 {
+                    c.links.remove(&(s, d));
+                    NetSim::current().unclog_link(s, d);
+                }
+            }
+        }
+    }
+
+    /// Removes every clog (liveness).
+    pub fn heal_network(&self) {
+        let mut c = self.net.lock().expect("clogs");
+        let net = NetSim::current();
+        for (id, _) in std::mem::take(&mut c.nodes) {
+            net.unclog_node(id);
+        }
+        for ((s, d), _) in std::mem::take(&mut c.links) {
+            net.unclog_link(s, d);
+        }
+    }
+
+    /// Spawns `fut` as a task on node `i` (it dies with the node).
+    pub fn spawn_on<F>(&self, i: usize, fut: F) -> madsim::task::JoinHandle<F::Output>
+    where
+        F: std::future::Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        Handle::current().get_node(self.node_ids[i]).expect("node exists").spawn(fut)
+    }
+}
+
+/// Starts one node through `node::start` and registers the sim namespace.
+/// Returns the published slot and the handle to keep alive.
+async fn boot_node(i: usize, incarnation: u64, p: &Params) -> (NodeSlot, node::NodeHandle) {
+    let gpu = Arc::new(HostGpu::new());
+    let (layers_n, seg) = (workload::preset().layers, workload::segment_bytes());
+    // The buffer id does not change the size; the first buffer is id 0.
+    let bytes =
+        buffer_bytes_needed(&contiguous(DeviceBufferId(0), layers_n, p.device_blocks, seg, true, p.layer_first));
+    let buffer = gpu.alloc(bytes).expect("device buffer");
+    let layers = contiguous(buffer, layers_n, p.device_blocks, seg, true, p.layer_first);
+    let mut cfg = NodeConfig::loopback(format!("{}:{MS_PORT}", ms_ip()));
+    cfg.grpc_addr = SocketAddr::new(node_ip(i), GRPC_PORT);
+    cfg.data_addr = SocketAddr::new(node_ip(i), DATA_PORT);
+    cfg.advertise_host = node_ip(i).to_string();
+    cfg.metaserver_rpc_timeout = p.metaserver_rpc_timeout;
+    cfg.tcp_connections_per_peer = 2;
+    cfg.engine = EngineConfig {
+        pool_bytes: p.pool_bytes,
+        pool_align: 256,
+        lock_timeout_secs: p.lock_timeout_secs,
+        lock_gc_interval: p.lock_gc_interval,
+        fetch_deadline: p.fetch_deadline,
+        peer_rpc_timeout: p.peer_rpc_timeout,
+        seed: p.seed ^ ((i as u64 + 1) << 40) ^ (incarnation << 56),
+    };
+    let h = node::start(cfg, gpu.clone() as Arc<dyn Gpu>).await.expect("node start");
+    h.engine.register_layout(workload::NAMESPACE, layers.clone()).expect("sim layout");
+    let slot = NodeSlot {
+        engine: h.engine.clone(),
+        transport: h.transport.clone(),
+        gpu,
+        buffer,
+        layers: Arc::new(layers),
+        incarnation,
+    };
+    (slot, h)
+}

@@ -1,0 +1,420 @@
+//! The fault plan: drawn from the seed, printed before anything runs, then
+//! played against the cluster during the safety phase.
+//!
+//! Swarm testing (Groce et al., "Swarm Testing", ISSTA 2012; TigerBeetle's
+//! VOPR does the same): each fault *kind* is switched on or off per seed
+//! with probability 1/2, so some seeds hammer one mechanism alone and others
+//! mix several. Each enabled kind then gets a few events at random times in
+//! `[FAULTS_FROM_MS, FAULTS_UNTIL_MS)`, each lasting a drawn duration; every
+//! event ends before the safety phase does. Overlaps are allowed (a node
+//! killed while partitioned, a MetaServer stalled then restarted): clogs are
+//! reference-counted, kills of a dead process are skipped and counted as
+//! such, and a MetaServer restart clears its hook faults (fresh process).
+//!
+//! | kind | what happens |
+//! | --- | --- |
+//! | `ms_restart` | MetaServer killed, restarted after the duration with an empty store |
+//! | `ms_stall` | `hooks.stall`: every RPC accepted, none answered |
+//! | `node_restart` | node killed (crash, no unregister), restarted through `node::start` |
+//! | `partition` | one process (MetaServer or node) isolated (`NetSim::clog_node`) |
+//! | `link_clog` | one link clogged both ways (`NetSim::clog_link`) |
+//! | `drop_writes` | `hooks.drop_writes_ppm`: registration RPCs answered UNAVAILABLE |
+//! | `read_errors` | transport: a node's next N read ops fail mid-read |
+//! | `read_delay` | transport: a node's read ops are slowed |
+//! | `corruption` | transport: a node serves N reads with one byte flipped |
+//! | `eviction_storm` | a node evicts every unpinned block at once |
+//! | `fetch_cancel` | not timed: each fetch is cancelled (its future dropped) with probability 1/4 after 1..300 ms |
+//!
+//! Besides the faults, the seed draws four knobs: a small pool (eviction
+//! pressure), the device layout (layer-first or fused), lease pressure
+//! (evict-all while a lease is held, C11) and serial prefill (one prefill
+//! at a time per node, which makes each flush report speak for exactly one
+//! request's registrations; otherwise prefills overlap).
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use kvferry::transport::sim;
+use rand::Rng;
+use rand::rngs::StdRng;
+use tokio::time::Instant;
+
+use crate::cluster::{Cluster, NODES, Target};
+
+/// Earliest fault start (ms after the safety phase starts).
+pub const FAULTS_FROM_MS: u64 = 1_000;
+/// Latest fault start.
+pub const FAULTS_UNTIL_MS: u64 = 13_000;
+
+/// A fault kind (the swarm unit).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Kind {
+    /// MetaServer kill + restart.
+    MsRestart,
+    /// MetaServer stall.
+    MsStall,
+    /// Node kill + restart.
+    NodeRestart,
+    /// One process isolated.
+    Partition,
+    /// One link clogged.
+    LinkClog,
+    /// Registration RPCs dropped.
+    DropWrites,
+    /// Transport read errors.
+    ReadErrors,
+    /// Slow transport reads.
+    ReadDelay,
+    /// Corrupted payload on the wire.
+    Corruption,
+    /// Evict everything unpinned.
+    EvictionStorm,
+    /// The workload cancels fetches (drops the future) at random points.
+    FetchCancel,
+}
+
+/// Every kind, in plan order.
+pub const KINDS: [Kind; 11] = [
+    Kind::MsRestart,
+    Kind::MsStall,
+    Kind::NodeRestart,
+    Kind::Partition,
+    Kind::LinkClog,
+    Kind::DropWrites,
+    Kind::ReadErrors,
+    Kind::ReadDelay,
+    Kind::Corruption,
+    Kind::EvictionStorm,
+    Kind::FetchCancel,
+];
+
+impl Kind {
+    /// Snake-case name (as printed).
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::MsRestart => "ms_restart",
+            Kind::MsStall => "ms_stall",
+            Kind::NodeRestart => "node_restart",
+            Kind::Partition => "partition",
+            Kind::LinkClog => "link_clog",
+            Kind::DropWrites => "drop_writes",
+            Kind::ReadErrors => "read_errors",
+            Kind::ReadDelay => "read_delay",
+            Kind::Corruption => "corruption",
+            Kind::EvictionStorm => "eviction_storm",
+            Kind::FetchCancel => "fetch_cancel",
+        }
+    }
+}
+
+/// One fault event.
+#[derive(Clone, Debug)]
+pub enum Action {
+    /// Kill the MetaServer; restart it at the end.
+    MsRestart,
+    /// Stall the MetaServer until the end.
+    MsStall,
+    /// Kill node; restart it at the end.
+    NodeRestart(usize),
+    /// Isolate a process until the end.
+    Partition(Target),
+    /// Clog a link until the end.
+    LinkClog(Target, Target),
+    /// Drop this fraction (ppm) of registration writes until the end.
+    DropWrites(u32),
+    /// Fail the node's next N read ops.
+    ReadErrors(usize, u64),
+    /// Delay the node's read ops by this many ms until the end.
+    ReadDelay(usize, u64),
+    /// The node serves its next N reads corrupted.
+    Corruption(usize, u64),
+    /// The node evicts everything unpinned.
+    EvictionStorm(usize),
+}
+
+impl Action {
+    fn kind(&self) -> Kind {
+        match self {
+            Action::MsRestart => Kind::MsRestart,
+            Action::MsStall => Kind::MsStall,
+            Action::NodeRestart(_) => Kind::NodeRestart,
+            Action::Partition(_) => Kind::Partition,
+            Action::LinkClog(..) => Kind::LinkClog,
+            Action::DropWrites(_) => Kind::DropWrites,
+            Action::ReadErrors(..) => Kind::ReadErrors,
+            Action::ReadDelay(..) => Kind::ReadDelay,
+            Action::Corruption(..) => Kind::Corruption,
+            Action::EvictionStorm(_) => Kind::EvictionStorm,
+        }
+    }
+}
+
+impl fmt::Display for Action {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let n = |i: &usize| format!("node{}", i + 1);
+        match self {
+            Action::MsRestart => write!(f, "ms_restart"),
+            Action::MsStall => write!(f, "ms_stall"),
+            Action::NodeRestart(i) => write!(f, "node_restart {}", n(i)),
+            Action::Partition(t) => write!(f, "partition {t}"),
+            Action::LinkClog(a, b) => write!(f, "link_clog {a}<->{b}"),
+            Action::DropWrites(ppm) => write!(f, "drop_writes {ppm}ppm"),
+            Action::ReadErrors(i, k) => write!(f, "read_errors {} next {k} ops", n(i)),
+            Action::ReadDelay(i, ms) => write!(f, "read_delay {} {ms}ms/op", n(i)),
+            Action::Corruption(i, k) => write!(f, "corruption {} next {k} served reads", n(i)),
+            Action::EvictionStorm(i) => write!(f, "eviction_storm {}", n(i)),
+        }
+    }
+}
+
+/// A timed event.
+#[derive(Clone, Debug)]
+pub struct Event {
+    /// Start, ms after the safety phase starts.
+    pub at_ms: u64,
+    /// Duration (0 for instantaneous faults).
+    pub for_ms: u64,
+    /// What.
+    pub action: Action,
+}
+
+/// The plan of one seed.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    /// Enabled kinds.
+    pub enabled: Vec<Kind>,
+    /// Events by start time.
+    pub events: Vec<Event>,
+    /// Small pool (eviction pressure).
+    pub small_pool: bool,
+    /// Layer-first device layout (else fused).
+    pub layer_first: bool,
+    /// Evict-all under lease, then re-verify (C11).
+    pub lease_pressure: bool,
+    /// One prefill at a time per node (each flush window then holds only
+    /// that request's commands, so its report speaks for them).
+    pub serial_prefill: bool,
+}
+
+fn target(rng: &mut StdRng) -> Target {
+    if rng.random_range(0..4) == 0 { Target::Ms } else { Target::Node(rng.random_range(0..NODES)) }
+}
+
+impl Plan {
+    /// Draws the plan (swarm: each kind on with probability 1/2).
+    pub fn draw(rng: &mut StdRng) -> Plan {
+        let enabled: Vec<Kind> = KINDS.iter().copied().filter(|_| rng.random_bool(0.5)).collect();
+        let mut events = Vec::new();
+        for &k in enabled.iter().filter(|&&k| k != Kind::FetchCancel) {
+            let count = match k {
+                Kind::MsRestart => rng.random_range(1..=2),
+                _ => rng.random_range(1..=3),
+            };
+            for _ in 0..count {
+                let at_ms = rng.random_range(FAULTS_FROM_MS..FAULTS_UNTIL_MS);
+                let node = rng.random_range(0..NODES);
+                let (for_ms, action) = match k {
+                    Kind::MsRestart => (rng.random_range(200..3_000), Action::MsRestart),
+                    Kind::MsStall => (rng.random_range(500..4_000), Action::MsStall),
+                    Kind::NodeRestart => (rng.random_range(200..3_000), Action::NodeRestart(node)),
+                    Kind::Partition => (rng.random_range(500..5_000), Action::Partition(target(rng))),
+                    Kind::LinkClog => {
+                        let a = target(rng);
+                        let mut b = target(rng);
+                        while b == a {
+                            b = target(rng);
+                        }
+                        (rng.random_range(500..5_000), Action::LinkClog(a, b))
+                    }
+                    Kind::DropWrites => {
+                        let ppm = [200_000, 500_000, 1_000_000][rng.random_range(0..3)];
+                        (rng.random_range(1_000..6_000), Action::DropWrites(ppm))
+                    }
+                    Kind::ReadErrors => (0, Action::ReadErrors(node, rng.random_range(1..=4))),
+                    Kind::ReadDelay => {
+                        (rng.random_range(1_000..5_000), Action::ReadDelay(node, rng.random_range(100..1_500)))
+                    }
+                    Kind::Corruption => (0, Action::Corruption(node, rng.random_range(1..=3))),
+                    Kind::EvictionStorm => (0, Action::EvictionStorm(node)),
+                    Kind::FetchCancel => unreachable!("not a timed event"),
+                };
+                events.push(Event { at_ms, for_ms, action });
+            }
+        }
+        events.sort_by_key(|e| e.at_ms);
+        Plan {
+            enabled,
+            events,
+            small_pool: rng.random_bool(1.0 / 3.0),
+            layer_first: rng.random_bool(0.5),
+            lease_pressure: rng.random_bool(0.5),
+            serial_prefill: rng.random_bool(0.5),
+        }
+    }
+
+    /// Whether `k` is on for this seed.
+    pub fn has(&self, k: Kind) -> bool {
+        self.enabled.contains(&k)
+    }
+}
+
+impl fmt::Display for Plan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let on: Vec<&str> = self.enabled.iter().map(|k| k.name()).collect();
+        writeln!(f, "fault kinds on: [{}]", on.join(", "))?;
+        if self.has(Kind::FetchCancel) {
+            writeln!(f, "  fetch_cancel: each fetch cancelled with p=1/4 after 1..300 ms")?;
+        }
+        writeln!(
+            f,
+            "knobs: small_pool={} layer_first={} lease_pressure={} serial_prefill={}",
+            self.small_pool, self.layer_first, self.lease_pressure, self.serial_prefill
+        )?;
+        for e in &self.events {
+            writeln!(
+                f,
+                "  t={:>6}ms {:>6} {}",
+                e.at_ms,
+                if e.for_ms > 0 { format!("+{}ms", e.for_ms) } else { String::new() },
+                e.action
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// Faults applied (and skipped: target already down) per kind.
+#[derive(Default)]
+pub struct Tally {
+    counts: Mutex<BTreeMap<&'static str, (u64, u64)>>,
+}
+
+impl Tally {
+    fn add(&self, k: Kind, applied: bool) {
+        let mut c = self.counts.lock().expect("tally");
+        let e = c.entry(k.name()).or_default();
+        if applied {
+            e.0 += 1;
+        } else {
+            e.1 += 1;
+        }
+    }
+
+    /// `kind -> (applied, skipped)`.
+    pub fn counts(&self) -> BTreeMap<&'static str, (u64, u64)> {
+        self.counts.lock().expect("tally").clone()
+    }
+}
+
+/// Starts one task per event; returns their handles (abort them to stop).
+pub fn start(
+    cluster: Arc<Cluster>,
+    plan: &Plan,
+    start: Instant,
+    tally: Arc<Tally>,
+) -> Vec<madsim::task::JoinHandle<()>> {
+    plan.events
+        .iter()
+        .cloned()
+        .map(|e| {
+            let (cluster, tally) = (cluster.clone(), tally.clone());
+            madsim::task::spawn(async move {
+                tokio::time::sleep_until(start + Duration::from_millis(e.at_ms)).await;
+                let applied = apply(&cluster, &e).await;
+                tally.add(e.action.kind(), applied);
+            })
+        })
+        .collect()
+}
+
+async fn apply(c: &Cluster, e: &Event) -> bool {
+    let dur = Duration::from_millis(e.for_ms);
+    let s = &c.shared;
+    match &e.action {
+        Action::MsRestart => {
+            if !c.kill_metaserver() {
+                return false;
+            }
+            tokio::time::sleep(dur).await;
+            c.restart_metaserver().await;
+        }
+        Action::MsStall => {
+            let Some(ms) = s.ms() else { return false };
+            ms.hooks.stall.store(true, Ordering::SeqCst);
+            tokio::time::sleep(dur).await;
+            ms.hooks.stall.store(false, Ordering::SeqCst);
+        }
+        Action::NodeRestart(i) => {
+            if !c.kill_node(*i) {
+                return false;
+            }
+            tokio::time::sleep(dur).await;
+            c.restart_node(*i).await;
+        }
+        Action::Partition(t) => {
+            c.isolate(*t);
+            tokio::time::sleep(dur).await;
+            c.unisolate(*t);
+        }
+        Action::LinkClog(a, b) => {
+            c.clog(*a, *b);
+            tokio::time::sleep(dur).await;
+            c.unclog(*a, *b);
+        }
+        Action::DropWrites(ppm) => {
+            let Some(ms) = s.ms() else { return false };
+            s.drop_windows.fetch_add(1, Ordering::SeqCst);
+            s.drop_active.fetch_add(1, Ordering::SeqCst);
+            ms.hooks.drop_writes_ppm.store(*ppm, Ordering::SeqCst);
+            tokio::time::sleep(dur).await;
+            ms.hooks.drop_writes_ppm.store(0, Ordering::SeqCst);
+            s.drop_active.fetch_sub(1, Ordering::SeqCst);
+        }
+        Action::ReadErrors(i, k) => {
+            let Some(n) = s.node(*i) else { return false };
+            sim::inject_read_errors(&n.transport, *k);
+        }
+        Action::ReadDelay(i, ms) => {
+            let Some(n) = s.node(*i) else { return false };
+            sim::set_read_delay(&n.transport, Duration::from_millis(*ms));
+            tokio::time::sleep(dur).await;
+            sim::set_read_delay(&n.transport, Duration::ZERO);
+        }
+        Action::Corruption(i, k) => {
+            let Some(n) = s.node(*i) else { return false };
+            sim::corrupt_next_reads(&n.transport, *k);
+        }
+        Action::EvictionStorm(i) => {
+            let Some(n) = s.node(*i) else { return false };
+            s.evict_all(*i, &n);
+        }
+    }
+    true
+}
+
+/// Liveness: stop every fault and undo its effects.
+pub async fn heal(c: &Cluster, injectors: Vec<madsim::task::JoinHandle<()>>) {
+    for h in injectors {
+        h.abort();
+    }
+    c.heal_network();
+    let s = &c.shared;
+    s.drop_active.store(0, Ordering::SeqCst);
+    c.restart_metaserver().await;
+    if let Some(ms) = s.ms() {
+        ms.hooks.stall.store(false, Ordering::SeqCst);
+        ms.hooks.drop_writes_ppm.store(0, Ordering::SeqCst);
+    }
+    for i in 0..NODES {
+        c.restart_node(i).await;
+        if let Some(n) = s.node(i) {
+            n.transport.hooks.fail_next_reads.store(0, Ordering::SeqCst);
+            n.transport.hooks.corrupt_next_reads.store(0, Ordering::SeqCst);
+            sim::set_read_delay(&n.transport, Duration::ZERO);
+        }
+    }
+}

@@ -1,0 +1,456 @@
+//! The main scenario: seed → printed fault plan → safety phase (workload
+//! under faults, invariants checked as it runs) → liveness phase (every
+//! fault healed, nothing injected; the system must converge within bounds
+//! of simulated time, or the run says which invariant did not and why).
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use kvferry::transport::sim;
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+use tokio::time::Instant;
+
+use crate::cluster::{Cluster, DECODE, NODES, PREFILL, Params, Shared};
+use crate::faults::{self, Kind, Plan, Tally};
+use crate::invariants::{self, Checker, Violation};
+use crate::workload::{self, NAMESPACE, Request, WorkloadKnobs};
+
+/// Length of the safety phase (simulated).
+pub const SAFETY: Duration = Duration::from_secs(20);
+/// Requests arrive within this span of the safety phase.
+pub const ARRIVAL_SPAN_MS: u64 = 14_000;
+/// Bound on the whole run (simulated); beyond it the run is a failure.
+pub const RUN_LIMIT: Duration = Duration::from_secs(300);
+
+/// What a passing run reports.
+#[derive(Debug, Default)]
+pub struct Summary {
+    /// Requests that completed prefill and decode.
+    pub requests_done: usize,
+    /// Requests lost to a crash (prefill or decode node killed mid-request,
+    /// or no live node of the role).
+    pub requests_lost: usize,
+    /// Blocks prefill nodes reused (local or fetched prefix).
+    pub reused: usize,
+    /// Blocks prefill nodes computed and saved.
+    pub saved: usize,
+    /// Blocks fetched by decode nodes.
+    pub fetched: usize,
+    /// Blocks verified byte by byte by decode nodes.
+    pub verified: usize,
+    /// Blocks recomputed by decode nodes.
+    pub recomputed: usize,
+    /// Faults per kind: (applied, skipped).
+    pub faults: BTreeMap<&'static str, (u64, u64)>,
+    /// Checks per invariant: (passed, failed).
+    pub checks: BTreeMap<&'static str, (u64, u64)>,
+    /// Whether the liveness phase had to restart the MetaServer to force a
+    /// backfill (registrations were lost during the safety phase).
+    pub repair_restart: bool,
+    /// Whether the cancel probe held a lock when it was cancelled.
+    pub probe_conclusive: bool,
+}
+
+/// A failed run.
+#[derive(Debug)]
+pub struct Failure {
+    /// The seed.
+    pub seed: u64,
+    /// Every violation, in order.
+    pub violations: Vec<Violation>,
+}
+
+/// Log timestamps in simulated time since the run started.
+struct SimTime;
+
+impl tracing_subscriber::fmt::time::FormatTime for SimTime {
+    fn format_time(&self, w: &mut tracing_subscriber::fmt::format::Writer<'_>) -> std::fmt::Result {
+        write!(w, "{:>9.3}s", invariants::now_ms() as f64 / 1000.0)
+    }
+}
+
+/// Feature flags of this build, for the replay command.
+fn features() -> &'static str {
+    if cfg!(all(feature = "broken-flush", feature = "broken-release")) {
+        " --features broken-flush,broken-release"
+    } else if cfg!(feature = "broken-flush") {
+        " --features broken-flush"
+    } else if cfg!(feature = "broken-release") {
+        " --features broken-release"
+    } else {
+        ""
+    }
+}
+
+/// The one command that replays `seed` (run from the repository root).
+pub fn replay_command(seed: u64) -> String {
+    let ignored = if features().is_empty() { "" } else { " --include-ignored" };
+    format!(
+        "MADSIM_TEST_SEED={seed} RUSTFLAGS=\"--cfg madsim\" CARGO_TARGET_DIR=target-sim cargo test --test sim{} -- main_scenario --exact --nocapture{ignored}",
+        features()
+    )
+}
+
+/// Runs the scenario on the current madsim runtime (its seed drives
+/// everything). Prints the seed, the plan and the replay command first.
+pub async fn run() -> Result<Summary, Failure> {
+    if let Ok(filter) = std::env::var("SIM_LOG") {
+        // e.g. SIM_LOG=kvferry=debug: library tracing, stamped with simulated time.
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+            .with_timer(SimTime)
+            .with_ansi(false)
+            .try_init();
+    }
+    let seed = madsim::runtime::Handle::current().seed();
+    let mut rng = StdRng::seed_from_u64(seed);
+    let plan = Plan::draw(&mut rng);
+    let requests = workload::generate(&mut rng, ARRIVAL_SPAN_MS);
+    let blocks: usize = requests.iter().map(|r| r.hashes.len()).sum();
+    println!("=== kvferry sim: seed {seed}");
+    println!("replay: {}", replay_command(seed));
+    print!("{plan}");
+    println!(
+        "workload: {} requests, {blocks} blocks of {} B, {PREFILL} prefill + {DECODE} decode nodes",
+        requests.len(),
+        workload::block_bytes()
+    );
+    let r = tokio::time::timeout(RUN_LIMIT, run_plan(seed, &plan, requests)).await;
+    let (summary, violations) = match r {
+        Ok(v) => v,
+        Err(_) => (
+            Summary::default(),
+            vec![invariants::violation("run_limit", format!("scenario did not finish within {RUN_LIMIT:?}"))],
+        ),
+    };
+    if violations.is_empty() {
+        println!("{}", summary_line(seed, &summary));
+        Ok(summary)
+    } else {
+        println!("=== FAILED seed {seed}: {} violation(s)", violations.len());
+        for v in &violations {
+            println!("  {v}");
+        }
+        println!("replay: {}", replay_command(seed));
+        Err(Failure { seed, violations })
+    }
+}
+
+/// One machine-readable line per passing seed (aggregated by scripts/sim.sh).
+fn summary_line(seed: u64, s: &Summary) -> String {
+    let mut out = format!(
+        "SIM-SUMMARY seed={seed} done={} lost={} reused={} saved={} fetched={} verified={} recomputed={} repair_restart={} probe={}",
+        s.requests_done,
+        s.requests_lost,
+        s.reused,
+        s.saved,
+        s.fetched,
+        s.verified,
+        s.recomputed,
+        s.repair_restart,
+        s.probe_conclusive
+    );
+    out.push_str(" faults=");
+    let f: Vec<String> = s.faults.iter().map(|(k, (a, sk))| format!("{k}:{a}:{sk}")).collect();
+    out.push_str(&f.join(","));
+    out.push_str(" checks=");
+    let c: Vec<String> = s.checks.iter().map(|(k, (p, _))| format!("{k}:{p}")).collect();
+    out.push_str(&c.join(","));
+    out
+}
+
+fn params(seed: u64, plan: &Plan) -> Params {
+    Params {
+        seed,
+        pool_bytes: if plan.small_pool { 24 * workload::block_bytes() } else { 256 * workload::block_bytes() },
+        layer_first: plan.layer_first,
+        fetch_deadline: Duration::from_secs(3),
+        peer_rpc_timeout: Duration::from_secs(1),
+        metaserver_rpc_timeout: Duration::from_secs(1),
+        lock_timeout_secs: 8,
+        lock_gc_interval: Duration::from_millis(500),
+        stale_after_secs: 4,
+        ttl_secs: 12,
+        sweep_interval_secs: 2,
+        device_blocks: ((workload::REQUESTS_MAX + 1) * workload::BLOCKS_PER_REQUEST_MAX) as u64,
+    }
+}
+
+#[derive(Default)]
+struct Outcome {
+    done: bool,
+    reused: usize,
+    saved: usize,
+    fetched: usize,
+    verified: usize,
+    recomputed: usize,
+}
+
+/// First live node of `role` starting at the preferred one.
+fn pick(c: &Cluster, preferred: usize, role: std::ops::Range<usize>) -> Option<usize> {
+    let len = role.len();
+    (0..len)
+        .map(|k| role.start + (preferred - role.start + k) % len)
+        .find(|&i| c.node_up(i) && c.shared.node(i).is_some())
+}
+
+async fn drive(c: Arc<Cluster>, req: Request, knobs: WorkloadKnobs, start: Instant) -> Outcome {
+    tokio::time::sleep_until(start + Duration::from_millis(req.arrival_ms)).await;
+    let Some(p) = pick(&c, req.prefill, 0..PREFILL) else { return Outcome::default() };
+    let Some(slot) = c.shared.node(p) else { return Outcome::default() };
+    let Ok(pre) = c.spawn_on(p, workload::prefill(c.shared.clone(), slot, p, req.clone(), knobs)).await else {
+        return Outcome::default(); // prefill node crashed mid-request
+    };
+    let Some(d) = pick(&c, req.decode, PREFILL..NODES) else { return Outcome::default() };
+    let Some(slot) = c.shared.node(d) else { return Outcome::default() };
+    match c.spawn_on(d, workload::decode(c.shared.clone(), slot, d, req, knobs)).await {
+        Ok(o) => Outcome {
+            done: true,
+            reused: pre.reused,
+            saved: pre.saved,
+            fetched: o.fetched,
+            verified: o.verified,
+            recomputed: o.recomputed,
+        },
+        Err(_) => Outcome { reused: pre.reused, saved: pre.saved, ..Outcome::default() },
+    }
+}
+
+async fn run_plan(seed: u64, plan: &Plan, requests: Vec<Request>) -> (Summary, Vec<Violation>) {
+    invariants::set_origin();
+    let cluster = Arc::new(Cluster::boot(params(seed, plan), Checker::default()).await);
+    let shared = cluster.shared.clone();
+    tokio::time::sleep(Duration::from_secs(1)).await; // first heartbeats
+    let knobs = WorkloadKnobs {
+        lease_pressure: plan.lease_pressure,
+        cancel_fetches: plan.has(Kind::FetchCancel),
+        serial_prefill: plan.serial_prefill,
+    };
+
+    // ---- safety phase
+    let start = Instant::now();
+    let tally = Arc::new(Tally::default());
+    let injectors = faults::start(cluster.clone(), plan, start, tally.clone());
+    let ticker = {
+        let shared = shared.clone();
+        madsim::task::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                invariants::tick(&shared, false);
+            }
+        })
+    };
+    let drivers: Vec<_> =
+        requests.iter().cloned().map(|r| madsim::task::spawn(drive(cluster.clone(), r, knobs, start))).collect();
+    tokio::time::sleep_until(start + SAFETY).await;
+
+    // ---- liveness phase: heal everything, inject nothing more
+    faults::heal(&cluster, injectors).await;
+    let mut summary = Summary { faults: tally.counts(), ..Summary::default() };
+    // Requests still in flight finish without faults; each step is bounded
+    // by its own watchdog, so this bound only guards the harness.
+    let drain_bound = Duration::from_secs(60);
+    let drain_start = Instant::now();
+    for d in drivers {
+        let left = drain_bound.saturating_sub(drain_start.elapsed());
+        match tokio::time::timeout(left, d).await {
+            Ok(Ok(o)) => {
+                if o.done {
+                    summary.requests_done += 1;
+                } else {
+                    summary.requests_lost += 1;
+                }
+                summary.reused += o.reused;
+                summary.saved += o.saved;
+                summary.fetched += o.fetched;
+                summary.verified += o.verified;
+                summary.recomputed += o.recomputed;
+            }
+            Ok(Err(_)) => summary.requests_lost += 1,
+            Err(_) => shared.checker.record(Err(invariants::violation(
+                "liveness",
+                format!("a request was still running {drain_bound:?} after healing"),
+            ))),
+        }
+    }
+    ticker.abort();
+    let cancelled = shared.cancelled_fetches.load(Ordering::SeqCst);
+    if plan.has(Kind::FetchCancel) {
+        summary.faults.insert(Kind::FetchCancel.name(), (cancelled, 0));
+    }
+    liveness(&cluster, &requests, &mut summary).await;
+
+    // ---- final safety checks
+    invariants::tick(&shared, true);
+    let failures = {
+        let retired = shared.retired.lock().expect("retired").checksum_failures;
+        let live: u64 = (0..NODES)
+            .filter_map(|i| shared.node(i))
+            .map(|n| n.engine.metrics().checksum_failures.load(Ordering::SeqCst))
+            .sum();
+        retired + live
+    };
+    shared.checker.record(invariants::inv_no_checksum_failures(&shared, plan.has(Kind::Corruption), failures));
+    shared.checker.drain_passes();
+    summary.checks = shared.checker.counts();
+    (summary, shared.checker.violations())
+}
+
+/// Liveness: locks drain, the index converges, a cancelled fetch releases
+/// its lock promptly.
+async fn liveness(c: &Cluster, requests: &[Request], summary: &mut Summary) {
+    let s = &c.shared;
+    let p = &s.params;
+
+    // 1. Eventual lock release (C8 expiry + engine GC).
+    let bound = Duration::from_secs(u64::from(p.lock_timeout_secs)) + p.lock_gc_interval + invariants::LOCK_SLACK;
+    let t0 = Instant::now();
+    loop {
+        let locks = active_locks(s);
+        if locks.iter().all(|(_, n)| *n == 0) || t0.elapsed() >= bound {
+            s.checker.record(invariants::inv_no_lock_leak(
+                s,
+                &format!("eventual (waited {:?}, bound lock_timeout + gc + slack = {bound:?})", t0.elapsed()),
+                &locks,
+            ));
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+
+    // 2. Index convergence (C6). Lost registrations are repaired only by a
+    //    backfill, which a MetaServer restart triggers.
+    let lost = s.retired.lock().expect("retired").registrations_dropped
+        + (0..NODES).filter_map(|i| s.node(i)).map(|n| workload::registrations_dropped(&n)).sum::<u64>();
+    let why = if lost > 0 {
+        summary.repair_restart = true;
+        c.kill_metaserver();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        c.restart_metaserver().await;
+        format!(
+            "{lost} registration(s) were dropped during safety, so the MetaServer was restarted to force the C6 backfill"
+        )
+    } else {
+        "no registration was dropped; no repair restart".to_string()
+    };
+    let bound = Duration::from_secs(2 * p.stale_after_secs + 15);
+    let t0 = Instant::now();
+    loop {
+        // Let queued registrations reach the MetaServer before comparing.
+        flush_all(c).await;
+        let diff = match s.ms() {
+            Some(ms) => {
+                let visible = ms.store.lock().expect("store").visible_entries(ms.now_ms());
+                invariants::index_diff(&visible, &invariants::resident_union(s))
+            }
+            None => (Vec::new(), Vec::new()),
+        };
+        let converged = diff.0.is_empty() && diff.1.is_empty();
+        if converged || t0.elapsed() >= bound {
+            s.checker.record(invariants::inv_index_converges(s, &diff, t0.elapsed(), &why));
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+
+    // 3. Prompt release on cancel (C8 "every path"): the cancel probe.
+    summary.probe_conclusive = cancel_probe(c, requests).await;
+    s.checker
+        .count(if summary.probe_conclusive { "cancel_probe.conclusive" } else { "cancel_probe.inconclusive" }, false);
+}
+
+fn active_locks(s: &Shared) -> Vec<(usize, u64)> {
+    (0..NODES).filter_map(|i| s.node(i).map(|n| (i, n.engine.gauges().active_transfer_locks))).collect()
+}
+
+/// Plain flush on every live node (bounded by C2; failures are not this
+/// step's business).
+async fn flush_all(c: &Cluster) {
+    let bound = invariants::plain_flush_bound(&c.shared.params);
+    for i in 0..NODES {
+        if let Some(n) = c.shared.node(i) {
+            let h = c.spawn_on(i, async move {
+                let _ = tokio::time::timeout(bound, n.engine.client().flush()).await;
+            });
+            let _ = h.await;
+        }
+    }
+}
+
+/// Starts a fetch on a decode node that must read from a peer, slows its
+/// reads, cancels it mid-read, and checks that no transfer lock is left
+/// `RELEASE_GRACE` later. Returns whether a lock was held at cancel time.
+async fn cancel_probe(c: &Cluster, requests: &[Request]) -> bool {
+    let s = &c.shared;
+    let Some(ms) = s.ms() else { return false };
+    for d in PREFILL..NODES {
+        let Some(n) = s.node(d) else { continue };
+        let me = n.engine.node().clone();
+        // A request whose first block some other node visibly owns.
+        let target = requests.iter().find(|r| {
+            let store = ms.store.lock().expect("store");
+            store.query_prefix(NAMESPACE, &r.hashes, ms.now_ms()).iter().any(|(o, len)| *o != me && *len > 0)
+        });
+        let Some(req) = target.cloned() else { continue };
+        // Progress first: with no fault left, a fetch from a live owner that
+        // the (converged) index lists must bring the whole listed prefix.
+        s.evict_all(d, &n);
+        let listed = {
+            let store = ms.store.lock().expect("store");
+            store
+                .query_prefix(NAMESPACE, &req.hashes, ms.now_ms())
+                .iter()
+                .filter(|(o, _)| *o != me)
+                .map(|(_, l)| *l as usize)
+                .max()
+                .unwrap_or(0)
+        };
+        // Two attempts: connections pooled before a peer restarted are found
+        // dead by the first read on them (which drops them), so the first
+        // fault-free fetch may still fail once per restarted peer.
+        let engine = n.engine.clone();
+        let hashes = req.hashes.clone();
+        let got = c
+            .spawn_on(d, async move {
+                let first = engine.fetch(NAMESPACE, &hashes).await;
+                if first.stopped.is_none() {
+                    return first;
+                }
+                engine.fetch(NAMESPACE, &hashes).await
+            })
+            .await;
+        s.checker.record(invariants::inv_fetch_progress(d, req.id, listed, got.as_ref().ok()));
+        s.evict_all(d, &n); // force a remote read
+        let created = |s: &Shared| -> u64 {
+            (0..NODES)
+                .filter_map(|i| s.node(i))
+                .map(|x| x.engine.metrics().transfer_locks_created.load(Ordering::SeqCst))
+                .sum()
+        };
+        let before = created(s);
+        sim::set_read_delay(&n.transport, Duration::from_secs(2));
+        let engine = n.engine.clone();
+        let probe = c.spawn_on(d, async move {
+            // Cancelled (dropped) mid-read by the timeout.
+            tokio::time::timeout(Duration::from_millis(500), engine.fetch(NAMESPACE, &req.hashes)).await.is_err()
+        });
+        let cancelled = probe.await.unwrap_or(false);
+        let held = cancelled && created(s) > before && active_locks(s).iter().any(|(_, k)| *k > 0);
+        sim::set_read_delay(&n.transport, Duration::ZERO);
+        tokio::time::sleep(invariants::RELEASE_GRACE).await;
+        let mut what = String::new();
+        let _ = write!(
+            what,
+            "prompt (fetch on node{} cancelled mid-read {:?} ago; lock held at cancel: {held})",
+            d + 1,
+            invariants::RELEASE_GRACE
+        );
+        s.checker.record(invariants::inv_no_lock_leak(s, &what, &active_locks(s)));
+        return held;
+    }
+    false
+}

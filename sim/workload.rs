@@ -1,0 +1,365 @@
+//! A scaled-down P/D replay (design.md §6), drawn from the seed.
+//!
+//! Requests come from a few "conversations" that share system-prompt
+//! prefixes (so prefix reuse, multi-owner fetches and eviction happen), with
+//! block hashes from [`engine_block_hash`] and KV bytes from [`fill_kv`]
+//! (tiny model preset, 4-token blocks: 1 KiB segments, 4 KiB blocks).
+//!
+//! Per request, on its prefill node: fetch-or-reuse the longest prefix
+//! (verified like any fetch), "compute" the rest (write `fill_kv` bytes to
+//! the device), `save`, `flush_saves_and_registrations`, then check flush
+//! termination and visibility right after the flush returns. Then, on its
+//! decode node: fetch, lease, load, read the device back and verify every
+//! byte against recomputation, recompute the rest, and run a plain
+//! `client.flush()`. Every bounded call runs under a watchdog of twice its
+//! bound so a hang is reported, not waited on. Under the `fetch_cancel`
+//! fault some fetches are dropped at a random point (the caller gives up)
+//! and the request recomputes what it did not get.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use kvferry::engine::fetch::FetchReport;
+use kvferry::gpu::Gpu;
+use kvferry::replay::trace::{self, ModelPreset, engine_block_hash, fill_kv, verify_kv};
+use kvferry::types::BlockHash;
+use rand::Rng;
+use rand::rngs::StdRng;
+use tokio::time::Instant;
+
+use crate::cluster::{DECODE, NodeSlot, PREFILL, Shared};
+use crate::invariants::{self, FlushWindow};
+
+/// Namespace of every simulated block.
+pub const NAMESPACE: &str = "sim/tiny/bt4";
+/// Tokens per block.
+pub const BLOCK_TOKENS: u64 = 4;
+/// Most blocks in one request (device slots reserved per request).
+pub const BLOCKS_PER_REQUEST_MAX: usize = 12;
+/// Most requests per run (device slots: one range per request + probe).
+pub const REQUESTS_MAX: usize = 32;
+/// Deadline passed to `flush_saves_and_registrations`.
+pub const FLUSH_DEADLINE: Duration = Duration::from_secs(3);
+
+/// The model preset (`tiny`).
+pub fn preset() -> &'static ModelPreset {
+    trace::preset("tiny").expect("tiny preset")
+}
+
+/// Bytes of one K (or V) segment.
+pub fn segment_bytes() -> u64 {
+    preset().segment_bytes(BLOCK_TOKENS)
+}
+
+/// Bytes of one block (all layers, K and V).
+pub fn block_bytes() -> u64 {
+    preset().block_bytes(BLOCK_TOKENS)
+}
+
+/// One request of the replay.
+#[derive(Clone, Debug)]
+pub struct Request {
+    /// Index (also its device slot range).
+    pub id: usize,
+    /// Arrival, ms after the safety phase starts.
+    pub arrival_ms: u64,
+    /// Preferred prefill node (index).
+    pub prefill: usize,
+    /// Preferred decode node (index).
+    pub decode: usize,
+    /// Chained block hashes.
+    pub hashes: Vec<BlockHash>,
+}
+
+impl Request {
+    /// First device block of this request's slot range.
+    pub fn slot_base(&self) -> u64 {
+        (self.id * BLOCKS_PER_REQUEST_MAX) as u64
+    }
+}
+
+/// Draws the requests: `2..=3` system prompts, `3..=5` conversations each on
+/// one system prompt, `16..=REQUESTS_MAX` requests arriving over
+/// `arrival_span_ms`; a conversation's next turn extends its previous one.
+pub fn generate(rng: &mut StdRng, arrival_span_ms: u64) -> Vec<Request> {
+    let systems = rng.random_range(2..=3u64);
+    let convs = rng.random_range(3..=5u64);
+    let conv_system: Vec<u64> = (0..convs).map(|_| rng.random_range(0..systems)).collect();
+    let system_len: Vec<usize> = (0..systems).map(|_| rng.random_range(1..=4)).collect();
+    let mut turns = vec![0usize; convs as usize];
+    let n = rng.random_range(16..=REQUESTS_MAX);
+    let mut arrivals: Vec<u64> = (0..n).map(|_| rng.random_range(0..arrival_span_ms)).collect();
+    arrivals.sort_unstable();
+    arrivals
+        .into_iter()
+        .enumerate()
+        .map(|(id, arrival_ms)| {
+            let c = rng.random_range(0..convs) as usize;
+            turns[c] += 1;
+            let s = conv_system[c];
+            let sys = system_len[s as usize];
+            let len = (sys + 2 * turns[c] + rng.random_range(0..2)).min(BLOCKS_PER_REQUEST_MAX);
+            let hashes = (0..len)
+                .map(|k| {
+                    if k < sys { engine_block_hash(1_000 + s, k as u32) } else { engine_block_hash(c as u64, k as u32) }
+                })
+                .collect();
+            Request {
+                id,
+                arrival_ms,
+                prefill: rng.random_range(0..PREFILL),
+                decode: PREFILL + rng.random_range(0..DECODE),
+                hashes,
+            }
+        })
+        .collect()
+}
+
+/// Writes block `hash`'s KV bytes into device block `slot`.
+pub fn compute_block(n: &NodeSlot, slot: u64, hash: &BlockHash) {
+    let mut buf = vec![0u8; segment_bytes() as usize];
+    for (l, ly) in n.layers.iter().enumerate() {
+        for s in 0..ly.segments {
+            fill_kv(NAMESPACE, hash, l as u32, u32::from(s), &mut buf);
+            let off = ly.segment_offset(slot, s).expect("segment offset");
+            n.gpu.write(n.buffer, off, &buf).expect("device write");
+        }
+    }
+}
+
+/// Whether device block `slot` holds exactly `hash`'s KV bytes.
+pub fn device_block_ok(n: &NodeSlot, slot: u64, hash: &BlockHash) -> bool {
+    let mut buf = vec![0u8; segment_bytes() as usize];
+    n.layers.iter().enumerate().all(|(l, ly)| {
+        (0..ly.segments).all(|s| {
+            let off = ly.segment_offset(slot, s).expect("segment offset");
+            n.gpu.read(n.buffer, off, &mut buf).expect("device read");
+            verify_kv(NAMESPACE, hash, l as u32, u32::from(s), &buf)
+        })
+    })
+}
+
+/// Per-run knobs of the workload drawn from the seed.
+#[derive(Clone, Copy, Debug)]
+pub struct WorkloadKnobs {
+    /// Evict everything unpinned while holding a lease, then re-verify (C11).
+    pub lease_pressure: bool,
+    /// The `fetch_cancel` fault: cancel some fetches at random points.
+    pub cancel_fetches: bool,
+    /// One prefill at a time per node.
+    pub serial_prefill: bool,
+}
+
+/// Outcome of one fetch-and-verify.
+#[derive(Clone, Debug, Default)]
+pub struct Fetched {
+    /// The engine's report (None when the watchdog fired).
+    pub report: Option<FetchReport>,
+    /// Blocks verified byte by byte.
+    pub verified: usize,
+}
+
+/// Fetch (local prefix first, then peers), lease what is resident, load it,
+/// read it back from the device and verify every byte. Checks
+/// `inv_degrade_bounded`, `inv_fetch_integrity` and the lease half of
+/// `inv_no_early_free`.
+pub async fn fetch_and_verify(
+    shared: &Shared,
+    n: &NodeSlot,
+    node: usize,
+    req: &Request,
+    knobs: WorkloadKnobs,
+    pressure_pause: Duration,
+) -> Fetched {
+    let bound = invariants::fetch_bound(&shared.params);
+    let evicted0 = n.engine.metrics().evicted.load(Ordering::SeqCst);
+    let cancel_after = if knobs.cancel_fetches {
+        let mut rng = shared.rng.lock().expect("rng");
+        rng.random_bool(0.25).then(|| Duration::from_millis(rng.random_range(1..300)))
+    } else {
+        None
+    };
+    let t0 = Instant::now();
+    if let Some(after) = cancel_after {
+        // The caller gives up: the fetch future is dropped wherever it is
+        // (C8: the lock must still be released; C4: counts stay exact).
+        if let Ok(report) = tokio::time::timeout(after, n.engine.fetch(NAMESPACE, &req.hashes)).await {
+            let lease = n.engine.lease(NAMESPACE, &req.hashes[..report.available]);
+            shared.checker.record(invariants::inv_degrade_bounded(node, req.id, &report, t0.elapsed(), bound, None));
+            let k = lease.len().min(report.available);
+            let verified = verify_resident(shared, n, node, req, k, "after fetch").await;
+            return Fetched { report: Some(report), verified };
+        }
+        shared.cancelled_fetches.fetch_add(1, Ordering::SeqCst);
+        return Fetched::default();
+    }
+    let report = match tokio::time::timeout(bound * 2, n.engine.fetch(NAMESPACE, &req.hashes)).await {
+        Ok(r) => r,
+        Err(_) => {
+            shared.checker.record(Err(invariants::violation(
+                "inv_degrade_bounded",
+                format!(
+                    "node{} request {}: fetch still running after {:?} (bound {:?})",
+                    node + 1,
+                    req.id,
+                    bound * 2,
+                    bound
+                ),
+            )));
+            return Fetched::default();
+        }
+    };
+    let elapsed = t0.elapsed();
+    // No await between the fetch's return and the lease: nothing can evict.
+    let lease = n.engine.lease(NAMESPACE, &req.hashes[..report.available]);
+    // Fetched blocks are not pinned for the caller: any eviction on this
+    // node during the fetch (pool pressure, a forced evict-all) may
+    // legitimately take them, so residency is checked only without one.
+    let evicted = n.engine.metrics().evicted.load(Ordering::SeqCst) != evicted0;
+    let resident = (!evicted).then_some(lease.len());
+    shared.checker.record(invariants::inv_degrade_bounded(node, req.id, &report, elapsed, bound, resident));
+    let k = lease.len().min(report.available);
+    let verified = verify_resident(shared, n, node, req, k, "after fetch").await;
+    if knobs.lease_pressure && k > 0 {
+        // C11: evict everything unpinned while the lease holds k blocks, let
+        // other tasks allocate (and write) freed memory, then re-check.
+        shared.evict_all(node, n);
+        tokio::time::sleep(pressure_pause).await;
+        let resident = n.engine.query_prefix(NAMESPACE, &req.hashes[..k]);
+        let used = n.engine.pool().used_bytes();
+        shared.checker.record(invariants::inv_no_early_free_lease(
+            node,
+            req.id,
+            k,
+            resident,
+            used,
+            shared.params.block_bytes(),
+        ));
+        verify_resident(shared, n, node, req, k, "after eviction pressure under lease").await;
+    }
+    drop(lease);
+    Fetched { report: Some(report), verified }
+}
+
+/// Loads blocks `0..k` of `req` (which the caller keeps leased) into the
+/// device and verifies each against recomputation.
+async fn verify_resident(shared: &Shared, n: &NodeSlot, node: usize, req: &Request, k: usize, when: &str) -> usize {
+    if k == 0 {
+        return 0;
+    }
+    let blocks: Vec<(BlockHash, u64)> = (0..k).map(|i| (req.hashes[i].clone(), req.slot_base() + i as u64)).collect();
+    // Poison the device slots first so a load that silently copies nothing
+    // cannot pass as correct bytes.
+    for (_, slot) in &blocks {
+        poison_block(n, *slot);
+    }
+    let load = n.engine.load(NAMESPACE, &blocks).await.expect("valid load");
+    let mut ok = 0;
+    for (i, r) in load.results.iter().enumerate() {
+        let hash = &req.hashes[i];
+        match r {
+            Err(e) => shared.checker.record(Err(invariants::violation(
+                "inv_no_early_free",
+                format!("node{} request {} block {i}: leased block failed to load {when}: {e}", node + 1, req.id),
+            ))),
+            Ok(()) => {
+                let good = device_block_ok(n, req.slot_base() + i as u64, hash);
+                shared.checker.record(invariants::inv_fetch_integrity(node, req.id, i, good, when));
+                ok += usize::from(good);
+            }
+        }
+    }
+    ok
+}
+
+fn poison_block(n: &NodeSlot, slot: u64) {
+    let junk = vec![0xA5u8; segment_bytes() as usize];
+    for ly in n.layers.iter() {
+        for s in 0..ly.segments {
+            let off = ly.segment_offset(slot, s).expect("segment offset");
+            n.gpu.write(n.buffer, off, &junk).expect("device write");
+        }
+    }
+}
+
+/// What a prefill produced.
+#[derive(Clone, Debug, Default)]
+pub struct PrefillOutcome {
+    /// Blocks reused or fetched.
+    pub reused: usize,
+    /// Blocks newly saved.
+    pub saved: usize,
+}
+
+/// The prefill side of one request. Runs on the prefill node.
+pub async fn prefill(
+    shared: Arc<Shared>,
+    n: NodeSlot,
+    node: usize,
+    req: Request,
+    knobs: WorkloadKnobs,
+) -> PrefillOutcome {
+    let serial = shared.prefill_serial[node].clone();
+    let _one_at_a_time = if knobs.serial_prefill { Some(serial.lock_owned().await) } else { None };
+    let f = fetch_and_verify(&shared, &n, node, &req, knobs, Duration::from_millis(5)).await;
+    let k = f.verified;
+    for i in k..req.hashes.len() {
+        compute_block(&n, req.slot_base() + i as u64, &req.hashes[i]);
+    }
+    let window = FlushWindow::open(&shared, &n, knobs.serial_prefill);
+    let blocks: Vec<(u64, BlockHash)> =
+        (k..req.hashes.len()).map(|i| (req.slot_base() + i as u64, req.hashes[i].clone())).collect();
+    let saved =
+        if blocks.is_empty() { Vec::new() } else { n.engine.save(NAMESPACE, &blocks).await.expect("valid save").saved };
+    let bound = FLUSH_DEADLINE + invariants::FLUSH_SLACK;
+    let t0 = Instant::now();
+    let report = tokio::time::timeout(bound * 2, n.engine.flush_saves_and_registrations(FLUSH_DEADLINE)).await.ok();
+    let elapsed = t0.elapsed();
+    shared.checker.record(invariants::inv_flush_terminates(node, "flush_saves_and_registrations", elapsed, bound));
+    if let Some(report) = report {
+        // Synchronously, right after the flush returned.
+        let r = invariants::inv_flush_visibility(&shared, &n, node, req.id, &report, &saved, &window);
+        shared.checker.record(r.map(|_| ()));
+    }
+    PrefillOutcome { reused: k, saved: saved.len() }
+}
+
+/// What a decode produced.
+#[derive(Clone, Debug, Default)]
+pub struct DecodeOutcome {
+    /// Blocks fetched from peers.
+    pub fetched: usize,
+    /// Blocks verified (local hits + fetched).
+    pub verified: usize,
+    /// Blocks recomputed.
+    pub recomputed: usize,
+}
+
+/// The decode side of one request. Runs on the decode node.
+pub async fn decode(
+    shared: Arc<Shared>,
+    n: NodeSlot,
+    node: usize,
+    req: Request,
+    knobs: WorkloadKnobs,
+) -> DecodeOutcome {
+    let f = fetch_and_verify(&shared, &n, node, &req, knobs, Duration::from_millis(20)).await;
+    let k = f.verified;
+    for i in k..req.hashes.len() {
+        compute_block(&n, req.slot_base() + i as u64, &req.hashes[i]);
+    }
+    // C2 for the plain flush (no deadline of its own): bounded by the
+    // per-RPC deadlines.
+    let bound = invariants::plain_flush_bound(&shared.params);
+    let t0 = Instant::now();
+    let _ = tokio::time::timeout(bound * 2, n.engine.client().flush()).await;
+    shared.checker.record(invariants::inv_flush_terminates(node, "client.flush", t0.elapsed(), bound));
+    DecodeOutcome { fetched: f.report.as_ref().map_or(0, |r| r.fetched), verified: k, recomputed: req.hashes.len() - k }
+}
+
+/// Total registration commands dropped so far by a live node (client drops
+/// plus door drops).
+pub fn registrations_dropped(n: &NodeSlot) -> u64 {
+    n.engine.client().counters().dropped() + n.engine.metrics().registrations_dropped_at_enqueue.load(Ordering::SeqCst)
+}

@@ -1,0 +1,486 @@
+//! The `kvferry` command line: the MetaServer, the P/D trace replay (the
+//! main job) and the benchmarks. Not built under the simulator.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use clap::{Parser, Subcommand};
+use kvferry::gpu::Gpu;
+use kvferry::gpu::host::HostGpu;
+use kvferry::metaserver::{self, MetaServerConfig};
+use kvferry::replay::pd::{self, PdConfig, PdError, Routing};
+
+#[derive(Parser)]
+#[command(name = "kvferry", version, about = "KV-cache storage and transfer core for P/D disaggregated LLM serving")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run the MetaServer (cluster-wide block index) until SIGINT/SIGTERM.
+    Metaserver {
+        /// gRPC listen address.
+        #[arg(long, default_value = "0.0.0.0:50055")]
+        addr: SocketAddr,
+        /// A node silent this long is invisible (s).
+        #[arg(long, default_value_t = kvferry::limits::STALE_AFTER_SECS_DEFAULT)]
+        stale_after_secs: u64,
+        /// A node silent this long is deleted by the sweep (s).
+        #[arg(long, default_value_t = kvferry::limits::NODE_TTL_SECS_DEFAULT)]
+        ttl_secs: u64,
+        /// Sweep period (s).
+        #[arg(long, default_value_t = kvferry::limits::SWEEP_INTERVAL_SECS_DEFAULT)]
+        sweep_interval_secs: u64,
+        /// Serve /health and Prometheus /metrics here.
+        #[arg(long)]
+        http_addr: Option<SocketAddr>,
+    },
+    /// Replay a request trace across an embedded P/D cluster (the main job).
+    Pd(Box<PdArgs>),
+    /// Benchmarks: ratios measured side by side in one run.
+    Bench {
+        #[command(subcommand)]
+        which: BenchCmd,
+        /// Write the figures and ratios as JSON here.
+        #[arg(long, global = true)]
+        json: Option<PathBuf>,
+    },
+}
+
+#[derive(Subcommand)]
+enum BenchCmd {
+    /// Host-backend save/load of a Qwen3-8B layout vs memcpy.
+    Engine {
+        /// Blocks (2.25 MiB each).
+        #[arg(long, default_value_t = 128)]
+        blocks: u64,
+    },
+    /// TCP fetch vs raw socket copy on loopback (T4).
+    Transport {
+        /// Blocks to fetch.
+        #[arg(long, default_value_t = 64)]
+        blocks: u64,
+        /// MiB per block.
+        #[arg(long, default_value_t = 8)]
+        block_mib: u64,
+    },
+    /// CUDA save/load through the engine vs raw pinned copies (T1–T3); needs the `cuda` feature and a GPU.
+    Gpu {
+        /// CUDA device.
+        #[arg(long, default_value_t = 0)]
+        device: usize,
+    },
+    /// MetaServer store and gRPC insert rates, unregister cost (T5–T7).
+    Store {
+        /// Keys inserted.
+        #[arg(long, default_value_t = 1_000_000)]
+        keys: u64,
+    },
+}
+
+#[derive(clap::Args)]
+struct PdArgs {
+    /// Trace file (JSON lines with timestamp, input_length, output_length, hash_ids; 512-token blocks).
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// Model preset: qwen3-8b, llama3-8b or tiny.
+    #[arg(long, default_value = "tiny")]
+    model: String,
+    /// Tokens per engine block (divides 512).
+    #[arg(long, default_value_t = 64)]
+    block_tokens: u64,
+    /// Requests to replay.
+    #[arg(long, default_value_t = 400)]
+    requests: usize,
+    /// First request of the window.
+    #[arg(long, default_value_t = 0)]
+    first: usize,
+    /// Replay this many seconds of trace time instead of --requests.
+    #[arg(long)]
+    window_secs: Option<u64>,
+    /// Prefill nodes.
+    #[arg(long, default_value_t = 2)]
+    prefill: usize,
+    /// Decode nodes.
+    #[arg(long, default_value_t = 2)]
+    decode: usize,
+    /// Pinned pool per node, e.g. 1GiB, 512MiB.
+    #[arg(long, default_value = "1GiB", value_parser = parse_size)]
+    pool_size: u64,
+    /// Routing of requests to prefill nodes.
+    #[arg(long, value_enum, default_value = "round-robin")]
+    routing: Routing,
+    /// Requests in flight at once.
+    #[arg(long, default_value_t = 4)]
+    concurrency: usize,
+    /// Keep only the first N blocks of each request (cheaper replay, same prefix structure).
+    #[arg(long)]
+    max_blocks: Option<u64>,
+    /// Seed.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Use an external MetaServer (http://host:port) instead of the embedded one.
+    #[arg(long)]
+    metaserver: Option<String>,
+    /// Kill the embedded MetaServer at this fraction of the run (restarted empty shortly after).
+    #[arg(long)]
+    kill_metaserver_at: Option<f64>,
+    /// Kill prefill node 0 at this fraction of the run.
+    #[arg(long)]
+    kill_prefill_at: Option<f64>,
+    /// Fraction of registration RPCs the embedded MetaServer drops.
+    #[arg(long, default_value_t = 0.0)]
+    drop_registrations: f64,
+    /// Write the report as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Serve /health and Prometheus /metrics of every node here.
+    #[arg(long)]
+    http_addr: Option<SocketAddr>,
+    /// Hide the progress bar.
+    #[arg(long)]
+    quiet: bool,
+    /// GPU backend of every node: host (device = host memory) or cuda (needs the `cuda` build feature and a GPU).
+    #[arg(long, value_enum, default_value = "host")]
+    gpu: GpuChoice,
+    /// CUDA devices of the prefill nodes (node i uses entry i mod len); default: round robin over all visible devices.
+    #[arg(long, value_delimiter = ',')]
+    prefill_devices: Vec<usize>,
+    /// CUDA devices of the decode nodes (node i uses entry i mod len); default: round robin over all visible devices.
+    #[arg(long, value_delimiter = ',')]
+    decode_devices: Vec<usize>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum GpuChoice {
+    Host,
+    Cuda,
+}
+
+/// A node's GPU backend and its device label.
+type LabelledGpu = (Arc<dyn Gpu>, String);
+
+/// Builds the GPU factory of `kvferry pd`.
+fn gpu_factory(
+    choice: GpuChoice,
+    prefill: Vec<usize>,
+    decode: Vec<usize>,
+    prefill_n: usize,
+) -> Result<impl Fn(pd::Role, usize) -> Result<LabelledGpu, PdError>, String> {
+    let visible = match choice {
+        GpuChoice::Host => 0,
+        GpuChoice::Cuda => cuda_device_count()?,
+    };
+    Ok(move |role: pd::Role, i: usize| -> Result<LabelledGpu, PdError> {
+        match choice {
+            GpuChoice::Host => Ok((Arc::new(HostGpu::new()) as Arc<dyn Gpu>, "host".to_string())),
+            GpuChoice::Cuda => {
+                let list = if role == pd::Role::Prefill { &prefill } else { &decode };
+                let global = if role == pd::Role::Prefill { i } else { prefill_n + i };
+                let dev = if list.is_empty() { global % visible.max(1) } else { list[i % list.len()] };
+                open_cuda(dev).map(|g| (g, format!("cuda:{dev}")))
+            }
+        }
+    })
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_device_count() -> Result<usize, String> {
+    kvferry::gpu::cuda::device_count().map_err(|e| e.to_string())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_device_count() -> Result<usize, String> {
+    Err(NO_CUDA.to_string())
+}
+
+#[cfg(feature = "cuda")]
+fn open_cuda(dev: usize) -> Result<Arc<dyn Gpu>, PdError> {
+    kvferry::gpu::cuda::CudaGpu::new(dev)
+        .map(|g| Arc::new(g) as Arc<dyn Gpu>)
+        .map_err(|e| PdError::Device(e.to_string()))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn open_cuda(_dev: usize) -> Result<Arc<dyn Gpu>, PdError> {
+    Err(PdError::Device(NO_CUDA.to_string()))
+}
+
+#[cfg(not(feature = "cuda"))]
+const NO_CUDA: &str =
+    "this kvferry was built without the `cuda` feature: rebuild with `cargo build --release --features cuda`";
+
+/// Parses sizes like `4GiB`, `512MiB`, `64KiB`, `1000` (bytes).
+fn parse_size(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: u64 = num.parse().map_err(|_| format!("bad size {s:?} (e.g. 4GiB, 512MiB)"))?;
+    let mul: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kib" | "kb" => 1 << 10,
+        "m" | "mib" | "mb" => 1 << 20,
+        "g" | "gib" | "gb" => 1 << 30,
+        other => return Err(format!("unknown size unit {other:?} in {s:?}")),
+    };
+    n.checked_mul(mul).ok_or_else(|| format!("size {s:?} overflows"))
+}
+
+struct Bar(indicatif::ProgressBar);
+
+impl pd::Progress for Bar {
+    fn start(&self, total: u64) {
+        self.0.set_length(total);
+    }
+    fn tick(&self, bytes: u64) {
+        self.0.inc(1);
+        self.0.set_message(format!("{:.2} GiB moved", bytes as f64 / (1u64 << 30) as f64));
+    }
+    fn fault(&self, what: &str) {
+        self.0.println(format!("fault: {what}"));
+    }
+    fn finish(&self) {
+        self.0.finish_and_clear();
+    }
+}
+
+/// Writes to stdout, ignoring a closed pipe (`kvferry pd | head`).
+fn out(text: &str) {
+    use std::io::Write;
+    let mut o = std::io::stdout().lock();
+    let _ = o.write_all(text.as_bytes()).and_then(|_| o.flush());
+}
+
+fn print_report(r: &pd::PdReport) {
+    out(&report_text(r));
+}
+
+fn report_text(r: &pd::PdReport) -> String {
+    use std::fmt::Write;
+    let mut s = String::new();
+    macro_rules! println {
+        ($($t:tt)*) => {{ let _ = writeln!(s, $($t)*); }};
+    }
+    let gib = r.bytes_transferred as f64 / (1u64 << 30) as f64;
+    println!(
+        "kvferry pd — {} requests, model {} ({} tokens/block, {} KiB/block)",
+        r.requests,
+        r.model,
+        r.block_tokens,
+        r.block_bytes >> 10
+    );
+    println!(
+        "  prefix hit rate        {:>8.1} %   (oracle for this window {:.1} %)",
+        r.prefix_hit_rate * 100.0,
+        r.oracle_hit_rate * 100.0
+    );
+    println!("    prefill local hits   {:>8}", r.prefill_local_hits);
+    println!("    prefill peer fetches {:>8}", r.prefill_fetched);
+    println!("  decode blocks          {:>8}", r.blocks_total);
+    println!("    fetched from peers   {:>8}", r.blocks_fetched);
+    println!("    already local        {:>8}", r.blocks_decode_local);
+    println!("    recomputed           {:>8}", r.blocks_recomputed);
+    println!(
+        "    verified             {:>8}   ({})",
+        r.blocks_verified,
+        if r.blocks_verified == r.blocks_total { "all" } else { "MISMATCH" }
+    );
+    println!("  bytes moved            {:>8.2} GiB at {:.2} GB/s (timed inside fetches)", gib, r.transport_gbps);
+    println!("  handoff (flush+query+fetch) p50 {:.2} ms, p99 {:.2} ms", r.handoff_p50_ms, r.handoff_p99_ms);
+    println!("  registrations          {} delivered, {} dropped", r.registrations_delivered, r.registrations_dropped);
+    println!("  checksum rejections    {}", r.checksum_failures);
+    if r.faults.is_empty() {
+        println!("  faults                 none");
+    } else {
+        for f in &r.faults {
+            println!("  fault                  {f}");
+        }
+    }
+    for n in &r.nodes {
+        println!(
+            "  {:<7} {} on {:<7}  save {:>7.2} GB/s ({:.2} GiB)   load {:>7.2} GB/s ({:.2} GiB)",
+            n.role,
+            n.index,
+            n.device,
+            n.save_gbps,
+            n.save_bytes as f64 / (1u64 << 30) as f64,
+            n.load_gbps,
+            n.load_bytes as f64 / (1u64 << 30) as f64
+        );
+    }
+    println!("  wall                   {:.1} s", r.wall_s);
+    s
+}
+
+async fn run_pd(a: PdArgs) -> Result<(), String> {
+    if let Some(path) = &a.json {
+        // Fail on an unwritable report path before the run, not after it.
+        std::fs::write(path, b"{}").map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    }
+    let cfg = PdConfig {
+        trace: a.trace.unwrap_or_else(|| PathBuf::from(kvferry::replay::trace::DEFAULT_TRACE_PATH)),
+        model: a.model,
+        block_tokens: a.block_tokens,
+        first: a.first,
+        requests: if a.window_secs.is_some() { None } else { Some(a.requests) },
+        window_secs: a.window_secs,
+        prefill: a.prefill,
+        decode: a.decode,
+        pool_bytes: a.pool_size,
+        routing: a.routing,
+        seed: a.seed,
+        metaserver: a.metaserver,
+        kill_metaserver_at: a.kill_metaserver_at,
+        kill_prefill_at: a.kill_prefill_at,
+        drop_registrations: a.drop_registrations,
+        concurrency: a.concurrency,
+        max_blocks: a.max_blocks,
+        ..PdConfig::default()
+    };
+    let bar = indicatif::ProgressBar::new(0);
+    if a.quiet {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} requests, {msg}")
+            .expect("static template"),
+    );
+    let gpu = gpu_factory(a.gpu, a.prefill_devices, a.decode_devices, a.prefill)?;
+    let http = a.http_addr;
+    let report = pd::run_with_observer(cfg, gpu, &Bar(bar), move |engines| {
+        if let Some(addr) = http {
+            let engines = engines.to_vec();
+            let collect: kvferry::exporter::Collect =
+                Arc::new(move || engines.iter().flat_map(kvferry::exporter::engine_samples).collect());
+            kvferry::exporter::serve(addr, collect).map(|local| eprintln!("metrics on http://{local}/metrics"))
+        } else {
+            Ok(())
+        }
+    })
+    .await
+    .map_err(|e| e.to_string())?;
+    print_report(&report);
+    if let Some(path) = a.json {
+        let json = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
+        std::fs::write(&path, json).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    }
+    if report.blocks_verified != report.blocks_total {
+        return Err(format!(
+            "{} of {} blocks failed verification",
+            report.blocks_total - report.blocks_verified,
+            report.blocks_total
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(feature = "cuda")]
+async fn bench_gpu(device: usize) -> Result<serde_json::Value, String> {
+    kvferry::bench::gpu(device).await
+}
+
+#[cfg(not(feature = "cuda"))]
+async fn bench_gpu(_device: usize) -> Result<serde_json::Value, String> {
+    Err(NO_CUDA.to_string())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(t) => t,
+            Err(_) => {
+                let _ = ctrl_c.await;
+                return;
+            }
+        };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}
+
+async fn run_metaserver(
+    addr: SocketAddr,
+    stale_after_secs: u64,
+    ttl_secs: u64,
+    sweep_interval_secs: u64,
+    http_addr: Option<SocketAddr>,
+) -> Result<(), String> {
+    let cfg = MetaServerConfig { addr, stale_after_secs, ttl_secs, sweep_interval_secs, seed: 0 };
+    let mut h = metaserver::start(cfg).await.map_err(|e| e.to_string())?;
+    if let Some(http) = http_addr {
+        let local = kvferry::exporter::serve(http, kvferry::exporter::metaserver_samples(&h))?;
+        out(&format!("metrics and health on http://{local}/metrics, /health\n"));
+    }
+    out(&format!("metaserver ready on {}\n", h.local_addr));
+    tokio::select! {
+        _ = shutdown_signal() => {
+            tracing::info!("shutting down");
+            h.shutdown().await.map_err(|e| e.to_string())
+        }
+        r = h.wait() => r.map_err(|e| e.to_string()),
+    }
+}
+
+pub fn main() -> ExitCode {
+    kvferry::logging::init("warn");
+    let cli = Cli::parse();
+    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = rt.block_on(async move {
+        match cli.cmd {
+            Cmd::Metaserver { addr, stale_after_secs, ttl_secs, sweep_interval_secs, http_addr } => {
+                run_metaserver(addr, stale_after_secs, ttl_secs, sweep_interval_secs, http_addr).await
+            }
+            Cmd::Pd(a) => run_pd(*a).await,
+            Cmd::Bench { which, json } => {
+                let v = match which {
+                    BenchCmd::Engine { blocks } => kvferry::bench::engine(blocks).await,
+                    BenchCmd::Transport { blocks, block_mib } => kvferry::bench::transport(blocks, block_mib).await,
+                    BenchCmd::Store { keys } => kvferry::bench::store(keys).await,
+                    BenchCmd::Gpu { device } => bench_gpu(device).await,
+                }?;
+                if let Some(path) = json {
+                    let text = serde_json::to_string_pretty(&v).map_err(|e| e.to_string())?;
+                    std::fs::write(&path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+                }
+                Ok(())
+            }
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_size;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("4GiB"), Ok(4 << 30));
+        assert_eq!(parse_size("512MiB"), Ok(512 << 20));
+        assert_eq!(parse_size("100"), Ok(100));
+        assert!(parse_size("4XB").is_err());
+        assert!(parse_size("GiB").is_err());
+    }
+}
