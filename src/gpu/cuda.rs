@@ -323,6 +323,21 @@ impl Inner {
         res
     }
 
+    /// Device address of `[offset, offset+len)` in buffer `id`, range
+    /// checked, with the context bound to this thread.
+    fn checked_ptr(&self, id: DeviceBufferId, offset: u64, len: u64) -> Result<sys::CUdeviceptr, GpuError> {
+        let (ptr, total) = self
+            .buffers
+            .lock()
+            .expect("buffers lock")
+            .get(id.0 as usize)
+            .copied()
+            .ok_or(GpuError::UnknownBuffer(id))?;
+        super::checked_range(offset, len, total)?;
+        self.ctx.bind_to_thread().map_err(dev_err)?;
+        Ok(ptr + offset)
+    }
+
     fn take_table(&self, n: usize) -> Result<Table, GpuError> {
         let mut free = self.tables.lock().expect("tables lock");
         if let Some(i) = free.iter().position(|t| t.cap >= n) {
@@ -413,37 +428,15 @@ impl Gpu for CudaGpu {
     }
 
     fn write(&self, id: DeviceBufferId, offset: u64, data: &[u8]) -> Result<(), GpuError> {
-        let (ptr, len) = self
-            .inner
-            .buffers
-            .lock()
-            .expect("buffers lock")
-            .get(id.0 as usize)
-            .copied()
-            .ok_or(GpuError::UnknownBuffer(id))?;
-        if offset.checked_add(data.len() as u64).is_none_or(|e| e > len) {
-            return Err(GpuError::OutOfRange(format!("[{offset}, +{}) beyond {len}", data.len())));
-        }
-        self.inner.ctx.bind_to_thread().map_err(dev_err)?;
-        // SAFETY: range checked above.
-        unsafe { result::memcpy_htod_sync(ptr + offset, data) }.map_err(dev_err)
+        let ptr = self.inner.checked_ptr(id, offset, data.len() as u64)?;
+        // SAFETY: `checked_ptr` bounds the range inside the buffer.
+        unsafe { result::memcpy_htod_sync(ptr, data) }.map_err(dev_err)
     }
 
     fn read(&self, id: DeviceBufferId, offset: u64, out: &mut [u8]) -> Result<(), GpuError> {
-        let (ptr, len) = self
-            .inner
-            .buffers
-            .lock()
-            .expect("buffers lock")
-            .get(id.0 as usize)
-            .copied()
-            .ok_or(GpuError::UnknownBuffer(id))?;
-        if offset.checked_add(out.len() as u64).is_none_or(|e| e > len) {
-            return Err(GpuError::OutOfRange(format!("[{offset}, +{}) beyond {len}", out.len())));
-        }
-        self.inner.ctx.bind_to_thread().map_err(dev_err)?;
-        // SAFETY: range checked above.
-        unsafe { result::memcpy_dtoh_sync(out, ptr + offset) }.map_err(dev_err)
+        let ptr = self.inner.checked_ptr(id, offset, out.len() as u64)?;
+        // SAFETY: `checked_ptr` bounds the range inside the buffer.
+        unsafe { result::memcpy_dtoh_sync(out, ptr) }.map_err(dev_err)
     }
 }
 

@@ -11,7 +11,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
-use super::{Completed, Completion, CopyBatch, Direction, Gpu, GpuError, HostBuf, validate_batch};
+use super::{Completed, Completion, CopyBatch, Direction, Gpu, GpuError, HostBuf, checked_range, validate_batch};
 use crate::engine::layout::DeviceBufferId;
 
 /// Host-memory "device".
@@ -92,7 +92,7 @@ impl Gpu for HostGpu {
     fn write(&self, id: DeviceBufferId, offset: u64, data: &[u8]) -> Result<(), GpuError> {
         let buf = self.buffer(id).ok_or(GpuError::UnknownBuffer(id))?;
         let mut dev = buf.write().expect("device buffer lock");
-        let range = range(offset, data.len() as u64, dev.len() as u64)?;
+        let range = checked_range(offset, data.len() as u64, dev.len() as u64)?;
         dev[range].copy_from_slice(data);
         Ok(())
     }
@@ -100,15 +100,8 @@ impl Gpu for HostGpu {
     fn read(&self, id: DeviceBufferId, offset: u64, out: &mut [u8]) -> Result<(), GpuError> {
         let buf = self.buffer(id).ok_or(GpuError::UnknownBuffer(id))?;
         let dev = buf.read().expect("device buffer lock");
-        let range = range(offset, out.len() as u64, dev.len() as u64)?;
+        let range = checked_range(offset, out.len() as u64, dev.len() as u64)?;
         out.copy_from_slice(&dev[range]);
         Ok(())
-    }
-}
-
-fn range(offset: u64, len: u64, total: u64) -> Result<std::ops::Range<usize>, GpuError> {
-    match offset.checked_add(len) {
-        Some(end) if end <= total => Ok(offset as usize..end as usize),
-        _ => Err(GpuError::OutOfRange(format!("[{offset}, +{len}) beyond {total}"))),
     }
 }

@@ -167,6 +167,17 @@ pub trait Gpu: Send + Sync + 'static {
     fn read(&self, id: DeviceBufferId, offset: u64, out: &mut [u8]) -> Result<(), GpuError>;
 }
 
+/// `offset..offset+len` as a checked range inside a buffer of `total` bytes.
+///
+/// # Errors
+/// [`GpuError::OutOfRange`] on overflow or when the range ends past `total`.
+pub fn checked_range(offset: u64, len: u64, total: u64) -> Result<std::ops::Range<usize>, GpuError> {
+    match offset.checked_add(len) {
+        Some(end) if end <= total => Ok(offset as usize..end as usize),
+        _ => Err(GpuError::OutOfRange(format!("[{offset}, +{len}) beyond {total}"))),
+    }
+}
+
 /// Checks every op of a batch against buffer lengths and host extents.
 ///
 /// # Errors

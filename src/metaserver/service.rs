@@ -11,7 +11,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tonic::{Request, Response, Status};
 
-use super::store::{HeartbeatOutcome, MetaStore, StoreConfig};
+use super::store::{HeartbeatOutcome, MetaStore, StoreConfig, StoreError};
 use crate::limits;
 use crate::proto::meta_server_server::{MetaServer, MetaServerServer};
 use crate::proto::*;
@@ -133,6 +133,29 @@ impl MetaServerService {
         Err(s)
     }
 
+    /// The shared path of insert and remove: validate everything (all or
+    /// nothing), apply the fault hook, then run `op` on the store under its
+    /// lock. Every rejection is counted.
+    fn apply_write<T>(
+        &self,
+        namespace: &str,
+        hashes: Vec<bytes::Bytes>,
+        node: &str,
+        node_id: &str,
+        op: impl FnOnce(&mut MetaStore, &str, &[BlockHash], &NodeAddr, &SessionId, u64) -> Result<T, StoreError>,
+    ) -> Result<T, Status> {
+        let (node, session, hashes) = match self.check_write(namespace, hashes, node, node_id) {
+            Ok(v) => v,
+            Err(s) => return self.reject(s),
+        };
+        if self.drop_write() {
+            return Err(Status::unavailable("registration dropped by fault hook"));
+        }
+        let now = self.now_ms();
+        let res = op(&mut self.store.lock().expect("store lock"), namespace, &hashes, &node, &session, now);
+        res.or_else(|e| self.reject(from_store_error(e)))
+    }
+
     /// Validates a write's identity, namespace and hashes: all or nothing.
     fn check_write(
         &self,
@@ -223,27 +246,14 @@ impl MetaServer for MetaServerService {
     ) -> Result<Response<InsertBlockHashesResponse>, Status> {
         self.gate().await?;
         let mut r = request.into_inner();
-        let (node, session, hashes) =
-            match self.check_write(&r.namespace, std::mem::take(&mut r.block_hashes), &r.node, &r.node_id) {
-                Ok(v) => v,
-                Err(s) => return self.reject(s),
-            };
-        if self.drop_write() {
-            return Err(Status::unavailable("registration dropped by fault hook"));
-        }
-        let now = self.now_ms();
-        let res = self.store.lock().expect("store lock").insert(&r.namespace, &hashes, &node, &session, now);
-        match res {
-            Ok(out) => {
-                self.metrics.inserted_hashes.fetch_add(out.inserted, Ordering::Relaxed);
-                Ok(Response::new(InsertBlockHashesResponse {
-                    status: Some(ResponseStatus { ok: true, message: String::new() }),
-                    inserted_count: out.inserted,
-                    reclaimable_hashes: out.reclaimable.into_iter().map(|h| h.0).collect(),
-                }))
-            }
-            Err(e) => self.reject(from_store_error(e)),
-        }
+        let hashes = std::mem::take(&mut r.block_hashes);
+        let out = self.apply_write(&r.namespace, hashes, &r.node, &r.node_id, MetaStore::insert)?;
+        self.metrics.inserted_hashes.fetch_add(out.inserted, Ordering::Relaxed);
+        Ok(Response::new(InsertBlockHashesResponse {
+            status: Some(ResponseStatus { ok: true, message: String::new() }),
+            inserted_count: out.inserted,
+            reclaimable_hashes: out.reclaimable.into_iter().map(|h| h.0).collect(),
+        }))
     }
 
     async fn remove_block_hashes(
@@ -252,26 +262,13 @@ impl MetaServer for MetaServerService {
     ) -> Result<Response<RemoveBlockHashesResponse>, Status> {
         self.gate().await?;
         let mut r = request.into_inner();
-        let (node, session, hashes) =
-            match self.check_write(&r.namespace, std::mem::take(&mut r.block_hashes), &r.node, &r.node_id) {
-                Ok(v) => v,
-                Err(s) => return self.reject(s),
-            };
-        if self.drop_write() {
-            return Err(Status::unavailable("registration dropped by fault hook"));
-        }
-        let now = self.now_ms();
-        let res = self.store.lock().expect("store lock").remove(&r.namespace, &hashes, &node, &session, now);
-        match res {
-            Ok(removed_count) => {
-                self.metrics.removed_hashes.fetch_add(removed_count, Ordering::Relaxed);
-                Ok(Response::new(RemoveBlockHashesResponse {
-                    status: Some(ResponseStatus { ok: true, message: String::new() }),
-                    removed_count,
-                }))
-            }
-            Err(e) => self.reject(from_store_error(e)),
-        }
+        let hashes = std::mem::take(&mut r.block_hashes);
+        let removed_count = self.apply_write(&r.namespace, hashes, &r.node, &r.node_id, MetaStore::remove)?;
+        self.metrics.removed_hashes.fetch_add(removed_count, Ordering::Relaxed);
+        Ok(Response::new(RemoveBlockHashesResponse {
+            status: Some(ResponseStatus { ok: true, message: String::new() }),
+            removed_count,
+        }))
     }
 
     async fn query_prefix_blocks(
