@@ -21,7 +21,8 @@
 //!
 //! Backends: [`tcp`] (embedded default, real sockets), `sim` (the simulator:
 //! the TCP backend over madsim's network with fault injection; `--cfg
-//! madsim` only) and `verbs` (feature `rdma`, later).
+//! madsim` only) and [`verbs`] (RDMA READ over RC queue pairs; its device
+//! code is behind the `rdma` feature).
 
 pub mod frame;
 pub mod handshake;
