@@ -15,6 +15,9 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
+/// Label pairs of a sample.
+type Labels = Vec<(String, String)>;
+
 /// One sample: metric name, help, kind, labels, value.
 #[derive(Clone, Debug)]
 pub struct Sample {
@@ -36,37 +39,39 @@ pub type Collect = Arc<dyn Fn() -> Vec<Sample> + Send + Sync>;
 /// Renders samples in the Prometheus text format.
 pub fn render(samples: &[Sample]) -> String {
     let mut reg = Registry::with_prefix("kvferry");
-    type Labels = Vec<(String, String)>;
     let mut counters: Vec<(&'static str, Family<Labels, Counter<u64, AtomicU64>>)> = Vec::new();
     let mut gauges: Vec<(&'static str, Family<Labels, Gauge<u64, AtomicU64>>)> = Vec::new();
     for s in samples {
         if s.counter {
-            let fam = match counters.iter().find(|(n, _)| *n == s.name) {
-                Some((_, f)) => f.clone(),
-                None => {
-                    let f = Family::default();
-                    reg.register(s.name, s.help, f.clone());
-                    counters.push((s.name, f.clone()));
-                    f
-                }
-            };
-            fam.get_or_create(&s.labels).inc_by(s.value);
+            family(&mut reg, &mut counters, s).get_or_create(&s.labels).inc_by(s.value);
         } else {
-            let fam = match gauges.iter().find(|(n, _)| *n == s.name) {
-                Some((_, f)) => f.clone(),
-                None => {
-                    let f = Family::default();
-                    reg.register(s.name, s.help, f.clone());
-                    gauges.push((s.name, f.clone()));
-                    f
-                }
-            };
-            fam.get_or_create(&s.labels).set(s.value);
+            family(&mut reg, &mut gauges, s).get_or_create(&s.labels).set(s.value);
         }
     }
     let mut out = String::new();
     let _ = encode(&mut out, &reg);
     out
+}
+
+/// The family registered under `s.name` in `known`, registering it in `reg`
+/// on first sight.
+fn family<M>(reg: &mut Registry, known: &mut Vec<(&'static str, Family<Labels, M>)>, s: &Sample) -> Family<Labels, M>
+where
+    M: prometheus_client::metrics::TypedMetric
+        + prometheus_client::encoding::EncodeMetric
+        + Default
+        + std::fmt::Debug
+        + Send
+        + Sync
+        + 'static,
+{
+    if let Some((_, f)) = known.iter().find(|(n, _)| *n == s.name) {
+        return f.clone();
+    }
+    let f = Family::default();
+    reg.register(s.name, s.help, f.clone());
+    known.push((s.name, f.clone()));
+    f
 }
 
 /// Serves `/health` (200 `ok`) and `/metrics` on `addr` from an OS thread.
@@ -176,4 +181,25 @@ pub fn engine_samples(engine: &crate::engine::Engine) -> Vec<Sample> {
         gv("resident_blocks", "Sealed blocks resident", g.resident_blocks),
         gv("transfer_locks_active", "Live transfer sessions", g.active_transfer_locks),
     ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn render_registers_each_family_once_with_every_label_set() {
+        let l = |n: &str| vec![("node".to_string(), n.to_string())];
+        let samples = vec![
+            Sample { name: "saves", help: "save calls", counter: true, labels: l("a"), value: 3 },
+            Sample { name: "saves", help: "save calls", counter: true, labels: l("b"), value: 5 },
+            Sample { name: "pool_used_bytes", help: "pool bytes", counter: false, labels: l("a"), value: 42 },
+        ];
+        let text = render(&samples);
+        assert_eq!(text.matches("# TYPE kvferry_saves counter").count(), 1, "{text}");
+        assert!(text.contains("kvferry_saves_total{node=\"a\"} 3"), "{text}");
+        assert!(text.contains("kvferry_saves_total{node=\"b\"} 5"), "{text}");
+        assert!(text.contains("# TYPE kvferry_pool_used_bytes gauge"), "{text}");
+        assert!(text.contains("kvferry_pool_used_bytes{node=\"a\"} 42"), "{text}");
+    }
 }

@@ -164,8 +164,7 @@ impl MetaServerService {
         node: &str,
         node_id: &str,
     ) -> Result<(NodeAddr, SessionId, Vec<BlockHash>), Status> {
-        let node = NodeAddr::parse(node).map_err(from_id_error)?;
-        let session = SessionId::parse(node_id).map_err(from_id_error)?;
+        let (node, session) = identity(node, node_id)?;
         validate_namespace(namespace).map_err(from_id_error)?;
         let hashes = check_hashes(hashes)?;
         if let Some(poison) = self.hooks.reject_hash.lock().expect("hook lock").as_ref() {
@@ -175,6 +174,13 @@ impl MetaServerService {
         }
         Ok((node, session, hashes))
     }
+}
+
+/// Parses a request's `node` (advertise address) and `node_id` (session).
+fn identity(node: &str, node_id: &str) -> Result<(NodeAddr, SessionId), Status> {
+    let node = NodeAddr::parse(node).map_err(from_id_error)?;
+    let session = SessionId::parse(node_id).map_err(from_id_error)?;
+    Ok((node, session))
 }
 
 /// Validates a hash list: at most `HASHES_PER_REQUEST_MAX`, each well formed.
@@ -204,11 +210,9 @@ impl MetaServer for MetaServerService {
     ) -> Result<Response<HeartbeatNodeResponse>, Status> {
         self.gate().await?;
         let r = request.into_inner();
-        let node = NodeAddr::parse(&r.node).map_err(from_id_error);
-        let session = SessionId::parse(&r.node_id).map_err(from_id_error);
-        let (node, session) = match (node, session) {
-            (Ok(n), Ok(s)) => (n, s),
-            (Err(e), _) | (_, Err(e)) => return self.reject(e),
+        let (node, session) = match identity(&r.node, &r.node_id) {
+            Ok(v) => v,
+            Err(e) => return self.reject(e),
         };
         let now = self.now_ms();
         let outcome = self.store.lock().expect("store lock").heartbeat(&node, &session, now);
@@ -230,11 +234,9 @@ impl MetaServer for MetaServerService {
     ) -> Result<Response<UnregisterNodeResponse>, Status> {
         self.gate().await?;
         let r = request.into_inner();
-        let node = NodeAddr::parse(&r.node).map_err(from_id_error);
-        let session = SessionId::parse(&r.node_id).map_err(from_id_error);
-        let (node, session) = match (node, session) {
-            (Ok(n), Ok(s)) => (n, s),
-            (Err(e), _) | (_, Err(e)) => return self.reject(e),
+        let (node, session) = match identity(&r.node, &r.node_id) {
+            Ok(v) => v,
+            Err(e) => return self.reject(e),
         };
         let removed_owners = self.store.lock().expect("store lock").unregister(&node, &session);
         Ok(Response::new(UnregisterNodeResponse { removed_owners }))
