@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs the verbs-backend tests that need a real RDMA device (the `verbs_hw_*`
-# tests of src/transport/verbs/device.rs, #[ignore]d everywhere else).
+# tests of src/transport/verbs/device.rs, #[ignore]d everywhere else), then
+# the main job over verbs: `kvferry pd --transport verbs` on 20 requests.
 # None of our machines (CI, developers', the H200 box) has an RDMA device, so
 # this script has never been run by CI; it is for a machine that has one.
 #
@@ -24,7 +25,8 @@
 # The tests connect two transports on the same device (loopback): a READ
 # batch that moves bytes, a bad rkey that must fail and invalidate the
 # connection, a passed deadline that must still hand back every extent, and
-# an answer that matches no offer.
+# an answer that matches no offer. The replay then runs 2 prefill + 2 decode
+# nodes that all open the device and must verify every block.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export KVFERRY_RDMA_DEVICE=${KVFERRY_RDMA_DEVICE:-mlx5_0}
@@ -41,3 +43,14 @@ echo "== locked-memory limit: $(ulimit -l)"
 # hardware ones, one at a time (they share the device).
 cargo test --features rdma --lib transport::verbs
 cargo test --features rdma --lib -- --ignored --test-threads=1 verbs_hw
+# Node start-up with verbs on a device name that does not exist here:
+# DeviceNotFound, listing the devices present, and nothing left running.
+cargo test --features rdma --test node_transport
+# The main job over verbs, when the device exists (every node opens it).
+if [ -e "/sys/class/infiniband/${KVFERRY_RDMA_DEVICE}" ]; then
+  echo "== kvferry pd over verbs on ${KVFERRY_RDMA_DEVICE}"
+  cargo run --features rdma -- pd --transport verbs --rdma-device "$KVFERRY_RDMA_DEVICE" \
+    --rdma-port "$KVFERRY_RDMA_PORT" --rdma-gid-index "$KVFERRY_RDMA_GID_INDEX" --requests 20
+else
+  echo "== no /sys/class/infiniband/${KVFERRY_RDMA_DEVICE}: kvferry pd --transport verbs not run"
+fi

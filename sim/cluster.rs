@@ -527,7 +527,7 @@ async fn boot_node(i: usize, incarnation: u64, p: &Params) -> (NodeSlot, node::N
     h.engine.register_layout(workload::NAMESPACE, layers.clone()).expect("sim layout");
     let slot = NodeSlot {
         engine: h.engine.clone(),
-        transport: h.transport.clone(),
+        transport: h.tcp.clone().expect("simulated nodes run the TCP transport"),
         gpu,
         buffer,
         layers: Arc::new(layers),

@@ -10,7 +10,9 @@ use clap::{Parser, Subcommand};
 use kvferry::gpu::Gpu;
 use kvferry::gpu::host::HostGpu;
 use kvferry::metaserver::{self, MetaServerConfig};
+use kvferry::node::TransportChoice;
 use kvferry::replay::pd::{self, PdConfig, PdError, Routing};
+use kvferry::transport::verbs::VerbsConfig;
 
 #[derive(Parser)]
 #[command(name = "kvferry", version, about = "KV-cache storage and transfer core for P/D disaggregated LLM serving")]
@@ -153,6 +155,49 @@ struct PdArgs {
     /// CUDA devices of the decode nodes (node i uses entry i mod len); default: round robin over all visible devices.
     #[arg(long, value_delimiter = ',')]
     decode_devices: Vec<usize>,
+    /// Data plane of every node: tcp, or verbs (RDMA READ; needs the `rdma` build feature and an RDMA device).
+    #[arg(long, value_enum, default_value = "tcp")]
+    transport: TransportArg,
+    /// RDMA device of every node with --transport verbs, as `ibv_devices` lists it (e.g. mlx5_0).
+    #[arg(long, value_name = "NAME", required_if_eq("transport", "verbs"))]
+    rdma_device: Option<String>,
+    /// RC queue pairs per peer with --transport verbs.
+    #[arg(
+        long,
+        value_name = "N",
+        requires = "rdma_device",
+        default_value_t = kvferry::limits::VERBS_QPS_PER_PEER_DEFAULT,
+        value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=kvferry::limits::VERBS_QPS_PER_PEER_MAX as u64)
+    )]
+    rdma_qps_per_peer: usize,
+    /// Physical port of the RDMA device (1-based).
+    #[arg(long, value_name = "N", requires = "rdma_device", default_value_t = 1)]
+    rdma_port: u8,
+    /// GID table index of the port (RoCE v2: usually 1 or 3, see `show_gids`; InfiniBand: 0).
+    #[arg(long, value_name = "N", requires = "rdma_device", default_value_t = 0)]
+    rdma_gid_index: u8,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum)]
+enum TransportArg {
+    Tcp,
+    Verbs,
+}
+
+/// The nodes' data plane from the `--transport` and `--rdma-*` flags.
+fn transport_choice(a: &PdArgs) -> Result<TransportChoice, String> {
+    match (a.transport, &a.rdma_device) {
+        (TransportArg::Tcp, None) => Ok(TransportChoice::Tcp),
+        (TransportArg::Tcp, Some(_)) => Err("--rdma-device and the other --rdma-* flags need --transport verbs".into()),
+        (TransportArg::Verbs, None) => Err("--transport verbs needs --rdma-device NAME (e.g. mlx5_0)".into()),
+        (TransportArg::Verbs, Some(device)) => {
+            let mut v = VerbsConfig::new(device.clone());
+            v.qps_per_peer = a.rdma_qps_per_peer;
+            v.port = a.rdma_port;
+            v.gid_index = a.rdma_gid_index;
+            Ok(TransportChoice::Verbs(v))
+        }
+    }
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -267,11 +312,12 @@ fn report_text(r: &pd::PdReport) -> String {
     }
     let gib = r.bytes_transferred as f64 / (1u64 << 30) as f64;
     println!(
-        "kvferry pd — {} requests, model {} ({} tokens/block, {} KiB/block)",
+        "kvferry pd — {} requests, model {} ({} tokens/block, {} KiB/block), transport {}",
         r.requests,
         r.model,
         r.block_tokens,
-        r.block_bytes >> 10
+        r.block_bytes >> 10,
+        r.transport
     );
     println!(
         "  prefix hit rate        {:>8.1} %   (oracle for this window {:.1} %)",
@@ -317,6 +363,7 @@ fn report_text(r: &pd::PdReport) -> String {
 }
 
 async fn run_pd(a: PdArgs) -> Result<(), String> {
+    let transport = transport_choice(&a)?;
     if let Some(path) = &a.json {
         // Fail on an unwritable report path before the run, not after it.
         std::fs::write(path, b"{}").map_err(|e| format!("cannot write {}: {e}", path.display()))?;
@@ -339,6 +386,7 @@ async fn run_pd(a: PdArgs) -> Result<(), String> {
         drop_registrations: a.drop_registrations,
         concurrency: a.concurrency,
         max_blocks: a.max_blocks,
+        transport,
         ..PdConfig::default()
     };
     let bar = indicatif::ProgressBar::new(0);
@@ -473,7 +521,7 @@ pub fn main() -> ExitCode {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_size;
+    use super::*;
 
     #[test]
     fn sizes() {
@@ -482,5 +530,52 @@ mod tests {
         assert_eq!(parse_size("100"), Ok(100));
         assert!(parse_size("4XB").is_err());
         assert!(parse_size("GiB").is_err());
+    }
+
+    fn pd_transport(args: &[&str]) -> Result<TransportChoice, String> {
+        let cli = Cli::try_parse_from(["kvferry", "pd"].iter().chain(args)).map_err(|e| e.to_string())?;
+        match cli.cmd {
+            Cmd::Pd(a) => transport_choice(&a),
+            _ => panic!("parsed as another command"),
+        }
+    }
+
+    #[test]
+    fn transport_flags() {
+        assert_eq!(pd_transport(&[]), Ok(TransportChoice::Tcp));
+        assert_eq!(pd_transport(&["--transport", "tcp"]), Ok(TransportChoice::Tcp));
+        assert_eq!(
+            pd_transport(&["--transport", "verbs", "--rdma-device", "mlx5_1"]),
+            Ok(TransportChoice::Verbs(VerbsConfig::new("mlx5_1")))
+        );
+        let mut want = VerbsConfig::new("rxe0");
+        (want.qps_per_peer, want.port, want.gid_index) = (4, 2, 3);
+        let got = pd_transport(&[
+            "--transport",
+            "verbs",
+            "--rdma-device",
+            "rxe0",
+            "--rdma-qps-per-peer",
+            "4",
+            "--rdma-port",
+            "2",
+            "--rdma-gid-index",
+            "3",
+        ]);
+        assert_eq!(got, Ok(TransportChoice::Verbs(want)));
+        // Missing device: refused by clap, naming the flag.
+        let e = pd_transport(&["--transport", "verbs"]).unwrap_err();
+        assert!(e.contains("--rdma-device"), "{e}");
+        // RDMA flags without verbs.
+        let e = pd_transport(&["--rdma-device", "mlx5_0"]).unwrap_err();
+        assert!(e.contains("--transport verbs"), "{e}");
+        let e = pd_transport(&["--rdma-qps-per-peer", "4"]).unwrap_err();
+        assert!(e.contains("--rdma-device"), "{e}");
+        // Out of range.
+        for n in ["0", &(kvferry::limits::VERBS_QPS_PER_PEER_MAX + 1).to_string()] {
+            let e =
+                pd_transport(&["--transport", "verbs", "--rdma-device", "x", "--rdma-qps-per-peer", n]).unwrap_err();
+            assert!(e.contains("--rdma-qps-per-peer"), "{n}: {e}");
+        }
     }
 }

@@ -90,6 +90,25 @@ pub const TRANSFER_SESSIONS_MAX: usize = 65_536;
 /// millions of entries.
 pub const EVICTION_SCAN_MAX: usize = 4_096;
 
+/// Copy ops (contiguous runs) in the first copy batch a save or load
+/// submits; later batches double up to [`COPY_BATCH_OPS_MAX`]. Cutting a
+/// large save or load into batches submitted as they are built lets the
+/// device copy while the engine and the backend still prepare the rest
+/// (preparing costs per op); the first batch is small so the device starts
+/// within microseconds.
+pub const COPY_BATCH_OPS_FIRST: usize = 512;
+
+/// Most copy ops in one batch (a single block with more is one batch).
+pub const COPY_BATCH_OPS_MAX: usize = 8_192;
+
+/// Bytes in the first copy batch (the limit that cuts contiguous layouts,
+/// whose blocks are one op each); later batches double up to
+/// [`COPY_BATCH_BYTES_MAX`].
+pub const COPY_BATCH_BYTES_FIRST: u64 = 32 << 20;
+
+/// Most bytes in one copy batch (a single larger block is one batch).
+pub const COPY_BATCH_BYTES_MAX: u64 = 1 << 30;
+
 /// Largest data-plane read (bytes) one TCP frame may ask for. A 16-token
 /// Qwen3-8B block is 2.25 MiB; 64 MiB leaves room for 512-token blocks of
 /// small models while bounding the server's per-request buffer.
@@ -130,3 +149,84 @@ pub const METASERVER_DURATION_SECS_MAX: u64 = 7 * 24 * 3600;
 /// Most prompt tokens one trace request may claim (the replay sizes device
 /// buffers from it): 4 × the longest request of the bundled trace.
 pub const TRACE_INPUT_TOKENS_MAX: u64 = 1 << 19;
+
+// ---------------------------------------------------------------------------
+// RDMA verbs backend (`transport::verbs`; the device code is feature `rdma`).
+// ---------------------------------------------------------------------------
+
+/// Default RC queue pairs per peer (`--rdma-qps-per-peer`). Two let one
+/// batch's reads of a peer run on two QPs (two NIC processing engines) while
+/// staying far below the per-device QP budget (tens of thousands).
+pub const VERBS_QPS_PER_PEER_DEFAULT: usize = 2;
+
+/// Most RC queue pairs per peer: the handshake carries at most
+/// [`QPNS_MAX`](crate::transport::handshake::QPNS_MAX) QPNs.
+pub const VERBS_QPS_PER_PEER_MAX: usize = crate::transport::handshake::QPNS_MAX;
+
+/// Longest RDMA device name (bytes, `--rdma-device`): libibverbs keeps
+/// device names in 64-byte buffers (`IBV_SYSFS_NAME_MAX`).
+pub const VERBS_DEVICE_NAME_BYTES_MAX: usize = 64;
+
+/// Default send-queue depth (work requests in flight per QP). 256 READs of
+/// even 64 KiB keep ~16 MiB in flight per QP, well past a 400 Gb/s
+/// bandwidth-delay product; the completion queue is sized to match.
+pub const VERBS_SEND_QUEUE_DEPTH_DEFAULT: u32 = 256;
+
+/// Default scatter/gather entries per READ: one contiguous remote range may
+/// land in up to this many local extents (adjacent blocks on the server,
+/// separate slots here). Clamped to the device's `max_sge`.
+pub const VERBS_SGES_PER_WR_DEFAULT: u32 = 4;
+
+/// Largest RDMA READ message (bytes). InfiniBand allows 2^31; ConnectX
+/// ports report 1 GiB (`max_msg_sz`), which `sideway` does not expose, so the
+/// smaller value is the default. Every SGE is also at most this long (its
+/// length field is 32-bit).
+pub const VERBS_READ_MESSAGE_BYTES_MAX: u64 = 1 << 30;
+
+/// Outstanding RDMA READs per QP (count), as initiator (`max_rd_atomic`) and
+/// as responder (`max_dest_rd_atomic`). 16 is the ConnectX limit; both sides
+/// of a pair use the same default so the initiator never exceeds what the
+/// responder accepts. Clamped to the device's caps.
+pub const VERBS_READS_IN_FLIGHT_PER_QP_DEFAULT: u8 = 16;
+
+/// Handshake offers (QP sets created by `local_metadata` and not yet
+/// connected) kept at once; the oldest is dropped beyond this. Each fetch
+/// handshakes once per peer, so this bounds concurrent first contacts, and
+/// with it the QPs held for answers that may never come
+/// (`64 × qps_per_peer`).
+pub const VERBS_PENDING_OFFERS_MAX: usize = 64;
+
+/// How long an offer waits for its answer (ms). The answer comes within one
+/// fetch deadline ([`FETCH_DEADLINE_MS_DEFAULT`], 5 s); 30 s leaves room for
+/// longer configured deadlines and a slow peer, after which the offer's QPs
+/// are destroyed.
+pub const VERBS_OFFER_TTL_MS: u64 = 30_000;
+
+/// Peers this node serves at once (QP sets made by `accept`). A peer that
+/// handshakes again replaces its own set; beyond this the longest-served
+/// peer's set is dropped (it handshakes again on its next read).
+pub const VERBS_SERVED_PEERS_MAX: usize = 1_024;
+
+/// After an error or a passed deadline the QP is moved to the error state and
+/// its outstanding work requests are flushed by the NIC; this bounds that
+/// drain (ms). A flush takes microseconds on a healthy NIC; if the bound
+/// passes, the QP is destroyed, which also stops its DMA.
+pub const VERBS_FLUSH_DRAIN_MS_MAX: u64 = 1_000;
+
+/// Empty completion polls answered with `yield_now` before the poller sleeps
+/// between polls ([`VERBS_POLL_SLEEP_US`]): short reads finish on the spin,
+/// long ones do not burn a core.
+pub const VERBS_POLL_SPINS_MAX: u32 = 64;
+
+/// Sleep between empty completion polls once spinning stopped (µs): at
+/// 400 Gb/s a 64 KiB READ takes ~1.3 µs, so 50 µs costs a sleeping batch at
+/// most a few dozen READ times of latency while leaving the core free.
+pub const VERBS_POLL_SLEEP_US: u64 = 50;
+
+/// Local ACK timeout exponent (IB `timeout`, no unit): 4.096 µs · 2^14 ≈
+/// 67 ms per try.
+pub const VERBS_QP_TIMEOUT_EXP_DEFAULT: u8 = 14;
+
+/// Transport retries before an error completion (count; the IB maximum, 7):
+/// with the timeout above a dead peer is reported after ≈ 0.5 s.
+pub const VERBS_QP_RETRY_COUNT_DEFAULT: u8 = 7;

@@ -5,6 +5,18 @@
 //! main job and the simulator (so a simulated restart reruns real start-up).
 //! Both listeners are bound before anything is served: a taken port is an
 //! error before the node says ready (C12).
+//!
+//! # Data plane
+//!
+//! [`NodeConfig::transport`] picks the backend the engine reads peers
+//! through and serves them with: [`TransportChoice::Tcp`] (the default,
+//! every build) or [`TransportChoice::Verbs`] (RDMA READ over RC queue
+//! pairs; its device code exists only in builds with the `rdma` feature and
+//! never under `--cfg madsim`). A verbs node that cannot run — a build
+//! without the device code, a bad [`VerbsConfig`], no RDMA on the machine,
+//! no device of that name — fails start-up with a [`NodeError`] before it
+//! says ready, and leaves nothing running (no listener, no MetaServer
+//! client heartbeating for it).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -17,8 +29,42 @@ use crate::client::{ClientConfig, ClientError, MetaServerClient, QueueConfig};
 use crate::engine::{Engine, EngineConfig, EngineError};
 use crate::gpu::Gpu;
 use crate::p2p::P2pTransferService;
+use crate::transport::Transport;
 use crate::transport::tcp::TcpTransport;
+use crate::transport::verbs::VerbsConfig;
+use crate::transport::verbs::plan::PlanError;
+#[cfg(all(feature = "rdma", not(madsim)))]
+use crate::transport::verbs::{VerbsError, VerbsTransport};
 use crate::types::{NodeAddr, SessionId};
+
+/// Whether this build contains the verbs device code
+/// (`transport::verbs::VerbsTransport`).
+const VERBS_BUILT: bool = cfg!(all(feature = "rdma", not(madsim)));
+
+/// The data-plane backend of a node (see the module doc).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum TransportChoice {
+    /// The TCP transport: [`NodeConfig::data_addr`] is bound and
+    /// [`NodeConfig::tcp_connections_per_peer`] applies. Every build.
+    #[default]
+    Tcp,
+    /// The RDMA verbs transport on the device and port the config names
+    /// (`--rdma-device`); `data_addr` and `tcp_connections_per_peer` are
+    /// unused. Needs a build with the `rdma` feature, not under `--cfg
+    /// madsim`; every node of a cluster must use it (a peer speaking TCP
+    /// is refused at the handshake).
+    Verbs(VerbsConfig),
+}
+
+impl std::fmt::Display for TransportChoice {
+    /// `tcp`, or `verbs` with the device and port (`verbs mlx5_0 port 1`).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TransportChoice::Tcp => f.write_str("tcp"),
+            TransportChoice::Verbs(v) => write!(f, "verbs {} port {}", v.device, v.port),
+        }
+    }
+}
 
 /// Node settings.
 #[derive(Clone, Debug)]
@@ -37,12 +83,14 @@ pub struct NodeConfig {
     pub queue: QueueConfig,
     /// Deadline of every MetaServer RPC.
     pub metaserver_rpc_timeout: Duration,
-    /// TCP connections per peer.
+    /// TCP connections per peer ([`TransportChoice::Tcp`] only).
     pub tcp_connections_per_peer: usize,
+    /// The data-plane backend.
+    pub transport: TransportChoice,
 }
 
 impl NodeConfig {
-    /// Loopback defaults: both ports picked by the OS.
+    /// Loopback defaults: both ports picked by the OS, the TCP transport.
     pub fn loopback(metaserver: impl Into<String>) -> Self {
         Self {
             grpc_addr: "127.0.0.1:0".parse().expect("literal"),
@@ -53,6 +101,7 @@ impl NodeConfig {
             queue: QueueConfig::default(),
             metaserver_rpc_timeout: Duration::from_millis(crate::limits::METASERVER_RPC_TIMEOUT_MS_DEFAULT),
             tcp_connections_per_peer: crate::limits::TCP_CONNECTIONS_PER_PEER_DEFAULT,
+            transport: TransportChoice::Tcp,
         }
     }
 }
@@ -85,6 +134,24 @@ pub enum NodeError {
     /// The engine could not be created (e.g. the pool allocation failed).
     #[error(transparent)]
     Engine(#[from] EngineError),
+    /// [`TransportChoice::Verbs`] in a build without the verbs device code
+    /// (no `rdma` feature, or a `--cfg madsim` build). Reported before
+    /// anything is bound.
+    #[error("this binary was built without the `rdma` feature; rebuild with --features rdma")]
+    RdmaNotBuilt,
+    /// The [`VerbsConfig`] is out of range ([`PlanError::BadConfig`]).
+    /// Reported before anything is bound.
+    #[error(transparent)]
+    VerbsConfig(PlanError),
+    /// The verbs transport could not open its device: no RDMA on this
+    /// machine ([`VerbsError::NoRdma`]), no device at all
+    /// ([`VerbsError::NoDevices`]), no device of that name
+    /// ([`VerbsError::DeviceNotFound`], listing the names present), an
+    /// unusable port, or a failed verbs call. The MetaServer client is shut
+    /// down before this is returned.
+    #[cfg(all(feature = "rdma", not(madsim)))]
+    #[error("verbs transport: {0}")]
+    Verbs(#[source] VerbsError),
 }
 
 /// A running node.
@@ -95,31 +162,100 @@ pub struct NodeHandle {
     pub grpc_addr: SocketAddr,
     /// The advertise address registered at the MetaServer.
     pub node: NodeAddr,
-    /// The TCP transport (hooks and counters).
-    pub transport: Arc<TcpTransport>,
+    /// The TCP transport (hooks and counters); `None` when the node runs
+    /// [`TransportChoice::Verbs`].
+    pub tcp: Option<Arc<TcpTransport>>,
+    /// The verbs transport (device, limits, counters); `None` when the node
+    /// runs [`TransportChoice::Tcp`].
+    #[cfg(all(feature = "rdma", not(madsim)))]
+    pub verbs: Option<Arc<VerbsTransport>>,
     shutdown: watch::Sender<bool>,
     serve: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
 }
 
 impl NodeHandle {
     /// Graceful stop: shuts the client down (best-effort unregister within
-    /// `deadline`), stops the gRPC server. The data-plane listener stops when
-    /// the last reference to the transport drops.
+    /// `deadline`), stops the TCP data plane and the gRPC server. The verbs
+    /// transport has no listener to stop: its queue pairs are destroyed
+    /// when the last reference to it (the engine's) drops.
     pub async fn shutdown(self, deadline: Duration) {
         self.engine.client().shutdown(deadline).await;
-        self.transport.shutdown();
+        if let Some(t) = &self.tcp {
+            t.shutdown();
+        }
         let _ = self.shutdown.send(true);
         let _ = tokio::time::timeout(deadline, self.serve).await;
     }
 
-    /// Abrupt stop (a crash): the data plane and the gRPC server stop at
+    /// Abrupt stop (a crash): the TCP data plane and the gRPC server stop at
     /// once, no unregister is sent, the MetaServer keeps listing this node's
-    /// blocks until its session goes stale.
+    /// blocks until its session goes stale. With verbs, peers already
+    /// connected can still READ the pool through the NIC until the engine
+    /// is dropped; they can no longer handshake or lock blocks (both are
+    /// gRPC calls).
     pub fn kill(self) {
-        self.transport.shutdown();
+        if let Some(t) = &self.tcp {
+            t.shutdown();
+        }
         let _ = self.shutdown.send(true);
         self.serve.abort();
         self.engine.client().abort();
+    }
+}
+
+/// The started data plane.
+enum DataPlane {
+    Tcp(Arc<TcpTransport>),
+    #[cfg(all(feature = "rdma", not(madsim)))]
+    Verbs(Arc<VerbsTransport>),
+}
+
+impl DataPlane {
+    fn as_transport(&self) -> Arc<dyn Transport> {
+        match self {
+            DataPlane::Tcp(t) => t.clone(),
+            #[cfg(all(feature = "rdma", not(madsim)))]
+            DataPlane::Verbs(t) => t.clone(),
+        }
+    }
+
+    fn tcp(&self) -> Option<Arc<TcpTransport>> {
+        match self {
+            DataPlane::Tcp(t) => Some(t.clone()),
+            #[cfg(all(feature = "rdma", not(madsim)))]
+            DataPlane::Verbs(_) => None,
+        }
+    }
+
+    #[cfg(all(feature = "rdma", not(madsim)))]
+    fn verbs(&self) -> Option<Arc<VerbsTransport>> {
+        match self {
+            DataPlane::Tcp(_) => None,
+            DataPlane::Verbs(t) => Some(t.clone()),
+        }
+    }
+}
+
+/// Starts the data plane `cfg.transport` names for `engine`.
+async fn start_data_plane(cfg: &NodeConfig, node: &NodeAddr, engine: &Engine) -> Result<DataPlane, NodeError> {
+    match &cfg.transport {
+        TransportChoice::Tcp => TcpTransport::start(
+            cfg.data_addr,
+            &cfg.advertise_host,
+            node.clone(),
+            engine.pool().arena_len(),
+            engine.data_source(),
+            cfg.tcp_connections_per_peer,
+        )
+        .await
+        .map(|t| DataPlane::Tcp(Arc::new(t)))
+        .map_err(|source| NodeError::BindData { addr: cfg.data_addr, source }),
+        #[cfg(all(feature = "rdma", not(madsim)))]
+        TransportChoice::Verbs(v) => VerbsTransport::open(v, node.clone(), engine.pool(), engine.data_source())
+            .map(|t| DataPlane::Verbs(Arc::new(t)))
+            .map_err(NodeError::Verbs),
+        #[cfg(not(all(feature = "rdma", not(madsim))))]
+        TransportChoice::Verbs(_) => Err(NodeError::RdmaNotBuilt),
     }
 }
 
@@ -127,7 +263,17 @@ impl NodeHandle {
 ///
 /// # Errors
 /// [`NodeError`] — bind failures are reported before anything is served.
+/// With [`TransportChoice::Verbs`]: [`NodeError::RdmaNotBuilt`] and
+/// [`NodeError::VerbsConfig`] before anything is bound or announced;
+/// `NodeError::Verbs` (feature `rdma`) when the device cannot be opened,
+/// after the MetaServer client was shut down.
 pub async fn start(cfg: NodeConfig, gpu: Arc<dyn Gpu>) -> Result<NodeHandle, NodeError> {
+    if let TransportChoice::Verbs(v) = &cfg.transport {
+        if !VERBS_BUILT {
+            return Err(NodeError::RdmaNotBuilt);
+        }
+        v.validate().map_err(NodeError::VerbsConfig)?;
+    }
     let bound =
         crate::rt::bind(cfg.grpc_addr).await.map_err(|source| NodeError::BindGrpc { addr: cfg.grpc_addr, source })?;
     let grpc_addr = bound.local_addr;
@@ -147,29 +293,33 @@ pub async fn start(cfg: NodeConfig, gpu: Arc<dyn Gpu>) -> Result<NodeHandle, Nod
             return Err(e.into());
         }
     };
-    let transport = match TcpTransport::start(
-        cfg.data_addr,
-        &cfg.advertise_host,
-        node.clone(),
-        engine.pool().arena_len(),
-        engine.data_source(),
-        cfg.tcp_connections_per_peer,
-    )
-    .await
-    {
-        Ok(t) => t,
-        Err(source) => {
+    let data_plane = match start_data_plane(&cfg, &node, &engine).await {
+        Ok(d) => d,
+        Err(e) => {
             client.shutdown(cfg.metaserver_rpc_timeout).await;
-            return Err(NodeError::BindData { addr: cfg.data_addr, source });
+            return Err(e);
         }
     };
-    let transport = Arc::new(transport);
-    engine.set_transport(transport.clone());
+    engine.set_transport(data_plane.as_transport());
     let (tx, mut rx) = watch::channel(false);
     let router = P2pTransferService::new(engine.clone()).router();
     let serve = tokio::spawn(crate::rt::serve(router, bound, async move {
         let _ = rx.wait_for(|v| *v).await;
     }));
-    tracing::info!(%node, data = transport.data_addr(), "node ready");
-    Ok(NodeHandle { engine, grpc_addr, node, transport, shutdown: tx, serve })
+    let data = match &data_plane {
+        DataPlane::Tcp(t) => format!("tcp {}", t.data_addr()),
+        #[cfg(all(feature = "rdma", not(madsim)))]
+        DataPlane::Verbs(_) => cfg.transport.to_string(),
+    };
+    tracing::info!(%node, data, "node ready");
+    Ok(NodeHandle {
+        engine,
+        grpc_addr,
+        node,
+        tcp: data_plane.tcp(),
+        #[cfg(all(feature = "rdma", not(madsim)))]
+        verbs: data_plane.verbs(),
+        shutdown: tx,
+        serve,
+    })
 }

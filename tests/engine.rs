@@ -19,6 +19,8 @@
 //! | `handoff_barrier_bounded_when_metaserver_drops_inserts` | C2, C3 |
 //! | `ownership_source_lists_resident_blocks_per_namespace` | C6 source |
 //! | `flush_saves_waits_for_a_save_on_another_task` | `flush_saves` |
+//! | `device_checksums_seal_like_the_cpu_and_verify_at_a_peer` | C10 with the GPU checksumming the slots |
+//! | `saves_and_loads_cut_into_batches_fail_per_batch` | pipelined copy batches: a save is all or nothing, a load fails per batch |
 
 // Loopback tests on real tokio and tonic; the simulator tier lives in sim/.
 #![cfg(not(madsim))]
@@ -594,6 +596,87 @@ async fn flush_saves_waits_for_a_save_on_another_task() {
         gpu.set_open(true);
         late.await.unwrap().unwrap();
         tokio::time::timeout(Duration::from_secs(1), e.flush_saves()).await.expect("nothing in flight");
+    })
+    .await;
+}
+
+/// The seal path the CUDA backend takes (slot checksums computed from the
+/// device bytes by the backend, folded from pieces) gives the same
+/// checksums as the CPU seal, and a peer fetching those blocks verifies
+/// every one (C10).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn device_checksums_seal_like_the_cpu_and_verify_at_a_peer() {
+    bounded(async {
+        let ms = start_ms().await;
+        let gpu = Arc::new(kvferry::gpu::host::HostGpu::with_device_checksums());
+        let p = node::start(node_cfg(ms.local_addr, 4 * MIB), gpu.clone() as Arc<dyn Gpu>).await.unwrap();
+        let (d, _) = start_node(&ms, 4 * MIB).await;
+        let kp = register_default(&p.engine, 16);
+        let kd = register_default(&d.engine, 16);
+        let hs = hashes(500..512);
+        fill_and_save(&p.engine, &kp, 0, &hs).await;
+        assert_eq!(p.engine.metrics().device_checksummed_blocks.load(Ordering::Relaxed), 12);
+        let (_, layout) = p.engine.layout(NS).unwrap();
+        let (sid, locked) = p.engine.lock_for_transfer(NS, &hs).unwrap();
+        for (h, b) in &locked {
+            assert_eq!(b.checksums, kvferry::engine::slot_checksums(&layout, b.extent.as_slice()), "{h:?}");
+        }
+        p.engine.release_transfer(&sid.unwrap());
+        let fr = p.engine.flush_saves_and_registrations(Duration::from_secs(3)).await;
+        assert_eq!((fr.delivered, fr.timed_out), (12, false), "{fr:?}");
+        let rep = d.engine.fetch(NS, &hs).await;
+        assert_eq!((rep.available, rep.fetched), (12, 12), "{rep:?}");
+        assert_eq!(d.engine.metrics().checksum_failures.load(Ordering::Relaxed), 0);
+        load_and_verify(&d.engine, &kd, 0, &hs).await;
+        // The plain host backend leaves checksumming to the engine.
+        assert_eq!(d.engine.metrics().device_checksummed_blocks.load(Ordering::Relaxed), 0);
+    })
+    .await;
+}
+
+/// Saves and loads of more than `limits::COPY_BATCH_OPS_FIRST` copy ops are
+/// cut into several copy batches submitted back to back. A failure of any
+/// batch fails the whole save (nothing resident, pool bytes back); a failed
+/// load batch fails exactly its own blocks and the others land byte for byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn saves_and_loads_cut_into_batches_fail_per_batch() {
+    bounded(async {
+        let ms = start_ms().await;
+        let (n, gpu) = start_node(&ms, 16 * MIB).await;
+        let e = &n.engine;
+        // 64 layers x K/V, layer-first: 128 copy ops per block, so batches
+        // of 4, 8, 16... blocks.
+        let kv = register(e, NS, 64, 40, 1 << 10, true, true);
+        let per_block = e.layout(NS).unwrap().1.coalesced_copies(0).len();
+        assert_eq!(kvferry::limits::COPY_BATCH_OPS_FIRST / per_block, 4);
+        let hs = hashes(100..114);
+        let blocks: Vec<(u64, BlockHash)> = hs.iter().enumerate().map(|(i, h)| (i as u64, h.clone())).collect();
+        for (idx, h) in &blocks {
+            fill(e, &kv, *idx, h);
+        }
+        let before = e.gauges();
+        gpu.fail_next_batches_after(1, 1);
+        let err = e.save(NS, &blocks).await.expect_err("the second batch failed");
+        assert!(matches!(err, EngineError::Gpu(GpuError::Device(_))), "{err:?}");
+        assert_eq!(e.query_prefix(NS, &hs), 0);
+        assert_eq!(e.gauges(), before, "every extent of every batch back in the pool");
+
+        let rep = e.save(NS, &blocks).await.unwrap();
+        assert_eq!(rep.saved, hs);
+        load_and_verify(e, &kv, 20, &hs).await;
+
+        // Load into 20..34: batches of 4, 8 and 2 blocks; the second fails.
+        let loads: Vec<(BlockHash, u64)> = hs.iter().enumerate().map(|(i, h)| (h.clone(), 20 + i as u64)).collect();
+        for (_, idx) in &loads {
+            clear(e, &kv, *idx);
+        }
+        gpu.fail_next_batches_after(1, 1);
+        let lr = e.load(NS, &loads).await.unwrap();
+        let failed: Vec<usize> = (0..loads.len()).filter(|&i| lr.results[i].is_err()).collect();
+        assert_eq!(failed, (4..12).collect::<Vec<_>>(), "exactly the second batch's blocks: {:?}", lr.results);
+        for (i, (h, idx)) in loads.iter().enumerate() {
+            assert_eq!(verify(e, &kv, *idx, h), !failed.contains(&i), "block {i}");
+        }
     })
     .await;
 }

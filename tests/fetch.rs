@@ -562,13 +562,13 @@ async fn corrupted_byte_on_the_wire_rejects_the_block() {
         fill_and_save(&b.engine, &kb, 4, &hs[4..]).await;
         b.engine.flush_saves_and_registrations(Duration::from_secs(2)).await;
 
-        b.transport.hooks.corrupt_next_reads.store(1, Ordering::SeqCst);
+        tcp(&b).hooks.corrupt_next_reads.store(1, Ordering::SeqCst);
         let rep = d.engine.fetch(NS, &hs).await;
         assert_eq!(rep.owners, vec![a.node.clone(), b.node.clone()], "{rep:?}");
         assert_eq!((rep.available, rep.fetched), (4, 4), "the prefix before the bad block is accepted: {rep:?}");
         assert_eq!(rep.stopped, Some(FetchError::Checksum));
         assert_eq!(d.engine.metrics().checksum_failures.load(Ordering::Relaxed), 1);
-        assert_eq!(b.transport.hooks.corrupt_next_reads.load(Ordering::SeqCst), 0, "the corruption happened");
+        assert_eq!(tcp(&b).hooks.corrupt_next_reads.load(Ordering::SeqCst), 0, "the corruption happened");
         assert_eq!(d.engine.query_prefix(NS, &hs), 4, "the corrupted block was not sealed");
         assert_eq!(d.engine.gauges().resident_blocks, 4);
         assert_eq!(d.engine.gauges().pool_used_bytes, 4 * BLOCK);
@@ -608,8 +608,8 @@ async fn concurrent_and_mutual_handshakes_are_single_flight() {
             assert_eq!(rep.available, 2 * (i + 1), "{rep:?}");
         }
         assert_eq!(d.engine.handshaken_peers(), 1);
-        assert_eq!(d.transport.connected_peers(), 1);
-        let conns = p.transport.hooks.connections_accepted.load(Ordering::Relaxed);
+        assert_eq!(tcp(&d).connected_peers(), 1);
+        let conns = tcp(&p).hooks.connections_accepted.load(Ordering::Relaxed);
         assert!(
             conns as usize <= limits::TCP_CONNECTIONS_PER_PEER_DEFAULT,
             "{conns} data-plane connections: more than one handshake's worth"
@@ -756,7 +756,7 @@ async fn data_plane_rejects_bad_input_and_keeps_serving() {
         let kd = register_default(&d.engine, 16);
         let hs = hashes(1..9);
         prefill(&p.engine, &kp, &hs).await;
-        let addr = p.transport.data_addr().to_string();
+        let addr = tcp(&p).data_addr().to_string();
 
         // Garbage: Malformed (req_id 0), then the server closes the connection.
         let mut s = connect_raw(&addr).await;
@@ -860,7 +860,7 @@ async fn data_plane_rejects_bad_input_and_keeps_serving() {
         let mut c = connect_raw(&addr).await;
         c.write_all(&ping[..5]).await.unwrap();
         drop(c);
-        assert!(p.transport.hooks.errors_sent.load(Ordering::Relaxed) >= 17);
+        assert!(tcp(&p).hooks.errors_sent.load(Ordering::Relaxed) >= 17);
 
         // The server still serves a real fetch.
         let rep = d.engine.fetch(NS, &hs).await;
@@ -954,11 +954,11 @@ async fn p2p_grpc_surface() {
         assert_eq!(err.code(), Code::InvalidArgument);
         let err = c.rdma_handshake(hs_req(&d.node.0, vec![])).await.unwrap_err();
         assert_eq!(err.code(), Code::InvalidArgument);
-        let mut trailing = d.transport.local_metadata().encode().to_vec();
+        let mut trailing = tcp(&d).local_metadata().encode().to_vec();
         trailing.push(0);
         let err = c.rdma_handshake(hs_req(&d.node.0, trailing)).await.unwrap_err();
         assert_eq!(err.code(), Code::InvalidArgument);
-        let good = d.transport.local_metadata().encode().to_vec();
+        let good = tcp(&d).local_metadata().encode().to_vec();
         let err = c.rdma_handshake(hs_req("not an address", good.clone())).await.unwrap_err();
         assert_eq!(err.code(), Code::InvalidArgument);
         let err = c.rdma_handshake(hs_req(&d.node.0, vec![0u8; limits::HANDSHAKE_METADATA_BYTES_MAX + 1])).await;
@@ -967,8 +967,8 @@ async fn p2p_grpc_surface() {
         let ok = c.rdma_handshake(hs_req(&d.node.0, good)).await.unwrap().into_inner();
         assert!(ok.status.unwrap().ok);
         let meta = HandshakeMetadata::decode(&ok.handshake_metadata).unwrap();
-        assert_eq!(meta.data_addr, p.transport.data_addr());
-        assert_eq!(meta, p.transport.local_metadata());
+        assert_eq!(meta.data_addr, tcp(&p).data_addr());
+        assert_eq!(meta, tcp(&p).local_metadata());
 
         // Still healthy after all of the above.
         assert!(c.health(HealthRequest {}).await.unwrap().into_inner().status.unwrap().ok);

@@ -2,7 +2,7 @@
 //!
 //! Producers ([`RegistrationQueue::offer`]) never block: a full queue drops
 //! the command and counts it. One consumer (the client's driver task) takes
-//! *everything* queued as one [`Batch`] ([`RegistrationQueue::take_batch`]),
+//! *everything* queued as one `Batch` ([`RegistrationQueue::take_batch`]),
 //! nets insert/remove per `(namespace, hash)` last-write-wins, cuts the result
 //! into chunks of at most `chunk_hashes_max` hashes per RPC, sends them and
 //! reports each chunk's outcome ([`RegistrationQueue::complete_chunk`]).

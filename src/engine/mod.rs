@@ -22,7 +22,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::client::{FlushReport, MetaServerClient, OwnershipSource};
-use crate::gpu::{CopyBatch, CopyOp, Direction, Gpu, GpuError, HostBuf};
+use crate::gpu::{ChecksumRange, CopyBatch, CopyOp, Direction, Gpu, GpuError, HostBuf};
 use crate::limits;
 use crate::transport::{DataSource, Transport};
 use crate::types::{BlockHash, IdError, NodeAddr, validate_namespace};
@@ -177,6 +177,9 @@ pub struct EngineMetrics {
     pub save_copy_bytes: AtomicU64,
     /// Nanoseconds save batches spent from submit to completion.
     pub save_copy_ns: AtomicU64,
+    /// Saved blocks whose slot checksums the GPU backend computed from the
+    /// device bytes (the rest were checksummed on the CPU after the copy).
+    pub device_checksummed_blocks: AtomicU64,
     /// Bytes copied pool → device by load batches.
     pub load_copy_bytes: AtomicU64,
     /// Nanoseconds load batches spent from submit to completion.
@@ -471,6 +474,7 @@ impl Engine {
     /// Validation errors (nothing is saved), [`EngineError::Gpu`] when the
     /// batch failed (nothing is saved).
     pub async fn save(&self, namespace: &str, blocks: &[(u64, BlockHash)]) -> Result<SaveReport, EngineError> {
+        let called = Instant::now();
         let (ns, layout) = self.layout(namespace)?;
         Self::check_indices(&layout, blocks.iter().map(|(i, _)| i))?;
         for (_, h) in blocks {
@@ -498,45 +502,84 @@ impl Engine {
                 }
             }
         }
-        let mut host = Vec::with_capacity(todo.len());
-        let mut ops = Vec::new();
-        for (i, (idx, _)) in todo.iter().enumerate() {
-            let ext = match self.alloc(layout.block_bytes()) {
-                Ok(e) => e,
-                Err(EngineError::Pool(_)) => {
-                    report.no_space = todo.len() - i;
-                    break;
-                }
-                Err(e) => return Err(e),
-            };
-            host.push(HostBuf::Writable(ext));
-            for c in layout.coalesced_copies(*idx) {
-                ops.push(CopyOp {
-                    buffer: c.buffer,
-                    device_offset: c.device_offset,
-                    extent: i,
-                    host_offset: c.host_offset_in_block,
-                    len: c.len,
-                });
-            }
-        }
-        todo.truncate(host.len());
         if todo.is_empty() {
             return Ok(report);
         }
         let engine = self.clone();
-        let batch = CopyBatch { direction: Direction::DeviceToHost, ops, host };
+        // The copy-and-seal part runs on its own task (see above).
         let task = tokio::spawn(async move {
             let _guard = guard;
-            let bytes: u64 = batch.ops.iter().map(|o| o.len).sum();
-            let t = Instant::now();
-            let done = engine.inner.gpu.submit(batch).await;
-            done.result?;
-            let m = &engine.inner.metrics;
-            m.save_copy_bytes.fetch_add(bytes, Ordering::Relaxed);
-            m.save_copy_ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
-            let mut newly = Vec::with_capacity(todo.len());
-            let mut raced = 0;
+            engine.copy_and_seal(&ns, &layout, todo, called).await
+        });
+        let sealed = task.await.map_err(|e| EngineError::Task(e.to_string()))??;
+        report.saved = sealed.saved;
+        report.already_resident += sealed.raced;
+        report.no_space = sealed.no_space;
+        Ok(report)
+    }
+
+    /// Allocates pool slots for `todo`, submits the device → pool copies in
+    /// batches growing from [`limits::COPY_BATCH_OPS_FIRST`] ops (each starts
+    /// on the device while the next is prepared), waits for all of them,
+    /// and — only if every batch landed — seals and inserts the blocks.
+    async fn copy_and_seal(
+        &self,
+        ns: &Arc<str>,
+        layout: &Layout,
+        todo: Vec<(u64, BlockHash)>,
+        called: Instant,
+    ) -> Result<Sealed, EngineError> {
+        let layers = layout.layers().len();
+        let block_bytes = layout.block_bytes();
+        let mut no_space = 0;
+        let mut pending = Vec::new();
+        let mut batches = 0;
+        let mut next = 0;
+        let mut submitted = None;
+        while next < todo.len() && no_space == 0 {
+            let mut host = Vec::new();
+            let mut ops = Vec::new();
+            let limits = batch_limits(batches);
+            while next < todo.len() && (host.is_empty() || batch_has_room(&ops, host.len(), block_bytes, limits)) {
+                let ext = match self.alloc(block_bytes) {
+                    Ok(e) => e,
+                    Err(EngineError::Pool(_)) => {
+                        no_space = todo.len() - next;
+                        break;
+                    }
+                    Err(e) => return Err(e),
+                };
+                push_block_ops(layout, todo[next].0, host.len(), &mut ops);
+                host.push(HostBuf::Writable(ext));
+                next += 1;
+            }
+            if host.is_empty() {
+                break;
+            }
+            let mut batch = CopyBatch::new(Direction::DeviceToHost, ops, host);
+            batch.checksums = (0..batch.host.len())
+                .flat_map(|extent| {
+                    (0..layers).map(move |l| ChecksumRange {
+                        extent,
+                        offset: layout.slot_offset(l),
+                        len: layout.slot_bytes(l),
+                    })
+                })
+                .collect();
+            submitted.get_or_insert_with(Instant::now);
+            pending.push(self.inner.gpu.submit(batch));
+            batches += 1;
+        }
+        let prepared = submitted.map(|t| t - called).unwrap_or_default();
+        let m = &self.inner.metrics;
+        let mut failed = None;
+        let mut blocks: Vec<(Extent, Arc<[u32]>)> = Vec::with_capacity(next);
+        for done in pending {
+            let done = done.await;
+            if let Err(e) = done.result {
+                failed.get_or_insert(e);
+                continue;
+            }
             let exts: Vec<Extent> = done
                 .host
                 .into_iter()
@@ -545,23 +588,46 @@ impl Engine {
                     HostBuf::Sealed(_) => unreachable!("save batches hold writable extents"),
                 })
                 .collect();
-            let sums = checksum_blocks(&layout, &exts);
-            for (((_, hash), ext), checksums) in todo.into_iter().zip(exts).zip(sums) {
-                let block = CachedBlock { extent: ext.seal(), checksums };
-                if engine.inner.cache.lock().expect("cache lock").insert(&ns, hash.clone(), block) {
-                    newly.push(hash);
+            let sums: Vec<Arc<[u32]>> = match done.checksums {
+                Some(sums) if sums.len() == exts.len() * layers => {
+                    m.device_checksummed_blocks.fetch_add(exts.len() as u64, Ordering::Relaxed);
+                    sums.chunks(layers.max(1)).map(Arc::from).collect()
+                }
+                _ => checksum_blocks(layout, &exts),
+            };
+            blocks.extend(exts.into_iter().zip(sums));
+        }
+        // A failed batch fails the save: every extent drops back to the pool.
+        if let Some(e) = failed {
+            return Err(e.into());
+        }
+        let copied = Instant::now();
+        if let Some(t) = submitted {
+            m.save_copy_bytes.fetch_add(blocks.len() as u64 * block_bytes, Ordering::Relaxed);
+            m.save_copy_ns.fetch_add((copied - t).as_nanos() as u64, Ordering::Relaxed);
+        }
+        let mut saved = Vec::with_capacity(blocks.len());
+        let mut raced = 0;
+        {
+            let mut cache = self.inner.cache.lock().expect("cache lock");
+            for ((_, hash), (ext, checksums)) in todo.into_iter().zip(blocks) {
+                if cache.insert(ns, hash.clone(), CachedBlock { extent: ext.seal(), checksums }) {
+                    saved.push(hash);
                 } else {
                     raced += 1;
                 }
             }
-            engine.advertise(&ns, &newly);
-            engine.inner.metrics.saved_blocks.fetch_add(newly.len() as u64, Ordering::Relaxed);
-            Ok::<_, EngineError>((newly, raced))
-        });
-        let (saved, raced) = task.await.map_err(|e| EngineError::Task(e.to_string()))??;
-        report.saved = saved;
-        report.already_resident += raced;
-        Ok(report)
+        }
+        self.advertise(ns, &saved);
+        m.saved_blocks.fetch_add(saved.len() as u64, Ordering::Relaxed);
+        tracing::debug!(
+            blocks = saved.len(),
+            prepare_us = prepared.as_micros() as u64,
+            copy_us = submitted.map(|t| (copied - t).as_micros() as u64).unwrap_or_default(),
+            seal_us = copied.elapsed().as_micros() as u64,
+            "save"
+        );
+        Ok(Sealed { saved, raced, no_space })
     }
 
     /// Enqueues registrations for newly resident blocks, counting door drops.
@@ -634,48 +700,65 @@ impl Engine {
     /// # Errors
     /// Validation errors (unknown namespace, index out of range).
     pub async fn load(&self, namespace: &str, blocks: &[(BlockHash, u64)]) -> Result<LoadReport, EngineError> {
+        let called = Instant::now();
         let (ns, layout) = self.layout(namespace)?;
         Self::check_indices(&layout, blocks.iter().map(|(_, i)| i))?;
         self.inner.metrics.loads.fetch_add(1, Ordering::Relaxed);
         let mut results: Vec<Result<(), LoadError>> = Vec::with_capacity(blocks.len());
-        let mut host = Vec::new();
-        let mut ops = Vec::new();
-        let mut which = Vec::new();
+        // Leases on the resident blocks (the cache lock is held only here).
+        let mut hits: Vec<(usize, SealedExtent, u64)> = Vec::with_capacity(blocks.len());
         {
             let mut cache = self.inner.cache.lock().expect("cache lock");
             for (i, (hash, idx)) in blocks.iter().enumerate() {
                 match cache.get(&ns, hash) {
                     Some(b) => {
-                        let e = host.len();
-                        host.push(HostBuf::Sealed(b.extent));
-                        which.push(i);
-                        for c in layout.coalesced_copies(*idx) {
-                            ops.push(CopyOp {
-                                buffer: c.buffer,
-                                device_offset: c.device_offset,
-                                extent: e,
-                                host_offset: c.host_offset_in_block,
-                                len: c.len,
-                            });
-                        }
+                        hits.push((i, b.extent, *idx));
                         results.push(Ok(()));
                     }
                     None => results.push(Err(LoadError::NotResident)),
                 }
             }
         }
-        if !host.is_empty() {
-            let bytes: u64 = ops.iter().map(|o| o.len).sum();
-            let t = Instant::now();
-            let done = self.inner.gpu.submit(CopyBatch { direction: Direction::HostToDevice, ops, host }).await;
-            let m = &self.inner.metrics;
-            m.load_copy_bytes.fetch_add(bytes, Ordering::Relaxed);
-            m.load_copy_ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
-            if let Err(e) = done.result {
-                for i in which {
-                    results[i] = Err(LoadError::Copy(e.clone()));
+        // Batches submitted as they are built (see `limits::COPY_BATCH_OPS_FIRST`).
+        let block_bytes = layout.block_bytes();
+        let mut pending = Vec::new();
+        let mut hits = hits.into_iter().peekable();
+        let submitted = Instant::now();
+        while hits.peek().is_some() {
+            let (mut host, mut ops, mut which) = (Vec::new(), Vec::new(), Vec::new());
+            let limits = batch_limits(pending.len() as u32);
+            while let Some((i, ext, idx)) =
+                hits.next_if(|_| host.is_empty() || batch_has_room(&ops, host.len(), block_bytes, limits))
+            {
+                push_block_ops(&layout, idx, host.len(), &mut ops);
+                host.push(HostBuf::Sealed(ext));
+                which.push(i);
+            }
+            pending.push((which, self.inner.gpu.submit(CopyBatch::new(Direction::HostToDevice, ops, host))));
+        }
+        if !pending.is_empty() {
+            let prepared = submitted - called;
+            let mut bytes = 0;
+            for (which, done) in pending {
+                let done = done.await;
+                match done.result {
+                    Ok(()) => bytes += which.len() as u64 * block_bytes,
+                    Err(e) => {
+                        for i in which {
+                            results[i] = Err(LoadError::Copy(e.clone()));
+                        }
+                    }
                 }
             }
+            let m = &self.inner.metrics;
+            m.load_copy_bytes.fetch_add(bytes, Ordering::Relaxed);
+            m.load_copy_ns.fetch_add(submitted.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            tracing::debug!(
+                blocks = bytes / block_bytes.max(1),
+                prepare_us = prepared.as_micros() as u64,
+                copy_us = submitted.elapsed().as_micros() as u64,
+                "load"
+            );
         }
         let report = LoadReport { results };
         let ok = report.loaded() as u64;
@@ -735,6 +818,42 @@ impl Engine {
     pub fn config(&self) -> &EngineConfig {
         &self.inner.cfg
     }
+}
+
+/// What [`Engine::copy_and_seal`] did.
+struct Sealed {
+    saved: Vec<BlockHash>,
+    raced: usize,
+    no_space: usize,
+}
+
+/// The size limits of the `n`th copy batch of a save or load (0-based):
+/// `(ops, bytes)`, doubling from the first batch's (see
+/// [`limits::COPY_BATCH_OPS_FIRST`]).
+fn batch_limits(n: u32) -> (usize, u64) {
+    let grow = 1u64 << n.min(20);
+    (
+        (limits::COPY_BATCH_OPS_FIRST as u64).saturating_mul(grow).min(limits::COPY_BATCH_OPS_MAX as u64) as usize,
+        limits::COPY_BATCH_BYTES_FIRST.saturating_mul(grow).min(limits::COPY_BATCH_BYTES_MAX),
+    )
+}
+
+/// Whether a copy batch holding `ops` for `blocks` blocks takes one more
+/// block under `limits` (from [`batch_limits`]).
+fn batch_has_room(ops: &[CopyOp], blocks: usize, block_bytes: u64, limits: (usize, u64)) -> bool {
+    ops.len() < limits.0 && (blocks as u64 + 1) * block_bytes <= limits.1
+}
+
+/// Appends the coalesced copies of block `idx` of `layout`, against host
+/// extent `extent` of the batch being built.
+fn push_block_ops(layout: &Layout, idx: u64, extent: usize, ops: &mut Vec<CopyOp>) {
+    ops.extend(layout.coalesced_copies(idx).into_iter().map(|c| CopyOp {
+        buffer: c.buffer,
+        device_offset: c.device_offset,
+        extent,
+        host_offset: c.host_offset_in_block,
+        len: c.len,
+    }));
 }
 
 /// Bytes of blocks above which seal-time checksums are computed on several

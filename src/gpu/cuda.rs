@@ -1,19 +1,47 @@
 //! The `cuda` GPU backend (feature `cuda`): device KV buffers in GPU memory,
-//! the pinned pool registered with the driver once, and batched scattered
-//! copies in both directions by one gather/scatter kernel launch per batch.
+//! the pinned pool registered with the driver once, batched scattered
+//! copies in both directions, and a save's slot checksums computed on the
+//! device beside the copy.
 //!
-//! Why a kernel: one `cuMemcpyAsync` per 32 KiB fragment is host-bound at
-//! ≈ 10 GB/s, the driver's batched copy reached 20–28 GB/s from Rust, and a
-//! gather/scatter kernel over mapped pinned memory ran at 51–52 GB/s for
-//! fragments from 4 KiB (docs/perf.md, cuda.md measurements on the H200).
-//! The kernel reads a descriptor table `(src, dst, len)` — device pointers on
-//! both sides, the host side through the pool's mapped (UVA) address — with
-//! one thread block per ≤ 64 KiB piece and 16-byte loads when aligned.
+//! How a batch moves (numbers: H200, docs/BENCHMARKS.md):
 //!
-//! Completion: the batch is launched on a per-direction stream from a
-//! blocking worker thread that then waits on the stream and hands the host
-//! buffers back. The buffers live in that worker until the GPU is done, so a
-//! dropped completion future never frees memory a copy still touches (C11).
+//! - **Staged** (default, fragments below [`CudaConfig::dma_min_bytes`]): a
+//!   save's fragments are gathered by a kernel into a device staging slot
+//!   laid out like the host extents (HBM speed), then each host-contiguous
+//!   run (a whole block, often several adjacent blocks) is moved by the copy
+//!   engine; a load does the reverse (copy engine into a slot, scatter
+//!   kernel out of it). Slots rotate per direction ([`CudaConfig::staging_slots`]
+//!   × [`CudaConfig::staging_bytes`]), the next chunk's kernel overlapping
+//!   the previous chunk's copy, ordered by events on the device. The copy
+//!   engines reach the raw pinned peak and run both directions at once;
+//!   one `cuMemcpyAsync` per 32 KiB fragment would be host-bound at
+//!   ≈ 10 GB/s, and the driver's batched copy reached 20–28 GB/s from Rust
+//!   (docs/perf.md, cuda.md).
+//! - **Direct**: runs of at least `dma_min_bytes` (contiguous layouts) go to
+//!   the copy engine straight from/to the device buffer, adjacent runs
+//!   merged.
+//! - **Zero-copy** (`staging_bytes = 0`, session 1's design, kept for
+//!   comparison): one kernel reads/writes the pinned pool through its mapped
+//!   (UVA) address, launched in parts of [`CudaConfig::launch_pieces`] while
+//!   the table is still written. It tops out near 0.88 of the raw copy for
+//!   32 KiB fragments and ≈ 0.6 of the bidirectional peak with a save and a
+//!   load at once (SM traffic over PCIe).
+//!
+//! Kernels read a descriptor table `(src, dst, len)` in pinned mapped memory
+//! (reused across batches), one thread block per ≤ 64 KiB piece, 16-byte
+//! accesses when aligned, a grid of [`CudaConfig::blocks_per_sm`] per SM.
+//!
+//! Checksums (C10): a save asks for the CRC-32C of every slot. Reading the
+//! pool again on the CPU after the copy halved save throughput, so a second
+//! kernel, on its own stream, checksums the *device* bytes of every piece
+//! (HBM reads, far below the PCIe time) and the host folds the piece CRCs
+//! into slot CRCs ([`super::crc`], where the arithmetic is unit-tested
+//! against a CPU model of this kernel).
+//!
+//! Completion: a batch is enqueued by a blocking worker thread (kept across
+//! batches) that then waits on events and hands the host buffers back. The
+//! buffers live in that worker until the GPU is done, so a dropped
+//! completion future never frees memory a copy still touches (C11).
 //!
 //! Start-up errors are values: no libcuda / libnvrtc, no device, or a driver
 //! too old for the CUDA 13.0 API become [`GpuError::Unavailable`] (cudarc
@@ -25,25 +53,30 @@
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys;
-use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg, result};
+use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaStream, LaunchConfig, PushKernelArg, result};
 
+use super::crc::{self, PIECE_BYTES_MAX, RangeFolder, RangeIndex};
 use super::{Completed, Completion, CopyBatch, Direction, Gpu, GpuError, HostBuf, validate_batch};
 use crate::engine::layout::DeviceBufferId;
 
-/// Pieces larger than this are split so work spreads over the SMs (bytes).
-const PIECE_BYTES_MAX: u64 = 64 << 10;
-/// Threads per block of the copy kernel.
-const THREADS: u32 = 256;
+/// Threads per block of both kernels (the checksum kernel needs exactly
+/// `crc::CHUNKS_PER_PIECE`).
+const THREADS: u32 = crc::CHUNKS_PER_PIECE as u32;
 
-const KERNEL: &str = r#"
-extern "C" __global__ void kvferry_copy(const unsigned long long* __restrict__ desc, unsigned long long n) {
+const KERNELS: &str = r#"
+extern "C" __global__ void kvferry_copy(const unsigned long long* __restrict__ desc, unsigned long long n,
+                                        unsigned long long src_base, unsigned long long dst_base) {
     for (unsigned long long op = blockIdx.x; op < n; op += gridDim.x) {
-        unsigned long long src = desc[3 * op], dst = desc[3 * op + 1], len = desc[3 * op + 2];
+        unsigned long long src = src_base + desc[3 * op], dst = dst_base + desc[3 * op + 1], len = desc[3 * op + 2];
         if (((src | dst | len) & 15ull) == 0) {
             const uint4* s = (const uint4*)src;
             uint4* d = (uint4*)dst;
-            unsigned long long nv = len >> 4;
-            for (unsigned long long k = threadIdx.x; k < nv; k += blockDim.x) d[k] = s[k];
+            unsigned long long nv = len >> 4, k = threadIdx.x, b = blockDim.x;
+            for (; k + 3 * b < nv; k += 4 * b) {
+                uint4 v0 = s[k], v1 = s[k + b], v2 = s[k + 2 * b], v3 = s[k + 3 * b];
+                d[k] = v0; d[k + b] = v1; d[k + 2 * b] = v2; d[k + 3 * b] = v3;
+            }
+            for (; k < nv; k += b) d[k] = s[k];
         } else {
             const unsigned char* s = (const unsigned char*)src;
             unsigned char* d = (unsigned char*)dst;
@@ -51,7 +84,130 @@ extern "C" __global__ void kvferry_copy(const unsigned long long* __restrict__ d
         }
     }
 }
+
+__device__ __forceinline__ unsigned int kv_mulmod(unsigned int a, unsigned int b) {
+    unsigned int p = 0;
+    for (unsigned int m = 0x80000000u; m; m >>= 1) {
+        if (a & m) p ^= b;
+        b = (b >> 1) ^ (0x82F63B78u & (0u - (b & 1u)));
+    }
+    return p;
+}
+
+#define KV_STEP(w) crc ^= (w); crc = t[768 + (crc & 255u)] ^ t[512 + ((crc >> 8) & 255u)] ^ t[256 + ((crc >> 16) & 255u)] ^ t[crc >> 24];
+
+// Raw CRC-32C of each piece (desc[3p] = device address, desc[3p+2] = bytes,
+// at most 256 * 256): thread t checksums bytes [256t, 256t+256); see crc.rs.
+extern "C" __global__ void kvferry_crc(const unsigned long long* __restrict__ desc, unsigned long long n,
+                                       unsigned int* __restrict__ out, const unsigned int* __restrict__ tables) {
+    __shared__ unsigned int t[1024];
+    __shared__ unsigned int warp_x[32];
+    __shared__ unsigned int last_crc;
+    for (unsigned int i = threadIdx.x; i < 1024; i += blockDim.x) t[i] = tables[i];
+    __syncthreads();
+    const unsigned int* chunk_shift = tables + 1024;
+    const unsigned int* byte_shift = tables + 1280;
+    for (unsigned long long p = blockIdx.x; p < n; p += gridDim.x) {
+        unsigned long long src = desc[3 * p], len = desc[3 * p + 2];
+        unsigned int last = (unsigned int)((len + 255) >> 8) - 1;
+        unsigned int tid = threadIdx.x;
+        unsigned int crc = 0;
+        if (tid <= last) {
+            unsigned long long b = (unsigned long long)tid << 8;
+            unsigned long long m = len - b < 256 ? len - b : 256;
+            const unsigned char* s = (const unsigned char*)(src + b);
+            unsigned long long k = 0;
+            if (((src + b) & 15ull) == 0) {
+                for (; k + 16 <= m; k += 16) {
+                    uint4 q = *(const uint4*)(s + k);
+                    KV_STEP(q.x) KV_STEP(q.y) KV_STEP(q.z) KV_STEP(q.w)
+                }
+            }
+            for (; k < m; k++) crc = t[(crc ^ s[k]) & 255u] ^ (crc >> 8);
+        }
+        unsigned int v = tid < last ? kv_mulmod(crc, chunk_shift[last - 1 - tid]) : 0u;
+        if (tid == last) last_crc = crc;
+        for (int o = 16; o > 0; o >>= 1) v ^= __shfl_xor_sync(0xffffffffu, v, o);
+        if ((tid & 31u) == 0) warp_x[tid >> 5] = v;
+        __syncthreads();
+        if (tid == 0) {
+            unsigned int prefix = 0;
+            for (unsigned int w = 0; w < (blockDim.x >> 5); w++) prefix ^= warp_x[w];
+            unsigned int r = (unsigned int)(len - ((unsigned long long)last << 8));
+            out[p] = kv_mulmod(prefix, byte_shift[r]) ^ last_crc;
+        }
+        __syncthreads();
+    }
+}
 "#;
+
+/// Tuning of the CUDA backend. [`CudaConfig::from_env`] reads overrides
+/// (`KVFERRY_CUDA_BLOCKS_PER_SM`, `KVFERRY_CUDA_DMA_MIN_BYTES`,
+/// `KVFERRY_CUDA_LAUNCH_PIECES`, `KVFERRY_CUDA_DEVICE_CHECKSUMS=0|1`,
+/// `KVFERRY_CUDA_STAGING_BYTES`, `KVFERRY_CUDA_STAGING_SLOTS`), for
+/// benchmarking on a new machine.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CudaConfig {
+    /// Copy-kernel thread blocks per SM (the grid is `SMs × this`, each
+    /// block looping over pieces). Small enough that a save kernel and a
+    /// load kernel fit on the device together.
+    pub blocks_per_sm: u32,
+    /// Copies of at least this many contiguous bytes go to the copy engine
+    /// straight from/to the device buffer (no staging, no kernel).
+    pub dma_min_bytes: u64,
+    /// Zero-copy mode only: pieces per kernel launch, so a large batch
+    /// starts copying while the rest of its table is being written.
+    pub launch_pieces: usize,
+    /// Checksum save slots on the device (otherwise the engine does it on
+    /// the CPU after the copy).
+    pub device_checksums: bool,
+    /// Bytes of one staging slot; 0 = zero-copy mode (the kernel reads and
+    /// writes the pinned pool through its mapped address). Staged copies
+    /// gather fragments into a device slot (HBM speed) and move the slot's
+    /// host-contiguous runs with the copy engines, so both directions run
+    /// at the copy-engine peak and at once.
+    pub staging_bytes: u64,
+    /// Staging slots per direction (round robin; a slot is reused once the
+    /// device finished with its previous chunk).
+    pub staging_slots: usize,
+}
+
+impl Default for CudaConfig {
+    fn default() -> Self {
+        Self {
+            blocks_per_sm: 4,
+            dma_min_bytes: 1 << 20,
+            launch_pieces: 4096,
+            device_checksums: true,
+            staging_bytes: 32 << 20,
+            staging_slots: 4,
+        }
+    }
+}
+
+impl CudaConfig {
+    /// Defaults, overridden by the environment variables named above
+    /// (unparsable values are ignored with a warning).
+    pub fn from_env() -> Self {
+        fn var<T: std::str::FromStr>(name: &str) -> Option<T> {
+            let v = std::env::var(name).ok()?;
+            let parsed = v.parse().ok();
+            if parsed.is_none() {
+                tracing::warn!(name, value = %v, "ignoring unparsable CUDA tuning variable");
+            }
+            parsed
+        }
+        let d = Self::default();
+        Self {
+            blocks_per_sm: var("KVFERRY_CUDA_BLOCKS_PER_SM").filter(|&n: &u32| n > 0).unwrap_or(d.blocks_per_sm),
+            dma_min_bytes: var("KVFERRY_CUDA_DMA_MIN_BYTES").unwrap_or(d.dma_min_bytes),
+            launch_pieces: var("KVFERRY_CUDA_LAUNCH_PIECES").filter(|&n: &usize| n > 0).unwrap_or(d.launch_pieces),
+            device_checksums: var::<u8>("KVFERRY_CUDA_DEVICE_CHECKSUMS").map_or(d.device_checksums, |v| v != 0),
+            staging_bytes: var("KVFERRY_CUDA_STAGING_BYTES").unwrap_or(d.staging_bytes),
+            staging_slots: var("KVFERRY_CUDA_STAGING_SLOTS").filter(|&n: &usize| n > 0).unwrap_or(d.staging_slots),
+        }
+    }
+}
 
 fn unavailable(what: impl std::fmt::Display) -> GpuError {
     GpuError::Unavailable(what.to_string())
@@ -85,6 +241,7 @@ struct Table {
     device: sys::CUdeviceptr,
 }
 
+#[derive(Clone, Copy)]
 struct Registered {
     host: usize,
     len: usize,
@@ -95,7 +252,19 @@ struct Inner {
     ctx: Arc<CudaContext>,
     d2h: Arc<CudaStream>,
     h2d: Arc<CudaStream>,
-    kernel: CudaFunction,
+    /// Saves' gather kernels into staging slots.
+    gather: Arc<CudaStream>,
+    /// Loads' scatter kernels out of staging slots.
+    scatter: Arc<CudaStream>,
+    /// The checksum kernel's stream (runs beside a save's copy).
+    crc: Arc<CudaStream>,
+    /// Staging rings in device memory, per direction.
+    stage_save: Mutex<Staging>,
+    stage_load: Mutex<Staging>,
+    copy_kernel: CudaFunction,
+    crc_kernel: CudaFunction,
+    /// `crc::kernel_tables()` in device memory.
+    crc_tables: sys::CUdeviceptr,
     /// Device buffers: (device pointer, bytes).
     buffers: Mutex<Vec<(sys::CUdeviceptr, u64)>>,
     /// Host memory registered with the driver (the pool).
@@ -105,6 +274,8 @@ struct Inner {
     /// would serialize concurrent batches).
     tables: Mutex<Vec<Table>>,
     sm_count: u32,
+    cfg: CudaConfig,
+    workers: Arc<Workers>,
 }
 
 // SAFETY: the raw device pointers are plain integers owned by this backend;
@@ -126,6 +297,14 @@ impl CudaGpu {
     /// [`GpuError::Unavailable`] with the reason (no driver library, no such
     /// device, NVRTC missing, compile failure).
     pub fn new(ordinal: usize) -> Result<Self, GpuError> {
+        Self::with_config(ordinal, CudaConfig::from_env())
+    }
+
+    /// [`CudaGpu::new`] with explicit tuning.
+    ///
+    /// # Errors
+    /// As [`CudaGpu::new`].
+    pub fn with_config(ordinal: usize, cfg: CudaConfig) -> Result<Self, GpuError> {
         // SAFETY: only probes whether the shared libraries can be opened.
         if !unsafe { sys::is_culib_present() } {
             return Err(unavailable("libcuda not found: no NVIDIA driver on this machine"));
@@ -142,26 +321,62 @@ impl CudaGpu {
         // We order work ourselves (one stream per direction, explicit waits).
         // SAFETY: no cudarc-managed allocation exists yet.
         unsafe { ctx.disable_event_tracking() };
-        let d2h = ctx.new_stream().map_err(|e| unavailable(format!("stream: {e}")))?;
-        let h2d = ctx.new_stream().map_err(|e| unavailable(format!("stream: {e}")))?;
-        let ptx = cudarc::nvrtc::compile_ptx(KERNEL).map_err(|e| unavailable(format!("nvrtc: {e:?}")))?;
+        let stream = || ctx.new_stream().map_err(|e| unavailable(format!("stream: {e}")));
+        let (d2h, h2d, crc_stream) = (stream()?, stream()?, stream()?);
+        let (gather, scatter) = (stream()?, stream()?);
+        let ptx = cudarc::nvrtc::compile_ptx(KERNELS).map_err(|e| unavailable(format!("nvrtc: {e:?}")))?;
         let module = ctx.load_module(ptx).map_err(|e| unavailable(format!("load module: {e}")))?;
-        let kernel = module.load_function("kvferry_copy").map_err(|e| unavailable(format!("load kernel: {e}")))?;
+        let load = |name: &str| module.load_function(name).map_err(|e| unavailable(format!("load {name}: {e}")));
+        let (copy_kernel, crc_kernel) = (load("kvferry_copy")?, load("kvferry_crc")?);
         let sm_count = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| unavailable(format!("attribute: {e}")))? as u32;
+        let words = crc::kernel_tables();
+        // SAFETY: a fresh device allocation, filled synchronously right away.
+        let crc_tables = unsafe {
+            let ptr = result::malloc_sync(words.len() * 4).map_err(|e| unavailable(format!("table alloc: {e}")))?;
+            result::memcpy_htod_sync(ptr, &words).map_err(|e| unavailable(format!("table upload: {e}")))?;
+            ptr
+        };
+        let staging = || -> Result<Mutex<Staging>, GpuError> {
+            let n = if cfg.staging_bytes == 0 { 0 } else { cfg.staging_slots.max(1) };
+            let slots = (0..n)
+                .map(|_| {
+                    // SAFETY: a plain device allocation, freed in `Drop`.
+                    let buf = unsafe { result::malloc_sync(cfg.staging_bytes as usize) }
+                        .map_err(|e| unavailable(format!("staging buffer of {} bytes: {e}", cfg.staging_bytes)))?;
+                    Ok(Slot { buf, free: None })
+                })
+                .collect::<Result<_, GpuError>>()?;
+            Ok(Mutex::new(Staging { slots, next: 0 }))
+        };
+        let (stage_save, stage_load) = (staging()?, staging()?);
         Ok(Self {
             inner: Arc::new(Inner {
                 ctx,
                 d2h,
                 h2d,
-                kernel,
+                gather,
+                scatter,
+                crc: crc_stream,
+                stage_save,
+                stage_load,
+                copy_kernel,
+                crc_kernel,
+                crc_tables,
                 buffers: Mutex::new(Vec::new()),
                 registered: Mutex::new(Vec::new()),
                 tables: Mutex::new(Vec::new()),
                 sm_count,
+                cfg,
+                workers: Arc::default(),
             }),
         })
+    }
+
+    /// The tuning in use.
+    pub fn config(&self) -> &CudaConfig {
+        &self.inner.cfg
     }
 
     /// Device name.
@@ -252,75 +467,496 @@ impl CudaGpu {
     }
 }
 
-impl Inner {
-    fn mapped(&self, host: *const u8, len: u64) -> Result<u64, GpuError> {
-        let h = host as usize;
-        let regs = self.registered.lock().expect("registered lock");
-        for r in regs.iter() {
-            if h >= r.host && h + len as usize <= r.host + r.len {
-                return Ok(r.device + (h - r.host) as u64);
+/// Writes one descriptor `(a, b, c)` at word `at` of a table.
+///
+/// # Safety
+/// `table + at .. table + at + 3` must lie inside the table.
+unsafe fn write3(table: *mut u64, at: usize, d: [u64; 3]) {
+    // SAFETY: the caller guarantees the bounds.
+    unsafe { std::ptr::copy_nonoverlapping(d.as_ptr(), table.add(at), 3) }
+}
+
+/// Device (UVA) address of `len` bytes of registered host memory at `host`.
+fn mapped(regs: &[Registered], host: *const u8, len: u64) -> Result<u64, GpuError> {
+    let h = host as usize;
+    regs.iter()
+        .find(|r| h >= r.host && h + len as usize <= r.host + r.len)
+        .map(|r| r.device + (h - r.host) as u64)
+        .ok_or_else(|| GpuError::OutOfRange(format!("host range {h:#x}+{len} is not in registered pinned memory")))
+}
+
+/// A job for a copy worker.
+type Job = Box<dyn FnOnce() + Send>;
+
+/// Threads that run batches (each blocks until the device finished its
+/// batch), kept across batches: spawning one per batch delayed the first
+/// copy of every batch by ~0.1 ms on the H200 host. A worker that finished
+/// parks itself in `idle` with a fresh channel; a submit takes an idle
+/// worker or starts a new one, so batches never queue behind each other.
+#[derive(Default)]
+struct Workers {
+    idle: Mutex<Vec<std::sync::mpsc::Sender<Job>>>,
+}
+
+/// Idle workers kept; more exit after their batch.
+const IDLE_WORKERS_MAX: usize = 16;
+
+impl Workers {
+    fn run(self: &Arc<Self>, job: Job) {
+        let mut job = job;
+        while let Some(tx) = self.idle.lock().expect("workers lock").pop() {
+            match tx.send(job) {
+                Ok(()) => return,
+                Err(e) => job = e.0,
             }
         }
-        Err(GpuError::OutOfRange(format!("host range {h:#x}+{len} is not in registered pinned memory")))
+        let me = Arc::downgrade(self);
+        let spawned = std::thread::Builder::new().name("kvferry-cuda".into()).spawn(move || {
+            let mut job = job;
+            loop {
+                job();
+                let (tx, rx) = std::sync::mpsc::channel();
+                let Some(w) = me.upgrade() else { return };
+                {
+                    let mut idle = w.idle.lock().expect("workers lock");
+                    if idle.len() >= IDLE_WORKERS_MAX {
+                        return;
+                    }
+                    idle.push(tx);
+                }
+                drop(w);
+                // Ends when the backend (and so the idle list) is dropped.
+                match rx.recv() {
+                    Ok(next) => job = next,
+                    Err(_) => return,
+                }
+            }
+        });
+        if let Err(e) = spawned {
+            // No thread: the job (and the batch's buffers) are dropped, and
+            // the completion reports the worker as gone.
+            tracing::error!(error = %e, "cannot start a CUDA copy worker");
+        }
+    }
+}
+
+/// One staging slot: a device buffer and the event after which nothing
+/// reads or writes it any more.
+struct Slot {
+    buf: sys::CUdeviceptr,
+    free: Option<CudaEvent>,
+}
+
+/// A direction's staging ring, used round robin.
+struct Staging {
+    slots: Vec<Slot>,
+    next: usize,
+}
+
+/// A run of host-contiguous bytes of a staged chunk.
+struct Span {
+    host: usize,
+    stage_offset: u64,
+    len: u64,
+}
+
+/// The chunk being gathered: its copy pieces start at table piece `first`.
+#[derive(Default)]
+struct Chunk {
+    spans: Vec<Span>,
+    first: usize,
+    used: u64,
+}
+
+/// The state of one batch while its table is written and its work enqueued.
+struct BatchRun<'a> {
+    inner: &'a Inner,
+    save: bool,
+    table: &'a Table,
+    bound: usize,
+    /// Table word offsets of the copy descriptors, the checksum
+    /// descriptors and the checksum outputs.
+    copy_at: usize,
+    crc_at: usize,
+    out_at: usize,
+    n_copy: usize,
+    n_crc: usize,
+    /// Zero-copy mode: pieces launched so far and launches made.
+    launched: usize,
+    parts: u32,
+    /// Per checksum piece: (range, offset in range, bytes).
+    folds: Vec<(u32, u64, u64)>,
+    /// A direct copy-engine copy being extended: (device, host, bytes).
+    direct: Option<(u64, usize, u64)>,
+    /// Copy-engine calls made (direct and staged).
+    dma_calls: usize,
+    /// When everything was enqueued (debug timing).
+    enqueued: Option<std::time::Instant>,
+    chunk: Chunk,
+}
+
+impl BatchRun<'_> {
+    fn dma_stream(&self) -> &CudaStream {
+        if self.save { &self.inner.d2h } else { &self.inner.h2d }
     }
 
-    fn run(&self, batch: &CopyBatch) -> Result<(), GpuError> {
-        let mut desc: Vec<u64> = Vec::with_capacity(batch.ops.len() * 3);
+    fn kernel_stream(&self) -> &CudaStream {
+        if self.save { &self.inner.gather } else { &self.inner.scatter }
+    }
+
+    /// Appends a copy piece; `false` when the table bound is reached.
+    fn copy_piece(&mut self, d: [u64; 3]) -> bool {
+        if self.n_copy >= self.bound {
+            return false;
+        }
+        // SAFETY: `copy_at + 3 * n_copy + 2 < crc_at <= table words`.
+        unsafe { write3(self.table.host, self.copy_at + 3 * self.n_copy, d) };
+        self.n_copy += 1;
+        true
+    }
+
+    /// Appends a checksum piece of device bytes at `dev`.
+    fn crc_piece(&mut self, dev: u64, n: u64, fold: (u32, u64, u64)) -> bool {
+        if self.n_crc >= self.bound {
+            return false;
+        }
+        // SAFETY: `crc_at + 3 * n_crc + 2 < out_at <= table words`.
+        unsafe { write3(self.table.host, self.crc_at + 3 * self.n_crc, [dev, 0, n]) };
+        self.n_crc += 1;
+        self.folds.push(fold);
+        true
+    }
+
+    /// Issues (or extends) a copy-engine copy of `len` bytes.
+    fn direct(&mut self, dev: u64, host: usize, len: u64) -> Result<(), GpuError> {
+        if let Some((d, h, n)) = &mut self.direct
+            && *d + *n == dev
+            && *h + *n as usize == host
         {
-            let bufs = self.buffers.lock().expect("buffers lock");
+            *n += len;
+            return Ok(());
+        }
+        self.flush_direct()?;
+        self.direct = Some((dev, host, len));
+        Ok(())
+    }
+
+    fn flush_direct(&mut self) -> Result<(), GpuError> {
+        let Some((dev, host, len)) = self.direct.take() else { return Ok(()) };
+        self.dma_calls += 1;
+        let stream = self.dma_stream().cu_stream();
+        // SAFETY: both ranges were validated (device buffer, registered host
+        // memory) and outlive the batch.
+        unsafe {
+            if self.save {
+                sys::cuMemcpyDtoHAsync_v2(host as *mut _, dev, len as usize, stream)
+            } else {
+                sys::cuMemcpyHtoDAsync_v2(dev, host as *const _, len as usize, stream)
+            }
+        }
+        .result()
+        .map_err(dev_err)
+    }
+
+    /// Launches the zero-copy pieces written since the last launch once
+    /// there are `at_least` of them (ramping up so the device starts early).
+    fn launch_zero_copy(&mut self, at_least: usize) -> Result<(), GpuError> {
+        let part = at_least.min(self.inner.cfg.launch_pieces.min(256 << self.parts.min(8)));
+        if self.n_copy - self.launched >= part.max(1) {
+            let desc = self.table.device + 8 * (self.copy_at + 3 * self.launched) as u64;
+            self.inner.launch_copy(self.dma_stream(), desc, self.n_copy - self.launched, 0, 0)?;
+            self.launched = self.n_copy;
+            self.parts += 1;
+        }
+        Ok(())
+    }
+
+    /// Enqueues the staged chunk: save = gather kernel into a slot, then
+    /// copy-engine copies slot → host; load = copies host → slot, then the
+    /// scatter kernel. The slot's previous user is waited for on the device.
+    fn flush_chunk(&mut self) -> Result<(), GpuError> {
+        if self.chunk.spans.is_empty() {
+            return Ok(());
+        }
+        let chunk = std::mem::take(&mut self.chunk);
+        self.chunk.first = self.n_copy;
+        let i = self.inner;
+        let desc = self.table.device + 8 * (self.copy_at + 3 * chunk.first) as u64;
+        let pieces = self.n_copy - chunk.first;
+        let (dma, kernel) = (self.dma_stream(), self.kernel_stream());
+        let mut staging = if self.save { &i.stage_save } else { &i.stage_load }.lock().expect("staging lock");
+        let (n, next) = (staging.slots.len(), staging.next);
+        let slot = &mut staging.slots[next % n];
+        let buf = slot.buf;
+        if self.save {
+            if let Some(e) = &slot.free {
+                kernel.wait(e).map_err(dev_err)?;
+            }
+            i.launch_copy(kernel, desc, pieces, 0, buf)?;
+            dma.wait(&kernel.record_event(None).map_err(dev_err)?).map_err(dev_err)?;
+            for s in &chunk.spans {
+                // SAFETY: `buf + stage_offset + len <= staging bytes` and the
+                // host span lies in registered memory the batch owns.
+                unsafe {
+                    sys::cuMemcpyDtoHAsync_v2(s.host as *mut _, buf + s.stage_offset, s.len as usize, dma.cu_stream())
+                }
+                .result()
+                .map_err(dev_err)?;
+            }
+            slot.free = Some(dma.record_event(None).map_err(dev_err)?);
+        } else {
+            if let Some(e) = &slot.free {
+                dma.wait(e).map_err(dev_err)?;
+            }
+            for s in &chunk.spans {
+                // SAFETY: as above, in the other direction.
+                unsafe {
+                    sys::cuMemcpyHtoDAsync_v2(buf + s.stage_offset, s.host as *const _, s.len as usize, dma.cu_stream())
+                }
+                .result()
+                .map_err(dev_err)?;
+            }
+            kernel.wait(&dma.record_event(None).map_err(dev_err)?).map_err(dev_err)?;
+            i.launch_copy(kernel, desc, pieces, buf, 0)?;
+            slot.free = Some(kernel.record_event(None).map_err(dev_err)?);
+        }
+        staging.next = (staging.next + 1) % n;
+        self.parts += 1;
+        self.dma_calls += chunk.spans.len();
+        Ok(())
+    }
+
+    /// Adds the copy of one validated op: `dev`, `host` (CPU address) and
+    /// `mapped` (the host bytes' device address) of `op`.
+    fn add(&mut self, op: &super::CopyOp, dev: u64, host: usize, mapped: u64) -> Result<(), GpuError> {
+        let cfg = &self.inner.cfg;
+        let staged = cfg.staging_bytes > 0;
+        if op.len >= cfg.dma_min_bytes || (staged && op.len > cfg.staging_bytes) {
+            return self.direct(dev, host, op.len);
+        }
+        self.flush_direct()?;
+        if staged {
+            if self.chunk.used + op.len > cfg.staging_bytes {
+                self.flush_chunk()?;
+            }
+            let stage_offset = self.chunk.used;
+            match self.chunk.spans.last_mut() {
+                Some(s) if s.host + s.len as usize == host => s.len += op.len,
+                _ => self.chunk.spans.push(Span { host, stage_offset, len: op.len }),
+            }
+            self.chunk.used += op.len;
+        }
+        // Staged: device ↔ slot offset; zero-copy: device ↔ mapped host.
+        let other = if staged { self.chunk.used - op.len } else { mapped };
+        let mut off = 0;
+        while off < op.len {
+            let n = (op.len - off).min(PIECE_BYTES_MAX);
+            let d = if self.save { [dev + off, other + off, n] } else { [other + off, dev + off, n] };
+            if !self.copy_piece(d) {
+                return Err(GpuError::Device("descriptor table bound exceeded".into()));
+            }
+            off += n;
+        }
+        if !staged {
+            self.launch_zero_copy(usize::MAX)?;
+        }
+        Ok(())
+    }
+
+    /// Adds the checksum pieces of one op of a save (its device bytes at
+    /// `dev`), cut at checksum range boundaries.
+    fn add_checksums(
+        &mut self,
+        index: &RangeIndex,
+        checksums: &[super::ChecksumRange],
+        op: &super::CopyOp,
+        dev: u64,
+    ) -> Result<(), GpuError> {
+        let mut ok = true;
+        crc::split_op(index, op.extent, op.host_offset, op.len, PIECE_BYTES_MAX, |off, n, range| {
+            if let Some(r) = range {
+                let fold = (r, op.host_offset + off - checksums[r as usize].offset, n);
+                ok &= self.crc_piece(dev + off, n, fold);
+            }
+        });
+        if ok { Ok(()) } else { Err(GpuError::Device("descriptor table bound exceeded".into())) }
+    }
+
+    /// Enqueues the copies still pending (the last direct copy, the last
+    /// chunk or zero-copy pieces).
+    fn flush(&mut self) -> Result<(), GpuError> {
+        self.flush_direct()?;
+        if self.inner.cfg.staging_bytes > 0 { self.flush_chunk() } else { self.launch_zero_copy(1) }
+    }
+
+    /// Launches the checksum kernel over the checksum pieces and records
+    /// the batch's completion events: `(copies done, checksums done)`.
+    fn record(&mut self) -> Result<(Vec<CudaEvent>, Option<CudaEvent>), GpuError> {
+        let i = self.inner;
+        let mut summed = None;
+        if self.n_crc > 0 {
+            let desc = self.table.device + 8 * self.crc_at as u64;
+            let out = self.table.device + 8 * self.out_at as u64;
+            i.launch(&i.crc, &i.crc_kernel, desc, self.n_crc, &[out, i.crc_tables])?;
+            summed = Some(i.crc.record_event(None).map_err(dev_err)?);
+        }
+        self.enqueued = Some(std::time::Instant::now());
+        let copied = vec![
+            self.dma_stream().record_event(None).map_err(dev_err)?,
+            self.kernel_stream().record_event(None).map_err(dev_err)?,
+        ];
+        Ok((copied, summed))
+    }
+
+    /// Folds the checksum kernel's piece CRCs (once it finished) into the
+    /// ranges' CRCs; `None` when a range was not tiled.
+    fn fold(&self, checksums: &[super::ChecksumRange]) -> Option<Vec<u32>> {
+        // SAFETY: the checksum kernel finished writing `n_crc` u32s at `out_at`.
+        let out = unsafe { std::slice::from_raw_parts(self.table.host.add(self.out_at).cast::<u32>(), self.n_crc) };
+        let mut folder = RangeFolder::new(checksums);
+        for (&(r, off, n), &raw) in self.folds.iter().zip(out) {
+            folder.add(r, off, n, raw);
+        }
+        folder.finish()
+    }
+}
+
+impl Inner {
+    /// Runs one batch to completion; returns the checksums of its ranges
+    /// when they were computed on the device.
+    fn run(&self, batch: &CopyBatch) -> Result<Option<Vec<u32>>, GpuError> {
+        let started = std::time::Instant::now();
+        let save = batch.direction == Direction::DeviceToHost;
+        let index = (save && self.cfg.device_checksums && !batch.checksums.is_empty())
+            .then(|| RangeIndex::new(&batch.checksums, batch.host.len()))
+            .flatten();
+        let checksumming = index.is_some();
+        let index = index.unwrap_or_else(RangeIndex::empty);
+        // Pieces: each ends at the piece size, a range boundary or its op's end.
+        let boundaries = if checksumming { 2 * batch.checksums.len() } else { 0 };
+        let bound = batch.ops.iter().map(|o| o.len.div_ceil(PIECE_BYTES_MAX) as usize).sum::<usize>() + boundaries;
+        if bound == 0 {
+            return Ok(None);
+        }
+        let bufs: Vec<(sys::CUdeviceptr, u64)> = self.buffers.lock().expect("buffers lock").clone();
+        let regs: Vec<Registered> = self.registered.lock().expect("registered lock").clone();
+        let words = if checksumming { 6 * bound + bound.div_ceil(2) } else { 3 * bound };
+        self.ctx.bind_to_thread().map_err(dev_err)?;
+        let table = self.take_table(words)?;
+        let mut run = BatchRun {
+            inner: self,
+            save,
+            table: &table,
+            bound,
+            copy_at: 0,
+            crc_at: 3 * bound,
+            out_at: 6 * bound,
+            n_copy: 0,
+            n_crc: 0,
+            launched: 0,
+            parts: 0,
+            folds: Vec::new(),
+            direct: None,
+            dma_calls: 0,
+            enqueued: None,
+            chunk: Chunk::default(),
+        };
+        let checksums = if checksumming { &batch.checksums[..] } else { &[] };
+        let dev = |op: &super::CopyOp| bufs[op.buffer.0 as usize].0 + op.device_offset;
+        let res = (|| {
             for op in &batch.ops {
-                let (dev_base, _) = bufs[op.buffer.0 as usize];
                 let host_ptr = match &batch.host[op.extent] {
                     HostBuf::Writable(e) => e.as_ptr(),
                     HostBuf::Sealed(e) => e.as_ptr(),
                 };
                 // SAFETY: validate_batch checked `host_offset + len <= extent len`.
-                let host = self.mapped(unsafe { host_ptr.add(op.host_offset as usize) }, op.len)?;
-                let dev = dev_base + op.device_offset;
-                let (src, dst) = match batch.direction {
-                    Direction::DeviceToHost => (dev, host),
-                    Direction::HostToDevice => (host, dev),
-                };
-                let mut off = 0;
-                while off < op.len {
-                    let n = (op.len - off).min(PIECE_BYTES_MAX);
-                    desc.extend_from_slice(&[src + off, dst + off, n]);
-                    off += n;
+                let host = unsafe { host_ptr.add(op.host_offset as usize) };
+                let mapped = mapped(&regs, host, op.len)?;
+                run.add(op, dev(op), host as usize, mapped)?;
+            }
+            // Copies first, so the device starts before the checksum pieces
+            // are written; the checksum kernel then runs beside the copies.
+            run.flush()?;
+            if checksumming {
+                for op in &batch.ops {
+                    run.add_checksums(&index, checksums, op, dev(op))?;
                 }
             }
+            let (copied, summed) = run.record()?;
+            // The checksums are ready long before the copies: fold meanwhile.
+            let sums = match summed {
+                Some(e) => {
+                    e.synchronize().map_err(dev_err)?;
+                    run.fold(&batch.checksums)
+                }
+                None => None,
+            };
+            copied.iter().try_for_each(|e| e.synchronize().map_err(dev_err))?;
+            Ok(sums)
+        })();
+        let built = started.elapsed();
+        if res.is_err() {
+            // Do not reuse a table or slot a failed batch might still touch.
+            let _ = self.ctx.synchronize();
         }
-        let pieces = (desc.len() / 3) as u64;
-        if pieces == 0 {
+        let (n_copy, n_crc, parts, dma_calls) = (run.n_copy, run.n_crc, run.parts, run.dma_calls);
+        let enqueued = run.enqueued.map(|t| t - started).unwrap_or_default();
+        drop(run);
+        self.put_table(table);
+        let sums = res?;
+        tracing::debug!(
+            direction = ?batch.direction,
+            ops = batch.ops.len(),
+            copy_pieces = n_copy,
+            crc_pieces = n_crc,
+            parts,
+            dma_calls,
+            enqueued_us = enqueued.as_micros() as u64,
+            completed_us = built.as_micros() as u64,
+            "cuda batch"
+        );
+        Ok(sums)
+    }
+
+    /// Launches the copy kernel over `n` descriptors at `desc` on `stream`;
+    /// `src_base`/`dst_base` are added to every descriptor's source and
+    /// destination (a staging slot's address, or 0).
+    fn launch_copy(
+        &self,
+        stream: &CudaStream,
+        desc: u64,
+        n: usize,
+        src_base: u64,
+        dst_base: u64,
+    ) -> Result<(), GpuError> {
+        self.launch(stream, &self.copy_kernel, desc, n, &[src_base, dst_base])
+    }
+
+    /// Launches `kernel(desc, n, extra…)` over `n` descriptors on `stream`.
+    fn launch(
+        &self,
+        stream: &CudaStream,
+        kernel: &CudaFunction,
+        desc: u64,
+        n: usize,
+        extra: &[u64],
+    ) -> Result<(), GpuError> {
+        if n == 0 {
             return Ok(());
         }
-        let stream = match batch.direction {
-            Direction::DeviceToHost => &self.d2h,
-            Direction::HostToDevice => &self.h2d,
-        };
-        self.ctx.bind_to_thread().map_err(dev_err)?;
-        let table = self.take_table(desc.len())?;
-        // SAFETY: the table holds at least `desc.len()` u64s and is ours
-        // until `put_table`.
-        unsafe { std::ptr::copy_nonoverlapping(desc.as_ptr(), table.host, desc.len()) };
-        let res = (|| {
-            let grid = (pieces as u32).min(self.sm_count * 32).max(1);
-            let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
-            let mut b = stream.launch_builder(&self.kernel);
-            b.arg(&table.device);
-            b.arg(&pieces);
-            // SAFETY: every descriptor was validated against its buffer and
-            // a registered host region; the kernel touches only those ranges.
-            unsafe { b.launch(cfg) }.map_err(dev_err)?;
-            // Wait for this batch only (other batches may share the stream).
-            let done = stream.record_event(None).map_err(dev_err)?;
-            done.synchronize().map_err(dev_err)
-        })();
-        if res.is_err() {
-            // Do not reuse a table a failed launch might still read.
-            let _ = stream.synchronize();
+        let n = n as u64;
+        let grid = n.min(u64::from(self.sm_count * self.cfg.blocks_per_sm)).max(1) as u32;
+        let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+        let mut b = stream.launch_builder(kernel);
+        b.arg(&desc);
+        b.arg(&n);
+        for x in extra {
+            b.arg(x);
         }
-        self.put_table(table);
-        res
+        // SAFETY: every descriptor was validated against its buffer and a
+        // registered host region or a staging slot; the kernels touch only
+        // those ranges (and the checksum kernel its output array and tables).
+        unsafe { b.launch(cfg) }.map(drop).map_err(dev_err)
     }
 
     /// Device address of `[offset, offset+len)` in buffer `id`, range
@@ -408,23 +1044,35 @@ impl Gpu for CudaGpu {
     }
 
     fn submit(&self, batch: CopyBatch) -> Completion {
-        if let Err(e) = validate_batch(&batch, |id| self.buffer_len(id)) {
-            return Box::pin(std::future::ready(Completed { host: batch.host, result: Err(e) }));
+        let lens: Vec<u64> = self.inner.buffers.lock().expect("buffers lock").iter().map(|b| b.1).collect();
+        if let Err(e) = validate_batch(&batch, |id| lens.get(id.0 as usize).copied()) {
+            return Box::pin(std::future::ready(Completed { host: batch.host, result: Err(e), checksums: None }));
         }
         let inner = self.inner.clone();
         let (tx, rx) = tokio::sync::oneshot::channel();
         // The worker owns the batch (and so the host buffers) until the GPU
         // finished with them, whatever happens to the completion future.
-        std::thread::spawn(move || {
-            let result = inner.run(&batch);
-            let _ = tx.send(Completed { host: batch.host, result });
-        });
+        let submitted = std::time::Instant::now();
+        let workers = inner.workers.clone();
+        workers.run(Box::new(move || {
+            tracing::trace!(spawn_us = submitted.elapsed().as_micros() as u64, "cuda worker up");
+            let (result, checksums) = match inner.run(&batch) {
+                Ok(sums) => (Ok(()), sums),
+                Err(e) => (Err(e), None),
+            };
+            let _ = tx.send(Completed { host: batch.host, result, checksums });
+        }));
         Box::pin(async move {
             rx.await.unwrap_or_else(|_| Completed {
                 host: Vec::new(),
                 result: Err(GpuError::Device("copy worker died".into())),
+                checksums: None,
             })
         })
+    }
+
+    fn checksums_on_device(&self) -> bool {
+        self.inner.cfg.device_checksums
     }
 
     fn write(&self, id: DeviceBufferId, offset: u64, data: &[u8]) -> Result<(), GpuError> {
@@ -448,6 +1096,19 @@ impl Drop for Inner {
             // SAFETY: allocated by `alloc`, freed once, device idle.
             unsafe {
                 let _ = result::free_sync(ptr);
+            }
+        }
+        // SAFETY: allocated in `with_config`, device idle.
+        unsafe {
+            let _ = result::free_sync(self.crc_tables);
+        }
+        for stage in [&self.stage_save, &self.stage_load] {
+            for slot in stage.lock().expect("staging lock").slots.drain(..) {
+                drop(slot.free);
+                // SAFETY: allocated in `with_config`, device idle.
+                unsafe {
+                    let _ = result::free_sync(slot.buf);
+                }
             }
         }
         for t in self.tables.lock().expect("tables lock").drain(..) {

@@ -6,12 +6,14 @@
 //! handed back by the completion, whole-batch failure. What it does not:
 //! asynchrony (copies run inside `submit`, so the completion is ready at
 //! once), PCIe bandwidth, device memory limits. Failure injection: a test can
-//! make the next N batches fail ([`HostGpu::fail_next_batches`]).
+//! make the next N batches fail ([`HostGpu::fail_next_batches`]). A test can
+//! also have it checksum saves the way the CUDA backend does
+//! ([`HostGpu::with_device_checksums`]).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
-use super::{Completed, Completion, CopyBatch, Direction, Gpu, GpuError, HostBuf, checked_range, validate_batch};
+use super::{Completed, Completion, CopyBatch, Direction, Gpu, GpuError, HostBuf, checked_range, crc, validate_batch};
 use crate::engine::layout::DeviceBufferId;
 
 /// Host-memory "device".
@@ -19,6 +21,11 @@ use crate::engine::layout::DeviceBufferId;
 pub struct HostGpu {
     buffers: RwLock<Vec<Arc<RwLock<Vec<u8>>>>>,
     fail_next: AtomicU64,
+    /// Batches to let through before `fail_next` applies.
+    pass_first: AtomicU64,
+    /// Model the CUDA backend's device checksums (see
+    /// [`HostGpu::with_device_checksums`]).
+    device_checksums: bool,
 }
 
 impl HostGpu {
@@ -27,9 +34,25 @@ impl HostGpu {
         Self::default()
     }
 
+    /// A backend that answers a save's checksum ranges the way the CUDA
+    /// backend does — pieces of the *source* bytes checksummed by the CPU
+    /// model of the device kernel, folded per range — so the engine's
+    /// device-checksum path runs without a GPU. Slower than letting the
+    /// engine checksum; for tests.
+    pub fn with_device_checksums() -> Self {
+        Self { device_checksums: true, ..Self::default() }
+    }
+
     /// Makes the next `n` submitted batches fail with [`GpuError::Device`]
     /// (their host buffers still come back).
     pub fn fail_next_batches(&self, n: u64) {
+        self.fail_next_batches_after(0, n);
+    }
+
+    /// Lets the next `pass` batches through, then fails the `n` after them
+    /// (a failure in the middle of a save or load cut into several batches).
+    pub fn fail_next_batches_after(&self, pass: u64, n: u64) {
+        self.pass_first.store(pass, Ordering::SeqCst);
         self.fail_next.store(n, Ordering::SeqCst);
     }
 
@@ -37,9 +60,30 @@ impl HostGpu {
         self.buffers.read().expect("buffers lock").get(id.0 as usize).cloned()
     }
 
+    /// Checksums of a save's ranges from the device bytes (see
+    /// [`HostGpu::with_device_checksums`]); `None` when not tiled in order.
+    fn device_side_checksums(&self, batch: &CopyBatch) -> Option<Vec<u32>> {
+        let index = crc::RangeIndex::new(&batch.checksums, batch.host.len())?;
+        let tables = crc::kernel_tables();
+        let mut folder = crc::RangeFolder::new(&batch.checksums);
+        for op in &batch.ops {
+            let buf = self.buffer(op.buffer)?;
+            let dev = buf.read().expect("device buffer lock");
+            crc::split_op(&index, op.extent, op.host_offset, op.len, crc::PIECE_BYTES_MAX, |off, n, range| {
+                if let Some(r) = range {
+                    let at = (op.device_offset + off) as usize;
+                    let raw = crc::piece_raw_model(&tables, &dev[at..at + n as usize]);
+                    folder.add(r, op.host_offset + off - batch.checksums[r as usize].offset, n, raw);
+                }
+            });
+        }
+        folder.finish()
+    }
+
     fn run(&self, batch: &mut CopyBatch) -> Result<(), GpuError> {
         validate_batch(batch, |id| self.buffer_len(id))?;
-        if self.fail_next.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok() {
+        let passing = self.pass_first.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok();
+        if !passing && self.fail_next.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok() {
             return Err(GpuError::Device("injected failure".into()));
         }
         for op in &batch.ops {
@@ -86,7 +130,14 @@ impl Gpu for HostGpu {
 
     fn submit(&self, mut batch: CopyBatch) -> Completion {
         let result = self.run(&mut batch);
-        Box::pin(std::future::ready(Completed { host: batch.host, result }))
+        let device_side = self.device_checksums && result.is_ok() && batch.direction == Direction::DeviceToHost;
+        let checksums =
+            if device_side && !batch.checksums.is_empty() { self.device_side_checksums(&batch) } else { None };
+        Box::pin(std::future::ready(Completed { host: batch.host, result, checksums }))
+    }
+
+    fn checksums_on_device(&self) -> bool {
+        self.device_checksums
     }
 
     fn write(&self, id: DeviceBufferId, offset: u64, data: &[u8]) -> Result<(), GpuError> {

@@ -19,9 +19,12 @@
 //! Backends: [`host`] (embedded default: the "device" is host memory; also
 //! the simulator's GPU) and `cuda` (feature `cuda`, H200 runs).
 
+pub mod crc;
 #[cfg(all(feature = "cuda", not(madsim)))]
 pub mod cuda;
 pub mod host;
+
+pub use crc::ChecksumRange;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -85,6 +88,18 @@ pub struct CopyBatch {
     pub ops: Vec<CopyOp>,
     /// Host buffers, referenced by `CopyOp::extent`.
     pub host: Vec<HostBuf>,
+    /// Host ranges (of a save's destinations) whose standard CRC-32C the
+    /// backend may compute from the bytes it moves, returned in
+    /// [`Completed::checksums`] in this order. Empty for loads. A backend
+    /// that does not checksum (the host backend) ignores it.
+    pub checksums: Vec<ChecksumRange>,
+}
+
+impl CopyBatch {
+    /// A batch with no checksum ranges.
+    pub fn new(direction: Direction, ops: Vec<CopyOp>, host: Vec<HostBuf>) -> Self {
+        Self { direction, ops, host, checksums: Vec::new() }
+    }
 }
 
 /// What a completion returns: the host buffers (always) and the outcome.
@@ -93,6 +108,11 @@ pub struct Completed {
     pub host: Vec<HostBuf>,
     /// `Ok` when every copy landed.
     pub result: Result<(), GpuError>,
+    /// CRC-32C of each of the batch's [`CopyBatch::checksums`] ranges, in
+    /// order, when the backend computed them from the source bytes (so the
+    /// caller need not read the destination again); `None` otherwise, and
+    /// always `None` when `result` is an error.
+    pub checksums: Option<Vec<u32>>,
 }
 
 /// A pending batch.
@@ -152,6 +172,12 @@ pub trait Gpu: Send + Sync + 'static {
     /// Submits a batch; the completion resolves when every copy landed or
     /// the batch failed, and returns the host buffers.
     fn submit(&self, batch: CopyBatch) -> Completion;
+
+    /// Whether [`Gpu::submit`] answers a save's [`CopyBatch::checksums`]
+    /// (when the ops tile each range in host order). Default: no.
+    fn checksums_on_device(&self) -> bool {
+        false
+    }
 
     /// Writes `data` into a device buffer synchronously (workload set-up:
     /// the replay "computes" KV this way; tests use it).
@@ -243,9 +269,7 @@ pub async fn conformance(gpu: &dyn Gpu) -> Result<(), String> {
         })
         .collect();
     ops[3].len = FRAG - 7; // unaligned length
-    let done = gpu
-        .submit(CopyBatch { direction: Direction::DeviceToHost, ops: ops.clone(), host: vec![HostBuf::Writable(ext)] })
-        .await;
+    let done = gpu.submit(CopyBatch::new(Direction::DeviceToHost, ops.clone(), vec![HostBuf::Writable(ext)])).await;
     done.result.map_err(|e| format!("save batch failed: {e}"))?;
     let Some(HostBuf::Writable(ext)) = done.host.into_iter().next() else { return Err("buffer not returned".into()) };
     for op in &ops {
@@ -259,9 +283,7 @@ pub async fn conformance(gpu: &dyn Gpu) -> Result<(), String> {
     let sealed = ext.seal();
     let back: Vec<CopyOp> =
         ops.iter().map(|op| CopyOp { device_offset: op.device_offset + FRAG * FRAGS, ..*op }).collect();
-    let done = gpu
-        .submit(CopyBatch { direction: Direction::HostToDevice, ops: back, host: vec![HostBuf::Sealed(sealed)] })
-        .await;
+    let done = gpu.submit(CopyBatch::new(Direction::HostToDevice, back, vec![HostBuf::Sealed(sealed)])).await;
     done.result.map_err(|e| format!("load batch failed: {e}"))?;
     if done.host.len() != 1 {
         return Err("load did not return its buffer".into());
@@ -275,17 +297,63 @@ pub async fn conformance(gpu: &dyn Gpu) -> Result<(), String> {
             return Err(format!("host->device fragment at {} differs", op.device_offset));
         }
     }
+    // Checksummed save: slots of mixed sizes, ops in host order but cut at
+    // points that are not slot boundaries, scattered on the device.
+    let len = FRAG * FRAGS;
+    let ext = pool.alloc(len).map_err(|e| e.to_string())?;
+    let cuts = [0, 100_003, 777_777, len];
+    let ops: Vec<CopyOp> = cuts
+        .windows(2)
+        .enumerate()
+        .map(|(i, w)| CopyOp {
+            buffer: dev,
+            device_offset: (i as u64 * 300_001) % (len - (w[1] - w[0])),
+            extent: 0,
+            host_offset: w[0],
+            len: w[1] - w[0],
+        })
+        .collect();
+    let bounds = [0, 65_536, 135_536, 135_543, 1_000_000, len];
+    let checksums: Vec<ChecksumRange> =
+        bounds.windows(2).map(|w| ChecksumRange { extent: 0, offset: w[0], len: w[1] - w[0] }).collect();
+    let mut batch = CopyBatch::new(Direction::DeviceToHost, ops.clone(), vec![HostBuf::Writable(ext)]);
+    batch.checksums = checksums.clone();
+    let done = gpu.submit(batch).await;
+    done.result.map_err(|e| format!("checksummed save failed: {e}"))?;
+    let Some(HostBuf::Writable(ext)) = done.host.first() else { return Err("buffer not returned".into()) };
+    let want: Vec<u32> = checksums
+        .iter()
+        .map(|r| crc32c::crc32c(&ext.as_slice()[r.offset as usize..(r.offset + r.len) as usize]))
+        .collect();
+    match done.checksums {
+        Some(got) if got != want => return Err(format!("device checksums {got:08x?} != {want:08x?}")),
+        None if gpu.checksums_on_device() => return Err("backend promised device checksums, gave none".into()),
+        _ => {}
+    }
+    // And back (large and odd-sized ops both ways) into the upper half.
+    let Some(HostBuf::Writable(ext)) = done.host.into_iter().next() else { return Err("buffer not returned".into()) };
+    let sealed = ext.seal();
+    let back: Vec<CopyOp> = ops.iter().map(|op| CopyOp { device_offset: op.device_offset + len, ..*op }).collect();
+    let done = gpu.submit(CopyBatch::new(Direction::HostToDevice, back.clone(), vec![HostBuf::Sealed(sealed)])).await;
+    done.result.map_err(|e| format!("large load batch failed: {e}"))?;
+    let Some(HostBuf::Sealed(sealed)) = done.host.first() else { return Err("buffer not returned".into()) };
+    for op in &back {
+        let mut out = vec![0u8; op.len as usize];
+        gpu.read(dev, op.device_offset, &mut out).map_err(|e| e.to_string())?;
+        if out[..] != sealed.as_slice()[op.host_offset as usize..(op.host_offset + op.len) as usize] {
+            return Err(format!("host->device op of {} bytes at {} differs", op.len, op.device_offset));
+        }
+    }
+    drop(done.host);
     // Bad batches: an error, and the buffers still come back.
     let ext = pool.alloc(FRAG).map_err(|e| e.to_string())?;
     let bad = CopyOp { buffer: dev, device_offset: 2 * FRAG * FRAGS - 1, extent: 0, host_offset: 0, len: 2 };
-    let done = gpu
-        .submit(CopyBatch { direction: Direction::DeviceToHost, ops: vec![bad], host: vec![HostBuf::Writable(ext)] })
-        .await;
+    let done = gpu.submit(CopyBatch::new(Direction::DeviceToHost, vec![bad], vec![HostBuf::Writable(ext)])).await;
     if !matches!(done.result, Err(GpuError::OutOfRange(_))) || done.host.len() != 1 {
         return Err(format!("out-of-range op not rejected cleanly: {:?}", done.result));
     }
     let unknown = CopyOp { buffer: DeviceBufferId(u32::MAX), device_offset: 0, extent: 0, host_offset: 0, len: 1 };
-    let done = gpu.submit(CopyBatch { direction: Direction::DeviceToHost, ops: vec![unknown], host: done.host }).await;
+    let done = gpu.submit(CopyBatch::new(Direction::DeviceToHost, vec![unknown], done.host)).await;
     if !matches!(done.result, Err(GpuError::UnknownBuffer(_))) || done.host.len() != 1 {
         return Err(format!("unknown buffer not rejected cleanly: {:?}", done.result));
     }
@@ -301,5 +369,13 @@ mod tests {
     async fn host_backend_conforms() {
         let gpu = super::host::HostGpu::new();
         super::conformance(&gpu).await.expect("host backend conformance");
+    }
+
+    /// The conformance body's checksum check with a backend that answers it
+    /// (the path the CUDA backend takes, modelled on the CPU).
+    #[tokio::test]
+    async fn host_backend_with_device_checksums_conforms() {
+        let gpu = super::host::HostGpu::with_device_checksums();
+        super::conformance(&gpu).await.expect("host backend conformance with device checksums");
     }
 }

@@ -3,7 +3,8 @@
 //!
 //! One MetaServer (embedded, or external with `metaserver`), `prefill` +
 //! `decode` nodes, each a real [`crate::node`] with its own gRPC server and
-//! TCP data plane on loopback. Per request: route to a prefill node, reuse
+//! data plane on loopback (TCP, or RDMA verbs on one device with
+//! [`PdConfig::transport`]). Per request: route to a prefill node, reuse
 //! its longest cached prefix (local, else fetched from a peer), "compute"
 //! the rest (KV bytes from [`fill_kv`], a pure function of namespace, block
 //! hash, layer and segment, so any node can recompute them), save,
@@ -27,11 +28,15 @@ use crate::engine::layout::{DeviceBufferId, LayerLayout, buffer_bytes_needed, co
 use crate::engine::{Engine, EngineConfig};
 use crate::gpu::Gpu;
 use crate::metaserver::{self, MetaServerConfig, MetaServerHandle};
-use crate::node::{self, NodeConfig, NodeHandle};
+use crate::node::{self, NodeConfig, NodeHandle, TransportChoice};
 use crate::types::BlockHash;
 
 /// Largest device KV region one replay node allocates (bytes).
 const DEVICE_BYTES_MAX: u64 = 32 << 30;
+
+/// Deadline of one node's graceful stop (unregister, gRPC server) at the
+/// end of a replay or after a failed start.
+const NODE_STOP_DEADLINE: Duration = Duration::from_millis(500);
 
 /// How requests pick a prefill node.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
@@ -49,6 +54,16 @@ pub enum Role {
     Prefill,
     /// Fetches and loads KV.
     Decode,
+}
+
+impl Role {
+    /// `prefill` or `decode`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
 }
 
 /// Per-node copy statistics (device save/load rates, timed submit to
@@ -115,6 +130,9 @@ pub struct PdConfig {
     pub flush_deadline: Duration,
     /// Deadline of one fetch.
     pub fetch_deadline: Duration,
+    /// Data plane of every node (`--transport`, `--rdma-device`): all nodes
+    /// share it, so with verbs they all open the same device.
+    pub transport: TransportChoice,
 }
 
 impl Default for PdConfig {
@@ -139,6 +157,7 @@ impl Default for PdConfig {
             max_blocks: None,
             flush_deadline: Duration::from_secs(5),
             fetch_deadline: Duration::from_secs(5),
+            transport: TransportChoice::Tcp,
         }
     }
 }
@@ -184,6 +203,8 @@ pub struct PdReport {
     pub faults: Vec<String>,
     /// Model preset.
     pub model: String,
+    /// Data plane of the nodes (`tcp`, or `verbs DEVICE port N`).
+    pub transport: String,
     /// Tokens per block.
     pub block_tokens: u64,
     /// Bytes per block.
@@ -444,31 +465,15 @@ pub async fn run_with_observer(
 
     let mut nodes: Vec<Arc<PdNode>> = Vec::new();
     for i in 0..cfg.prefill + cfg.decode {
-        let mut ncfg = NodeConfig::loopback(ms_url.clone());
-        ncfg.engine = EngineConfig {
-            pool_bytes: cfg.pool_bytes,
-            seed: cfg.seed.wrapping_add(i as u64),
-            fetch_deadline: cfg.fetch_deadline,
-            lock_timeout_secs: 10,
-            ..EngineConfig::default()
-        };
-        ncfg.metaserver_rpc_timeout = Duration::from_millis(1000);
-        let (role, index) = if i < cfg.prefill { (Role::Prefill, i) } else { (Role::Decode, i - cfg.prefill) };
-        let (gpu, device_label) = gpu_factory(role, index)?;
-        let handle = node::start(ncfg, gpu).await.map_err(|e| PdError::Start(e.to_string()))?;
-        let engine = handle.engine.clone();
-        let bytes = buffer_bytes_needed(&layers(&shape, DeviceBufferId(0)));
-        let buffer = engine.gpu().alloc(bytes).map_err(|e| PdError::Device(e.to_string()))?;
-        engine.register_layout(&shape.ns, layers(&shape, buffer)).map_err(|e| PdError::Start(e.to_string()))?;
-        nodes.push(Arc::new(PdNode {
-            role,
-            index,
-            device_label,
-            handle: std::sync::Mutex::new(Some(handle)),
-            engine,
-            buffer,
-            device: tokio::sync::Mutex::new(()),
-        }));
+        match start_node(i, &cfg, &ms_url, &shape, &gpu_factory).await {
+            Ok(n) => nodes.push(n),
+            Err(e) => {
+                // Nothing may outlive a failed start (heartbeating clients
+                // of the nodes already up, the embedded MetaServer).
+                stop_cluster(&nodes, ms).await;
+                return Err(e);
+            }
+        }
     }
     let engines: Vec<Engine> = nodes.iter().map(|n| n.engine.clone()).collect();
     on_ready(&engines).map_err(PdError::Start)?;
@@ -569,6 +574,7 @@ pub async fn run_with_observer(
     let mut rep = PdReport {
         requests: n as u64,
         model: model.name.to_string(),
+        transport: cfg.transport.to_string(),
         block_tokens: cfg.block_tokens,
         block_bytes: model.block_bytes(cfg.block_tokens),
         oracle_hit_rate: oracle.hit_rate(),
@@ -610,7 +616,7 @@ pub async fn run_with_observer(
             let (sb, sn) = (m.save_copy_bytes.load(Ordering::Relaxed), m.save_copy_ns.load(Ordering::Relaxed));
             let (lb, ln) = (m.load_copy_bytes.load(Ordering::Relaxed), m.load_copy_ns.load(Ordering::Relaxed));
             NodeStat {
-                role: format!("{:?}", n.role).to_lowercase(),
+                role: n.role.name().to_string(),
                 index: n.index,
                 device: n.device_label.clone(),
                 save_bytes: sb,
@@ -621,17 +627,70 @@ pub async fn run_with_observer(
         })
         .collect();
 
+    stop_cluster(&nodes, ms).await;
+    rep.wall_s = wall.elapsed().as_secs_f64();
+    Ok(rep)
+}
+
+/// Starts node `i` of the replay (prefill nodes first) with its device KV
+/// region and the replay's layout registered. A node that started and then
+/// failed to allocate or register is shut down before the error returns.
+async fn start_node(
+    i: usize,
+    cfg: &PdConfig,
+    ms_url: &str,
+    shape: &Shape,
+    gpu_factory: &impl Fn(Role, usize) -> Result<(Arc<dyn Gpu>, String), PdError>,
+) -> Result<Arc<PdNode>, PdError> {
+    let mut ncfg = NodeConfig::loopback(ms_url);
+    ncfg.engine = EngineConfig {
+        pool_bytes: cfg.pool_bytes,
+        seed: cfg.seed.wrapping_add(i as u64),
+        fetch_deadline: cfg.fetch_deadline,
+        lock_timeout_secs: 10,
+        ..EngineConfig::default()
+    };
+    ncfg.metaserver_rpc_timeout = Duration::from_millis(1000);
+    ncfg.transport = cfg.transport.clone();
+    let (role, index) = if i < cfg.prefill { (Role::Prefill, i) } else { (Role::Decode, i - cfg.prefill) };
+    let (gpu, device_label) = gpu_factory(role, index)?;
+    let handle =
+        node::start(ncfg, gpu).await.map_err(|e| PdError::Start(format!("{} node {index}: {e}", role.name())))?;
+    let engine = handle.engine.clone();
+    let bytes = buffer_bytes_needed(&layers(shape, DeviceBufferId(0)));
+    let registered = engine.gpu().alloc(bytes).map_err(|e| PdError::Device(e.to_string())).and_then(|buffer| {
+        engine.register_layout(&shape.ns, layers(shape, buffer)).map_err(|e| PdError::Start(e.to_string()))?;
+        Ok(buffer)
+    });
+    let buffer = match registered {
+        Ok(b) => b,
+        Err(e) => {
+            handle.shutdown(NODE_STOP_DEADLINE).await;
+            return Err(e);
+        }
+    };
+    Ok(Arc::new(PdNode {
+        role,
+        index,
+        device_label,
+        handle: std::sync::Mutex::new(Some(handle)),
+        engine,
+        buffer,
+        device: tokio::sync::Mutex::new(()),
+    }))
+}
+
+/// Gracefully stops every node still running, then the embedded MetaServer.
+async fn stop_cluster(nodes: &[Arc<PdNode>], ms: Option<MetaServerHandle>) {
     for node in nodes {
         let h = node.handle.lock().expect("handle lock").take();
         if let Some(h) = h {
-            h.shutdown(Duration::from_millis(500)).await;
+            h.shutdown(NODE_STOP_DEADLINE).await;
         }
     }
     if let Some(h) = ms {
         let _ = h.shutdown().await;
     }
-    rep.wall_s = wall.elapsed().as_secs_f64();
-    Ok(rep)
 }
 
 fn percentile(sorted: &[f64], q: f64) -> f64 {

@@ -42,9 +42,9 @@
 //!    partner (INIT → RTR → RTS) and answers with its own QPNs and **the
 //!    offer's PSN** (both directions of a pair start at that PSN, which the
 //!    protocol allows). Its `local_metadata()` would be a fresh offer, not an
-//!    answer: the serving side's `RdmaHandshake` handler must call `accept`
-//!    for verbs (the `Transport` trait has no peer-aware answer; see the
-//!    issue notes).
+//!    answer: the serving side's `RdmaHandshake` handler (`crate::p2p`)
+//!    answers through [`super::Transport::answer`], which this backend
+//!    implements as `accept`.
 //! 3. The reader's `connect(peer, answer)` finds its offer by the echoed PSN
 //!    and connects its QPs to the answer's, index by index
 //!    ([`plan::pair_qpns`]).
@@ -85,9 +85,9 @@
 //!   handshakes again next time.
 //! - A passed deadline fails the unfinished WRs with
 //!   [`super::TransportError::Timeout`] and takes the same path; if the
-//!   flush drain does not finish within `plan::FLUSH_DRAIN_MS_MAX`, the QP
-//!   is destroyed, which per the verbs semantics stops its DMA, before the
-//!   extents are released.
+//!   flush drain does not finish within
+//!   [`crate::limits::VERBS_FLUSH_DRAIN_MS_MAX`], the QP is destroyed, which
+//!   per the verbs semantics stops its DMA, before the extents are released.
 //! - Startup errors of `VerbsTransport::open` are distinct values: no RDMA
 //!   at all (`NoRdma`: the device list fails with `EOPNOTSUPP` without
 //!   `libibverbs1`, `ENOSYS` without kernel support), no device

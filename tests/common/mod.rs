@@ -15,6 +15,7 @@ use kvferry::gpu::{Completion, CopyBatch, Gpu, GpuError};
 use kvferry::metaserver::{self, MetaServerConfig, MetaServerHandle};
 use kvferry::node::{self, NodeConfig, NodeHandle};
 use kvferry::replay::trace::{fill_kv, verify_kv};
+use kvferry::transport::tcp::TcpTransport;
 use kvferry::types::{BlockHash, NodeAddr};
 use tokio::sync::watch;
 
@@ -88,6 +89,11 @@ pub async fn start_node_cfg(cfg: NodeConfig) -> (NodeHandle, Arc<HostGpu>) {
     let gpu = Arc::new(HostGpu::new());
     let n = node::start(cfg, gpu.clone() as Arc<dyn Gpu>).await.expect("node start");
     (n, gpu)
+}
+
+/// The TCP transport of a node started with the default data plane.
+pub fn tcp(n: &NodeHandle) -> &Arc<TcpTransport> {
+    n.tcp.as_ref().expect("a node with the TCP transport")
 }
 
 /// One registered KV layout on one device buffer.

@@ -28,6 +28,7 @@ use super::plan::{
     RemotePeer, Tracked, VerbsConfig, WrTracker,
 };
 use crate::engine::pool::{Extent, Pool};
+use crate::limits;
 use crate::rt::timeout_at;
 use crate::transport::handshake::{HandshakeMetadata, LinkLayer, Region, TransportKind};
 use crate::transport::{DataSource, ReadCompletion, ReadOp, Transport, TransportError, validate_local};
@@ -315,7 +316,10 @@ impl VerbsTransport {
             rng: Mutex::new(StdRng::from_os_rng()),
             next_generation: AtomicU32::new(1),
             next_start: AtomicUsize::new(0),
-            offers: Mutex::new(OfferTable::new(plan::PENDING_OFFERS_MAX, Duration::from_millis(plan::OFFER_TTL_MS))),
+            offers: Mutex::new(OfferTable::new(
+                limits::VERBS_PENDING_OFFERS_MAX,
+                Duration::from_millis(limits::VERBS_OFFER_TTL_MS),
+            )),
             peers: Mutex::new(HashMap::new()),
             served: Mutex::new(HashMap::new()),
             served_cq,
@@ -340,9 +344,9 @@ impl VerbsTransport {
     /// validates its offer, creates one QP per offered QPN, connects each to
     /// its partner (INIT → RTR → RTS, initial PSN = the offer's) and returns
     /// the metadata to send back. Replaces the QPs an earlier handshake of
-    /// the same requester got; beyond `plan::SERVED_PEERS_MAX` requesters
-    /// the longest-served one is dropped (its next read fails and it
-    /// handshakes again).
+    /// the same requester got; beyond `limits::VERBS_SERVED_PEERS_MAX`
+    /// requesters the longest-served one is dropped (its next read fails and
+    /// it handshakes again).
     ///
     /// # Errors
     /// [`TransportError::Timeout`] when `deadline` passed before starting;
@@ -373,7 +377,7 @@ impl VerbsTransport {
         let evicted = {
             let mut served = s.served.lock().expect("served lock");
             let mut evicted = None;
-            if !served.contains_key(requester) && served.len() >= plan::SERVED_PEERS_MAX {
+            if !served.contains_key(requester) && served.len() >= limits::VERBS_SERVED_PEERS_MAX {
                 let oldest = served.iter().min_by_key(|(_, v)| v.accepted_at).map(|(k, _)| k.clone());
                 evicted = oldest.and_then(|k| served.remove(&k));
             }
@@ -703,7 +707,7 @@ async fn run_qp(
                 tr.fail(j, TransportError::Io("not posted: the queue pair failed earlier in the batch".into()));
             }
             let drained = tr.hw_completed() >= posted;
-            let bound = since.elapsed() >= Duration::from_millis(plan::FLUSH_DRAIN_MS_MAX);
+            let bound = since.elapsed() >= Duration::from_millis(limits::VERBS_FLUSH_DRAIN_MS_MAX);
             if drained || destroyed || bound {
                 if !drained {
                     shared.stats.drain_timeouts.fetch_add(1, Ordering::Relaxed);
@@ -717,10 +721,10 @@ async fn run_qp(
         }
         if completions.is_empty() {
             spins += 1;
-            if spins < plan::POLL_SPINS_MAX {
+            if spins < limits::VERBS_POLL_SPINS_MAX {
                 tokio::task::yield_now().await;
             } else {
-                tokio::time::sleep(Duration::from_micros(plan::POLL_SLEEP_US)).await;
+                tokio::time::sleep(Duration::from_micros(limits::VERBS_POLL_SLEEP_US)).await;
             }
         } else {
             spins = 0;
@@ -1036,7 +1040,7 @@ mod tests {
         assert_eq!(m.regions.len(), 1);
         assert_eq!(m.regions[0].base, pool.base_ptr() as u64);
         assert_eq!(m.regions[0].len, pool.arena_len());
-        assert_eq!(m.verbs.as_ref().unwrap().qpns.len(), plan::QPS_PER_PEER_DEFAULT);
+        assert_eq!(m.verbs.as_ref().unwrap().qpns.len(), limits::VERBS_QPS_PER_PEER_DEFAULT);
         // A second offer reuses the same registration.
         let m2 = t.local_metadata();
         assert_eq!(m2.regions, m.regions);

@@ -14,83 +14,21 @@
 //! | [`OfferTable`] | queue pairs offered in a handshake and not yet connected (bounded, expiring) |
 //!
 //! The device code (`verbs::device`, feature `rdma`) only translates these
-//! values into verbs calls.
+//! values into verbs calls. The numeric bounds and defaults both use live in
+//! [`crate::limits`] (`VERBS_*`), with the other limits.
 
 use std::time::{Duration, Instant};
 
 use super::super::handshake::{
-    HandshakeError, HandshakeMetadata, LinkLayer, MTU_BYTES_MAX, MTU_BYTES_MIN, PSN_QPN_LIMIT, QPNS_MAX, Region,
-    TransportKind, VerbsEndpoint,
+    HandshakeError, HandshakeMetadata, LinkLayer, MTU_BYTES_MAX, MTU_BYTES_MIN, PSN_QPN_LIMIT, Region, TransportKind,
+    VerbsEndpoint,
 };
 use super::super::{ReadOp, TransportError};
-
-// ---------------------------------------------------------------------------
-// Limits (units last, with the reason for each number).
-// ---------------------------------------------------------------------------
-
-/// Default RC queue pairs per peer. Two let one batch's reads of a peer run
-/// on two QPs (two NIC processing engines) while staying far below the
-/// per-device QP budget (tens of thousands).
-pub const QPS_PER_PEER_DEFAULT: usize = 2;
-
-/// Most RC queue pairs per peer: the handshake carries at most
-/// [`QPNS_MAX`] QPNs.
-pub const QPS_PER_PEER_MAX: usize = QPNS_MAX;
-
-/// Default send-queue depth (work requests in flight per QP). 256 READs of
-/// even 64 KiB keep ~16 MiB in flight per QP, well past a 400 Gb/s
-/// bandwidth-delay product; the completion queue is sized to match.
-pub const SEND_QUEUE_DEPTH_DEFAULT: u32 = 256;
-
-/// Default scatter/gather entries per READ: one contiguous remote range may
-/// land in up to this many local extents (adjacent blocks on the server,
-/// separate slots here). Clamped to the device's `max_sge`.
-pub const SGES_PER_WR_DEFAULT: u32 = 4;
-
-/// Largest RDMA READ message (bytes). InfiniBand allows 2^31; ConnectX
-/// ports report 1 GiB (`max_msg_sz`), which `sideway` does not expose, so the
-/// smaller value is the default. Every SGE is also at most this long (its
-/// length field is 32-bit).
-pub const READ_MESSAGE_BYTES_MAX: u64 = 1 << 30;
-
-/// Outstanding RDMA READs per QP, as initiator (`max_rd_atomic`) and as
-/// responder (`max_dest_rd_atomic`). 16 is the ConnectX limit; both sides of
-/// a pair use the same default so the initiator never exceeds what the
-/// responder accepts. Clamped to the device's caps.
-pub const READS_IN_FLIGHT_PER_QP_DEFAULT: u8 = 16;
-
-/// Handshake offers (QP sets created by `local_metadata` and not yet
-/// connected) kept at once; the oldest is dropped beyond this. Each fetch
-/// handshakes once per peer, so this bounds concurrent first contacts.
-pub const PENDING_OFFERS_MAX: usize = 64;
-
-/// How long an offer waits for its answer (ms): the fetch deadline
-/// (`limits::FETCH_TIMEOUT_MS_DEFAULT`-sized) plus slack.
-pub const OFFER_TTL_MS: u64 = 30_000;
-
-/// Peers this node serves at once (QP sets made by `accept`). A peer that
-/// handshakes again replaces its own set; a new peer beyond this is refused.
-pub const SERVED_PEERS_MAX: usize = 1_024;
-
-/// After an error or a passed deadline the QP is moved to the error state and
-/// its outstanding work requests are flushed by the NIC; this bounds that
-/// drain (ms). If it passes, the QP is destroyed, which also stops its DMA.
-pub const FLUSH_DRAIN_MS_MAX: u64 = 1_000;
-
-/// Empty completion polls answered with `yield_now` before the poller sleeps
-/// between polls ([`POLL_SLEEP_US`]): short reads finish on the spin, long
-/// ones do not burn a core.
-pub const POLL_SPINS_MAX: u32 = 64;
-
-/// Sleep between empty completion polls once spinning stopped (µs).
-pub const POLL_SLEEP_US: u64 = 50;
-
-/// Local ACK timeout exponent: 4.096 µs · 2^14 ≈ 67 ms per try.
-pub const QP_TIMEOUT_EXP_DEFAULT: u8 = 14;
-
-/// Transport retries before an error completion (the IB maximum, 7): with
-/// the timeout above a dead peer is reported after ≈ 0.5 s.
-pub const QP_RETRY_COUNT_DEFAULT: u8 = 7;
+use crate::limits::{
+    VERBS_DEVICE_NAME_BYTES_MAX, VERBS_QP_RETRY_COUNT_DEFAULT, VERBS_QP_TIMEOUT_EXP_DEFAULT,
+    VERBS_QPS_PER_PEER_DEFAULT, VERBS_QPS_PER_PEER_MAX, VERBS_READ_MESSAGE_BYTES_MAX,
+    VERBS_READS_IN_FLIGHT_PER_QP_DEFAULT, VERBS_SEND_QUEUE_DEPTH_DEFAULT, VERBS_SGES_PER_WR_DEFAULT,
+};
 
 // ---------------------------------------------------------------------------
 // Errors.
@@ -198,18 +136,18 @@ impl From<PlanError> for TransportError {
 /// brackets).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct QpTuning {
-    /// Local ACK timeout exponent [timeout], `0..=31`: 4.096 µs · 2^value.
+    /// Local ACK timeout exponent (verbs `timeout`), `0..=31`: 4.096 µs · 2^value.
     pub timeout_exp: u8,
-    /// Transport retries [retry_cnt], `0..=7`.
+    /// Transport retries (verbs `retry_cnt`), `0..=7`.
     pub retry_count: u8,
-    /// Receiver-not-ready retries [rnr_retry], `0..=7` (7 = forever; READs
+    /// Receiver-not-ready retries (verbs `rnr_retry`), `0..=7` (7 = forever; READs
     /// never hit RNR, the value only has to be legal).
     pub rnr_retry: u8,
-    /// Minimal RNR NAK timer code [min_rnr_timer], `0..=31`.
+    /// Minimal RNR NAK timer code (verbs `min_rnr_timer`), `0..=31`.
     pub min_rnr_timer: u8,
-    /// Outstanding READs as initiator [max_rd_atomic], `1..=255`.
+    /// Outstanding READs as initiator (verbs `max_rd_atomic`), `1..=255`.
     pub reads_in_flight: u8,
-    /// Outstanding READs accepted as responder [max_dest_rd_atomic], `1..=255`.
+    /// Outstanding READs accepted as responder (verbs `max_dest_rd_atomic`), `1..=255`.
     pub dest_reads_in_flight: u8,
     /// Service level.
     pub service_level: u8,
@@ -224,12 +162,12 @@ pub struct QpTuning {
 impl Default for QpTuning {
     fn default() -> Self {
         QpTuning {
-            timeout_exp: QP_TIMEOUT_EXP_DEFAULT,
-            retry_count: QP_RETRY_COUNT_DEFAULT,
+            timeout_exp: VERBS_QP_TIMEOUT_EXP_DEFAULT,
+            retry_count: VERBS_QP_RETRY_COUNT_DEFAULT,
             rnr_retry: 7,
             min_rnr_timer: 12,
-            reads_in_flight: READS_IN_FLIGHT_PER_QP_DEFAULT,
-            dest_reads_in_flight: READS_IN_FLIGHT_PER_QP_DEFAULT,
+            reads_in_flight: VERBS_READS_IN_FLIGHT_PER_QP_DEFAULT,
+            dest_reads_in_flight: VERBS_READS_IN_FLIGHT_PER_QP_DEFAULT,
             service_level: 0,
             hop_limit: 64,
             traffic_class: 0,
@@ -277,13 +215,13 @@ pub struct VerbsConfig {
     pub port: u8,
     /// GID table index (RoCE v2 is usually 1 or 3; InfiniBand 0).
     pub gid_index: u8,
-    /// RC queue pairs per peer, `1..=`[`QPS_PER_PEER_MAX`].
+    /// RC queue pairs per peer, `1..=`[`VERBS_QPS_PER_PEER_MAX`].
     pub qps_per_peer: usize,
     /// Work requests in flight per QP (send-queue and CQ depth).
     pub send_queue_depth: u32,
     /// Scatter/gather entries per READ (clamped to the device).
     pub sges_per_wr: u32,
-    /// Largest READ message, bytes, `1..=`[`READ_MESSAGE_BYTES_MAX`].
+    /// Largest READ message, bytes, `1..=`[`VERBS_READ_MESSAGE_BYTES_MAX`].
     pub read_message_bytes_max: u64,
     /// Queue pair timing and depths.
     pub tuning: QpTuning,
@@ -296,10 +234,10 @@ impl VerbsConfig {
             device: device.into(),
             port: 1,
             gid_index: 0,
-            qps_per_peer: QPS_PER_PEER_DEFAULT,
-            send_queue_depth: SEND_QUEUE_DEPTH_DEFAULT,
-            sges_per_wr: SGES_PER_WR_DEFAULT,
-            read_message_bytes_max: READ_MESSAGE_BYTES_MAX,
+            qps_per_peer: VERBS_QPS_PER_PEER_DEFAULT,
+            send_queue_depth: VERBS_SEND_QUEUE_DEPTH_DEFAULT,
+            sges_per_wr: VERBS_SGES_PER_WR_DEFAULT,
+            read_message_bytes_max: VERBS_READ_MESSAGE_BYTES_MAX,
             tuning: QpTuning::default(),
         }
     }
@@ -310,14 +248,14 @@ impl VerbsConfig {
     /// [`PlanError::BadConfig`].
     pub fn validate(&self) -> Result<(), PlanError> {
         let bad = |s: String| Err(PlanError::BadConfig(s));
-        if self.device.is_empty() || self.device.len() > 64 {
-            return bad(format!("device name {:?} must be 1..=64 bytes", self.device));
+        if self.device.is_empty() || self.device.len() > VERBS_DEVICE_NAME_BYTES_MAX {
+            return bad(format!("device name {:?} must be 1..={VERBS_DEVICE_NAME_BYTES_MAX} bytes", self.device));
         }
         if self.port == 0 {
             return bad("port numbers start at 1".into());
         }
-        if !(1..=QPS_PER_PEER_MAX).contains(&self.qps_per_peer) {
-            return bad(format!("qps_per_peer {} not in 1..={QPS_PER_PEER_MAX}", self.qps_per_peer));
+        if !(1..=VERBS_QPS_PER_PEER_MAX).contains(&self.qps_per_peer) {
+            return bad(format!("qps_per_peer {} not in 1..={VERBS_QPS_PER_PEER_MAX}", self.qps_per_peer));
         }
         if self.send_queue_depth == 0 {
             return bad("send_queue_depth must be at least 1".into());
@@ -325,9 +263,9 @@ impl VerbsConfig {
         if self.sges_per_wr == 0 {
             return bad("sges_per_wr must be at least 1".into());
         }
-        if !(1..=READ_MESSAGE_BYTES_MAX).contains(&self.read_message_bytes_max) {
+        if !(1..=VERBS_READ_MESSAGE_BYTES_MAX).contains(&self.read_message_bytes_max) {
             return bad(format!(
-                "read_message_bytes_max {} not in 1..={READ_MESSAGE_BYTES_MAX}",
+                "read_message_bytes_max {} not in 1..={VERBS_READ_MESSAGE_BYTES_MAX}",
                 self.read_message_bytes_max
             ));
         }
@@ -586,7 +524,7 @@ pub fn pair_qpns(local: &[u32], remote: &[u32]) -> Result<Vec<(u32, u32)>, PlanE
 /// Picks an initial PSN from `random` (any `u32`), probing upward past the
 /// values `taken` says are in use: offers are told apart by their PSN (see
 /// the module doc of `verbs`), so pending ones must differ. Terminates after
-/// at most `PSN_QPN_LIMIT` probes; with at most [`PENDING_OFFERS_MAX`] taken
+/// at most `PSN_QPN_LIMIT` probes; with at most [`crate::limits::VERBS_PENDING_OFFERS_MAX`] taken
 /// values it takes at most that many + 1.
 pub fn pick_psn(random: u32, taken: impl Fn(u32) -> bool) -> u32 {
     let mut psn = random & (PSN_QPN_LIMIT - 1);
@@ -726,7 +664,7 @@ impl ReadWr {
 pub struct PlanLimits {
     /// Scatter/gather entries per WR, ≥ 1.
     pub sges_per_wr: u32,
-    /// Bytes per WR (and so per SGE), `1..=`[`READ_MESSAGE_BYTES_MAX`].
+    /// Bytes per WR (and so per SGE), `1..=`[`VERBS_READ_MESSAGE_BYTES_MAX`].
     pub message_bytes_max: u64,
 }
 
@@ -767,7 +705,7 @@ pub fn plan_reads(
     lkey: u32,
     limits: &PlanLimits,
 ) -> Result<Vec<ReadWr>, PlanError> {
-    if limits.sges_per_wr == 0 || !(1..=READ_MESSAGE_BYTES_MAX).contains(&limits.message_bytes_max) {
+    if limits.sges_per_wr == 0 || !(1..=VERBS_READ_MESSAGE_BYTES_MAX).contains(&limits.message_bytes_max) {
         return Err(PlanError::BadConfig(format!("plan limits {limits:?}")));
     }
     let mut pieces = Vec::with_capacity(ops.len());
@@ -1375,7 +1313,7 @@ mod tests {
         ReadOp { region, remote_offset, len, local_extent, local_offset }
     }
 
-    const LIMITS: PlanLimits = PlanLimits { sges_per_wr: 4, message_bytes_max: READ_MESSAGE_BYTES_MAX };
+    const LIMITS: PlanLimits = PlanLimits { sges_per_wr: 4, message_bytes_max: VERBS_READ_MESSAGE_BYTES_MAX };
 
     // -- config ------------------------------------------------------------
 
@@ -1383,16 +1321,16 @@ mod tests {
     fn config_defaults_validate_and_bad_values_are_named() {
         let c = VerbsConfig::new("mlx5_0");
         assert_eq!(c.validate(), Ok(()));
-        assert_eq!(c.qps_per_peer, QPS_PER_PEER_DEFAULT);
+        assert_eq!(c.qps_per_peer, VERBS_QPS_PER_PEER_DEFAULT);
         let cases: Vec<(VerbsConfig, &str)> = vec![
             (VerbsConfig::new(""), "device name"),
             (VerbsConfig { port: 0, ..c.clone() }, "port"),
             (VerbsConfig { qps_per_peer: 0, ..c.clone() }, "qps_per_peer"),
-            (VerbsConfig { qps_per_peer: QPS_PER_PEER_MAX + 1, ..c.clone() }, "qps_per_peer"),
+            (VerbsConfig { qps_per_peer: VERBS_QPS_PER_PEER_MAX + 1, ..c.clone() }, "qps_per_peer"),
             (VerbsConfig { send_queue_depth: 0, ..c.clone() }, "send_queue_depth"),
             (VerbsConfig { sges_per_wr: 0, ..c.clone() }, "sges_per_wr"),
             (VerbsConfig { read_message_bytes_max: 0, ..c.clone() }, "read_message_bytes_max"),
-            (VerbsConfig { read_message_bytes_max: READ_MESSAGE_BYTES_MAX + 1, ..c.clone() }, "read_message"),
+            (VerbsConfig { read_message_bytes_max: VERBS_READ_MESSAGE_BYTES_MAX + 1, ..c.clone() }, "read_message"),
             (VerbsConfig { tuning: QpTuning { timeout_exp: 32, ..c.tuning }, ..c.clone() }, "timeout_exp"),
             (VerbsConfig { tuning: QpTuning { retry_count: 8, ..c.tuning }, ..c.clone() }, "retry_count"),
             (VerbsConfig { tuning: QpTuning { rnr_retry: 8, ..c.tuning }, ..c.clone() }, "rnr_retry"),
@@ -1434,9 +1372,9 @@ mod tests {
             max_msg_bytes: 1 << 31,
         };
         let e = VerbsConfig::new("mlx5_0").effective(&big).unwrap();
-        assert_eq!(e.send_queue_depth, SEND_QUEUE_DEPTH_DEFAULT);
-        assert_eq!(e.plan.message_bytes_max, READ_MESSAGE_BYTES_MAX);
-        assert_eq!(e.plan.sges_per_wr, SGES_PER_WR_DEFAULT);
+        assert_eq!(e.send_queue_depth, VERBS_SEND_QUEUE_DEPTH_DEFAULT);
+        assert_eq!(e.plan.message_bytes_max, VERBS_READ_MESSAGE_BYTES_MAX);
+        assert_eq!(e.plan.sges_per_wr, VERBS_SGES_PER_WR_DEFAULT);
         assert_eq!(e.tuning, QpTuning::default());
         // A zero cap is a clear error.
         assert_eq!(
@@ -1748,7 +1686,7 @@ mod tests {
         assert!(matches!(plan(&[op(0, 0xfff, 2, 0, 0)]), Err(PlanError::OutOfRegion { .. })));
         let zero = PlanLimits { sges_per_wr: 0, ..LIMITS };
         assert!(matches!(plan_reads(&[], &t, &local, 1, &zero), Err(PlanError::BadConfig(_))));
-        let huge = PlanLimits { message_bytes_max: READ_MESSAGE_BYTES_MAX + 1, ..LIMITS };
+        let huge = PlanLimits { message_bytes_max: VERBS_READ_MESSAGE_BYTES_MAX + 1, ..LIMITS };
         assert!(matches!(plan_reads(&[], &t, &local, 1, &huge), Err(PlanError::BadConfig(_))));
         assert_eq!(plan(&[]), Ok(vec![]));
     }
@@ -1835,7 +1773,7 @@ mod tests {
         assert_eq!(p.rts.sq_psn, 0x4321);
         assert_eq!(
             (p.rts.timeout_exp, p.rts.retry_count, p.rts.rnr_retry, p.rts.max_rd_atomic),
-            (14, 7, 7, READS_IN_FLIGHT_PER_QP_DEFAULT)
+            (14, 7, 7, VERBS_READS_IN_FLIGHT_PER_QP_DEFAULT)
         );
         assert_eq!(
             QpPlan::TRANSITIONS,
@@ -1983,7 +1921,7 @@ mod tests {
     #[test]
     fn offers_are_taken_once_expire_and_stay_bounded() {
         let t0 = Instant::now();
-        let ttl = Duration::from_millis(OFFER_TTL_MS);
+        let ttl = Duration::from_millis(crate::limits::VERBS_OFFER_TTL_MS);
         let mut o: OfferTable<&str> = OfferTable::new(2, ttl);
         assert!(o.insert(1, "a", t0).is_empty());
         assert!(o.insert(2, "b", t0).is_empty());
