@@ -1,5 +1,5 @@
 //! `kvferry bench …`: benchmarks that print ratios measured side by side in
-//! one run (perf.md: these machines are noisy, only ratios carry over).
+//! one run (these machines are noisy, only ratios carry over).
 //!
 //! - `engine` — host-backend save/load of a Qwen3-8B-shaped layout (36
 //!   layers, split K/V, 32 KiB segments, 16-token blocks) ÷ a plain memcpy

@@ -87,6 +87,8 @@ enum BenchCmd {
 #[derive(clap::Args)]
 struct PdArgs {
     /// Trace file (JSON lines with timestamp, input_length, output_length, hash_ids; 512-token blocks).
+    /// Default: data/conversation_trace.jsonl under the working directory, else the bundled trace
+    /// of the source tree this binary was built from.
     #[arg(long)]
     trace: Option<PathBuf>,
     /// Model preset: qwen3-8b, llama3-8b or tiny.
@@ -260,19 +262,10 @@ const NO_CUDA: &str =
     "this kvferry was built without the `cuda` feature: rebuild with `cargo build --release --features cuda`";
 
 /// Parses sizes like `4GiB`, `512MiB`, `64KiB`, `1000` (bytes).
+/// A byte size: `4GiB`, `512MiB`, `1.5GiB`, `1TiB` (binary units), `1GB`
+/// (decimal, 10^9), or plain bytes.
 fn parse_size(s: &str) -> Result<u64, String> {
-    let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let n: u64 = num.parse().map_err(|_| format!("bad size {s:?} (e.g. 4GiB, 512MiB)"))?;
-    let mul: u64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kib" | "kb" => 1 << 10,
-        "m" | "mib" | "mb" => 1 << 20,
-        "g" | "gib" | "gb" => 1 << 30,
-        other => return Err(format!("unknown size unit {other:?} in {s:?}")),
-    };
-    n.checked_mul(mul).ok_or_else(|| format!("size {s:?} overflows"))
+    parse_size::parse_size(s.trim()).map_err(|e| format!("bad size {s:?}: {e} (e.g. 4GiB, 512MiB)"))
 }
 
 struct Bar(indicatif::ProgressBar);
@@ -312,8 +305,9 @@ fn report_text(r: &pd::PdReport) -> String {
     }
     let gib = r.bytes_transferred as f64 / (1u64 << 30) as f64;
     println!(
-        "kvferry pd — {} requests, model {} ({} tokens/block, {} KiB/block), transport {}",
+        "kvferry pd — {} request{}, model {} ({} tokens/block, {} KiB/block), transport {}",
         r.requests,
+        if r.requests == 1 { "" } else { "s" },
         r.model,
         r.block_tokens,
         r.block_bytes >> 10,
@@ -337,7 +331,10 @@ fn report_text(r: &pd::PdReport) -> String {
     );
     println!("  bytes moved            {:>8.2} GiB at {:.2} GB/s (timed inside fetches)", gib, r.transport_gbps);
     println!("  handoff (flush+query+fetch) p50 {:.2} ms, p99 {:.2} ms", r.handoff_p50_ms, r.handoff_p99_ms);
-    println!("  registrations          {} delivered, {} dropped", r.registrations_delivered, r.registrations_dropped);
+    println!(
+        "  prefill registrations  {} delivered, {} dropped (at the handoff barriers)",
+        r.registrations_delivered, r.registrations_dropped
+    );
     println!("  checksum rejections    {}", r.checksum_failures);
     if r.faults.is_empty() {
         println!("  faults                 none");
@@ -347,13 +344,16 @@ fn report_text(r: &pd::PdReport) -> String {
         }
     }
     for n in &r.nodes {
+        let save = if n.save_bytes == 0 {
+            format!("{:<28}", "save  -")
+        } else {
+            format!("save {:>7.2} GB/s ({:.2} GiB)", n.save_gbps, n.save_bytes as f64 / (1u64 << 30) as f64)
+        };
         println!(
-            "  {:<7} {} on {:<7}  save {:>7.2} GB/s ({:.2} GiB)   load {:>7.2} GB/s ({:.2} GiB)",
+            "  {:<7} {} on {:<7}  {save}   load {:>7.2} GB/s ({:.2} GiB)",
             n.role,
             n.index,
             n.device,
-            n.save_gbps,
-            n.save_bytes as f64 / (1u64 << 30) as f64,
             n.load_gbps,
             n.load_bytes as f64 / (1u64 << 30) as f64
         );
@@ -369,7 +369,7 @@ async fn run_pd(a: PdArgs) -> Result<(), String> {
         std::fs::write(path, b"{}").map_err(|e| format!("cannot write {}: {e}", path.display()))?;
     }
     let cfg = PdConfig {
-        trace: a.trace.unwrap_or_else(|| PathBuf::from(kvferry::replay::trace::DEFAULT_TRACE_PATH)),
+        trace: a.trace.unwrap_or_else(kvferry::replay::trace::default_trace_path),
         model: a.model,
         block_tokens: a.block_tokens,
         first: a.first,
@@ -397,6 +397,9 @@ async fn run_pd(a: PdArgs) -> Result<(), String> {
         indicatif::ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} requests, {msg}")
             .expect("static template"),
     );
+    if matches!(a.gpu, GpuChoice::Host) && !(a.prefill_devices.is_empty() && a.decode_devices.is_empty()) {
+        return Err("--prefill-devices and --decode-devices need --gpu cuda".into());
+    }
     let gpu = gpu_factory(a.gpu, a.prefill_devices, a.decode_devices, a.prefill)?;
     let http = a.http_addr;
     let report = pd::run_with_observer(cfg, gpu, &Bar(bar), move |engines| {
@@ -529,6 +532,9 @@ mod tests {
         assert_eq!(parse_size("512MiB"), Ok(512 << 20));
         assert_eq!(parse_size("100"), Ok(100));
         assert!(parse_size("4XB").is_err());
+        assert_eq!(parse_size("1.5GiB"), Ok(3 << 29));
+        assert_eq!(parse_size("1TiB"), Ok(1 << 40));
+        assert_eq!(parse_size("1GB"), Ok(1_000_000_000));
         assert!(parse_size("GiB").is_err());
     }
 

@@ -212,4 +212,10 @@ fn pd_transport_flags_are_checked() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(err.contains("need --transport verbs"), "{err}");
+
+    // Likewise device lists without the CUDA backend, rather than ignored.
+    let out = run_kvferry(&["pd", "--quiet", "--prefill-devices", "0"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("need --gpu cuda"), "{err}");
 }

@@ -77,7 +77,7 @@ pub enum ClientError {
         source: tonic::transport::Error,
     },
     /// The RPC failed or missed its deadline.
-    #[error("metaserver rpc failed: {0}")]
+    #[error("metaserver rpc failed: {}", status_text(.0))]
     Rpc(#[from] tonic::Status),
     /// The RPC missed its deadline.
     #[error("metaserver rpc timed out after {0:?}")]
@@ -85,6 +85,22 @@ pub enum ClientError {
     /// The client was shut down.
     #[error("client is shut down")]
     Shutdown,
+}
+
+/// One line for a failed RPC: the gRPC code, its message and the innermost
+/// cause (`Unavailable: tcp connect error (Connection refused (os error
+/// 111))`), instead of tonic's nested debug dump.
+fn status_text(status: &tonic::Status) -> String {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(status);
+    let mut root = None;
+    while let Some(c) = cause {
+        root = Some(c);
+        cause = c.source();
+    }
+    match root {
+        Some(r) => format!("{:?}: {} ({r})", status.code(), status.message()),
+        None => format!("{:?}: {}", status.code(), status.message()),
+    }
 }
 
 /// Client-side counters beyond the queue's (heartbeats, backfills).
@@ -530,5 +546,21 @@ async fn send_chunk(inner: &Inner, chunk: Chunk) {
             }
         };
         resolve(inner, |core| core.queue.complete_chunk(chunk.id, outcome));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ClientError;
+
+    #[test]
+    fn rpc_errors_render_as_one_line_with_the_root_cause() {
+        let plain = ClientError::Rpc(tonic::Status::unavailable("tcp connect error"));
+        assert_eq!(plain.to_string(), "metaserver rpc failed: Unavailable: tcp connect error");
+        let refused = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "connection refused");
+        let nested = ClientError::Rpc(tonic::Status::from_error(Box::new(refused)));
+        let text = nested.to_string();
+        assert!(text.ends_with("(connection refused)"), "{text}");
+        assert!(!text.contains("source:"), "no debug dump: {text}");
     }
 }

@@ -16,7 +16,7 @@
 //!   engines reach the raw pinned peak and run both directions at once;
 //!   one `cuMemcpyAsync` per 32 KiB fragment would be host-bound at
 //!   ≈ 10 GB/s, and the driver's batched copy reached 20–28 GB/s from Rust
-//!   (docs/perf.md, cuda.md).
+//!   (both measured on the H200 before this backend was written).
 //! - **Direct**: runs of at least `dma_min_bytes` (contiguous layouts) go to
 //!   the copy engine straight from/to the device buffer, adjacent runs
 //!   merged.

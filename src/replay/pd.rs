@@ -138,7 +138,7 @@ pub struct PdConfig {
 impl Default for PdConfig {
     fn default() -> Self {
         Self {
-            trace: PathBuf::from(trace::DEFAULT_TRACE_PATH),
+            trace: trace::default_trace_path(),
             model: "tiny".into(),
             block_tokens: 64,
             first: 0,

@@ -27,8 +27,20 @@ pub const TRACE_BLOCK_TOKENS: u64 = 512;
 pub const TRACE_LINE_BYTES_MAX: usize = 16 << 20;
 
 /// The bundled Mooncake conversation trace (Apache-2.0, see `data/NOTICE`),
-/// as an absolute path inside this source tree.
+/// as an absolute path inside the source tree this binary was built from.
 pub const DEFAULT_TRACE_PATH: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/data/conversation_trace.jsonl");
+
+/// The bundled trace relative to a repository root.
+pub const RELATIVE_TRACE_PATH: &str = "data/conversation_trace.jsonl";
+
+/// The trace `kvferry pd` replays when none is named:
+/// [`RELATIVE_TRACE_PATH`] under the working directory when it exists (a
+/// binary carried to another machine and run from a checkout there), else
+/// [`DEFAULT_TRACE_PATH`] (the source tree the binary was built from).
+pub fn default_trace_path() -> std::path::PathBuf {
+    let relative = Path::new(RELATIVE_TRACE_PATH);
+    if relative.is_file() { relative.to_path_buf() } else { std::path::PathBuf::from(DEFAULT_TRACE_PATH) }
+}
 
 /// Length of the engine block hashes built by [`engine_block_hash`] (bytes).
 pub const ENGINE_BLOCK_HASH_BYTES: usize = 32;
@@ -478,6 +490,14 @@ mod tests {
 
     fn req(ts: u64, input: u64, ids: &[u64]) -> TraceRequest {
         TraceRequest { timestamp_ms: ts, input_length: input, output_length: 1, hash_ids: ids.to_vec() }
+    }
+
+    /// Tests run from the crate root, where the bundled trace lies at its
+    /// relative path: that one is chosen (not the build-time absolute one).
+    #[test]
+    fn default_trace_prefers_the_working_directory() {
+        assert!(Path::new(RELATIVE_TRACE_PATH).is_file(), "tests run from the crate root");
+        assert_eq!(default_trace_path(), Path::new(RELATIVE_TRACE_PATH));
     }
 
     fn real_trace() -> Option<Vec<TraceRequest>> {
