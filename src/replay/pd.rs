@@ -320,7 +320,11 @@ fn prepare(cfg: &PdConfig) -> Result<(Vec<TraceRequest>, &'static ModelPreset), 
         None => trace::window(&all, cfg.first, cfg.requests).to_vec(),
     };
     if reqs.is_empty() {
-        return Err(PdError::Config("the selected trace window holds no requests".into()));
+        return Err(PdError::Config(format!(
+            "the selected trace window holds no requests (the trace holds {}, the window starts at request {})",
+            all.len(),
+            cfg.first
+        )));
     }
     let reqs = match cfg.max_blocks {
         Some(0) => return Err(PdError::Config("--max-blocks must be at least 1".into())),

@@ -78,9 +78,10 @@ pub enum TraceError {
         /// 1-based line number.
         line: usize,
     },
-    /// `input_length` is larger than its `hash_ids` cover (512 tokens each)
-    /// or than [`crate::limits::TRACE_INPUT_TOKENS_MAX`].
-    #[error("trace line {line}: input_length {input_length} does not fit {blocks} hash_ids of 512 tokens (or exceeds {max} tokens)", max = crate::limits::TRACE_INPUT_TOKENS_MAX)]
+    /// `input_length` does not match its `hash_ids` (one per started
+    /// 512-token block: more tokens than they cover, or so few that the
+    /// last id covers none), or exceeds [`crate::limits::TRACE_INPUT_TOKENS_MAX`].
+    #[error("trace line {line}: input_length {input_length} does not fit {blocks} hash_ids of 512 tokens (one per started block, at most {max} tokens)", max = crate::limits::TRACE_INPUT_TOKENS_MAX)]
     InputLength {
         /// 1-based line number.
         line: usize,
@@ -163,7 +164,8 @@ fn parse_trace_capped(mut reader: impl BufRead, max_line: usize) -> Result<Vec<T
             return Err(TraceError::EmptyHashIds { line });
         }
         let covered = (req.hash_ids.len() as u64).saturating_mul(TRACE_BLOCK_TOKENS);
-        if req.input_length > covered || req.input_length > crate::limits::TRACE_INPUT_TOKENS_MAX {
+        let fits = req.input_length <= covered && req.input_length > covered - TRACE_BLOCK_TOKENS;
+        if !fits || req.input_length > crate::limits::TRACE_INPUT_TOKENS_MAX {
             return Err(TraceError::InputLength { line, input_length: req.input_length, blocks: req.hash_ids.len() });
         }
         out.push(req);
@@ -570,6 +572,19 @@ mod tests {
             parse_trace(Cursor::new(text)),
             Err(TraceError::InputLength { line: 2, input_length: 1025, blocks: 2 })
         ));
+    }
+
+    #[test]
+    fn hash_ids_beyond_the_input_are_rejected() {
+        // 512 tokens start one block: a second id covers nothing.
+        let text = "{\"timestamp\": 0, \"input_length\": 513, \"output_length\": 1, \"hash_ids\": [0, 1]}\n\
+                    {\"timestamp\": 1, \"input_length\": 512, \"output_length\": 1, \"hash_ids\": [0, 1]}\n";
+        assert!(matches!(
+            parse_trace(Cursor::new(text)),
+            Err(TraceError::InputLength { line: 2, input_length: 512, blocks: 2 })
+        ));
+        let zero = "{\"timestamp\": 0, \"input_length\": 0, \"output_length\": 1, \"hash_ids\": [0]}\n";
+        assert!(matches!(parse_trace(Cursor::new(zero)), Err(TraceError::InputLength { line: 1, .. })));
     }
 
     #[test]
