@@ -464,15 +464,18 @@ impl Engine {
     }
 
     /// Saves blocks: skips resident ones, allocates pool slots, copies
-    /// device → pool in one batch, then seals (checksum per slot, C10),
-    /// inserts into the cache and enqueues registrations of the newly
-    /// resident blocks. A block becomes visible only once sealed; a failed or
-    /// racing save leaves nothing behind. The copy-and-seal part runs on its
-    /// own task, so dropping this future does not abandon a save half way.
+    /// device → pool in copy batches submitted as they are built (growing
+    /// from [`limits::COPY_BATCH_OPS_FIRST`] ops), then seals (checksum per
+    /// slot, C10, taken by the GPU backend from the device bytes when it
+    /// can, else on the CPU), inserts into the cache and enqueues
+    /// registrations of the newly resident blocks. A block becomes visible
+    /// only once sealed; a failed or racing save leaves nothing behind. The
+    /// copy-and-seal part runs on its own task, so dropping this future does
+    /// not abandon a save half way.
     ///
     /// # Errors
-    /// Validation errors (nothing is saved), [`EngineError::Gpu`] when the
-    /// batch failed (nothing is saved).
+    /// Validation errors (nothing is saved), [`EngineError::Gpu`] when any
+    /// copy batch failed (nothing is saved).
     pub async fn save(&self, namespace: &str, blocks: &[(u64, BlockHash)]) -> Result<SaveReport, EngineError> {
         let called = Instant::now();
         let (ns, layout) = self.layout(namespace)?;
@@ -694,8 +697,9 @@ impl Engine {
         Lease { blocks }
     }
 
-    /// Copies blocks pool → device in one batch and reports per-block
-    /// failure (`NotResident`, or the batch's copy error).
+    /// Copies blocks pool → device in copy batches submitted as they are
+    /// built (as [`Engine::save`]) and reports per-block failure
+    /// (`NotResident`, or the copy error of the block's batch).
     ///
     /// # Errors
     /// Validation errors (unknown namespace, index out of range).
