@@ -335,7 +335,7 @@ pub async fn store(keys_n: u64) -> Result<serde_json::Value, String> {
 pub async fn gpu(device: usize) -> Result<serde_json::Value, String> {
     use crate::engine::pool::Pool;
     use crate::gpu::cuda::CudaGpu;
-    use crate::gpu::{ChecksumRange, CopyBatch, CopyOp, Direction, HostBuf};
+    use crate::gpu::{CopyBatch, Direction, HostBuf};
 
     let cuda = Arc::new(CudaGpu::new(device).map_err(|e| e.to_string())?);
     crate::gpu::conformance(&*cuda).await.map_err(|e| format!("conformance on cuda:{device}: {e}"))?;
@@ -454,25 +454,10 @@ pub async fn gpu(device: usize) -> Result<serde_json::Value, String> {
     let mut ops = Vec::new();
     for i in 0..t1_blocks {
         let ext = engine.pool().alloc(l1.block_bytes()).map_err(|e| e.to_string())?;
-        for c in l1.coalesced_copies(i) {
-            ops.push(CopyOp {
-                buffer: c.buffer,
-                device_offset: c.device_offset,
-                extent: host.len(),
-                host_offset: c.host_offset_in_block,
-                len: c.len,
-            });
-        }
+        crate::engine::push_block_ops(&l1, i, host.len(), &mut ops);
         host.push(HostBuf::Writable(ext));
     }
-    let ranges: Vec<ChecksumRange> = (0..host.len())
-        .flat_map(|extent| {
-            (0..l1.layers().len()).map({
-                let l1 = &l1;
-                move |l| ChecksumRange { extent, offset: l1.slot_offset(l), len: l1.slot_bytes(l) }
-            })
-        })
-        .collect();
+    let ranges = crate::engine::slot_ranges(&l1, host.len());
     let mut backend_s = [f64::MAX; 2];
     for _ in 0..GPU_REPS + 1 {
         for (k, with_sums) in [false, true].into_iter().enumerate() {

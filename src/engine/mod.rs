@@ -560,15 +560,7 @@ impl Engine {
                 break;
             }
             let mut batch = CopyBatch::new(Direction::DeviceToHost, ops, host);
-            batch.checksums = (0..batch.host.len())
-                .flat_map(|extent| {
-                    (0..layers).map(move |l| ChecksumRange {
-                        extent,
-                        offset: layout.slot_offset(l),
-                        len: layout.slot_bytes(l),
-                    })
-                })
-                .collect();
+            batch.checksums = slot_ranges(layout, batch.host.len());
             submitted.get_or_insert_with(Instant::now);
             pending.push(self.inner.gpu.submit(batch));
             batches += 1;
@@ -848,9 +840,23 @@ fn batch_has_room(ops: &[CopyOp], blocks: usize, block_bytes: u64, limits: (usiz
     ops.len() < limits.0 && (blocks as u64 + 1) * block_bytes <= limits.1
 }
 
+/// The seal checksum ranges of `blocks` block extents of `layout` (one per
+/// slot, in the order [`slot_checksums`] returns them), for a save batch.
+pub(crate) fn slot_ranges(layout: &Layout, blocks: usize) -> Vec<ChecksumRange> {
+    (0..blocks)
+        .flat_map(|extent| {
+            (0..layout.layers().len()).map(move |l| ChecksumRange {
+                extent,
+                offset: layout.slot_offset(l),
+                len: layout.slot_bytes(l),
+            })
+        })
+        .collect()
+}
+
 /// Appends the coalesced copies of block `idx` of `layout`, against host
 /// extent `extent` of the batch being built.
-fn push_block_ops(layout: &Layout, idx: u64, extent: usize, ops: &mut Vec<CopyOp>) {
+pub(crate) fn push_block_ops(layout: &Layout, idx: u64, extent: usize, ops: &mut Vec<CopyOp>) {
     ops.extend(layout.coalesced_copies(idx).into_iter().map(|c| CopyOp {
         buffer: c.buffer,
         device_offset: c.device_offset,

@@ -211,14 +211,11 @@ pub struct ChecksumRange {
 pub struct RangeIndex {
     /// Per extent: `(start, end, range index)`, sorted, non-overlapping.
     by_extent: Vec<Vec<(u64, u64, u32)>>,
+    /// Start offset of each range (by range index).
+    starts: Vec<u64>,
 }
 
 impl RangeIndex {
-    /// An index with no ranges (every piece is unchecksummed).
-    pub fn empty() -> Self {
-        Self { by_extent: Vec::new() }
-    }
-
     /// Indexes `ranges` of a batch with `extents` host extents. `None` when
     /// a range names a missing extent, is empty, or overlaps another (the
     /// caller then checksums on the CPU instead).
@@ -237,7 +234,7 @@ impl RangeIndex {
                 return None;
             }
         }
-        Some(Self { by_extent })
+        Some(Self { by_extent, starts: ranges.iter().map(|r| r.offset).collect() })
     }
 }
 
@@ -270,6 +267,25 @@ pub fn split_op(
             i += 1;
         }
     }
+}
+
+/// The checksummed pieces of the host span `[offset, offset+len)` of
+/// `extent` ([`split_op`] at [`PIECE_BYTES_MAX`], pieces outside every range
+/// skipped): `out(range, offset_in_range, offset_in_span, piece_len)`, in
+/// order — what a backend checksums and then hands to
+/// [`RangeFolder::add`].
+pub fn checksum_pieces(
+    index: &RangeIndex,
+    extent: usize,
+    offset: u64,
+    len: u64,
+    mut out: impl FnMut(u32, u64, u64, u64),
+) {
+    split_op(index, extent, offset, len, PIECE_BYTES_MAX, |off, n, range| {
+        if let Some(r) = range {
+            out(r, offset + off - index.starts[r as usize], off, n);
+        }
+    });
 }
 
 /// Folds raw piece CRCs into the standard CRC-32C of each range. Pieces of
@@ -440,12 +456,11 @@ mod tests {
         let mut folder = RangeFolder::new(&ranges);
         // Two ops covering the extent, split at an odd point.
         for (op_off, op_len) in [(0u64, 123_457u64), (123_457, 300_000 - 123_457)] {
-            split_op(&idx, 0, op_off, op_len, PIECE_BYTES_MAX, |o, n, r| {
-                if let Some(r) = r {
-                    let at = op_off + o;
-                    let raw = piece_raw_model(&tables, &ext[at as usize..(at + n) as usize]);
-                    folder.add(r, at - ranges[r as usize].offset, n, raw);
-                }
+            checksum_pieces(&idx, 0, op_off, op_len, |r, in_range, o, n| {
+                let at = op_off + o;
+                assert_eq!(at, ranges[r as usize].offset + in_range);
+                let raw = piece_raw_model(&tables, &ext[at as usize..(at + n) as usize]);
+                folder.add(r, in_range, n, raw);
             });
         }
         let got = folder.finish().expect("every range tiled");

@@ -765,19 +765,10 @@ impl BatchRun<'_> {
 
     /// Adds the checksum pieces of one op of a save (its device bytes at
     /// `dev`), cut at checksum range boundaries.
-    fn add_checksums(
-        &mut self,
-        index: &RangeIndex,
-        checksums: &[super::ChecksumRange],
-        op: &super::CopyOp,
-        dev: u64,
-    ) -> Result<(), GpuError> {
+    fn add_checksums(&mut self, index: &RangeIndex, op: &super::CopyOp, dev: u64) -> Result<(), GpuError> {
         let mut ok = true;
-        crc::split_op(index, op.extent, op.host_offset, op.len, PIECE_BYTES_MAX, |off, n, range| {
-            if let Some(r) = range {
-                let fold = (r, op.host_offset + off - checksums[r as usize].offset, n);
-                ok &= self.crc_piece(dev + off, n, fold);
-            }
+        crc::checksum_pieces(index, op.extent, op.host_offset, op.len, |r, in_range, off, n| {
+            ok &= self.crc_piece(dev + off, n, (r, in_range, n));
         });
         if ok { Ok(()) } else { Err(GpuError::Device("descriptor table bound exceeded".into())) }
     }
@@ -822,23 +813,22 @@ impl BatchRun<'_> {
 }
 
 impl Inner {
-    /// Runs one batch to completion; returns the checksums of its ranges
+    /// Runs one batch (validated against `bufs`, the buffer table it was
+    /// submitted with) to completion; returns the checksums of its ranges
     /// when they were computed on the device.
-    fn run(&self, batch: &CopyBatch) -> Result<Option<Vec<u32>>, GpuError> {
+    fn run(&self, batch: &CopyBatch, bufs: &[(sys::CUdeviceptr, u64)]) -> Result<Option<Vec<u32>>, GpuError> {
         let started = std::time::Instant::now();
         let save = batch.direction == Direction::DeviceToHost;
         let index = (save && self.cfg.device_checksums && !batch.checksums.is_empty())
             .then(|| RangeIndex::new(&batch.checksums, batch.host.len()))
             .flatten();
         let checksumming = index.is_some();
-        let index = index.unwrap_or_else(RangeIndex::empty);
         // Pieces: each ends at the piece size, a range boundary or its op's end.
         let boundaries = if checksumming { 2 * batch.checksums.len() } else { 0 };
         let bound = batch.ops.iter().map(|o| o.len.div_ceil(PIECE_BYTES_MAX) as usize).sum::<usize>() + boundaries;
         if bound == 0 {
             return Ok(None);
         }
-        let bufs: Vec<(sys::CUdeviceptr, u64)> = self.buffers.lock().expect("buffers lock").clone();
         let regs: Vec<Registered> = self.registered.lock().expect("registered lock").clone();
         let words = if checksumming { 6 * bound + bound.div_ceil(2) } else { 3 * bound };
         self.ctx.bind_to_thread().map_err(dev_err)?;
@@ -861,7 +851,6 @@ impl Inner {
             enqueued: None,
             chunk: Chunk::default(),
         };
-        let checksums = if checksumming { &batch.checksums[..] } else { &[] };
         let dev = |op: &super::CopyOp| bufs[op.buffer.0 as usize].0 + op.device_offset;
         let res = (|| {
             for op in &batch.ops {
@@ -877,9 +866,9 @@ impl Inner {
             // Copies first, so the device starts before the checksum pieces
             // are written; the checksum kernel then runs beside the copies.
             run.flush()?;
-            if checksumming {
+            if let Some(index) = &index {
                 for op in &batch.ops {
-                    run.add_checksums(&index, checksums, op, dev(op))?;
+                    run.add_checksums(index, op, dev(op))?;
                 }
             }
             let (copied, summed) = run.record()?;
@@ -1044,8 +1033,9 @@ impl Gpu for CudaGpu {
     }
 
     fn submit(&self, batch: CopyBatch) -> Completion {
-        let lens: Vec<u64> = self.inner.buffers.lock().expect("buffers lock").iter().map(|b| b.1).collect();
-        if let Err(e) = validate_batch(&batch, |id| lens.get(id.0 as usize).copied()) {
+        // One snapshot of the buffer table serves validation and the run.
+        let bufs: Vec<(sys::CUdeviceptr, u64)> = self.inner.buffers.lock().expect("buffers lock").clone();
+        if let Err(e) = validate_batch(&batch, |id| bufs.get(id.0 as usize).map(|b| b.1)) {
             return Box::pin(std::future::ready(Completed { host: batch.host, result: Err(e), checksums: None }));
         }
         let inner = self.inner.clone();
@@ -1056,7 +1046,7 @@ impl Gpu for CudaGpu {
         let workers = inner.workers.clone();
         workers.run(Box::new(move || {
             tracing::trace!(spawn_us = submitted.elapsed().as_micros() as u64, "cuda worker up");
-            let (result, checksums) = match inner.run(&batch) {
+            let (result, checksums) = match inner.run(&batch, &bufs) {
                 Ok(sums) => (Ok(()), sums),
                 Err(e) => (Err(e), None),
             };

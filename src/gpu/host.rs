@@ -69,12 +69,9 @@ impl HostGpu {
         for op in &batch.ops {
             let buf = self.buffer(op.buffer)?;
             let dev = buf.read().expect("device buffer lock");
-            crc::split_op(&index, op.extent, op.host_offset, op.len, crc::PIECE_BYTES_MAX, |off, n, range| {
-                if let Some(r) = range {
-                    let at = (op.device_offset + off) as usize;
-                    let raw = crc::piece_raw_model(&tables, &dev[at..at + n as usize]);
-                    folder.add(r, op.host_offset + off - batch.checksums[r as usize].offset, n, raw);
-                }
+            crc::checksum_pieces(&index, op.extent, op.host_offset, op.len, |r, in_range, off, n| {
+                let at = (op.device_offset + off) as usize;
+                folder.add(r, in_range, n, crc::piece_raw_model(&tables, &dev[at..at + n as usize]));
             });
         }
         folder.finish()
