@@ -501,7 +501,14 @@ impl Cluster {
 /// Starts one node through `node::start` and registers the sim namespace.
 /// Returns the published slot and the handle to keep alive.
 async fn boot_node(i: usize, incarnation: u64, p: &Params) -> (NodeSlot, node::NodeHandle) {
-    let gpu = Arc::new(HostGpu::new());
+    // Half the nodes (alternating with the seed) seal with slot checksums
+    // taken the way the CUDA backend takes them (device pieces folded per
+    // slot), so C10 is checked over both seal paths; no RNG draw is spent.
+    let gpu = Arc::new(if (p.seed.wrapping_add(i as u64)) % 2 == 1 {
+        HostGpu::with_device_checksums()
+    } else {
+        HostGpu::new()
+    });
     let (layers_n, seg) = (workload::preset().layers, workload::segment_bytes());
     // The buffer id does not change the size; the first buffer is id 0.
     let bytes =
