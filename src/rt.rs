@@ -134,3 +134,123 @@ pub async fn timeout_at<F: Future>(deadline: tokio::time::Instant, f: F) -> Resu
     let left = deadline.saturating_duration_since(tokio::time::Instant::now());
     tokio::time::timeout(left, f).await.map_err(|_| DeadlineElapsed)
 }
+
+/// The task ending [`run_to_completion`]'s future panicked or was cancelled
+/// (simulator only, e.g. its node was killed).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TaskEnded(pub String);
+
+/// Drives `fut` to completion even when the returned future is dropped
+/// first: on real tokio `fut` runs inline in the caller's task (no extra
+/// task hop — two thread wake-ups fewer on the critical path), and only a
+/// future dropped half way has its rest spawned onto the current runtime;
+/// under the simulator it runs on a task of its own from the start (the
+/// task schedule the kept regression seeds were found with).
+///
+/// # Errors
+/// [`TaskEnded`] only under the simulator (the task panicked or was killed);
+/// on real tokio a panic in `fut` propagates to the caller.
+pub fn run_to_completion<F>(fut: F) -> impl Future<Output = Result<F::Output, TaskEnded>> + Send
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    #[cfg(not(madsim))]
+    {
+        Detachable { fut: Some(Box::pin(fut)) }
+    }
+    #[cfg(madsim)]
+    {
+        let task = tokio::spawn(fut);
+        async move { task.await.map_err(|e| TaskEnded(e.to_string())) }
+    }
+}
+
+/// See [`run_to_completion`]: polls its future inline; spawns the rest of it
+/// when dropped before it finished.
+#[cfg(not(madsim))]
+struct Detachable<F: Future + Send + 'static>
+where
+    F::Output: Send + 'static,
+{
+    fut: Option<std::pin::Pin<Box<F>>>,
+}
+
+#[cfg(not(madsim))]
+impl<F: Future + Send + 'static> Future for Detachable<F>
+where
+    F::Output: Send + 'static,
+{
+    type Output = Result<F::Output, TaskEnded>;
+
+    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Self::Output> {
+        let Some(fut) = self.fut.as_mut() else {
+            return std::task::Poll::Ready(Err(TaskEnded("polled after completion".into())));
+        };
+        let out = std::task::ready!(fut.as_mut().poll(cx));
+        self.fut = None;
+        std::task::Poll::Ready(Ok(out))
+    }
+}
+
+#[cfg(not(madsim))]
+impl<F: Future + Send + 'static> Drop for Detachable<F>
+where
+    F::Output: Send + 'static,
+{
+    fn drop(&mut self) {
+        let Some(fut) = self.fut.take() else { return };
+        // Unwinding (possibly out of `fut` itself, which must not be polled
+        // again): nothing to finish.
+        if std::thread::panicking() {
+            return;
+        }
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => {
+                rt.spawn(async move {
+                    fut.await;
+                });
+            }
+            // No runtime left (it is shutting down): nothing could complete it.
+            Err(_) => tracing::warn!("a detached operation was dropped outside a runtime and abandoned"),
+        }
+    }
+}
+
+#[cfg(all(test, not(madsim)))]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Duration;
+
+    use super::run_to_completion;
+
+    // Multi-threaded: a spawned task would run on a worker, not here.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn runs_inline_and_returns_the_output() {
+        let caller = std::thread::current().id();
+        let ran_on = run_to_completion(async { std::thread::current().id() }).await.unwrap();
+        assert_eq!(ran_on, caller, "on real tokio the future runs in the caller's task");
+    }
+
+    #[tokio::test]
+    async fn a_dropped_future_still_finishes() {
+        let (go, wait) = tokio::sync::oneshot::channel::<()>();
+        let finished = Arc::new(AtomicBool::new(false));
+        let f = finished.clone();
+        let op = run_to_completion(async move {
+            let _ = wait.await;
+            f.store(true, Ordering::SeqCst);
+        });
+        // Polled once (it starts), then dropped half way.
+        assert!(tokio::time::timeout(Duration::from_millis(20), op).await.is_err());
+        go.send(()).unwrap();
+        for _ in 0..200 {
+            if finished.load(Ordering::SeqCst) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        panic!("the dropped operation was abandoned");
+    }
+}

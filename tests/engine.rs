@@ -21,6 +21,7 @@
 //! | `flush_saves_waits_for_a_save_on_another_task` | `flush_saves` |
 //! | `device_checksums_seal_like_the_cpu_and_verify_at_a_peer` | C10 with the GPU checksumming the slots |
 //! | `saves_and_loads_cut_into_batches_fail_per_batch` | pipelined copy batches: a save is all or nothing, a load fails per batch |
+//! | `save_batches_completing_newest_first_seal_each_block_as_its_own` | batches sealed as they complete, in any order: right bytes and checksums per block, invisible until the last lands |
 
 // Loopback tests on real tokio and tonic; the simulator tier lives in sim/.
 #![cfg(not(madsim))]
@@ -148,10 +149,7 @@ async fn failed_batch_leaves_nothing_resident() {
         let inserts = e.client().counters().offered_inserts;
 
         let hs = hashes(20..24);
-        let blocks: Vec<(u64, BlockHash)> = hs.iter().enumerate().map(|(i, h)| (4 + i as u64, h.clone())).collect();
-        for (idx, h) in &blocks {
-            fill(e, &kv, *idx, h);
-        }
+        let blocks = fill_blocks(e, &kv, 4, &hs);
         gpu.fail_next_batches(1);
         let err = e.save(NS, &blocks).await.expect_err("the batch failed");
         assert!(matches!(err, EngineError::Gpu(GpuError::Device(_))), "{err:?}");
@@ -448,14 +446,7 @@ async fn handoff_barrier_covers_a_save_still_in_flight() {
         let e = n.engine.clone();
         let kv = register_default(&e, 40);
         let hs = hashes(7000..7033);
-        let blocks: Vec<(u64, BlockHash)> = hs.iter().enumerate().map(|(i, h)| (i as u64, h.clone())).collect();
-        for (idx, h) in &blocks {
-            fill(&e, &kv, *idx, h);
-        }
-        let saver = {
-            let e = e.clone();
-            tokio::spawn(async move { e.save(NS, &blocks).await })
-        };
+        let saver = spawn_save(&e, fill_blocks(&e, &kv, 0, &hs));
         assert!(eventually(Duration::from_secs(5), || gpu.pending.load(Ordering::SeqCst) == 1).await);
         assert_eq!(e.query_prefix(NS, &hs), 0, "nothing visible before the seal");
         let opener = {
@@ -557,14 +548,7 @@ async fn flush_saves_waits_for_a_save_on_another_task() {
         let e = n.engine.clone();
         let kv = register_default(&e, 8);
         let hs = hashes(40..44);
-        for (i, h) in hs.iter().enumerate() {
-            fill(&e, &kv, i as u64, h);
-        }
-        let saver = {
-            let e = e.clone();
-            let blocks: Vec<(u64, BlockHash)> = hs.iter().enumerate().map(|(i, h)| (i as u64, h.clone())).collect();
-            tokio::spawn(async move { e.save(NS, &blocks).await })
-        };
+        let saver = spawn_save(&e, fill_blocks(&e, &kv, 0, &hs));
         assert!(eventually(Duration::from_secs(5), || gpu.pending.load(Ordering::SeqCst) == 1).await);
         // While the copy is not complete, flush_saves does not return.
         let blocked = tokio::time::timeout(Duration::from_millis(200), e.flush_saves()).await;
@@ -583,12 +567,7 @@ async fn flush_saves_waits_for_a_save_on_another_task() {
         // Another save held in flight: flush_saves keeps waiting until its completion.
         gpu.set_open(false);
         let h2 = hashes(50..51);
-        fill(&e, &kv, 5, &h2[0]);
-        let late = {
-            let e = e.clone();
-            let h = h2[0].clone();
-            tokio::spawn(async move { e.save(NS, &[(5, h)]).await })
-        };
+        let late = spawn_save(&e, fill_blocks(&e, &kv, 5, &h2));
         assert!(eventually(Duration::from_secs(5), || gpu.pending.load(Ordering::SeqCst) == 1).await);
         tokio::time::timeout(Duration::from_secs(1), e.flush_saves())
             .await
@@ -650,10 +629,7 @@ async fn saves_and_loads_cut_into_batches_fail_per_batch() {
         let per_block = e.layout(NS).unwrap().1.coalesced_copies(0).len();
         assert_eq!(kvferry::limits::COPY_BATCH_OPS_FIRST / per_block, 4);
         let hs = hashes(100..114);
-        let blocks: Vec<(u64, BlockHash)> = hs.iter().enumerate().map(|(i, h)| (i as u64, h.clone())).collect();
-        for (idx, h) in &blocks {
-            fill(e, &kv, *idx, h);
-        }
+        let blocks = fill_blocks(e, &kv, 0, &hs);
         let before = e.gauges();
         gpu.fail_next_batches_after(1, 1);
         let err = e.save(NS, &blocks).await.expect_err("the second batch failed");
@@ -677,6 +653,42 @@ async fn saves_and_loads_cut_into_batches_fail_per_batch() {
         for (i, (h, idx)) in loads.iter().enumerate() {
             assert_eq!(verify(e, &kv, *idx, h), !failed.contains(&i), "block {i}");
         }
+    })
+    .await;
+}
+
+/// A save's copy batches are sealed as they complete, in whatever order:
+/// completing newest first, every block still gets its own extent and slot
+/// checksums, and none is visible before the last batch landed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn save_batches_completing_newest_first_seal_each_block_as_its_own() {
+    bounded(async {
+        let ms = start_ms().await;
+        let gpu = Arc::new(HeldGpu::new());
+        let n = node::start(node_cfg(ms.local_addr, 16 * MIB), gpu.clone() as Arc<dyn Gpu>).await.unwrap();
+        let e = n.engine.clone();
+        // 128 copy ops per block: batches of 4, 8 and 2 blocks.
+        let kv = register(&e, NS, 64, 40, 1 << 10, true, true);
+        let hs = hashes(300..314);
+        let saver = spawn_save(&e, fill_blocks(&e, &kv, 0, &hs));
+        assert!(eventually(Duration::from_secs(5), || gpu.held() == 3).await, "three batches in flight");
+        while gpu.release_newest() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            if gpu.held() > 0 {
+                assert_eq!(e.query_prefix(NS, &hs), 0, "visible before every batch landed");
+            }
+        }
+        let rep = saver.await.unwrap().unwrap();
+        assert_eq!(rep.saved, hs);
+        gpu.stop_holding();
+        assert_eq!(e.metrics().device_checksummed_blocks.load(Ordering::Relaxed), 14);
+        let (_, layout) = e.layout(NS).unwrap();
+        let (sid, locked) = e.lock_for_transfer(NS, &hs).unwrap();
+        for (h, b) in &locked {
+            assert_eq!(b.checksums, kvferry::engine::slot_checksums(&layout, b.extent.as_slice()), "{h:?}");
+        }
+        e.release_transfer(&sid.unwrap());
+        load_and_verify(&e, &kv, 20, &hs).await;
     })
     .await;
 }

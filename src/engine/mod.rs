@@ -96,7 +96,9 @@ pub enum EngineError {
     /// The transfer-lock table refused.
     #[error(transparent)]
     Lock(#[from] LockError),
-    /// A save task died (panic).
+    /// The task finishing a save ended without a result (under the
+    /// simulator: it panicked or its node was killed; see
+    /// [`crate::rt::run_to_completion`]).
     #[error("save task failed: {0}")]
     Task(String),
 }
@@ -470,8 +472,9 @@ impl Engine {
     /// can, else on the CPU), inserts into the cache and enqueues
     /// registrations of the newly resident blocks. A block becomes visible
     /// only once sealed; a failed or racing save leaves nothing behind. The
-    /// copy-and-seal part runs on its own task, so dropping this future does
-    /// not abandon a save half way.
+    /// copy-and-seal part runs inline but is finished on a task of its own
+    /// if this future is dropped ([`crate::rt::run_to_completion`]), so a
+    /// cancelled caller never abandons a save half way.
     ///
     /// # Errors
     /// Validation errors (nothing is saved), [`EngineError::Gpu`] when any
@@ -509,12 +512,13 @@ impl Engine {
             return Ok(report);
         }
         let engine = self.clone();
-        // The copy-and-seal part runs on its own task (see above).
-        let task = tokio::spawn(async move {
+        // Finished even if this future is dropped (see above).
+        let sealed = crate::rt::run_to_completion(async move {
             let _guard = guard;
             engine.copy_and_seal(&ns, &layout, todo, called).await
-        });
-        let sealed = task.await.map_err(|e| EngineError::Task(e.to_string()))??;
+        })
+        .await
+        .map_err(|e| EngineError::Task(e.0))??;
         report.saved = sealed.saved;
         report.already_resident += sealed.raced;
         report.no_space = sealed.no_space;
@@ -523,8 +527,9 @@ impl Engine {
 
     /// Allocates pool slots for `todo`, submits the device → pool copies in
     /// batches growing from [`limits::COPY_BATCH_OPS_FIRST`] ops (each starts
-    /// on the device while the next is prepared), waits for all of them,
-    /// and — only if every batch landed — seals and inserts the blocks.
+    /// on the device while the next is prepared), seals each batch's blocks
+    /// as it completes (in any order) and — only if every batch landed —
+    /// inserts them all into the cache.
     async fn copy_and_seal(
         &self,
         ns: &Arc<str>,
@@ -535,11 +540,13 @@ impl Engine {
         let layers = layout.layers().len();
         let block_bytes = layout.block_bytes();
         let mut no_space = 0;
-        let mut pending = Vec::new();
+        // In flight: (first block of the batch in `todo`, completion).
+        let mut pending = futures::stream::FuturesUnordered::new();
         let mut batches = 0;
         let mut next = 0;
         let mut submitted = None;
         while next < todo.len() && no_space == 0 {
+            let first = next;
             let mut host = Vec::new();
             let mut ops = Vec::new();
             let limits = batch_limits(batches);
@@ -562,15 +569,19 @@ impl Engine {
             let mut batch = CopyBatch::new(Direction::DeviceToHost, ops, host);
             batch.checksums = slot_ranges(layout, batch.host.len());
             submitted.get_or_insert_with(Instant::now);
-            pending.push(self.inner.gpu.submit(batch));
+            let done = self.inner.gpu.submit(batch);
+            pending.push(async move { (first, done.await) });
             batches += 1;
         }
         let prepared = submitted.map(|t| t - called).unwrap_or_default();
         let m = &self.inner.metrics;
         let mut failed = None;
-        let mut blocks: Vec<(Extent, Arc<[u32]>)> = Vec::with_capacity(next);
-        for done in pending {
-            let done = done.await;
+        // Each batch is sealed (extent frozen, checksums attached) as it
+        // completes, in whatever order, so only the last one's blocks and
+        // the cache inserts remain once the last byte landed. The blocks stay
+        // invisible until every batch landed; a failed batch drops them all.
+        let mut blocks: Vec<Option<CachedBlock>> = (0..next).map(|_| None).collect();
+        while let Some((first, done)) = futures::StreamExt::next(&mut pending).await {
             if let Err(e) = done.result {
                 failed.get_or_insert(e);
                 continue;
@@ -590,7 +601,9 @@ impl Engine {
                 }
                 _ => checksum_blocks(layout, &exts),
             };
-            blocks.extend(exts.into_iter().zip(sums));
+            for (slot, (ext, checksums)) in blocks[first..].iter_mut().zip(exts.into_iter().zip(sums)) {
+                *slot = Some(CachedBlock { extent: ext.seal(), checksums });
+            }
         }
         // A failed batch fails the save: every extent drops back to the pool.
         if let Some(e) = failed {
@@ -605,8 +618,9 @@ impl Engine {
         let mut raced = 0;
         {
             let mut cache = self.inner.cache.lock().expect("cache lock");
-            for ((_, hash), (ext, checksums)) in todo.into_iter().zip(blocks) {
-                if cache.insert(ns, hash.clone(), CachedBlock { extent: ext.seal(), checksums }) {
+            for ((_, hash), block) in todo.into_iter().zip(blocks) {
+                let block = block.expect("every batch landed, so every block is sealed");
+                if cache.insert(ns, hash.clone(), block) {
                     saved.push(hash);
                 } else {
                     raced += 1;

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use kvferry::engine::layout::{self, DeviceBufferId, LayerLayout};
-use kvferry::engine::{Engine, EngineConfig};
+use kvferry::engine::{Engine, EngineConfig, EngineError, SaveReport};
 use kvferry::gpu::host::HostGpu;
 use kvferry::gpu::{Completion, CopyBatch, Gpu, GpuError};
 use kvferry::metaserver::{self, MetaServerConfig, MetaServerHandle};
@@ -18,6 +18,7 @@ use kvferry::replay::trace::{fill_kv, verify_kv};
 use kvferry::transport::tcp::TcpTransport;
 use kvferry::types::{BlockHash, NodeAddr};
 use tokio::sync::watch;
+use tokio::task::JoinHandle;
 
 /// The namespace most tests use.
 pub const NS: &str = "test/llama/bf16/tp1/bt16";
@@ -176,13 +177,27 @@ pub fn hashes(ids: std::ops::Range<u64>) -> Vec<BlockHash> {
     ids.map(BlockHash::from_u64).collect()
 }
 
-/// Fills device blocks `first_idx..` with `hs` and saves them; panics unless
-/// every one was newly saved.
-pub async fn fill_and_save(engine: &Engine, kv: &Kv, first_idx: u64, hs: &[BlockHash]) {
+/// Fills device blocks `first_idx..` with the KV bytes of `hs`; returns
+/// the `(device block, hash)` list a save of them takes.
+pub fn fill_blocks(engine: &Engine, kv: &Kv, first_idx: u64, hs: &[BlockHash]) -> Vec<(u64, BlockHash)> {
     let blocks: Vec<(u64, BlockHash)> = hs.iter().enumerate().map(|(i, h)| (first_idx + i as u64, h.clone())).collect();
     for (idx, h) in &blocks {
         fill(engine, kv, *idx, h);
     }
+    blocks
+}
+
+/// Saves `blocks` of namespace [`NS`] from a task of its own (which the test
+/// may abort half way).
+pub fn spawn_save(engine: &Engine, blocks: Vec<(u64, BlockHash)>) -> JoinHandle<Result<SaveReport, EngineError>> {
+    let e = engine.clone();
+    tokio::spawn(async move { e.save(NS, &blocks).await })
+}
+
+/// Fills device blocks `first_idx..` with `hs` and saves them; panics unless
+/// every one was newly saved.
+pub async fn fill_and_save(engine: &Engine, kv: &Kv, first_idx: u64, hs: &[BlockHash]) {
+    let blocks = fill_blocks(engine, kv, first_idx, hs);
     let rep = engine.save(&kv.ns, &blocks).await.expect("save");
     assert_eq!(rep.saved.len(), hs.len(), "save report {rep:?}");
 }
@@ -256,6 +271,82 @@ impl Gpu for GatedGpu {
             pending.fetch_sub(1, Ordering::SeqCst);
             done.await
         })
+    }
+
+    fn write(&self, id: DeviceBufferId, offset: u64, data: &[u8]) -> Result<(), GpuError> {
+        self.inner.write(id, offset, data)
+    }
+
+    fn read(&self, id: DeviceBufferId, offset: u64, out: &mut [u8]) -> Result<(), GpuError> {
+        self.inner.read(id, offset, out)
+    }
+}
+
+/// A host GPU (with device-side checksums) that holds every completion
+/// until the test releases it, newest first: a save's copy batches then
+/// complete in the reverse of their submission order.
+pub struct HeldGpu {
+    pub inner: Arc<HostGpu>,
+    held: std::sync::Mutex<Vec<tokio::sync::oneshot::Sender<()>>>,
+    /// Whether new submissions are held (cleared by [`HeldGpu::stop_holding`]).
+    holding: std::sync::atomic::AtomicBool,
+}
+
+impl HeldGpu {
+    /// Nothing held yet.
+    pub fn new() -> Self {
+        Self {
+            inner: Arc::new(HostGpu::with_device_checksums()),
+            held: Default::default(),
+            holding: std::sync::atomic::AtomicBool::new(true),
+        }
+    }
+
+    /// Later submissions complete at once.
+    pub fn stop_holding(&self) {
+        self.holding.store(false, Ordering::SeqCst);
+    }
+
+    /// Completions held back.
+    pub fn held(&self) -> usize {
+        self.held.lock().unwrap().len()
+    }
+
+    /// Lets the most recently submitted held batch complete; `false` when
+    /// none is held.
+    pub fn release_newest(&self) -> bool {
+        self.held.lock().unwrap().pop().map(|tx| tx.send(())).is_some()
+    }
+}
+
+impl Gpu for HeldGpu {
+    fn name(&self) -> &'static str {
+        "held-host"
+    }
+
+    fn alloc(&self, bytes: u64) -> Result<DeviceBufferId, GpuError> {
+        self.inner.alloc(bytes)
+    }
+
+    fn buffer_len(&self, id: DeviceBufferId) -> Option<u64> {
+        self.inner.buffer_len(id)
+    }
+
+    fn submit(&self, batch: CopyBatch) -> Completion {
+        let done = self.inner.submit(batch);
+        if !self.holding.load(Ordering::SeqCst) {
+            return done;
+        }
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.held.lock().unwrap().push(tx);
+        Box::pin(async move {
+            let _ = rx.await;
+            done.await
+        })
+    }
+
+    fn checksums_on_device(&self) -> bool {
+        true
     }
 
     fn write(&self, id: DeviceBufferId, offset: u64, data: &[u8]) -> Result<(), GpuError> {
