@@ -103,6 +103,16 @@ regression!(
      first contact when registrations were already dropped."
 );
 regression!(regression_backfill_on_first_contact_2538, 2538, "Same bug as seed 143.");
+regression!(
+    regression_connection_wait_bounded_91,
+    91,
+    "inv_degrade_bounded (C9): once fetches read in parts, a part started after an earlier one timed out \
+     waited, without a bound, for a pooled TCP connection that another fetch's delayed read held, and \
+     the fetch ended 30-60 ms past its bound. Fix: src/transport/tcp.rs waits for a connection only \
+     until the batch's deadline (src/engine/fetch.rs also reads no part after a failed one or past the \
+     deadline, which alone does not fix this seed)."
+);
+regression!(regression_connection_wait_bounded_329, 329, "Same bug as seed 91.");
 
 /// `MADSIM_TEST_CHECK_DETERMINISM` for seeds that diverged between two runs
 /// in one process: an unbiased `tokio::select!` draws from tokio's thread

@@ -120,6 +120,14 @@ pub const TCP_PIPELINE_DEPTH: usize = 32;
 /// TCP connections per peer (the pool reads are spread over).
 pub const TCP_CONNECTIONS_PER_PEER_DEFAULT: usize = 4;
 
+/// Default of `EngineConfig::fetch_read_part_bytes`: bytes of blocks a
+/// fetch reads per transport call. Each part is
+/// checksummed while the next one is read (so the CRC pass overlaps the
+/// wire instead of following it), and a part costs one round trip of
+/// pipeline refill per connection (≈ 0.1 ms on loopback against ≈ 12 ms
+/// for 64 MiB at 5 GB/s).
+pub const FETCH_READ_PART_BYTES: u64 = 64 << 20;
+
 /// Smallest share of a fetched batch (bytes) worth its own checksum task:
 /// below this the task hand-off costs more than the CRC-32C it moves (a
 /// core checksums ~10 MB in about a millisecond from memory).

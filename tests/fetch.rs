@@ -16,6 +16,8 @@
 //! | `failed_start_leaves_no_ghost_node_at_the_metaserver` | C12, C5 |
 //! | `data_plane_rejects_bad_input_and_keeps_serving` | C13 |
 //! | `p2p_grpc_surface` | §2.4, wire.md, C8 idempotent release |
+//! | `first_fetch_after_the_owner_restarts_moves_every_block` | §5: a pooled data connection found dead is replaced within the read |
+//! | `fetch_reads_in_parts_and_a_bad_part_ends_it` | C10 per part, C11 (extents back), reads pipelined with checksums |
 //!
 //! Where a test needs an owner to die or freeze at an exact point of a read,
 //! the owner is assembled from the same parts as `node::start` on its own
@@ -972,6 +974,91 @@ async fn p2p_grpc_surface() {
 
         // Still healthy after all of the above.
         assert!(c.health(HealthRequest {}).await.unwrap().into_inner().status.unwrap().ok);
+    })
+    .await;
+}
+
+/// An owner restarts (a fresh process on the same gRPC and data addresses):
+/// the requester's pooled data connections to the old process are dead, and
+/// its first fetch from the new one still moves every block.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn first_fetch_after_the_owner_restarts_moves_every_block() {
+    bounded(async {
+        let ms = start_ms().await;
+        let (p, _) = start_node(&ms, 4 * MIB).await;
+        let (d, _) = start_node(&ms, 4 * MIB).await;
+        let kp = register_default(&p.engine, 40);
+        register_default(&d.engine, 40);
+        let hs = hashes(9000..9008);
+        prefill(&p.engine, &kp, &hs).await;
+        let rep = d.engine.fetch(NS, &hs).await;
+        assert_eq!((rep.available, rep.fetched), (8, 8), "{rep:?}");
+
+        let mut cfg = node_cfg(ms.local_addr, 4 * MIB);
+        cfg.grpc_addr = p.grpc_addr;
+        cfg.data_addr = tcp(&p).data_addr().parse().unwrap();
+        // A clean stop (a crashed node's session would fence the new one at
+        // the MetaServer until it went stale, C5), then a new process.
+        p.shutdown(Duration::from_secs(1)).await;
+        let mut p2 = None;
+        for _ in 0..200 {
+            match node::start(cfg.clone(), Arc::new(HostGpu::new())).await {
+                Ok(n) => {
+                    p2 = Some(n);
+                    break;
+                }
+                Err(NodeError::BindGrpc { .. } | NodeError::BindData { .. }) => {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                Err(e) => panic!("restart: {e}"),
+            }
+        }
+        let p2 = p2.expect("the old addresses free up within 2 s");
+        let kp2 = register_default(&p2.engine, 40);
+        let hs2 = hashes(9100..9108);
+        prefill(&p2.engine, &kp2, &hs2).await;
+        let rep = d.engine.fetch(NS, &hs2).await;
+        assert_eq!((rep.available, rep.fetched), (8, 8), "first fetch after the restart: {rep:?}");
+    })
+    .await;
+}
+
+/// A fetch reads in parts, each checksummed while the next is read; a bad
+/// part ends it: the part read meanwhile is dropped, later parts are never
+/// asked for, and every extent goes back to the pool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fetch_reads_in_parts_and_a_bad_part_ends_it() {
+    bounded(async {
+        let ms = start_ms().await;
+        let (p, _) = start_node(&ms, 4 * MIB).await;
+        let mut dcfg = node_cfg(ms.local_addr, 4 * MIB);
+        dcfg.tcp_connections_per_peer = 1; // the owner serves the reads in order
+        dcfg.engine.fetch_read_part_bytes = 2 * BLOCK;
+        let (d, _) = start_node_cfg(dcfg).await;
+        let kp = register_default(&p.engine, 40);
+        let kd = register_default(&d.engine, 40);
+        let served = || tcp(&p).hooks.reads_served.load(Ordering::SeqCst);
+
+        let hs = hashes(9200..9208);
+        prefill(&p.engine, &kp, &hs).await;
+        let before = served();
+        let rep = d.engine.fetch(NS, &hs).await;
+        assert_eq!((rep.available, rep.fetched), (8, 8), "{rep:?}");
+        load_and_verify(&d.engine, &kd, 0, &hs).await;
+        let whole = served() - before;
+        assert!(whole >= 4, "four parts of two blocks, at least one read each: {whole}");
+
+        let hs2 = hashes(9300..9308);
+        prefill(&p.engine, &kp, &hs2).await;
+        let gauges = d.engine.gauges();
+        tcp(&p).hooks.corrupt_next_reads.store(1, Ordering::SeqCst);
+        let before = served();
+        let rep = d.engine.fetch(NS, &hs2).await;
+        assert_eq!((rep.available, rep.fetched), (0, 0), "{rep:?}");
+        assert_eq!(rep.stopped, Some(FetchError::Checksum));
+        let bad = served() - before;
+        assert!(bad < whole, "parts 3 and 4 were not asked for: {bad} reads of {whole}");
+        assert_eq!(d.engine.gauges(), gauges, "nothing sealed, every extent back in the pool");
     })
     .await;
 }

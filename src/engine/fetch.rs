@@ -4,7 +4,8 @@
 //! MetaServer's order — longest prefix, then node — is the deterministic
 //! tie-break) → handshake once per peer (single-flight; a failure leaves no
 //! state, so the next attempt starts clean) → `QueryBlocksForTransfer` →
-//! READ into freshly allocated pool slots → verify each slot's CRC-32C →
+//! READ into freshly allocated pool slots → verify each slot's CRC-32C
+//! (in parts, each verified while the next is read) →
 //! seal locally and register the fetched blocks as owned here (one
 //! synchronous step, so no eviction can slip between them) → release the
 //! transfer lock. When an owner delivers only part of what it advertised,
@@ -291,6 +292,7 @@ impl Engine {
             requester_id: self.node().0.clone(),
         };
         let mut grpc = p.grpc.clone();
+        let asked = Instant::now();
         let resp = match timeout_at(deadline, grpc.query_blocks_for_transfer(req)).await {
             Err(_) => return (0, 0, Some(FetchError::Deadline)),
             Ok(Err(s)) => {
@@ -303,7 +305,9 @@ impl Engine {
             return (0, 0, Some(FetchError::Stale));
         }
         let guard = TransferGuard { grpc: p.grpc.clone(), session: Some(resp.transfer_session_id.clone()), timeout };
+        let locked = Instant::now();
         let out = self.read_locked(owner, namespace, want, resp.blocks, &resp.transfer_session_id, deadline).await;
+        let read = Instant::now();
         if matches!(out.2, Some(FetchError::Transport(ref e)) if !matches!(e, TransportError::Refused { .. })) {
             // The connection state is unknown: start clean next time.
             self.inner.peers.invalidate(owner, &p);
@@ -312,6 +316,15 @@ impl Engine {
             }
         }
         guard.release().await;
+        tracing::debug!(
+            %owner,
+            blocks = out.0,
+            bytes = out.1,
+            lock_us = (locked - asked).as_micros() as u64,
+            read_and_verify_us = (read - locked).as_micros() as u64,
+            release_us = read.elapsed().as_micros() as u64,
+            "fetch from owner"
+        );
         out
     }
 
@@ -325,7 +338,9 @@ impl Engine {
         deadline: Instant,
     ) -> (usize, u64, Option<FetchError>) {
         let Ok((ns, layout)) = self.layout(namespace) else { return (0, 0, Some(FetchError::UnknownNamespace)) };
-        let Some(transport) = self.transport().cloned() else { return (0, 0, Some(FetchError::NoTransport)) };
+        if self.transport().is_none() {
+            return (0, 0, Some(FetchError::NoTransport));
+        }
         let by_hash: HashMap<&[u8], &TransferBlockInfo> = blocks.iter().map(|b| (&b.block_hash[..], b)).collect();
         // The contiguous prefix the owner actually locked, shape-checked.
         let mut plan: Vec<&TransferBlockInfo> = Vec::new();
@@ -355,9 +370,7 @@ impl Engine {
         if plan.is_empty() {
             return (0, 0, stop);
         }
-        let ops = read_ops(&layout, &plan);
-        let done = transport.read(owner, session, ops, extents, deadline).await;
-        let checked = verify_reads(&layout, done.local, done.results).await;
+        let checked = self.read_and_verify(owner, session, &layout, &plan, extents, deadline).await;
         // Seal in prefix order, stopping at the first failed read or mismatch.
         let mut got = 0usize;
         let mut bytes = 0u64;
@@ -393,6 +406,66 @@ impl Engine {
             stop = Some(FetchError::Stale);
         }
         (got, bytes, stop)
+    }
+
+    /// Reads `plan` (block `i` into `extents[i]`) in parts of about
+    /// [`super::EngineConfig::fetch_read_part_bytes`], each part checksummed
+    /// while the next one is read, so only the last part's CRC pass follows
+    /// the last byte. Returns the verified prefix in order; a part with a
+    /// failed read or a checksum mismatch is the last one kept (the part read
+    /// meanwhile is dropped, later parts are not read; their extents go back
+    /// to the pool).
+    async fn read_and_verify(
+        &self,
+        owner: &NodeAddr,
+        session: &str,
+        layout: &Arc<super::layout::Layout>,
+        plan: &[&TransferBlockInfo],
+        extents: Vec<Extent>,
+        deadline: Instant,
+    ) -> Vec<Verified> {
+        let Some(transport) = self.transport() else { return Vec::new() };
+        let part_bytes = self.inner.cfg.fetch_read_part_bytes;
+        let per_part = usize::try_from(part_bytes / layout.block_bytes().max(1)).unwrap_or(usize::MAX).max(1);
+        let started = Instant::now();
+        let mut extents = extents.into_iter();
+        let mut read_part = |blocks: &[&TransferBlockInfo]| {
+            let local: Vec<Extent> = extents.by_ref().take(blocks.len()).collect();
+            transport.read(owner, session, read_ops(layout, blocks), local, deadline)
+        };
+        let mut parts = plan.chunks(per_part);
+        let mut out = Vec::with_capacity(plan.len());
+        let Some(first) = parts.next() else { return out };
+        let mut prev = (first, read_part(first).await);
+        let mut read = Instant::now();
+        loop {
+            let (blocks, done) = prev;
+            // After a failed read (or past the deadline) nothing more is read.
+            let go_on = done.results.iter().all(Result::is_ok) && Instant::now() < deadline;
+            let (verified, next) = match parts.next().filter(|_| go_on) {
+                Some(n) => {
+                    let (v, d) = tokio::join!(verify_reads(layout, done.local, done.results), read_part(n));
+                    read = Instant::now();
+                    (v, Some((n, d)))
+                }
+                None => (verify_reads(layout, done.local, done.results).await, None),
+            };
+            let intact = verified.iter().zip(blocks).all(|((_, res, sums), b)| {
+                res.is_ok() && sums.as_ref().is_some_and(|s| s.iter().copied().eq(b.slots.iter().map(|x| x.crc32c)))
+            });
+            out.extend(verified);
+            match next {
+                Some(n) if intact => prev = n,
+                _ => break,
+            }
+        }
+        tracing::debug!(
+            blocks = out.len(),
+            read_us = (read - started).as_micros() as u64,
+            verify_tail_us = read.elapsed().as_micros() as u64,
+            "fetch read"
+        );
+        out
     }
 }
 

@@ -46,6 +46,10 @@ pub struct EngineConfig {
     pub fetch_deadline: Duration,
     /// Deadline of each peer RPC inside a fetch.
     pub peer_rpc_timeout: Duration,
+    /// Bytes of blocks a fetch reads per transport call; each part is
+    /// checksummed while the next is read (see
+    /// [`limits::FETCH_READ_PART_BYTES`]).
+    pub fetch_read_part_bytes: u64,
     /// Seed of the engine's RNG (transfer session ids).
     pub seed: u64,
 }
@@ -59,6 +63,7 @@ impl Default for EngineConfig {
             lock_gc_interval: Duration::from_millis(limits::TRANSFER_LOCK_GC_INTERVAL_MS_DEFAULT),
             fetch_deadline: Duration::from_millis(limits::FETCH_DEADLINE_MS_DEFAULT),
             peer_rpc_timeout: Duration::from_millis(limits::METASERVER_RPC_TIMEOUT_MS_DEFAULT),
+            fetch_read_part_bytes: limits::FETCH_READ_PART_BYTES,
             seed: 0,
         }
     }

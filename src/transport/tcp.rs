@@ -7,6 +7,9 @@
 //! the reader half receives the responses in order straight into the local
 //! pool extents (no intermediate copy). The server answers requests in
 //! order, sending payload bytes straight from the locked block's memory.
+//! A pooled connection that turns out dead before answering anything (the
+//! peer restarted while it sat idle) is replaced and its share of the batch
+//! sent again, once, within the same deadline: reads are idempotent.
 //!
 //! Access is by capability (C13): every request names a transfer session;
 //! the server asks its [`DataSource`] (the engine's lock table) whether the
@@ -290,6 +293,22 @@ fn io_err(e: std::io::Error) -> TransportError {
     TransportError::Io(e.to_string())
 }
 
+/// Every extent of a connection's share, failed with `e`.
+fn fail_share(work: ConnWork, e: &TransportError) -> Vec<(usize, Extent, Result<(), TransportError>)> {
+    work.into_iter().map(|(i, ext, _)| (i, ext, Err(e.clone()))).collect()
+}
+
+/// How one connection's share of a batch ended.
+struct ConnOutcome {
+    /// Every extent of the share, in order, with its result.
+    out: Vec<(usize, Extent, Result<(), TransportError>)>,
+    /// The stream, when it is still in sync (reusable).
+    stream: Option<TcpStream>,
+    /// The socket failed before any response arrived (EOF, reset): a pooled
+    /// connection that died while idle, e.g. because the peer restarted.
+    dead_before_any_response: bool,
+}
+
 /// Runs one connection's share of a batch. Always returns every extent.
 async fn run_conn(
     stream: TcpStream,
@@ -298,7 +317,7 @@ async fn run_conn(
     work: ConnWork,
     first_req: u64,
     deadline: Instant,
-) -> (Vec<(usize, Extent, Result<(), TransportError>)>, Option<TcpStream>) {
+) -> ConnOutcome {
     let mut wire = Vec::new();
     let mut req_id = first_req;
     for (_, _, ops) in &work {
@@ -312,8 +331,8 @@ async fn run_conn(
             });
             if let Err(e) = frame::encode_request(&req, &mut wire) {
                 // A malformed session id (it came from a peer): nothing was sent.
-                let e = TransportError::BadOp(e.to_string());
-                return (work.into_iter().map(|(i, ext, _)| (i, ext, Err(e.clone()))).collect(), Some(stream));
+                let out = fail_share(work, &TransportError::BadOp(e.to_string()));
+                return ConnOutcome { out, stream: Some(stream), dead_before_any_response: false };
             }
             req_id += 1;
         }
@@ -335,6 +354,7 @@ async fn run_conn(
     let reader = async {
         let mut out = Vec::with_capacity(work.len());
         let mut healthy = true;
+        let (mut answered, mut dead_early) = (false, false);
         let mut expect = first_req;
         for (idx, mut ext, ops) in work {
             let mut result = Ok(());
@@ -351,21 +371,25 @@ async fn run_conn(
                     continue;
                 }
                 match read_one(&mut rd, &mut ext, &op, id, deadline).await {
-                    Ok(Ok(())) => {}
-                    Ok(Err(refused)) => result = Err(refused),
+                    Ok(Ok(())) => answered = true,
+                    Ok(Err(refused)) => {
+                        answered = true;
+                        result = Err(refused);
+                    }
                     Err(fatal) => {
                         healthy = false;
+                        dead_early = !answered && matches!(fatal, TransportError::Io(_));
                         result = Err(fatal);
                     }
                 }
             }
             out.push((idx, ext, result));
         }
-        (out, healthy)
+        (out, healthy, dead_early)
     };
-    let (w, (out, healthy)) = tokio::join!(writer, reader);
+    let (w, (out, healthy, dead_before_any_response)) = tokio::join!(writer, reader);
     let stream = rd.unsplit(wr);
-    (out, (healthy && w.is_ok()).then_some(stream))
+    ConnOutcome { out, stream: (healthy && w.is_ok()).then_some(stream), dead_before_any_response }
 }
 
 /// Applies the client-side test hooks before one read op: the configured
@@ -517,18 +541,32 @@ impl Transport for TcpTransport {
             let p = p.clone();
             let hooks = self.hooks.clone();
             async move {
-                let mut guard = p.conns[ci].lock().await;
-                let stream = match guard.take() {
-                    Some(s) => s,
+                // Another batch may hold this connection: wait for it only
+                // until this batch's deadline.
+                let Ok(mut guard) = timeout_at(deadline, p.conns[ci].lock()).await else {
+                    return fail_share(w, &TransportError::Timeout);
+                };
+                let (stream, pooled) = match guard.take() {
+                    Some(s) => (s, true),
                     None => match dial(&p.data_addr, deadline).await {
-                        Ok(s) => s,
-                        Err(e) => return w.into_iter().map(|(i, ext, _)| (i, ext, Err(e.clone()))).collect::<Vec<_>>(),
+                        Ok(s) => (s, false),
+                        Err(e) => return fail_share(w, &e),
                     },
                 };
+                // Reads are idempotent: a pooled connection found dead before
+                // any answer gets its whole share again, once, on a new one.
+                let retry_ops: Option<Vec<Vec<ReadOp>>> = pooled.then(|| w.iter().map(|(_, _, o)| o.clone()).collect());
                 // An unhealthy stream is dropped: its state is unknown, reconnect next time.
-                let (out, stream) = run_conn(stream, &hooks, session, w, first, deadline).await;
-                *guard = stream;
-                out
+                let mut done = run_conn(stream, &hooks, session, w, first, deadline).await;
+                if let (true, Some(ops)) = (done.dead_before_any_response, retry_ops)
+                    && let Ok(fresh) = dial(&p.data_addr, deadline).await
+                {
+                    tracing::debug!(peer = %p.data_addr, "pooled data connection was dead; retrying on a new one");
+                    let w = done.out.into_iter().zip(ops).map(|((i, ext, _), ops)| (i, ext, ops)).collect();
+                    done = run_conn(fresh, &hooks, session, w, first, deadline).await;
+                }
+                *guard = done.stream;
+                done.out
             }
         });
         let mut slots: Vec<Option<(Extent, Result<(), TransportError>)>> = (0..n).map(|_| None).collect();
