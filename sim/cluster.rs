@@ -530,7 +530,7 @@ async fn boot_node(i: usize, incarnation: u64, p: &Params) -> (NodeSlot, node::N
         peer_rpc_timeout: p.peer_rpc_timeout,
         // Fetches of more than 4 blocks read in parts (each checksummed
         // while the next is read), so faults also land mid multi-part fetch.
-        fetch_read_part_bytes: 4 * (bytes / p.device_blocks.max(1)),
+        fetch_read_part_bytes: 4 * p.block_bytes(),
         seed: p.seed ^ ((i as u64 + 1) << 40) ^ (incarnation << 56),
     };
     let h = node::start(cfg, gpu.clone() as Arc<dyn Gpu>).await.expect("node start");

@@ -184,12 +184,18 @@ where
     type Output = Result<F::Output, TaskEnded>;
 
     fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Self::Output> {
-        let Some(fut) = self.fut.as_mut() else {
+        // Out of `self` while polled: if `fut` panics it unwinds with this
+        // frame and is never spawned (nor polled) again.
+        let Some(mut fut) = self.fut.take() else {
             return std::task::Poll::Ready(Err(TaskEnded("polled after completion".into())));
         };
-        let out = std::task::ready!(fut.as_mut().poll(cx));
-        self.fut = None;
-        std::task::Poll::Ready(Ok(out))
+        match fut.as_mut().poll(cx) {
+            std::task::Poll::Ready(out) => std::task::Poll::Ready(Ok(out)),
+            std::task::Poll::Pending => {
+                self.fut = Some(fut);
+                std::task::Poll::Pending
+            }
+        }
     }
 }
 
@@ -199,12 +205,9 @@ where
     F::Output: Send + 'static,
 {
     fn drop(&mut self) {
+        // `fut` is here only between polls, so this drop is the caller
+        // going away (cancelled, or unwinding from a panic elsewhere).
         let Some(fut) = self.fut.take() else { return };
-        // Unwinding (possibly out of `fut` itself, which must not be polled
-        // again): nothing to finish.
-        if std::thread::panicking() {
-            return;
-        }
         match tokio::runtime::Handle::try_current() {
             Ok(rt) => {
                 rt.spawn(async move {
@@ -252,5 +255,32 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         panic!("the dropped operation was abandoned");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn finishes_when_its_caller_unwinds_from_a_panic_elsewhere() {
+        let (go, wait) = tokio::sync::oneshot::channel::<()>();
+        let finished = Arc::new(AtomicBool::new(false));
+        let f = finished.clone();
+        let caller = tokio::spawn(async move {
+            let op = run_to_completion(async move {
+                let _ = wait.await;
+                f.store(true, Ordering::SeqCst);
+            });
+            let elsewhere = async {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                panic!("a sibling future of the operation panics");
+            };
+            tokio::join!(op, elsewhere);
+        });
+        assert!(caller.await.expect_err("the caller panicked").is_panic());
+        go.send(()).expect("the operation still waits for the signal");
+        for _ in 0..200 {
+            if finished.load(Ordering::SeqCst) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        panic!("the operation was abandoned with its caller");
     }
 }

@@ -11,7 +11,7 @@ fn num(v: &serde_json::Value, key: &str) -> f64 {
 }
 
 #[test]
-fn bench_transport_reports_t4_against_a_same_memory_raw_copy() {
+fn bench_transport_reports_t4_and_both_raw_copies() {
     let dir = tempfile::tempdir().expect("tempdir");
     let json = dir.path().join("t4.json");
     let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))

@@ -370,12 +370,12 @@ impl Engine {
         if plan.is_empty() {
             return (0, 0, stop);
         }
-        let checked = self.read_and_verify(owner, session, &layout, &plan, extents, deadline).await;
+        let (checked, short) = self.read_and_verify(owner, session, &layout, &plan, extents, deadline).await;
         // Seal in prefix order, stopping at the first failed read or mismatch.
         let mut got = 0usize;
         let mut bytes = 0u64;
         if checked.len() < plan.len() {
-            stop = Some(FetchError::Transport(TransportError::Io("checksum task did not finish".into())));
+            stop = short.or(stop);
         }
         for ((ext, res, sums), b) in checked.into_iter().zip(&plan) {
             if let Err(e) = res {
@@ -414,7 +414,9 @@ impl Engine {
     /// the last byte. Returns the verified prefix in order; a part with a
     /// failed read or a checksum mismatch is the last one kept (the part read
     /// meanwhile is dropped, later parts are not read; their extents go back
-    /// to the pool).
+    /// to the pool). When the list is short of `plan` without a failed or
+    /// mismatched entry in it, the second value says why (the deadline
+    /// passed between parts, or the runtime shut down under a checksum task).
     async fn read_and_verify(
         &self,
         owner: &NodeAddr,
@@ -423,8 +425,8 @@ impl Engine {
         plan: &[&TransferBlockInfo],
         extents: Vec<Extent>,
         deadline: Instant,
-    ) -> Vec<Verified> {
-        let Some(transport) = self.transport() else { return Vec::new() };
+    ) -> (Vec<Verified>, Option<FetchError>) {
+        let Some(transport) = self.transport() else { return (Vec::new(), Some(FetchError::NoTransport)) };
         let part_bytes = self.inner.cfg.fetch_read_part_bytes;
         let per_part = usize::try_from(part_bytes / layout.block_bytes().max(1)).unwrap_or(usize::MAX).max(1);
         let started = Instant::now();
@@ -435,24 +437,35 @@ impl Engine {
         };
         let mut parts = plan.chunks(per_part);
         let mut out = Vec::with_capacity(plan.len());
-        let Some(first) = parts.next() else { return out };
+        let mut short = None;
+        let Some(first) = parts.next() else { return (out, short) };
         let mut prev = (first, read_part(first).await);
         let mut read = Instant::now();
         loop {
             let (blocks, done) = prev;
-            // After a failed read (or past the deadline) nothing more is read.
-            let go_on = done.results.iter().all(Result::is_ok) && Instant::now() < deadline;
-            let (verified, next) = match parts.next().filter(|_| go_on) {
+            // After a failed read, or past the deadline, nothing more is read.
+            let read_ok = done.results.iter().all(Result::is_ok);
+            let next = parts.next().filter(|_| read_ok);
+            if next.is_some() && Instant::now() >= deadline {
+                short = Some(FetchError::Deadline);
+            }
+            let (verified, next) = match next.filter(|_| short.is_none()) {
                 Some(n) => {
-                    let (v, d) = tokio::join!(verify_reads(layout, done.local, done.results), read_part(n));
+                    // The read first: its requests leave before an inline
+                    // checksum pass (small parts, one core) holds the task.
+                    let (d, v) = tokio::join!(read_part(n), verify_reads(layout, done.local, done.results));
                     read = Instant::now();
                     (v, Some((n, d)))
                 }
                 None => (verify_reads(layout, done.local, done.results).await, None),
             };
-            let intact = verified.iter().zip(blocks).all(|((_, res, sums), b)| {
-                res.is_ok() && sums.as_ref().is_some_and(|s| s.iter().copied().eq(b.slots.iter().map(|x| x.crc32c)))
-            });
+            let intact = verified.len() == blocks.len()
+                && verified.iter().zip(blocks).all(|((_, res, sums), b)| {
+                    res.is_ok() && sums.as_ref().is_some_and(|s| s.iter().copied().eq(b.slots.iter().map(|x| x.crc32c)))
+                });
+            if verified.len() < blocks.len() {
+                short = Some(FetchError::Transport(TransportError::Io("checksum task did not finish".into())));
+            }
             out.extend(verified);
             match next {
                 Some(n) if intact => prev = n,
@@ -465,7 +478,7 @@ impl Engine {
             verify_tail_us = read.elapsed().as_micros() as u64,
             "fetch read"
         );
-        out
+        (out, short)
     }
 }
 

@@ -101,9 +101,9 @@ pub enum EngineError {
     /// The transfer-lock table refused.
     #[error(transparent)]
     Lock(#[from] LockError),
-    /// The task finishing a save ended without a result (under the
-    /// simulator: it panicked or its node was killed; see
-    /// [`crate::rt::run_to_completion`]).
+    /// The task finishing a save ended without a result (only under the
+    /// simulator, where the save runs on a task of its own: its node was
+    /// killed; see [`crate::rt::run_to_completion`]).
     #[error("save task failed: {0}")]
     Task(String),
 }
@@ -590,6 +590,9 @@ impl Engine {
             if let Err(e) = done.result {
                 failed.get_or_insert(e);
                 continue;
+            }
+            if failed.is_some() {
+                continue; // the save fails: its extents just go back to the pool
             }
             let exts: Vec<Extent> = done
                 .host
