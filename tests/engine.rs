@@ -447,7 +447,7 @@ async fn handoff_barrier_covers_a_save_still_in_flight() {
         let kv = register_default(&e, 40);
         let hs = hashes(7000..7033);
         let saver = spawn_save(&e, fill_blocks(&e, &kv, 0, &hs));
-        assert!(eventually(Duration::from_secs(5), || gpu.pending.load(Ordering::SeqCst) == 1).await);
+        assert!(eventually(Duration::from_secs(5), || gpu.held() == 1).await);
         assert_eq!(e.query_prefix(NS, &hs), 0, "nothing visible before the seal");
         let opener = {
             let gpu = gpu.clone();
@@ -549,7 +549,7 @@ async fn flush_saves_waits_for_a_save_on_another_task() {
         let kv = register_default(&e, 8);
         let hs = hashes(40..44);
         let saver = spawn_save(&e, fill_blocks(&e, &kv, 0, &hs));
-        assert!(eventually(Duration::from_secs(5), || gpu.pending.load(Ordering::SeqCst) == 1).await);
+        assert!(eventually(Duration::from_secs(5), || gpu.held() == 1).await);
         // While the copy is not complete, flush_saves does not return.
         let blocked = tokio::time::timeout(Duration::from_millis(200), e.flush_saves()).await;
         assert!(blocked.is_err(), "flush_saves returned while a save was in flight");
@@ -568,7 +568,7 @@ async fn flush_saves_waits_for_a_save_on_another_task() {
         gpu.set_open(false);
         let h2 = hashes(50..51);
         let late = spawn_save(&e, fill_blocks(&e, &kv, 5, &h2));
-        assert!(eventually(Duration::from_secs(5), || gpu.pending.load(Ordering::SeqCst) == 1).await);
+        assert!(eventually(Duration::from_secs(5), || gpu.held() == 1).await);
         tokio::time::timeout(Duration::from_secs(1), e.flush_saves())
             .await
             .expect_err("a save in flight when flush_saves is called is covered");
@@ -664,7 +664,7 @@ async fn saves_and_loads_cut_into_batches_fail_per_batch() {
 async fn save_batches_completing_newest_first_seal_each_block_as_its_own() {
     bounded(async {
         let ms = start_ms().await;
-        let gpu = Arc::new(HeldGpu::new());
+        let gpu = Arc::new(GatedGpu::with_device_checksums());
         let n = node::start(node_cfg(ms.local_addr, 16 * MIB), gpu.clone() as Arc<dyn Gpu>).await.unwrap();
         let e = n.engine.clone();
         // 128 copy ops per block: batches of 4, 8 and 2 blocks.
@@ -680,7 +680,7 @@ async fn save_batches_completing_newest_first_seal_each_block_as_its_own() {
         }
         let rep = saver.await.unwrap().unwrap();
         assert_eq!(rep.saved, hs);
-        gpu.stop_holding();
+        gpu.set_open(true);
         assert_eq!(e.metrics().device_checksummed_blocks.load(Ordering::Relaxed), 14);
         let (_, layout) = e.layout(NS).unwrap();
         let (sid, locked) = e.lock_for_transfer(NS, &hs).unwrap();

@@ -383,7 +383,7 @@ impl Engine {
                 break;
             }
             let sums = sums.expect("a successful read is checksummed");
-            if !sums.iter().copied().eq(b.slots.iter().map(|s| s.crc32c)) {
+            if !as_advertised(&sums, b) {
                 self.inner.metrics.checksum_failures.fetch_add(1, Ordering::Relaxed);
                 stop = Some(FetchError::Checksum);
                 break;
@@ -460,9 +460,10 @@ impl Engine {
                 None => (verify_reads(layout, done.local, done.results).await, None),
             };
             let intact = verified.len() == blocks.len()
-                && verified.iter().zip(blocks).all(|((_, res, sums), b)| {
-                    res.is_ok() && sums.as_ref().is_some_and(|s| s.iter().copied().eq(b.slots.iter().map(|x| x.crc32c)))
-                });
+                && verified
+                    .iter()
+                    .zip(blocks)
+                    .all(|((_, res, sums), b)| res.is_ok() && sums.as_ref().is_some_and(|s| as_advertised(s, b)));
             if verified.len() < blocks.len() {
                 short = Some(FetchError::Transport(TransportError::Io("checksum task did not finish".into())));
             }
@@ -480,6 +481,12 @@ impl Engine {
         );
         (out, short)
     }
+}
+
+/// Whether a fetched block's slot checksums are the ones its owner advertised
+/// for it (C10).
+fn as_advertised(sums: &[u32], b: &TransferBlockInfo) -> bool {
+    sums.iter().copied().eq(b.slots.iter().map(|s| s.crc32c))
 }
 
 /// A completed read's extent, its result and, for a successful read, the

@@ -5,7 +5,6 @@
 
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use kvferry::engine::layout::{self, DeviceBufferId, LayerLayout};
@@ -17,7 +16,6 @@ use kvferry::node::{self, NodeConfig, NodeHandle};
 use kvferry::replay::trace::{fill_kv, verify_kv};
 use kvferry::transport::tcp::TcpTransport;
 use kvferry::types::{BlockHash, NodeAddr};
-use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 /// The namespace most tests use.
@@ -226,25 +224,52 @@ pub async fn ms_prefix_of(engine: &Engine, ns: &str, hs: &[BlockHash], node: &No
     ms_prefix(engine, ns, hs).await.into_iter().find(|(n, _)| n == node).map_or(0, |(_, l)| l)
 }
 
-/// A host GPU whose completions wait until the gate opens (the copies
-/// themselves run at submit): a save stays "in flight" as long as the test
-/// wants.
+/// A host GPU whose completions are held back while its gate is closed
+/// (the copies themselves run at submit): a save stays "in flight" as long
+/// as the test wants. Held batches complete when the gate opens, or one at
+/// a time newest first ([`GatedGpu::release_newest`]), so a save's copy
+/// batches can complete in the reverse of their submission order.
 pub struct GatedGpu {
     pub inner: Arc<HostGpu>,
-    gate: watch::Sender<bool>,
-    /// Batches submitted whose completion has not resolved yet.
-    pub pending: Arc<AtomicUsize>,
+    /// Whether the gate is open, and the completions held while closed.
+    gate: std::sync::Mutex<(bool, Vec<tokio::sync::oneshot::Sender<()>>)>,
 }
 
 impl GatedGpu {
     /// A closed gate over a fresh host GPU.
     pub fn new() -> Self {
-        Self { inner: Arc::new(HostGpu::new()), gate: watch::channel(false).0, pending: Arc::default() }
+        Self::over(HostGpu::new())
     }
 
-    /// Opens (or closes) the gate.
+    /// A closed gate over a host GPU that checksums save slots itself.
+    pub fn with_device_checksums() -> Self {
+        Self::over(HostGpu::with_device_checksums())
+    }
+
+    fn over(gpu: HostGpu) -> Self {
+        Self { inner: Arc::new(gpu), gate: Default::default() }
+    }
+
+    /// Opens (every held completion goes) or closes the gate.
     pub fn set_open(&self, open: bool) {
-        self.gate.send_replace(open);
+        let mut gate = self.gate.lock().unwrap();
+        gate.0 = open;
+        if open {
+            for tx in gate.1.drain(..) {
+                let _ = tx.send(());
+            }
+        }
+    }
+
+    /// Completions held back.
+    pub fn held(&self) -> usize {
+        self.gate.lock().unwrap().1.len()
+    }
+
+    /// Lets the most recently submitted held batch complete; `false` when
+    /// none is held.
+    pub fn release_newest(&self) -> bool {
+        self.gate.lock().unwrap().1.pop().map(|tx| tx.send(())).is_some()
     }
 }
 
@@ -263,82 +288,12 @@ impl Gpu for GatedGpu {
 
     fn submit(&self, batch: CopyBatch) -> Completion {
         let done = self.inner.submit(batch);
-        let mut rx = self.gate.subscribe();
-        let pending = self.pending.clone();
-        pending.fetch_add(1, Ordering::SeqCst);
-        Box::pin(async move {
-            let _ = rx.wait_for(|open| *open).await;
-            pending.fetch_sub(1, Ordering::SeqCst);
-            done.await
-        })
-    }
-
-    fn write(&self, id: DeviceBufferId, offset: u64, data: &[u8]) -> Result<(), GpuError> {
-        self.inner.write(id, offset, data)
-    }
-
-    fn read(&self, id: DeviceBufferId, offset: u64, out: &mut [u8]) -> Result<(), GpuError> {
-        self.inner.read(id, offset, out)
-    }
-}
-
-/// A host GPU (with device-side checksums) that holds every completion
-/// until the test releases it, newest first: a save's copy batches then
-/// complete in the reverse of their submission order.
-pub struct HeldGpu {
-    pub inner: Arc<HostGpu>,
-    held: std::sync::Mutex<Vec<tokio::sync::oneshot::Sender<()>>>,
-    /// Whether new submissions are held (cleared by [`HeldGpu::stop_holding`]).
-    holding: std::sync::atomic::AtomicBool,
-}
-
-impl HeldGpu {
-    /// Nothing held yet.
-    pub fn new() -> Self {
-        Self {
-            inner: Arc::new(HostGpu::with_device_checksums()),
-            held: Default::default(),
-            holding: std::sync::atomic::AtomicBool::new(true),
-        }
-    }
-
-    /// Later submissions complete at once.
-    pub fn stop_holding(&self) {
-        self.holding.store(false, Ordering::SeqCst);
-    }
-
-    /// Completions held back.
-    pub fn held(&self) -> usize {
-        self.held.lock().unwrap().len()
-    }
-
-    /// Lets the most recently submitted held batch complete; `false` when
-    /// none is held.
-    pub fn release_newest(&self) -> bool {
-        self.held.lock().unwrap().pop().map(|tx| tx.send(())).is_some()
-    }
-}
-
-impl Gpu for HeldGpu {
-    fn name(&self) -> &'static str {
-        "held-host"
-    }
-
-    fn alloc(&self, bytes: u64) -> Result<DeviceBufferId, GpuError> {
-        self.inner.alloc(bytes)
-    }
-
-    fn buffer_len(&self, id: DeviceBufferId) -> Option<u64> {
-        self.inner.buffer_len(id)
-    }
-
-    fn submit(&self, batch: CopyBatch) -> Completion {
-        let done = self.inner.submit(batch);
-        if !self.holding.load(Ordering::SeqCst) {
+        let mut gate = self.gate.lock().unwrap();
+        if gate.0 {
             return done;
         }
         let (tx, rx) = tokio::sync::oneshot::channel();
-        self.held.lock().unwrap().push(tx);
+        gate.1.push(tx);
         Box::pin(async move {
             let _ = rx.await;
             done.await
@@ -346,7 +301,7 @@ impl Gpu for HeldGpu {
     }
 
     fn checksums_on_device(&self) -> bool {
-        true
+        self.inner.checksums_on_device()
     }
 
     fn write(&self, id: DeviceBufferId, offset: u64, data: &[u8]) -> Result<(), GpuError> {
