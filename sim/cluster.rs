@@ -531,7 +531,7 @@ async fn boot_node(i: usize, incarnation: u64, p: &Params) -> (NodeSlot, node::N
         // Fetches of more than 4 blocks read in parts (each checksummed
         // while the next is read), so faults also land mid multi-part fetch.
         fetch_read_part_bytes: 4 * p.block_bytes(),
-        seed: p.seed ^ ((i as u64 + 1) << 40) ^ (incarnation << 56),
+        seed: Some(p.seed ^ ((i as u64 + 1) << 40) ^ (incarnation << 56)),
     };
     let h = node::start(cfg, gpu.clone() as Arc<dyn Gpu>).await.expect("node start");
     h.engine.register_layout(workload::NAMESPACE, layers.clone()).expect("sim layout");

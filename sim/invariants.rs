@@ -26,6 +26,13 @@
 //!   evicted block may be back with an insert the flush does not cover), or
 //!   the node's session record is stale at check time (C5 hides stale
 //!   owners by design).
+//! - `inv_session_ids_unique` (C16): every transfer-session id any engine
+//!   granted in the run (every node, every incarnation; seen through the
+//!   trace event `kvferry::transfer_session` that
+//!   [`kvferry::engine::Engine::lock_for_transfer`] emits, collected by
+//!   [`SessionGrants`]) is granted once. Checked once per run, counting the
+//!   grants it saw; it does not check unpredictability (a seed fixes every
+//!   id by design) — the real-runtime tests in `tests/fetch.rs` do.
 //! - `inv_accounting` (C4): on every live node at every checker tick, the
 //!   queue identity `offered == delivered + dropped + pending`, the engine
 //!   identity `evicted == removals_enqueued + removals_dropped_at_enqueue`,
@@ -94,8 +101,8 @@
 //! - Performance: latencies are simulated and only bounded, never measured.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Mutex;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kvferry::client::FlushReport;
@@ -601,4 +608,58 @@ pub fn tick(shared: &Shared, quiescent: bool) {
         }
     }
     shared.checker.drain_passes();
+}
+
+/// Every transfer-session id granted in a run, collected from the engines'
+/// trace events (a `tracing` layer installed for the run's thread).
+#[derive(Clone, Default)]
+pub struct SessionGrants(Arc<Mutex<(BTreeSet<String>, Vec<String>)>>);
+
+impl SessionGrants {
+    /// The `tracing` layer that records grants into `self`.
+    pub fn layer<S: tracing::Subscriber>(&self) -> impl tracing_subscriber::Layer<S> {
+        use tracing_subscriber::Layer as _;
+        let grants = self.clone();
+        GrantLayer(grants).with_filter(tracing_subscriber::filter::filter_fn(|m| {
+            m.target() == kvferry::engine::TRANSFER_SESSION_TRACE_TARGET
+        }))
+    }
+}
+
+struct GrantLayer(SessionGrants);
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for GrantLayer {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        struct Field(Option<String>);
+        impl tracing::field::Visit for Field {
+            fn record_debug(&mut self, f: &tracing::field::Field, v: &dyn std::fmt::Debug) {
+                if f.name() == "session" {
+                    self.0 = Some(format!("{v:?}"));
+                }
+            }
+        }
+        let mut field = Field(None);
+        event.record(&mut field);
+        if let Some(id) = field.0 {
+            let mut g = (self.0).0.lock().expect("grants");
+            if !g.0.insert(id.clone()) {
+                g.1.push(id);
+            }
+        }
+    }
+}
+
+/// C16: no transfer-session id was granted twice in the run (module doc).
+pub fn inv_session_ids_unique(shared: &Shared, grants: &SessionGrants) -> Result<(), Violation> {
+    let g = grants.0.lock().expect("grants");
+    if let Some(id) = g.1.first() {
+        return Err(violation(
+            "inv_session_ids_unique",
+            format!("{} of {} grants reused an id, first {id}", g.1.len(), g.0.len() + g.1.len()),
+        ));
+    }
+    for _ in 0..g.0.len() {
+        shared.checker.count("inv_session_ids_unique", false);
+    }
+    Ok(())
 }

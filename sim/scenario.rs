@@ -98,14 +98,19 @@ pub fn replay_command(seed: u64) -> String {
 /// Runs the scenario on the current madsim runtime (its seed drives
 /// everything). Prints the seed, the plan and the replay command first.
 pub async fn run() -> Result<Summary, Failure> {
-    if let Ok(filter) = std::env::var("SIM_LOG") {
-        // e.g. SIM_LOG=kvferry=debug: library tracing, stamped with simulated time.
-        let _ = tracing_subscriber::fmt()
-            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+    use tracing_subscriber::Layer as _;
+    use tracing_subscriber::layer::SubscriberExt as _;
+    // The run's own subscriber (this thread runs the whole simulation): the
+    // session-grant collector (C16), plus library logs when SIM_LOG is set
+    // (e.g. SIM_LOG=kvferry=debug), stamped with simulated time.
+    let grants = invariants::SessionGrants::default();
+    let logs = std::env::var("SIM_LOG").ok().map(|filter| {
+        tracing_subscriber::fmt::layer()
             .with_timer(SimTime)
             .with_ansi(false)
-            .try_init();
-    }
+            .with_filter(tracing_subscriber::EnvFilter::new(filter))
+    });
+    let _trace = tracing::subscriber::set_default(tracing_subscriber::registry().with(grants.layer()).with(logs));
     let seed = madsim::runtime::Handle::current().seed();
     let mut rng = StdRng::seed_from_u64(seed);
     let plan = Plan::draw(&mut rng);
@@ -119,7 +124,7 @@ pub async fn run() -> Result<Summary, Failure> {
         requests.len(),
         workload::block_bytes()
     );
-    let r = tokio::time::timeout(RUN_LIMIT, run_plan(seed, &plan, requests)).await;
+    let r = tokio::time::timeout(RUN_LIMIT, run_plan(seed, &plan, requests, &grants)).await;
     let (summary, violations) = match r {
         Ok(v) => v,
         Err(_) => (
@@ -220,7 +225,12 @@ async fn drive(c: Arc<Cluster>, req: Request, knobs: WorkloadKnobs, start: Insta
     }
 }
 
-async fn run_plan(seed: u64, plan: &Plan, requests: Vec<Request>) -> (Summary, Vec<Violation>) {
+async fn run_plan(
+    seed: u64,
+    plan: &Plan,
+    requests: Vec<Request>,
+    grants: &invariants::SessionGrants,
+) -> (Summary, Vec<Violation>) {
     invariants::set_origin();
     let cluster = Arc::new(Cluster::boot(params(seed, plan), Checker::default()).await);
     let shared = cluster.shared.clone();
@@ -295,6 +305,7 @@ async fn run_plan(seed: u64, plan: &Plan, requests: Vec<Request>) -> (Summary, V
         retired + live
     };
     shared.checker.record(invariants::inv_no_checksum_failures(&shared, plan.has(Kind::Corruption), failures));
+    shared.checker.record(invariants::inv_session_ids_unique(&shared, grants));
     shared.checker.drain_passes();
     summary.checks = shared.checker.counts();
     (summary, shared.checker.violations())

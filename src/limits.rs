@@ -14,7 +14,8 @@ pub const NAMESPACE_BYTES_MAX: usize = 256;
 /// Largest advertise address (bytes): a DNS name plus port.
 pub const NODE_ADDR_BYTES_MAX: usize = 280;
 
-/// Largest session id (bytes); ids we mint are 32 hex characters.
+/// Largest session id (bytes); the transfer-session ids we mint are exactly
+/// this long (`engine::locks::session_id`: 64 hex characters).
 pub const SESSION_ID_BYTES_MAX: usize = 64;
 
 /// Most hashes in one MetaServer insert/remove/query request, and the chunk

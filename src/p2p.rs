@@ -211,8 +211,11 @@ impl EngineRpc for P2pTransferService {
         if r.transfer_session_id.len() > limits::SESSION_ID_BYTES_MAX {
             return Err(Status::invalid_argument("transfer_session_id too long"));
         }
-        let released = self.engine.release_transfer(&r.transfer_session_id);
-        Ok(Response::new(ReleaseTransferLockResponse { status: ok(), released_blocks: released as u64 }))
+        let (status, released) = match self.engine.release_transfer(&r.transfer_session_id) {
+            Ok(n) => (ok(), n as u64),
+            Err(e) => (Some(ResponseStatus { ok: false, message: e.to_string() }), 0),
+        };
+        Ok(Response::new(ReleaseTransferLockResponse { status, released_blocks: released }))
     }
 
     async fn health(&self, _: Request<HealthRequest>) -> Result<Response<HealthResponse>, Status> {

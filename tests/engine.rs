@@ -229,7 +229,7 @@ async fn pressure_eviction_keeps_leased_and_locked_blocks() {
 
         // Unpinned, they are evictable again.
         drop(lease);
-        assert_eq!(e.release_transfer(&session), 2);
+        assert_eq!(e.release_transfer(&session), Ok(2));
         drop(locked);
         let newer = hashes(300..304);
         fill_and_save(e, &kv, 4, &newer).await;
@@ -278,7 +278,7 @@ async fn pool_exhaustion_is_an_error_value() {
         assert_eq!(e.gauges().pool_used_bytes, 4 * BLOCK);
 
         // Release one pin set: two blocks can be made room for, the third cannot.
-        e.release_transfer(&session.unwrap());
+        e.release_transfer(&session.unwrap()).unwrap();
         let rep = e.save(NS, &blocks).await.unwrap();
         assert_eq!(rep.saved, more[..2].to_vec());
         assert_eq!(rep.no_space, 1);
@@ -600,7 +600,7 @@ async fn device_checksums_seal_like_the_cpu_and_verify_at_a_peer() {
         for (h, b) in &locked {
             assert_eq!(b.checksums, kvferry::engine::slot_checksums(&layout, b.extent.as_slice()), "{h:?}");
         }
-        p.engine.release_transfer(&sid.unwrap());
+        p.engine.release_transfer(&sid.unwrap()).unwrap();
         let fr = p.engine.flush_saves_and_registrations(Duration::from_secs(3)).await;
         assert_eq!((fr.delivered, fr.timed_out), (12, false), "{fr:?}");
         let rep = d.engine.fetch(NS, &hs).await;
@@ -687,7 +687,7 @@ async fn save_batches_completing_newest_first_seal_each_block_as_its_own() {
         for (h, b) in &locked {
             assert_eq!(b.checksums, kvferry::engine::slot_checksums(&layout, b.extent.as_slice()), "{h:?}");
         }
-        e.release_transfer(&sid.unwrap());
+        e.release_transfer(&sid.unwrap()).unwrap();
         load_and_verify(&e, &kv, 20, &hs).await;
     })
     .await;

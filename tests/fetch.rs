@@ -302,7 +302,7 @@ async fn fetch_33_blocks_byte_identical_then_third_node_fetches_from_decode() {
         let (_, layout) = d.engine.layout(NS).unwrap();
         let (sid, locked) = d.engine.lock_for_transfer(NS, &hs[..1]).unwrap();
         assert_eq!(locked[0].1.checksums, slot_checksums(&layout, locked[0].1.extent.as_slice()));
-        d.engine.release_transfer(&sid.unwrap());
+        d.engine.release_transfer(&sid.unwrap()).unwrap();
 
         // Registered as owned by the decode node after its barrier.
         let fr = d.engine.flush_saves_and_registrations(Duration::from_secs(2)).await;
@@ -811,7 +811,7 @@ async fn data_plane_rejects_bad_input_and_keeps_serving() {
         let (h, _) = read_response(&mut s).await;
         assert_eq!((h.status, h.req_id), (Status::UnknownSession, 16));
         // Released: the session no longer authorizes anything.
-        assert_eq!(p.engine.release_transfer(&sid), 1);
+        assert_eq!(p.engine.release_transfer(&sid), Ok(1));
         s.write_all(&read_req(17, &sid, 0, off, 8)).await.unwrap();
         let (h, _) = read_response(&mut s).await;
         assert_eq!((h.status, h.req_id), (Status::UnknownSession, 17));
@@ -945,6 +945,7 @@ async fn p2p_grpc_surface() {
         assert!(r2.status.unwrap().ok);
         let r3 = c.release_transfer_lock(rel("never-issued")).await.unwrap().into_inner();
         assert_eq!(r3.released_blocks, 0);
+        assert!(!r3.status.unwrap().ok, "an id this node never issued is refused (C16)");
         assert_eq!(p.engine.gauges().active_transfer_locks, 0);
 
         // RdmaHandshake: garbage metadata and a malformed requester are INVALID_ARGUMENT.
@@ -1059,6 +1060,108 @@ async fn fetch_reads_in_parts_and_a_bad_part_ends_it() {
         let bad = served() - before;
         assert_eq!(bad, 4, "parts 1 and 2 read (2 while 1 was checked), parts 3 and 4 never asked for");
         assert_eq!(d.engine.gauges(), gauges, "nothing sealed, every extent back in the pool");
+    })
+    .await;
+}
+
+// ------------------------------------------------------- C16 capability ids
+
+/// Two nodes started with the default configuration issue disjoint,
+/// different transfer-session ids, and an id one node issued opens nothing
+/// on the other: its data plane answers UnknownSession for a read of a block
+/// the other node locked for someone else, and its ReleaseTransferLock
+/// refuses it without touching that lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_ids_of_one_node_open_nothing_on_another() {
+    bounded(async {
+        let ms = start_ms().await;
+        let (a, _) = start_node(&ms, 4 * MIB).await;
+        let (b, _) = start_node(&ms, 4 * MIB).await;
+        let (ka, kb) = (register_default(&a.engine, 8), register_default(&b.engine, 8));
+        let hs = hashes(1..5);
+        // Same blocks saved the same way: the same pool offsets on both nodes.
+        fill_and_save(&a.engine, &ka, 0, &hs).await;
+        fill_and_save(&b.engine, &kb, 0, &hs).await;
+        let mut ids_a = Vec::new();
+        let mut ids_b = Vec::new();
+        for _ in 0..8 {
+            let (sa, _) = a.engine.lock_for_transfer(NS, &hs).unwrap();
+            let (sb, _) = b.engine.lock_for_transfer(NS, &hs).unwrap();
+            ids_a.push(sa.unwrap());
+            ids_b.push(sb.unwrap());
+        }
+        let all: std::collections::BTreeSet<&String> = ids_a.iter().chain(&ids_b).collect();
+        assert_eq!(all.len(), 16, "every id differs: {ids_a:?} {ids_b:?}");
+        assert_eq!(all.iter().map(|s| s.len()).max(), Some(limits::SESSION_ID_BYTES_MAX));
+        for id in &ids_b {
+            assert_eq!(b.engine.release_transfer(id), Ok(4));
+        }
+        // B holds a lock for "someone else"; A's id at the same offset is refused.
+        let (sid_b, found) = b.engine.lock_for_transfer(NS, &hs).unwrap();
+        let off = found[0].1.extent.offset();
+        drop(found);
+        let from_a = &ids_a[0];
+        assert_eq!(b.engine.data_source().authorize(from_a, 0, off, BLOCK).unwrap_err(), AccessError::ForeignSession);
+        let mut s = connect_raw(&tcp(&b).data_addr().to_string()).await;
+        s.write_all(&read_req(1, from_a, 0, off, BLOCK)).await.unwrap();
+        let (h, _) = read_response(&mut s).await;
+        assert_eq!((h.status, h.req_id), (Status::UnknownSession, 1));
+        let before = b.engine.gauges().active_transfer_locks;
+        let mut c = EngineClient::connect(format!("http://{}", b.grpc_addr)).await.unwrap();
+        let r = c
+            .release_transfer_lock(ReleaseTransferLockRequest { transfer_session_id: from_a.clone() })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(r.released_blocks, 0);
+        let status = r.status.unwrap();
+        assert!(!status.ok && status.message.contains("another node or incarnation"), "{status:?}");
+        assert_eq!(b.engine.gauges().active_transfer_locks, before, "B's locks untouched");
+        // B's own id still reads.
+        s.write_all(&read_req(2, sid_b.as_ref().unwrap(), 0, off, BLOCK)).await.unwrap();
+        let (h, _) = read_response(&mut s).await;
+        assert_eq!((h.status, h.req_id), (Status::Ok, 2));
+    })
+    .await;
+}
+
+/// A node restarted on the same address issues ids unlike its previous
+/// incarnation's, and a late ReleaseTransferLock carrying an id from before
+/// the restart releases nothing of a lock taken after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_release_from_before_a_restart_releases_nothing() {
+    bounded(async {
+        let ms = start_ms().await;
+        let (p, _) = start_node(&ms, 4 * MIB).await;
+        let kp = register_default(&p.engine, 8);
+        let hs = hashes(1..5);
+        fill_and_save(&p.engine, &kp, 0, &hs).await;
+        let (old, _) = p.engine.lock_for_transfer(NS, &hs).unwrap();
+        let old = old.unwrap();
+        let (grpc, data) = (p.grpc_addr, tcp(&p).data_addr().parse().unwrap());
+        p.shutdown(Duration::from_secs(1)).await;
+
+        let mut cfg = node_cfg(ms.local_addr, 4 * MIB);
+        (cfg.grpc_addr, cfg.data_addr) = (grpc, data);
+        let (p2, _) = start_node_cfg(cfg).await;
+        let kp2 = register_default(&p2.engine, 8);
+        fill_and_save(&p2.engine, &kp2, 0, &hs).await;
+        let (new, found) = p2.engine.lock_for_transfer(NS, &hs).unwrap();
+        assert_eq!(found.len(), 4);
+        drop(found);
+        let new = new.unwrap();
+        assert_ne!(new, old);
+        assert_ne!(new[..16], old[..16], "incarnation prefixes differ");
+        let mut c = EngineClient::connect(format!("http://{grpc}")).await.unwrap();
+        let r = c
+            .release_transfer_lock(ReleaseTransferLockRequest { transfer_session_id: old.clone() })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(r.released_blocks, 0);
+        assert!(!r.status.unwrap().ok);
+        assert_eq!(p2.engine.gauges().active_transfer_locks, 1, "the new lock is still held");
+        assert_eq!(p2.engine.release_transfer(&new), Ok(4));
     })
     .await;
 }

@@ -39,7 +39,7 @@ use std::sync::Arc;
 
 use kvferry::client::queue::{Chunk, ChunkOutcome, Op, QueueConfig, RegistrationQueue};
 use kvferry::engine::cache::CachedBlock;
-use kvferry::engine::locks::{AccessError, LockTable};
+use kvferry::engine::locks::{AccessError, LockTable, session_id};
 use kvferry::engine::pool::{Pool, SealedExtent};
 use kvferry::metaserver::store::{MetaStore, StoreConfig};
 use kvferry::types::{BlockHash, NodeAddr, SessionId};
@@ -316,7 +316,7 @@ impl Guard<'_> {
 
     fn release_now(&self, s: String) -> usize {
         *self.calls.borrow_mut().entry(s.clone()).or_default() += 1;
-        self.table.borrow_mut().release(&s)
+        self.table.borrow_mut().release(&s).expect("ids of this table's incarnation")
     }
 }
 
@@ -350,16 +350,17 @@ proptest! {
                 (BlockHash::from_u64(i as u64), CachedBlock { extent, checksums: Arc::from(vec![0u32]) })
             })
             .collect();
-        let table = RefCell::new(LockTable::new(SESSIONS));
+        const INCARNATION: u64 = 0x7e57;
+        let table = RefCell::new(LockTable::new(SESSIONS, INCARNATION));
         let calls = RefCell::new(HashMap::new());
-        // Session ids are never reused (the engine draws 128 random bits):
-        // generation `g` of slot `s` is "s{s}-g{g}".
+        // Session ids are never reused (the engine's ids carry a sequence
+        // number): generation `g` of slot `s` has the secret `(g, s)`.
         let mut generation = [0u32; SESSIONS];
         let mut lives: BTreeMap<String, Life> = BTreeMap::new();
         // Sessions whose transfer ended (guard released or dropped).
         let mut ended: BTreeSet<String> = BTreeSet::new();
         let mut now_ms = 0u64;
-        let id = |s: usize, g: u32| format!("s{s}-g{g}");
+        let id = |s: usize, g: u32| session_id(INCARNATION, 0, (u128::from(g) << 32) | s as u128);
 
         for ev in &events {
             match *ev {
@@ -409,7 +410,7 @@ proptest! {
                     let sid = id(s, generation[s]);
                     if let Some(life) = lives.get(&sid) {
                         if !matches!(life, Life::Live { .. }) {
-                            prop_assert_eq!(table.borrow_mut().release(&sid), 0, "second release is a no-op");
+                            prop_assert_eq!(table.borrow_mut().release(&sid), Ok(0), "second release is a no-op");
                         }
                     }
                 }

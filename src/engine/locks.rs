@@ -29,6 +29,11 @@ pub enum AccessError {
     /// No such session (never existed, released or expired).
     #[error("unknown transfer session")]
     UnknownSession,
+    /// The id was not issued by this incarnation of the engine: another
+    /// node's, or an earlier process's on the same address (C16). Refused
+    /// before the table is looked at.
+    #[error("transfer session issued by another node or incarnation")]
+    ForeignSession,
     /// The range is not inside one block of the session.
     #[error("range [{offset}, +{len}) of region {region} is not inside a block locked by this session")]
     OutOfRange {
@@ -47,8 +52,9 @@ pub enum LockError {
     /// The table holds `TRANSFER_SESSIONS_MAX` sessions.
     #[error("too many transfer sessions ({0})")]
     TooMany(usize),
-    /// The session id is already in use (RNG collision).
-    #[error("duplicate transfer session id")]
+    /// The id is already in use, or not one of this table's (see
+    /// [`LockTable::next_id`]).
+    #[error("duplicate or foreign transfer session id")]
     Duplicate,
 }
 
@@ -63,18 +69,70 @@ pub struct LockStats {
     pub expired: u64,
 }
 
+/// Hex characters of the incarnation prefix of a session id.
+const INCARNATION_HEX: usize = 16;
+
 /// The lock table.
 #[derive(Debug)]
 pub struct LockTable {
     sessions: HashMap<String, Session>,
     max_sessions: usize,
     stats: LockStats,
+    /// This table's incarnation (see [`session_id`]).
+    incarnation: u64,
+    /// The incarnation as 16 lowercase hex characters: the prefix of every
+    /// id this table issues.
+    prefix: String,
+    /// Sessions issued so far (the middle part of the next id).
+    issued: u64,
+}
+
+/// A transfer-session id (C16): `incarnation ‖ sequence ‖ secret` as
+/// 16 + 16 + 32 = 64 lowercase hex characters
+/// ([`crate::limits::SESSION_ID_BYTES_MAX`]).
+///
+/// - The incarnation (64 random bits drawn when the engine starts) makes ids
+///   of two nodes, or of two processes on one address, disjoint, and lets a
+///   table refuse another incarnation's id before looking it up.
+/// - The sequence (the table's count of issued sessions) makes an id never
+///   repeat within an incarnation, by construction rather than by chance.
+/// - The secret (128 random bits from the engine's RNG: OS entropy outside
+///   the simulator) makes an id unguessable even to a peer that holds other
+///   ids of the same node: it is the capability the data plane checks (C13).
+pub fn session_id(incarnation: u64, sequence: u64, secret: u128) -> String {
+    format!("{incarnation:016x}{sequence:016x}{secret:032x}")
 }
 
 impl LockTable {
-    /// A table holding at most `max_sessions` sessions.
-    pub fn new(max_sessions: usize) -> Self {
-        Self { sessions: HashMap::new(), max_sessions, stats: LockStats::default() }
+    /// A table holding at most `max_sessions` sessions, issuing ids of
+    /// `incarnation` (see [`session_id`]).
+    pub fn new(max_sessions: usize, incarnation: u64) -> Self {
+        Self {
+            sessions: HashMap::new(),
+            max_sessions,
+            stats: LockStats::default(),
+            incarnation,
+            prefix: format!("{incarnation:016x}"),
+            issued: 0,
+        }
+    }
+
+    /// The id of the next session, with the caller's `secret` (128 random
+    /// bits); consumed by [`LockTable::create`] when that succeeds.
+    pub fn next_id(&self, secret: u128) -> String {
+        session_id(self.incarnation, self.issued, secret)
+    }
+
+    /// Whether `id` was issued by this incarnation (prefix check only).
+    ///
+    /// # Errors
+    /// [`AccessError::ForeignSession`].
+    pub fn check_issuer(&self, id: &str) -> Result<(), AccessError> {
+        if id.len() == 2 * INCARNATION_HEX + 32 && id.starts_with(&self.prefix) {
+            Ok(())
+        } else {
+            Err(AccessError::ForeignSession)
+        }
     }
 
     /// Active sessions.
@@ -106,9 +164,10 @@ impl LockTable {
         if self.sessions.len() >= self.max_sessions {
             return Err(LockError::TooMany(self.sessions.len()));
         }
-        if self.sessions.contains_key(&id) {
+        if self.sessions.contains_key(&id) || self.check_issuer(&id).is_err() {
             return Err(LockError::Duplicate);
         }
+        self.issued += 1;
         blocks.sort_by_key(|(_, b)| b.extent.offset());
         self.sessions.insert(id, Session { blocks, expires_at_ms: now_ms.saturating_add(timeout_ms) });
         self.stats.created += 1;
@@ -116,15 +175,20 @@ impl LockTable {
     }
 
     /// Releases a session; idempotent: an unknown (already released or
-    /// expired) id returns 0.
-    pub fn release(&mut self, id: &str) -> usize {
-        match self.sessions.remove(id) {
+    /// expired) id of this incarnation returns `Ok(0)`.
+    ///
+    /// # Errors
+    /// [`AccessError::ForeignSession`] for an id another node or incarnation
+    /// issued (nothing is released).
+    pub fn release(&mut self, id: &str) -> Result<usize, AccessError> {
+        self.check_issuer(id)?;
+        Ok(match self.sessions.remove(id) {
             Some(s) => {
                 self.stats.released += 1;
                 s.blocks.len()
             }
             None => 0,
-        }
+        })
     }
 
     /// Drops every session whose deadline passed. Returns how many.
@@ -147,8 +211,8 @@ impl LockTable {
     /// range inside it.
     ///
     /// # Errors
-    /// [`AccessError::UnknownSession`] (also for an expired-but-not-yet-GC'd
-    /// session), [`AccessError::OutOfRange`].
+    /// [`AccessError::ForeignSession`], [`AccessError::UnknownSession`] (also
+    /// for an expired-but-not-yet-GC'd session), [`AccessError::OutOfRange`].
     pub fn authorize(
         &self,
         id: &str,
@@ -157,6 +221,7 @@ impl LockTable {
         len: u64,
         now_ms: u64,
     ) -> Result<(SealedExtent, u64), AccessError> {
+        self.check_issuer(id)?;
         let s = self.sessions.get(id).filter(|s| s.expires_at_ms > now_ms).ok_or(AccessError::UnknownSession)?;
         let oor = AccessError::OutOfRange { region, offset, len };
         if region != 0 || len == 0 {

@@ -50,8 +50,12 @@ pub struct EngineConfig {
     /// checksummed while the next is read (see
     /// [`limits::FETCH_READ_PART_BYTES`]).
     pub fetch_read_part_bytes: u64,
-    /// Seed of the engine's RNG (transfer session ids).
-    pub seed: u64,
+    /// Seed of the engine's RNG (its incarnation and transfer-session ids,
+    /// C16). `None` (the default): drawn from OS entropy, so ids are
+    /// unpredictable and differ between nodes and process incarnations.
+    /// `Some` only for simulations and tests that must replay ids; two
+    /// engines given the same seed issue the same ids.
+    pub seed: Option<u64>,
 }
 
 impl Default for EngineConfig {
@@ -64,7 +68,7 @@ impl Default for EngineConfig {
             fetch_deadline: Duration::from_millis(limits::FETCH_DEADLINE_MS_DEFAULT),
             peer_rpc_timeout: Duration::from_millis(limits::METASERVER_RPC_TIMEOUT_MS_DEFAULT),
             fetch_read_part_bytes: limits::FETCH_READ_PART_BYTES,
-            seed: 0,
+            seed: None,
         }
     }
 }
@@ -315,16 +319,21 @@ impl Engine {
         let pool = Pool::new(cfg.pool_bytes, cfg.pool_align)?;
         gpu.register_host(pool.base_ptr(), pool.arena_len())?;
         let (saves_done, _) = watch::channel(0);
+        let mut rng = match cfg.seed {
+            Some(seed) => rand::rngs::StdRng::seed_from_u64(seed),
+            None => rand::rngs::StdRng::from_os_rng(),
+        };
+        let incarnation = rng.next_u64();
         let inner = Arc::new(EngineInner {
             node,
             pool,
             gpu,
             layouts: RwLock::new(HashMap::new()),
             cache: Mutex::new(BlockCache::new()),
-            locks: Mutex::new(LockTable::new(limits::TRANSFER_SESSIONS_MAX)),
+            locks: Mutex::new(LockTable::new(limits::TRANSFER_SESSIONS_MAX, incarnation)),
             client: client.clone(),
             transport: OnceLock::new(),
-            rng: Mutex::new(rand::rngs::StdRng::seed_from_u64(cfg.seed)),
+            rng: Mutex::new(rng),
             origin: Instant::now(),
             saves: Mutex::new(SaveTracker::default()),
             saves_done,
@@ -805,20 +814,34 @@ impl Engine {
         if found.is_empty() {
             return Ok((None, Vec::new()));
         }
-        let id = {
+        let secret = {
             let mut b = [0u8; 16];
             self.inner.rng.lock().expect("rng lock").fill_bytes(&mut b);
-            hex::encode(b)
+            u128::from_le_bytes(b)
         };
         let now = self.now_ms();
         let timeout_ms = u64::from(self.inner.cfg.lock_timeout_secs) * 1000;
-        self.inner.locks.lock().expect("locks lock").create(id.clone(), found.clone(), now, timeout_ms)?;
+        let id = {
+            let mut locks = self.inner.locks.lock().expect("locks lock");
+            let id = locks.next_id(secret);
+            locks.create(id.clone(), found.clone(), now, timeout_ms)?;
+            id
+        };
         self.inner.metrics.transfer_locks_created.fetch_add(1, Ordering::Relaxed);
+        // The simulator collects these events to check that no id is ever
+        // granted twice in a run (C16).
+        tracing::trace!(target: TRANSFER_SESSION_TRACE_TARGET, session = %id, blocks = found.len(), "granted");
         Ok((Some(id), found))
     }
 
-    /// Releases a transfer session; idempotent (unknown ids release 0).
-    pub fn release_transfer(&self, session: &str) -> usize {
+    /// Releases a transfer session; idempotent (an unknown id of this
+    /// incarnation releases 0).
+    ///
+    /// # Errors
+    /// [`AccessError::ForeignSession`] for an id this engine incarnation did
+    /// not issue (another node's, or a previous process's on the same
+    /// address): nothing is released (C16).
+    pub fn release_transfer(&self, session: &str) -> Result<usize, AccessError> {
         self.inner.locks.lock().expect("locks lock").release(session)
     }
 
@@ -837,6 +860,10 @@ impl Engine {
         &self.inner.cfg
     }
 }
+
+/// `tracing` target of the trace-level event each granted transfer session
+/// emits (field `session`): how the simulator sees every id granted in a run.
+pub const TRANSFER_SESSION_TRACE_TARGET: &str = "kvferry::transfer_session";
 
 /// What [`Engine::copy_and_seal`] did.
 struct Sealed {

@@ -649,7 +649,6 @@ async fn start_node(
     let mut ncfg = NodeConfig::loopback(ms_url);
     ncfg.engine = EngineConfig {
         pool_bytes: cfg.pool_bytes,
-        seed: cfg.seed.wrapping_add(i as u64),
         fetch_deadline: cfg.fetch_deadline,
         lock_timeout_secs: 10,
         ..EngineConfig::default()

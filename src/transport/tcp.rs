@@ -253,7 +253,7 @@ async fn serve_read(
         Ok(v) => v,
         Err(e) => {
             let status = match e {
-                AccessError::UnknownSession => Status::UnknownSession,
+                AccessError::UnknownSession | AccessError::ForeignSession => Status::UnknownSession,
                 AccessError::OutOfRange { .. } => Status::OutOfRange,
             };
             return send_error(stream, hooks, rr.req_id, status, &e.to_string()).await;
