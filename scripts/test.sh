@@ -9,7 +9,9 @@
 #   1. cargo test (real tokio): unit tests (incl. seeded fuzz-body replays and
 #      fuzz/regressions/), integration tests on loopback, properties, the
 #      main job on a small trace window.
-#   1b. feature builds: `cuda` (no CUDA needed to build), `rdma` (its
+#      Then the embedding example (examples/embed_pd.rs).
+#   1b. feature builds: `cuda` (no CUDA needed to build), the library
+#      without default features (an embedder's build), `rdma` (its
 #      device-free tests; scripts/hw-rdma.sh runs the device tests).
 #   2. madsim build: library unit tests under --cfg madsim, then the
 #      simulation sweep (scripts/sim.sh): SIM_SEEDS seeds of the main
@@ -24,9 +26,13 @@ step() { printf '\n==== %s\n' "$*"; }
 
 step "tier 1: cargo test (real tokio)"
 cargo test --all-targets
+# The embedding example (built above): two engines, each owning its KV memory.
+cargo run --quiet --example embed_pd
 
 step "tier 1b: feature builds (cuda needs no CUDA to build; rdma's device-free tests)"
 cargo build --features cuda
+# What an embedder builds: the library without the binary's dependencies.
+cargo build --lib --no-default-features
 cargo test --features rdma --lib transport::verbs
 
 step "tier 2a: library unit tests under --cfg madsim"

@@ -120,7 +120,7 @@ pub fn generate(rng: &mut StdRng, arrival_span_ms: u64) -> Vec<Request> {
 pub fn compute_block(n: &NodeSlot, slot: u64, hash: &BlockHash) {
     let mut buf = vec![0u8; segment_bytes() as usize];
     for (l, ly) in n.layers.iter().enumerate() {
-        for s in 0..ly.segments {
+        for s in 0..ly.segments() {
             fill_kv(NAMESPACE, hash, l as u32, u32::from(s), &mut buf);
             let off = ly.segment_offset(slot, s).expect("segment offset");
             n.gpu.write(n.buffer, off, &buf).expect("device write");
@@ -132,7 +132,7 @@ pub fn compute_block(n: &NodeSlot, slot: u64, hash: &BlockHash) {
 pub fn device_block_ok(n: &NodeSlot, slot: u64, hash: &BlockHash) -> bool {
     let mut buf = vec![0u8; segment_bytes() as usize];
     n.layers.iter().enumerate().all(|(l, ly)| {
-        (0..ly.segments).all(|s| {
+        (0..ly.segments()).all(|s| {
             let off = ly.segment_offset(slot, s).expect("segment offset");
             n.gpu.read(n.buffer, off, &mut buf).expect("device read");
             verify_kv(NAMESPACE, hash, l as u32, u32::from(s), &buf)
@@ -276,7 +276,7 @@ async fn verify_resident(shared: &Shared, n: &NodeSlot, node: usize, req: &Reque
 fn poison_block(n: &NodeSlot, slot: u64) {
     let junk = vec![0xA5u8; segment_bytes() as usize];
     for ly in n.layers.iter() {
-        for s in 0..ly.segments {
+        for s in 0..ly.segments() {
             let off = ly.segment_offset(slot, s).expect("segment offset");
             n.gpu.write(n.buffer, off, &junk).expect("device write");
         }
@@ -308,8 +308,8 @@ pub async fn prefill(
         compute_block(&n, req.slot_base() + i as u64, &req.hashes[i]);
     }
     let window = FlushWindow::open(&shared, &n, knobs.serial_prefill);
-    let blocks: Vec<(u64, BlockHash)> =
-        (k..req.hashes.len()).map(|i| (req.slot_base() + i as u64, req.hashes[i].clone())).collect();
+    let blocks: Vec<(BlockHash, u64)> =
+        (k..req.hashes.len()).map(|i| (req.hashes[i].clone(), req.slot_base() + i as u64)).collect();
     let saved =
         if blocks.is_empty() { Vec::new() } else { n.engine.save(NAMESPACE, &blocks).await.expect("valid save").saved };
     let bound = FLUSH_DEADLINE + invariants::FLUSH_SLACK;

@@ -86,17 +86,16 @@ pub async fn engine(blocks: u64) -> Result<serde_json::Value, String> {
         std::hint::black_box(&dst);
         memcpy_s = memcpy_s.min(t.elapsed().as_secs_f64());
         engine.evict(u64::MAX);
-        let items: Vec<(u64, BlockHash)> =
-            (0..blocks).map(|i| (i, BlockHash::from_u64(rep as u64 * blocks + i))).collect();
+        let items: Vec<(BlockHash, u64)> =
+            (0..blocks).map(|i| (BlockHash::from_u64(rep as u64 * blocks + i), i)).collect();
         let t = Instant::now();
         let r = engine.save("bench", &items).await.map_err(|e| e.to_string())?;
         save_s = save_s.min(t.elapsed().as_secs_f64());
         if r.saved.len() as u64 != blocks {
             return Err(format!("saved {} of {blocks} blocks", r.saved.len()));
         }
-        let loads: Vec<(BlockHash, u64)> = items.iter().map(|(i, h)| (h.clone(), *i)).collect();
         let t = Instant::now();
-        let r = engine.load("bench", &loads).await.map_err(|e| e.to_string())?;
+        let r = engine.load("bench", &items).await.map_err(|e| e.to_string())?;
         load_s = load_s.min(t.elapsed().as_secs_f64());
         if r.loaded() as u64 != blocks {
             return Err(format!("loaded {} of {blocks} blocks", r.loaded()));
@@ -200,16 +199,16 @@ pub async fn transport(blocks: u64, block_mib: u64) -> Result<serde_json::Value,
         let mut cfg = NodeConfig::loopback(url.clone());
         cfg.engine.pool_bytes = total + (64 << 20);
         cfg.engine.fetch_deadline = Duration::from_secs(60);
-        nodes.push(node::start(cfg, Arc::new(HostGpu::new())).await.map_err(|e| e.to_string())?);
-    }
-    let conns = crate::limits::TCP_CONNECTIONS_PER_PEER_DEFAULT;
-    // One layer, one segment: a block is one contiguous read.
-    for n in &nodes {
-        let buf = n.engine.gpu().alloc(blocks * block_bytes).map_err(|e| e.to_string())?;
+        let gpu = Arc::new(HostGpu::new());
+        let n = node::start(cfg, gpu.clone()).await.map_err(|e| e.to_string())?;
+        // One layer, one segment: a block is one contiguous read.
+        let buf = gpu.alloc(blocks * block_bytes).map_err(|e| e.to_string())?;
         n.engine
             .register_layout("bench", contiguous(buf, 1, blocks, block_bytes, false, true))
             .map_err(|e| e.to_string())?;
+        nodes.push(n);
     }
+    let conns = crate::limits::TCP_CONNECTIONS_PER_PEER_DEFAULT;
     let (src, dst) = (&nodes[0].engine, &nodes[1].engine);
     let pattern: Vec<u8> = (0..block_bytes).map(|i| (i * 131 % 253) as u8).collect();
     for i in 0..blocks {
@@ -220,7 +219,7 @@ pub async fn transport(blocks: u64, block_mib: u64) -> Result<serde_json::Value,
     let mut cached_s = f64::MAX;
     for rep in 0..REPS {
         let hashes: Vec<BlockHash> = (0..blocks).map(|i| BlockHash::from_u64((rep as u64) << 32 | i)).collect();
-        let items: Vec<(u64, BlockHash)> = hashes.iter().cloned().zip(0..).map(|(h, i)| (i, h)).collect();
+        let items: Vec<(BlockHash, u64)> = hashes.iter().cloned().zip(0..).collect();
         src.evict(u64::MAX);
         src.save("bench", &items).await.map_err(|e| e.to_string())?;
         let fr = src.flush_saves_and_registrations(Duration::from_secs(10)).await;
@@ -368,12 +367,22 @@ pub async fn store(keys_n: u64) -> Result<serde_json::Value, String> {
 /// No usable GPU, a conformance failure, or a set-up failure, as text.
 #[cfg(feature = "cuda")]
 pub async fn gpu(device: usize) -> Result<serde_json::Value, String> {
+    use crate::engine::layout::LayerLayout;
     use crate::engine::pool::Pool;
-    use crate::gpu::cuda::CudaGpu;
-    use crate::gpu::{CopyBatch, Direction, HostBuf};
+    use crate::gpu::cuda::{CudaGpu, DeviceMemory};
+    use crate::gpu::{CONFORMANCE_BUFFER_BYTES, CopyBatch, Direction, HostBuf, KvMemory};
 
     let cuda = Arc::new(CudaGpu::new(device).map_err(|e| e.to_string())?);
-    crate::gpu::conformance(&*cuda).await.map_err(|e| format!("conformance on cuda:{device}: {e}"))?;
+    // Conformance on memory allocated outside the backend with the driver
+    // API (the embedder's), then on the backend's own.
+    let external = DeviceMemory::alloc(device, CONFORMANCE_BUFFER_BYTES).map_err(|e| e.to_string())?;
+    // SAFETY: `external` outlives the registration (the body unregisters it).
+    let id = unsafe { cuda.register_external(external.addr(), external.len()) }.map_err(|e| e.to_string())?;
+    crate::gpu::conformance(&*cuda, id).await.map_err(|e| format!("conformance on cuda:{device}, external: {e}"))?;
+    let owned = cuda.alloc(CONFORMANCE_BUFFER_BYTES).map_err(|e| e.to_string())?;
+    crate::gpu::conformance(&*cuda, owned).await.map_err(|e| format!("conformance on cuda:{device}, owned: {e}"))?;
+    drop(external);
+    let refusals = crate::gpu::cuda::external_memory_checks(&cuda, device)?;
     let name = cuda.device_name();
     const RAW: u64 = 256 << 20;
     let raw_pool = Pool::new(2 * RAW, 4096).map_err(|e| e.to_string())?;
@@ -406,21 +415,36 @@ pub async fn gpu(device: usize) -> Result<serde_json::Value, String> {
     let cfg = EngineConfig { pool_bytes: 3 << 30, ..EngineConfig::default() };
     let engine = Engine::new(node, cfg, cuda.clone(), client).map_err(|e| e.to_string())?;
 
-    // T1: contiguous blocks (one 4 MiB segment each).
+    // Every KV buffer below is the embedder's: device memory allocated
+    // with the driver API outside the backend, registered with the engine.
+    let mut kv_memory: Vec<DeviceMemory> = Vec::new();
+    let mut tensor = |bytes: u64| -> Result<DeviceBufferId, String> {
+        let m = DeviceMemory::alloc(device, bytes).map_err(|e| e.to_string())?;
+        // SAFETY: `m` lives in `kv_memory` until the end of the benchmark,
+        // after every copy of the engine completed.
+        let id = unsafe { engine.register_buffer(m.addr(), m.len()) }.map_err(|e| e.to_string())?;
+        kv_memory.push(m);
+        Ok(id)
+    };
+    // T1: contiguous blocks (one 4 MiB segment each), one tensor.
     let (t1_blocks, t1_seg) = (64u64, 4u64 << 20);
-    let t1_shape = contiguous(DeviceBufferId(0), 1, t1_blocks, t1_seg, false, true);
-    let b1 = cuda.alloc(buffer_bytes_needed(&t1_shape)).map_err(|e| e.to_string())?;
-    engine.register_layout("t1", contiguous(b1, 1, t1_blocks, t1_seg, false, true)).map_err(|e| e.to_string())?;
-    // T2: Qwen3-8B layer-first split K/V, 32 KiB fragments, 16-token blocks.
+    let b1 = tensor(t1_blocks * t1_seg)?;
+    engine.register_layout("t1", vec![LayerLayout::paged(b1, None, t1_blocks, t1_seg)]).map_err(|e| e.to_string())?;
+    // T2: Qwen3-8B, 16-token blocks: per layer a K and a V tensor
+    // `[blocks, 16, 8, 128]` bf16 (vLLM's "NHD"), 32 KiB fragments.
     let (t2_blocks, layers, seg) = (256u64, 36u32, 32u64 << 10);
-    let t2_shape = contiguous(DeviceBufferId(0), layers, t2_blocks, seg, true, true);
-    let b2 = cuda.alloc(buffer_bytes_needed(&t2_shape)).map_err(|e| e.to_string())?;
-    engine.register_layout("t2", contiguous(b2, layers, t2_blocks, seg, true, true)).map_err(|e| e.to_string())?;
-    let pattern: Vec<u8> =
-        (0..buffer_bytes_needed(&t2_shape)).map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8).collect();
-    cuda.write(b2, 0, &pattern).map_err(|e| e.to_string())?;
-    cuda.write(b1, 0, &pattern[..buffer_bytes_needed(&t1_shape).min(pattern.len() as u64) as usize])
-        .map_err(|e| e.to_string())?;
+    let pattern: Vec<u8> = (0..t2_blocks * seg).map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8).collect();
+    let mut t2_layers = Vec::new();
+    for _ in 0..layers {
+        let (k, v) = (tensor(t2_blocks * seg)?, tensor(t2_blocks * seg)?);
+        for b in [k, v] {
+            cuda.write(b, 0, &pattern).map_err(|e| e.to_string())?;
+        }
+        t2_layers.push(LayerLayout::paged(k, Some(v), t2_blocks, seg));
+    }
+    engine.register_layout("t2", t2_layers).map_err(|e| e.to_string())?;
+    let t1_pattern: Vec<u8> = (0..t1_blocks * t1_seg).map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8).collect();
+    cuda.write(b1, 0, &t1_pattern).map_err(|e| e.to_string())?;
 
     let mut run = 0u64;
     let mut time_save_load = |ns: &'static str, blocks: u64| {
@@ -429,16 +453,15 @@ pub async fn gpu(device: usize) -> Result<serde_json::Value, String> {
         let base = run << 40;
         async move {
             engine.evict(u64::MAX);
-            let items: Vec<(u64, BlockHash)> = (0..blocks).map(|i| (i, BlockHash::from_u64(base | i))).collect();
+            let items: Vec<(BlockHash, u64)> = (0..blocks).map(|i| (BlockHash::from_u64(base | i), i)).collect();
             let t = Instant::now();
             let r = engine.save(ns, &items).await.map_err(|e| e.to_string())?;
             let save_s = t.elapsed().as_secs_f64();
             if r.saved.len() as u64 != blocks {
                 return Err(format!("{ns}: saved {} of {blocks}", r.saved.len()));
             }
-            let loads: Vec<(BlockHash, u64)> = items.iter().map(|(i, h)| (h.clone(), *i)).collect();
             let t = Instant::now();
-            let r = engine.load(ns, &loads).await.map_err(|e| e.to_string())?;
+            let r = engine.load(ns, &items).await.map_err(|e| e.to_string())?;
             let load_s = t.elapsed().as_secs_f64();
             if r.loaded() as u64 != blocks {
                 return Err(format!("{ns}: loaded {} of {blocks}", r.loaded()));
@@ -463,13 +486,12 @@ pub async fn gpu(device: usize) -> Result<serde_json::Value, String> {
     // T3: save half the T2 blocks while loading the other half.
     let half = t2_blocks / 2;
     engine.evict(u64::MAX);
-    let resident: Vec<(u64, BlockHash)> = (half..t2_blocks).map(|i| (i, BlockHash::from_u64(0xAB << 40 | i))).collect();
-    engine.save("t2", &resident).await.map_err(|e| e.to_string())?;
-    let loads: Vec<(BlockHash, u64)> = resident.iter().map(|(i, h)| (h.clone(), *i)).collect();
+    let loads: Vec<(BlockHash, u64)> = (half..t2_blocks).map(|i| (BlockHash::from_u64(0xAB << 40 | i), i)).collect();
+    engine.save("t2", &loads).await.map_err(|e| e.to_string())?;
     let mut t3_s = f64::MAX;
     for rep in 0..GPU_REPS as u64 {
-        let saves: Vec<(u64, BlockHash)> =
-            (0..half).map(|i| (i, BlockHash::from_u64((0xCD + rep) << 40 | i))).collect();
+        let saves: Vec<(BlockHash, u64)> =
+            (0..half).map(|i| (BlockHash::from_u64((0xCD + rep) << 40 | i), i)).collect();
         let (saver, loader, loads) = (engine.clone(), engine.clone(), loads.clone());
         let t = Instant::now();
         // Two tasks, as two requests would issue them (each engine call
@@ -519,7 +541,13 @@ pub async fn gpu(device: usize) -> Result<serde_json::Value, String> {
     let (t1s, t1l) = (t1_save_gbps / d2h, t1_load_gbps / h2d);
     let (t2s, t2l) = (t2_save_gbps / peak, t2_load_gbps / peak);
     let t3 = t3_gbps / bidir;
-    println!("bench gpu on cuda:{device} ({name}), conformance passed, best of {GPU_REPS} (raw and engine alike)");
+    println!(
+        "bench gpu on cuda:{device} ({name}), conformance passed (external and owned memory), KV buffers allocated \
+         outside the backend, best of {GPU_REPS} (raw and engine alike)"
+    );
+    for r in &refusals {
+        println!("  external memory: {r}");
+    }
     println!("  raw pinned copy   H2D {h2d:>6.2} GB/s   D2H {d2h:>6.2} GB/s   both at once {bidir:>6.2} GB/s");
     println!(
         "  T1 contiguous      save {t1_save_gbps:>6.2} GB/s = {t1s:.3} x D2H    load {t1_load_gbps:>6.2} GB/s = {t1l:.3} x H2D   {}",
@@ -556,7 +584,7 @@ pub async fn gpu(device: usize) -> Result<serde_json::Value, String> {
         "t1_save_gbps": t1_save_gbps, "t1_load_gbps": t1_load_gbps,
         "t2_save_gbps": t2_save_gbps, "t2_load_gbps": t2_load_gbps, "t3_gbps": t3_gbps,
         "T1": {"save": t1s, "load": t1l}, "T2": {"save": t2s, "load": t2l}, "T3": t3,
-        "saved_blocks": saved, "device_checksummed_blocks": on_device,
+        "saved_blocks": saved, "device_checksummed_blocks": on_device, "external_memory_checks": refusals,
         "t1_backend_copy_gbps": bare, "t1_backend_copy_checksum_gbps": summed,
         "tuning": {"blocks_per_sm": c.blocks_per_sm, "dma_min_bytes": c.dma_min_bytes,
                    "launch_pieces": c.launch_pieces, "device_checksums": c.device_checksums,

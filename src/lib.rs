@@ -15,8 +15,12 @@
 //!   async driver with the flush barrier.
 //! - [`metaserver`]: the index store (pure, [`metaserver::store`]) and the
 //!   gRPC service.
-//! - [`engine`]: pool, layouts, cache, transfer locks, save/load, fetch.
+//! - [`memory`]: the bottom layer — the pinned pool and its extents, the
+//!   registry of device buffers.
+//! - [`engine`]: layouts, cache, transfer locks, save/load, fetch.
 //! - [`gpu`]: the `Gpu` door and its backends.
+//! - [`hash`]: the shared, versioned block hash and layout-family
+//!   namespaces.
 //! - [`transport`]: the `Transport` door, wire codecs and backends.
 //! - [`p2p`]: the P2P transfer gRPC service.
 //! - [`node`]: `start(config)` for a whole node.
@@ -33,15 +37,18 @@
 //! `/health`) and GPU backends whose drivers block (`cuda`). Std mutexes are
 //! held only for short, non-awaiting sections.
 
-#[cfg(not(madsim))]
+#[cfg(all(feature = "cli", not(madsim)))]
 pub mod bench;
 pub mod client;
 pub mod engine;
-#[cfg(not(madsim))]
+#[cfg(all(feature = "cli", not(madsim)))]
 pub mod exporter;
 pub mod gpu;
+pub mod hash;
 pub mod limits;
+#[cfg(feature = "cli")]
 pub mod logging;
+pub mod memory;
 pub mod metaserver;
 pub mod node;
 pub mod p2p;

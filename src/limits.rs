@@ -18,6 +18,20 @@ pub const NODE_ADDR_BYTES_MAX: usize = 280;
 /// this long (`engine::locks::session_id`: 64 hex characters).
 pub const SESSION_ID_BYTES_MAX: usize = 64;
 
+/// Most device buffers one GPU backend holds at once (C15). An engine
+/// registers one buffer per K and per V tensor per layer — 2 × 128 layers
+/// for the deepest models we know, times the models it serves — so 8192 is
+/// generous; the bound keeps registration's overlap scan (linear in live
+/// buffers) and the per-batch table snapshot small.
+pub const DEVICE_BUFFERS_MAX: usize = 8192;
+
+/// Required alignment (bytes) of a device buffer's first byte. Framework
+/// allocators hand out 256- or 512-byte aligned tensors, and slices of them
+/// at element granularity; 16 is what the CUDA copy kernel's vector accesses
+/// need for their fast path and rules out a pointer that is plainly not a
+/// tensor's (an odd address).
+pub const DEVICE_BUFFER_ALIGN: u64 = 16;
+
 /// Most hashes in one MetaServer insert/remove/query request, and the chunk
 /// size the client sends (PegaFlow's batch size). At 32 B per hash a chunk is
 /// ~0.6 MiB on the wire: far below the message limit, large enough to amortise

@@ -236,20 +236,28 @@ impl DataPlane {
     }
 }
 
-/// Starts the data plane `cfg.transport` names for `engine`.
-async fn start_data_plane(cfg: &NodeConfig, node: &NodeAddr, engine: &Engine) -> Result<DataPlane, NodeError> {
+/// Starts the data plane `cfg.transport` names for `engine`; with TCP on
+/// `data`, the listener bound before anything started.
+fn start_data_plane(
+    cfg: &NodeConfig,
+    node: &NodeAddr,
+    engine: &Engine,
+    data: Option<tokio::net::TcpListener>,
+) -> Result<DataPlane, NodeError> {
     match &cfg.transport {
-        TransportChoice::Tcp => TcpTransport::start(
-            cfg.data_addr,
-            &cfg.advertise_host,
-            node.clone(),
-            engine.pool().arena_len(),
-            engine.data_source(),
-            cfg.tcp_connections_per_peer,
-        )
-        .await
-        .map(|t| DataPlane::Tcp(Arc::new(t)))
-        .map_err(|source| NodeError::BindData { addr: cfg.data_addr, source }),
+        TransportChoice::Tcp => {
+            let listener = data.expect("a TCP node's data listener is bound before start-up");
+            TcpTransport::start_on(
+                listener,
+                &cfg.advertise_host,
+                node.clone(),
+                engine.pool().arena_len(),
+                engine.data_source(),
+                cfg.tcp_connections_per_peer,
+            )
+            .map(|t| DataPlane::Tcp(Arc::new(t)))
+            .map_err(|source| NodeError::BindData { addr: cfg.data_addr, source })
+        }
         #[cfg(all(feature = "rdma", not(madsim)))]
         TransportChoice::Verbs(v) => VerbsTransport::open(v, node.clone(), engine.pool(), engine.data_source())
             .map(|t| DataPlane::Verbs(Arc::new(t)))
@@ -259,23 +267,77 @@ async fn start_data_plane(cfg: &NodeConfig, node: &NodeAddr, engine: &Engine) ->
     }
 }
 
-/// Boots a node. See the module doc.
-///
-/// # Errors
-/// [`NodeError`] — bind failures are reported before anything is served.
-/// With [`TransportChoice::Verbs`]: [`NodeError::RdmaNotBuilt`] and
-/// [`NodeError::VerbsConfig`] before anything is bound or announced;
-/// `NodeError::Verbs` (feature `rdma`) when the device cannot be opened,
-/// after the MetaServer client was shut down.
-pub async fn start(cfg: NodeConfig, gpu: Arc<dyn Gpu>) -> Result<NodeHandle, NodeError> {
+/// Checks the transport choice before anything is bound.
+fn preflight(cfg: &NodeConfig) -> Result<(), NodeError> {
     if let TransportChoice::Verbs(v) = &cfg.transport {
         if !VERBS_BUILT {
             return Err(NodeError::RdmaNotBuilt);
         }
         v.validate().map_err(NodeError::VerbsConfig)?;
     }
+    Ok(())
+}
+
+/// Boots a node, binding [`NodeConfig::grpc_addr`] and (TCP)
+/// [`NodeConfig::data_addr`] first. See the module doc.
+///
+/// # Errors
+/// [`NodeError`] — bind failures are reported before anything is started.
+/// With [`TransportChoice::Verbs`]: [`NodeError::RdmaNotBuilt`] and
+/// [`NodeError::VerbsConfig`] before anything is bound or announced;
+/// `NodeError::Verbs` (feature `rdma`) when the device cannot be opened,
+/// after the MetaServer client was shut down.
+pub async fn start(cfg: NodeConfig, gpu: Arc<dyn Gpu>) -> Result<NodeHandle, NodeError> {
+    preflight(&cfg)?;
     let bound =
         crate::rt::bind(cfg.grpc_addr).await.map_err(|source| NodeError::BindGrpc { addr: cfg.grpc_addr, source })?;
+    let data = match cfg.transport {
+        TransportChoice::Tcp => Some(
+            tokio::net::TcpListener::bind(cfg.data_addr)
+                .await
+                .map_err(|source| NodeError::BindData { addr: cfg.data_addr, source })?,
+        ),
+        TransportChoice::Verbs(_) => None,
+    };
+    start_bound(cfg, gpu, bound, data).await
+}
+
+/// Listeners an embedder bound itself for [`start_on`] (bind-first
+/// serving: a taken port fails at the embedder's own bind, before any
+/// kvferry state exists).
+#[cfg(not(madsim))]
+pub struct NodeListeners {
+    /// The P2P transfer gRPC listener; its port is the node's advertise
+    /// port.
+    pub grpc: tokio::net::TcpListener,
+    /// The TCP data-plane listener (unused, and closed, with
+    /// [`TransportChoice::Verbs`]).
+    pub data: tokio::net::TcpListener,
+}
+
+/// [`start`] on listeners the embedder bound: [`NodeConfig::grpc_addr`]
+/// and [`NodeConfig::data_addr`] are ignored, everything else applies. One
+/// [`NodeHandle`] stops the whole node.
+///
+/// # Errors
+/// As [`start`], without the bind errors.
+#[cfg(not(madsim))]
+pub async fn start_on(cfg: NodeConfig, gpu: Arc<dyn Gpu>, listeners: NodeListeners) -> Result<NodeHandle, NodeError> {
+    preflight(&cfg)?;
+    let addr = listeners.grpc.local_addr().map_err(|source| NodeError::BindGrpc { addr: cfg.grpc_addr, source })?;
+    let bound = crate::rt::BoundListener::from_listener(listeners.grpc)
+        .map_err(|source| NodeError::BindGrpc { addr, source })?;
+    let data = matches!(cfg.transport, TransportChoice::Tcp).then_some(listeners.data);
+    start_bound(cfg, gpu, bound, data).await
+}
+
+/// Start-up after the listeners are bound.
+async fn start_bound(
+    cfg: NodeConfig,
+    gpu: Arc<dyn Gpu>,
+    bound: crate::rt::BoundListener,
+    data: Option<tokio::net::TcpListener>,
+) -> Result<NodeHandle, NodeError> {
     let grpc_addr = bound.local_addr;
     let node = NodeAddr::parse(&format!("{}:{}", cfg.advertise_host, grpc_addr.port()))?;
     let session = SessionId::random(&mut rand::rngs::StdRng::from_os_rng());
@@ -293,7 +355,7 @@ pub async fn start(cfg: NodeConfig, gpu: Arc<dyn Gpu>) -> Result<NodeHandle, Nod
             return Err(e.into());
         }
     };
-    let data_plane = match start_data_plane(&cfg, &node, &engine).await {
+    let data_plane = match start_data_plane(&cfg, &node, &engine, data) {
         Ok(d) => d,
         Err(e) => {
             client.shutdown(cfg.metaserver_rpc_timeout).await;

@@ -22,6 +22,9 @@
 //! | `device_checksums_seal_like_the_cpu_and_verify_at_a_peer` | C10 with the GPU checksumming the slots |
 //! | `saves_and_loads_cut_into_batches_fail_per_batch` | pipelined copy batches: a save is all or nothing, a load fails per batch |
 //! | `save_batches_completing_newest_first_seal_each_block_as_its_own` | batches sealed as they complete, in any order: right bytes and checksums per block, invisible until the last lands |
+//! | `external_paged_kv_round_trip_and_unregister_rules` | C15: K and V tensors of the embedder's, unregister refused while named, ids never reused, a namespace keeps its family |
+//! | `bad_external_memory_is_refused_and_nothing_registers` | C15: null, empty, unaligned, overlapping memory are typed errors |
+//! | `a_buffer_under_an_in_flight_copy_cannot_be_unregistered` | C15/C11: `Busy` until the batch completes |
 
 // Loopback tests on real tokio and tonic; the simulator tier lives in sim/.
 #![cfg(not(madsim))]
@@ -33,9 +36,11 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use common::*;
-use kvferry::engine::layout::{self, DeviceBufferId, LAYERS_MAX, LayerLayout, LayoutError, OVERLAP_CHECK_RANGES_MAX};
+use kvferry::engine::layout::{
+    self, DeviceBufferId, LAYERS_MAX, LayerLayout, LayoutError, OVERLAP_CHECK_RANGES_MAX, SegmentBase,
+};
 use kvferry::engine::{EngineError, SaveReport};
-use kvferry::gpu::{Gpu, GpuError};
+use kvferry::gpu::{BufferError, Gpu, GpuError, HostMemory, KvMemory};
 use kvferry::node;
 use kvferry::types::BlockHash;
 use tokio::time::Instant;
@@ -72,7 +77,7 @@ async fn round_trip_fused_single_segment() {
         let (n, _) = start_node(&ms, 4 * MIB).await;
         let e = &n.engine;
         let kv = register(e, NS, LAYERS, 16, 8 << 10, false, false);
-        assert!(kv.layers.iter().all(|l| l.segments == 1 && l.kv_stride == 0));
+        assert!(kv.layers.iter().all(|l| l.segments() == 1 && l.v.is_none()));
         let (_, lay) = e.layout(NS).unwrap();
         assert_eq!(lay.coalesced_copies(3).len(), 1, "fused layout: one copy per block");
         let hs = hashes(2000..2006);
@@ -108,7 +113,7 @@ async fn dedup_skips_resident_blocks() {
         let inserted_at_ms = ms.metrics.inserted_hashes.load(Ordering::Relaxed);
 
         // All four again: nothing copied, nothing registered.
-        let again: Vec<(u64, BlockHash)> = hs[..4].iter().enumerate().map(|(i, h)| (i as u64, h.clone())).collect();
+        let again: Vec<(BlockHash, u64)> = hs[..4].iter().enumerate().map(|(i, h)| (h.clone(), i as u64)).collect();
         let rep = e.save(NS, &again).await.unwrap();
         assert_eq!(rep, SaveReport { saved: vec![], already_resident: 4, no_space: 0 });
         assert_eq!(e.gauges().pool_used_bytes, used);
@@ -119,7 +124,7 @@ async fn dedup_skips_resident_blocks() {
             fill(e, &kv, 4 + i as u64, h);
         }
         let mixed =
-            vec![(0, hs[0].clone()), (4, hs[4].clone()), (1, hs[1].clone()), (5, hs[5].clone()), (4, hs[4].clone())];
+            vec![(hs[0].clone(), 0), (hs[4].clone(), 4), (hs[1].clone(), 1), (hs[5].clone(), 5), (hs[4].clone(), 4)];
         let rep = e.save(NS, &mixed).await.unwrap();
         assert_eq!(rep.saved, vec![hs[4].clone(), hs[5].clone()]);
         assert_eq!(rep.already_resident, 3);
@@ -265,8 +270,8 @@ async fn pool_exhaustion_is_an_error_value() {
         let (session, _) = e.lock_for_transfer(NS, &hs[2..]).unwrap();
 
         let more = hashes(10..13);
-        let blocks: Vec<(u64, BlockHash)> = more.iter().enumerate().map(|(i, h)| (4 + i as u64, h.clone())).collect();
-        for (idx, h) in &blocks {
+        let blocks: Vec<(BlockHash, u64)> = more.iter().enumerate().map(|(i, h)| (h.clone(), 4 + i as u64)).collect();
+        for (h, idx) in &blocks {
             fill(e, &kv, *idx, h);
         }
         let rep = e.save(NS, &blocks).await.expect("pool exhaustion is a report, not an error");
@@ -293,19 +298,12 @@ async fn pool_exhaustion_is_an_error_value() {
 async fn layout_validation_rejects_each_bad_case() {
     bounded(async {
         let ms = start_ms().await;
-        let (n, _) = start_node(&ms, MIB).await;
+        let (n, gpu) = start_node(&ms, MIB).await;
         let e = &n.engine;
-        let buf = e.gpu().alloc(64 << 10).unwrap();
+        let buf = gpu.alloc(64 << 10).unwrap();
         // A valid single-segment layer: 4 blocks of 1 KiB.
-        let ok = LayerLayout {
-            buffer: buf,
-            base_offset: 0,
-            num_blocks: 4,
-            bytes_per_block: 1024,
-            segments: 1,
-            block_stride: 1024,
-            kv_stride: 0,
-        };
+        let ok = LayerLayout::paged(buf, None, 4, 1024);
+        let at = |offset: u64| LayerLayout { k: SegmentBase::new(buf, offset), ..ok };
         let reject = |layers: Vec<LayerLayout>| match e.register_layout("bad", layers) {
             Err(EngineError::Layout(l)) => l,
             other => panic!("expected a layout error, got {other:?}"),
@@ -314,41 +312,40 @@ async fn layout_validation_rejects_each_bad_case() {
         assert_eq!(reject(vec![]), LayoutError::NoLayers);
         let many = layout::contiguous(buf, LAYERS_MAX as u32 + 1, 1, 8, false, true);
         assert_eq!(reject(many), LayoutError::TooManyLayers { n: LAYERS_MAX + 1 });
-        let unknown = LayerLayout { buffer: DeviceBufferId(999), ..ok };
-        assert_eq!(reject(vec![ok, unknown]), LayoutError::UnknownBuffer { layer: 1 });
+        let unknown = LayerLayout::paged(DeviceBufferId(999), None, 4, 1024);
+        assert_eq!(
+            reject(vec![ok, unknown]),
+            LayoutError::UnknownBuffer { layer: 1, segment: 0, buffer: DeviceBufferId(999) }
+        );
         assert_eq!(reject(vec![LayerLayout { num_blocks: 0, ..ok }]), LayoutError::ZeroBlocks { layer: 0 });
-        let mismatch = LayerLayout { num_blocks: 5, base_offset: 8192, ..ok };
+        let mismatch = LayerLayout { num_blocks: 5, ..at(8192) };
         assert_eq!(reject(vec![ok, mismatch]), LayoutError::BlockCountMismatch { layer: 1, expected: 4, got: 5 });
         assert_eq!(reject(vec![LayerLayout { bytes_per_block: 0, ..ok }]), LayoutError::ZeroBytes { layer: 0 });
-        assert_eq!(reject(vec![LayerLayout { segments: 3, ..ok }]), LayoutError::BadSegments { layer: 0, segments: 3 });
-        assert_eq!(reject(vec![LayerLayout { kv_stride: 4096, ..ok }]), LayoutError::KvStrideWithoutSplit { layer: 0 });
-        let split = LayerLayout { segments: 2, kv_stride: 1023, block_stride: 2048, ..ok };
-        assert_eq!(reject(vec![split]), LayoutError::KvStrideTooSmall { layer: 0 });
+        let split = LayerLayout { block_stride: 2048, v: Some(SegmentBase::new(buf, 1023)), ..ok };
+        assert_eq!(reject(vec![split]), LayoutError::Overlap { a: (0, 0), b: (0, 1) });
         assert_eq!(
             reject(vec![LayerLayout { block_stride: 1023, ..ok }]),
-            LayoutError::BlockStrideTooSmall { layer: 0 }
+            LayoutError::BlockStrideTooSmall { layer: 0, block_stride: 1023, bytes_per_block: 1024 }
         );
-        assert_eq!(reject(vec![LayerLayout { base_offset: u64::MAX - 10, ..ok }]), LayoutError::Overflow { layer: 0 });
+        assert_eq!(reject(vec![at(u64::MAX - 10)]), LayoutError::Overflow { layer: 0 });
         assert_eq!(
-            reject(vec![LayerLayout { base_offset: 61 << 10, ..ok }]),
-            LayoutError::OutOfBounds { layer: 0, last_byte: (65 << 10) - 1, buffer_len: 64 << 10 }
+            reject(vec![at(61 << 10)]),
+            LayoutError::OutOfBounds {
+                layer: 0,
+                segment: 0,
+                buffer: buf,
+                last_byte: (65 << 10) - 1,
+                buffer_len: 64 << 10
+            }
         );
-        let overlapping = LayerLayout { base_offset: 3 * 1024 + 512, ..ok };
-        assert_eq!(reject(vec![ok, overlapping]), LayoutError::Overlap { a: (0, 0), b: (1, 0) });
+        assert_eq!(reject(vec![ok, at(3 * 1024 + 512)]), LayoutError::Overlap { a: (0, 0), b: (1, 0) });
         // Two different block strides on one buffer with more ranges than the
         // exact sweep may enumerate.
         let nb = OVERLAP_CHECK_RANGES_MAX / 2 + 1;
-        let big = e.gpu().alloc(6 * nb).unwrap();
-        let l0 = LayerLayout {
-            buffer: big,
-            base_offset: 0,
-            num_blocks: nb,
-            bytes_per_block: 1,
-            segments: 1,
-            block_stride: 2,
-            kv_stride: 0,
-        };
-        let l1 = LayerLayout { base_offset: 2 * nb, block_stride: 3, ..l0 };
+        let big = gpu.alloc(6 * nb).unwrap();
+        let l0 =
+            LayerLayout { num_blocks: nb, bytes_per_block: 1, block_stride: 2, k: SegmentBase::new(big, 0), v: None };
+        let l1 = LayerLayout { block_stride: 3, k: SegmentBase::new(big, 2 * nb), ..l0 };
         assert_eq!(reject(vec![l0, l1]), LayoutError::TooLarge { ranges: 2 * nb, max: OVERLAP_CHECK_RANGES_MAX });
 
         // Nothing of the above was registered; other namespace-level errors.
@@ -371,18 +368,18 @@ async fn block_index_out_of_range_is_rejected() {
         let kv = register_default(e, 8);
         let h = BlockHash::from_u64(1);
         fill(e, &kv, 0, &h);
-        let err = e.save(NS, &[(0, h.clone()), (8, BlockHash::from_u64(2))]).await.unwrap_err();
+        let err = e.save(NS, &[(h.clone(), 0), (BlockHash::from_u64(2), 8)]).await.unwrap_err();
         assert!(matches!(err, EngineError::BlockIndex { idx: 8, num_blocks: 8 }), "{err:?}");
         assert_eq!(e.gauges().resident_blocks, 0, "a rejected request saves nothing, not even its valid part");
         assert_eq!(e.gauges().pool_used_bytes, 0);
-        let err = e.save(NS, &[(u64::MAX, h.clone())]).await.unwrap_err();
+        let err = e.save(NS, &[(h.clone(), u64::MAX)]).await.unwrap_err();
         assert!(matches!(err, EngineError::BlockIndex { idx: u64::MAX, num_blocks: 8 }), "{err:?}");
-        e.save(NS, &[(0, h.clone())]).await.unwrap();
+        e.save(NS, &[(h.clone(), 0)]).await.unwrap();
         let err = e.load(NS, &[(h.clone(), 1), (h.clone(), 9)]).await.unwrap_err();
         assert!(matches!(err, EngineError::BlockIndex { idx: 9, num_blocks: 8 }), "{err:?}");
         assert_eq!(e.metrics().loads.load(Ordering::Relaxed), 0);
         // An empty hash is rejected as an id error.
-        let err = e.save(NS, &[(1, BlockHash::new(Vec::<u8>::new()))]).await.unwrap_err();
+        let err = e.save(NS, &[(BlockHash::new(Vec::<u8>::new()), 1)]).await.unwrap_err();
         assert!(matches!(err, EngineError::Id(_)), "{err:?}");
     })
     .await;
@@ -396,7 +393,7 @@ async fn unknown_namespace_is_rejected() {
         let e = &n.engine;
         let _kv = register_default(e, 8);
         let h = BlockHash::from_u64(1);
-        let err = e.save("nope", &[(0, h.clone())]).await.unwrap_err();
+        let err = e.save("nope", &[(h.clone(), 0)]).await.unwrap_err();
         assert!(matches!(err, EngineError::UnknownNamespace(ref s) if s == "nope"), "{err:?}");
         let err = e.load("nope", &[(h.clone(), 0)]).await.unwrap_err();
         assert!(matches!(err, EngineError::UnknownNamespace(_)), "{err:?}");
@@ -689,6 +686,142 @@ async fn save_batches_completing_newest_first_seal_each_block_as_its_own() {
         }
         e.release_transfer(&sid.unwrap()).unwrap();
         load_and_verify(&e, &kv, 20, &hs).await;
+    })
+    .await;
+}
+
+// ------------------------------------------------------- C15 embedder memory
+
+/// A paged K/V layout over memory the test allocated (per layer a K and a
+/// V tensor of its own): round trip byte for byte, and the unregister
+/// rules — refused while the layout names the buffer, fine after, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn external_paged_kv_round_trip_and_unregister_rules() {
+    bounded(async {
+        let ms = start_ms().await;
+        let (n, _) = start_node(&ms, 4 * MIB).await;
+        let e = &n.engine;
+        let (layers, blocks, seg) = (3usize, 8u64, 4096u64);
+        let memory: Vec<HostMemory> = (0..2 * layers).map(|_| HostMemory::new(blocks * seg).unwrap()).collect();
+        // SAFETY: `memory` outlives every registration (unregistered below).
+        let ids: Vec<DeviceBufferId> =
+            memory.iter().map(|m| unsafe { e.register_buffer(m.addr(), m.len()) }.unwrap()).collect();
+        let ll: Vec<LayerLayout> =
+            (0..layers).map(|l| LayerLayout::paged(ids[2 * l], Some(ids[2 * l + 1]), blocks, seg)).collect();
+        e.register_layout(NS, ll.clone()).unwrap();
+        let kv = Kv { ns: NS.into(), buffer: ids[0], layers: ll, memory: Arc::new(Vec::new()) };
+        let hs = hashes(1..5);
+        fill_and_save(e, &kv, 2, &hs).await;
+        // The bytes are in the test's own memory, where the layout says.
+        let mut want = vec![0u8; seg as usize];
+        kvferry::replay::trace::fill_kv(NS, &hs[0], 1, 1, &mut want);
+        // SAFETY: reading the test's own, live memory.
+        let v1 = unsafe { std::slice::from_raw_parts((memory[3].addr() + 2 * seg) as *const u8, seg as usize) };
+        assert_eq!(v1, &want[..], "layer 1 V of block 2 is at 2 * seg in the layer's V tensor");
+        load_and_verify(e, &kv, 4, &hs).await;
+
+        match e.unregister_buffer(ids[3]) {
+            Err(EngineError::BufferInUse { buffer, namespace }) => {
+                assert_eq!((buffer, namespace.as_str()), (ids[3], NS))
+            }
+            other => panic!("expected BufferInUse, got {other:?}"),
+        }
+        e.unregister_layout(NS).unwrap();
+        assert!(matches!(e.unregister_layout(NS), Err(EngineError::UnknownNamespace(_))));
+        for id in &ids {
+            e.unregister_buffer(*id).unwrap();
+        }
+        assert!(matches!(
+            e.unregister_buffer(ids[0]),
+            Err(EngineError::Gpu(GpuError::Buffer(BufferError::Unknown(_))))
+        ));
+        // The cached blocks survived the layout: a layout of the same
+        // family over new memory serves them again.
+        let again = HostMemory::new(blocks * seg * 2 * layers as u64).unwrap();
+        // SAFETY: `again` outlives the registration.
+        let id = unsafe { e.register_buffer(again.addr(), again.len()) }.unwrap();
+        assert!(!ids.contains(&id), "buffer ids are never reused");
+        let kv2 = Kv {
+            ns: NS.into(),
+            buffer: id,
+            layers: layout::contiguous(id, layers as u32, blocks, seg, true, true),
+            memory: Arc::new(vec![Box::new(again) as Box<dyn KvMemory>]),
+        };
+        e.register_layout(NS, kv2.layers.clone()).unwrap();
+        assert_eq!(e.query_prefix(NS, &hs), 4);
+        load_and_verify(e, &kv2, 0, &hs).await;
+        // …but not a layout of another family under the same namespace.
+        e.unregister_layout(NS).unwrap();
+        let other = layout::contiguous(id, layers as u32, blocks, seg, false, true);
+        match e.register_layout(NS, other) {
+            Err(EngineError::FamilyMismatch { had, got, .. }) => {
+                assert_eq!(had.to_string(), "3 layers × 2 segment(s) × 4096 B");
+                assert_eq!(got.to_string(), "3 layers × 1 segment(s) × 4096 B");
+            }
+            other => panic!("expected FamilyMismatch, got {other:?}"),
+        }
+    })
+    .await;
+}
+
+/// Bad external memory is a typed error with the numbers in its message,
+/// and nothing is registered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_external_memory_is_refused_and_nothing_registers() {
+    bounded(async {
+        let ms = start_ms().await;
+        let (n, _) = start_node(&ms, MIB).await;
+        let e = &n.engine;
+        let m = HostMemory::new(4096).unwrap();
+        let refuse = |addr: u64, len: u64| -> BufferError {
+            // SAFETY: every case is refused before anything is registered.
+            match unsafe { e.register_buffer(addr, len) } {
+                Err(EngineError::Gpu(GpuError::Buffer(b))) => b,
+                other => panic!("expected a buffer error for [{addr:#x}, +{len}), got {other:?}"),
+            }
+        };
+        assert_eq!(refuse(0, 64), BufferError::Null);
+        assert_eq!(refuse(m.addr(), 0), BufferError::Empty { addr: m.addr() });
+        let odd = refuse(m.addr() + 1, 64);
+        assert_eq!(odd, BufferError::Unaligned { addr: m.addr() + 1, align: 16 });
+        assert!(odd.to_string().contains("is not aligned to 16 bytes"), "{odd}");
+        // SAFETY: `m` outlives the registration.
+        let id = unsafe { e.register_buffer(m.addr(), m.len()) }.unwrap();
+        let over = refuse(m.addr() + 1024, 4096);
+        assert!(matches!(over, BufferError::Overlap { other, .. } if other == id), "{over}");
+        assert!(over.to_string().contains(&format!("overlaps {id}")), "{over}");
+        // The one good registration is the only one.
+        assert_eq!(e.gpu().buffer_len(id), Some(4096));
+        assert_eq!(e.gpu().buffer_len(DeviceBufferId(id.0 + 1)), None);
+        e.unregister_buffer(id).unwrap();
+    })
+    .await;
+}
+
+/// A buffer an in-flight copy batch touches cannot be unregistered (the
+/// gated GPU holds a save's completion, as a device holds its copy): the
+/// layout can go, the buffer only once the batch completed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_buffer_under_an_in_flight_copy_cannot_be_unregistered() {
+    bounded(async {
+        let ms = start_ms().await;
+        let gpu = Arc::new(GatedGpu::new());
+        let n = node::start(node_cfg(ms.local_addr, 4 * MIB), gpu.clone() as Arc<dyn Gpu>).await.unwrap();
+        let e = n.engine.clone();
+        let kv = register_default(&e, 8);
+        let hs = hashes(1..3);
+        let saver = spawn_save(&e, fill_blocks(&e, &kv, 0, &hs));
+        assert!(eventually(Duration::from_secs(5), || gpu.held() == 1).await);
+        e.unregister_layout(NS).unwrap();
+        match e.unregister_buffer(kv.buffer) {
+            Err(EngineError::Gpu(GpuError::Buffer(BufferError::Busy { id, batches }))) => {
+                assert_eq!((id, batches), (kv.buffer, 1));
+            }
+            other => panic!("expected Busy, got {other:?}"),
+        }
+        gpu.set_open(true);
+        assert_eq!(saver.await.unwrap().unwrap().saved.len(), 2, "the save finished on the old layout");
+        e.unregister_buffer(kv.buffer).unwrap();
     })
     .await;
 }

@@ -1165,3 +1165,42 @@ async fn a_late_release_from_before_a_restart_releases_nothing() {
     })
     .await;
 }
+
+// ------------------------------------------------------- C15 layout families
+
+/// Blocks of one layout family move between engines that arranged their
+/// buffers differently (prefill: per layer a K and a V tensor; decode: all
+/// layers in one layer-first buffer), straight into the decode's own block
+/// indices; a node whose layout of the namespace has another family is
+/// refused at fetch time with both families named.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peers_with_different_buffer_arrangements_exchange_blocks() {
+    bounded(async {
+        let ms = start_ms().await;
+        let (p, _) = start_node(&ms, 4 * MIB).await;
+        let (d, _) = start_node(&ms, 4 * MIB).await;
+        let kp = register_paged(&p.engine, NS, 16);
+        let kd = register_default(&d.engine, 16);
+        let hs = hashes(1..9);
+        prefill(&p.engine, &kp, &hs).await;
+        let wanted: Vec<(BlockHash, u64)> = hs.iter().cloned().zip(8u64..).collect();
+        let got = d.engine.fetch_into(NS, &wanted).await.unwrap();
+        assert_eq!((got.fetch.fetched, got.ready()), (8, 8), "{:?}", got.fetch);
+        for (i, h) in hs.iter().enumerate() {
+            assert!(verify(&d.engine, &kd, 8 + i as u64, h), "block {i} byte-identical");
+        }
+        // Another family under the same namespace: one segment per layer.
+        let (t, _) = start_node(&ms, 4 * MIB).await;
+        let _kt = register(&t.engine, NS, LAYERS, 16, 2 * SEG, false, true);
+        let rep = t.engine.fetch(NS, &hs).await;
+        assert_eq!(rep.available, 0);
+        match rep.stopped {
+            Some(FetchError::Shape(msg)) => {
+                assert!(msg.contains("4 layers × 2 segment(s) × 4096 B"), "{msg}");
+                assert!(msg.contains("4 layers × 1 segment(s) × 8192 B"), "{msg}");
+            }
+            other => panic!("expected a shape refusal, got {other:?}"),
+        }
+    })
+    .await;
+}

@@ -27,6 +27,7 @@ use tokio::time::Instant;
 use tonic::transport::Channel;
 
 use super::cache::CachedBlock;
+use super::layout::LayoutFamily;
 use super::pool::Extent;
 use super::{Engine, slot_checksums};
 use crate::proto::engine_client::EngineClient;
@@ -592,16 +593,18 @@ fn push_coalesced(ops: &mut Vec<ReadOp>, op: ReadOp) {
     ops.push(op);
 }
 
-/// Checks a peer's block description against the local layout.
+/// Checks a peer's block description against the local layout: the two
+/// must be of one [`LayoutFamily`] (per layer the segment count and bytes),
+/// whatever buffers each side registered (C15).
 fn check_shape(layout: &super::layout::Layout, b: &TransferBlockInfo) -> Result<(), String> {
-    if b.slots.len() != layout.layers().len() {
-        return Err(format!("{} slots, layout has {} layers", b.slots.len(), layout.layers().len()));
-    }
-    for (l, s) in b.slots.iter().enumerate() {
-        let want = layout.slot_bytes(l);
-        if s.k_size.checked_add(s.v_size) != Some(want) || s.k_size == 0 {
-            return Err(format!("slot {l}: k {} + v {} != {want}", s.k_size, s.v_size));
-        }
+    let peer = LayoutFamily { slots: b.slots.iter().map(|s| (if s.v_size == 0 { 1 } else { 2 }, s.k_size)).collect() };
+    let split_unequal = b.slots.iter().position(|s| s.v_size != 0 && s.v_size != s.k_size);
+    let local = layout.family();
+    if peer != local || split_unequal.is_some() {
+        return Err(format!(
+            "the owner's blocks are {peer}, this node's layout is {local}: the namespace names two different KV \
+             layouts (a namespace must name one layout family, see kvferry::hash::KvFamily)"
+        ));
     }
     Ok(())
 }
@@ -616,7 +619,7 @@ pub fn transfer_block_info(layout: &super::layout::Layout, hash: &BlockHash, blo
         .map(|(l, ly)| {
             let k_ptr = base + layout.slot_offset(l);
             let seg = ly.bytes_per_block;
-            let split = ly.segments == 2;
+            let split = ly.v.is_some();
             crate::proto::TransferSlotInfo {
                 k_ptr,
                 k_size: seg,

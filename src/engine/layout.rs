@@ -1,32 +1,43 @@
-//! KV-cache layouts, validated once at registration so that every later copy
-//! between a device buffer and a host block extent stays in bounds.
+//! KV-cache layouts over the embedder's buffers, validated once at
+//! registration so that every later copy between a device buffer and a host
+//! block extent stays in bounds.
 //!
 //! # Vocabulary (design.md §1)
 //!
 //! Per layer a [`LayerLayout`] gives `num_blocks`, `bytes_per_block` (per
-//! segment), `segments` (1, or 2 for split K/V), `block_stride` and
-//! `kv_stride`; the device address of one segment of one block is
+//! segment), `block_stride`, and where each segment's block 0 lives: a
+//! [`SegmentBase`] (buffer, offset) for segment 0 (K, or the whole slot) and,
+//! for split K/V, one for segment 1 (V). The device address of segment `s`
+//! of block `b` is
 //!
 //! ```text
-//! base_offset + block_idx * block_stride + segment * kv_stride
+//! base[s].offset + b * block_stride        inside buffer base[s].buffer
 //! ```
 //!
-//! inside the layer's device buffer ([`DeviceBufferId`]). A *slot* is one
-//! layer of a stored block. On the host a block is one pool extent of
+//! Each (layer, segment) may live in its own buffer — K and V as separate
+//! tensors, as engines allocate them — or share one. A *slot* is one layer of
+//! a stored block. On the host a block is one pool extent of
 //! [`Layout::block_bytes`] bytes holding every layer's slot concatenated in
-//! layer order, each slot K then V ([`Layout::slot_offset`]).
+//! layer order, each slot K then V ([`Layout::slot_offset`]). That host (and
+//! wire) format depends only on the layout's [`LayoutFamily`] — per layer
+//! the segment count and bytes per segment — never on the device buffers
+//! (C15), so two engines that arrange the same model's tensors differently
+//! exchange blocks. `docs/layouts.md` lists the supported shapes with their
+//! address formulas.
 //!
-//! Both shapes engines use are expressible (see [`contiguous`]):
-//! - *layer-first* (vLLM's per-layer tensors, PegaFlow's "layer-first split
-//!   K/V"): each layer owns a region (or a whole buffer) holding all blocks'
-//!   K, then all blocks' V — `block_stride = bytes_per_block`,
-//!   `kv_stride = num_blocks * bytes_per_block`; one copy per (layer,
-//!   segment) per block;
-//! - *fused*: one buffer where each block holds every layer's K and V back to
-//!   back — `block_stride = layers * 2 * bytes_per_block`, `kv_stride =
-//!   bytes_per_block`, `base_offset = layer * 2 * bytes_per_block`; the
-//!   segments of a block are contiguous on both sides and
-//!   [`Layout::coalesced_copies`] collapses them into one copy.
+//! Shapes engines use (all expressible; constructors [`LayerLayout::paged`],
+//! [`contiguous`]):
+//! - *paged, one tensor per K and per V per layer* (vLLM/FlashInfer "NHD"
+//!   `[num_blocks, block_tokens, kv_heads, head_dim]`): each segment its own
+//!   buffer at offset 0, `block_stride = bytes_per_block`;
+//! - *paged with a K/V axis* (`[2, num_blocks, …]` per layer): one buffer,
+//!   V at offset `num_blocks * bytes_per_block`;
+//! - *MLA* (one latent tensor per layer): a single segment;
+//! - *layer-first* (all layers in one buffer, each layer's region holding all
+//!   blocks' K then all blocks' V) and *fused* (each block holds every
+//!   layer's K and V back to back — the segments of a block are contiguous
+//!   on both sides and [`Layout::coalesced_copies`] collapses them into one
+//!   copy).
 //!
 //! # Why validate up front
 //!
@@ -40,21 +51,24 @@
 //!
 //! # The overlap check
 //!
-//! Per layer, the ranges of one segment form an arithmetic progression
-//! (start, stride, count, length). Two progressions with the *same* stride
+//! Per layer and segment, the ranges form an arithmetic progression (start,
+//! stride, count, length). Two progressions with the *same* stride
 //! intersect iff some difference of block indices `k` in `[-(n-1), n-1]`
 //! puts `k * stride` inside an open interval computed from their starts and
-//! lengths, which is decided exactly in `O(1)`; when every layer on a buffer
-//! shares one block stride (all standard shapes, whatever `num_blocks`) the
-//! check is `O(P²)` in the number `P` of progressions on that buffer
-//! (`P ≤ 2 * LAYERS_MAX`). Buffers whose layers use *different* strides fall
-//! back to an exact sweep over every range in address order (a k-way merge of
-//! the progressions, `O(R log P)` time, `O(P)` memory), bounded by
-//! [`OVERLAP_CHECK_RANGES_MAX`] ranges; above that the layout is rejected
-//! with [`LayoutError::TooLarge`] rather than validated slowly.
+//! lengths, which is decided exactly in `O(1)`; when every progression on a
+//! buffer shares one block stride (all standard shapes, whatever
+//! `num_blocks`) the check is `O(P²)` in the number `P` of progressions on
+//! that buffer (`P ≤ 2 * LAYERS_MAX`). Buffers whose progressions use
+//! *different* strides fall back to an exact sweep over every range in
+//! address order (a k-way merge of the progressions, `O(R log P)` time,
+//! `O(P)` memory), bounded by [`OVERLAP_CHECK_RANGES_MAX`] ranges; above
+//! that the layout is rejected with [`LayoutError::TooLarge`] rather than
+//! validated slowly.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
+
+pub use crate::memory::DeviceBufferId;
 
 /// Most layers one layout may have. Real models have ≤ 128 layers (×TP ranks
 /// registered separately); 1024 bounds registration work and the `O(P²)`
@@ -62,64 +76,125 @@ use std::collections::{BTreeMap, BinaryHeap};
 pub const LAYERS_MAX: usize = 1024;
 
 /// Most (layer, segment, block) ranges the exact overlap sweep enumerates
-/// (4 Mi ranges, ~0.1–1 s). Only buffers whose layers have different block
-/// strides need the sweep; uniform-stride buffers are checked in closed form
-/// at any size.
+/// (4 Mi ranges, ~0.1–1 s). Only buffers whose progressions have different
+/// block strides need the sweep; uniform-stride buffers are checked in
+/// closed form at any size.
 pub const OVERLAP_CHECK_RANGES_MAX: u64 = 4 << 20;
 
-/// A device buffer (one registered GPU allocation) that layers point into.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct DeviceBufferId(pub u32);
+/// Where one segment of a layer starts: block 0 of the segment is at byte
+/// `offset` of device buffer `buffer`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SegmentBase {
+    /// The device buffer holding the segment.
+    pub buffer: DeviceBufferId,
+    /// Offset of block 0 inside `buffer` (bytes).
+    pub offset: u64,
+}
 
-/// One layer's placement in a device buffer. All offsets and sizes in bytes.
+impl SegmentBase {
+    /// Block 0 at `offset` in `buffer`.
+    pub fn new(buffer: DeviceBufferId, offset: u64) -> Self {
+        Self { buffer, offset }
+    }
+}
+
+/// One layer's placement. All offsets and sizes in bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct LayerLayout {
-    /// The device buffer holding this layer.
-    pub buffer: DeviceBufferId,
-    /// Offset of block 0, segment 0 inside `buffer`.
-    pub base_offset: u64,
     /// Number of blocks (must be equal for every layer).
     pub num_blocks: u64,
     /// Bytes of one segment of one block (K or V, or the whole slot when
-    /// `segments == 1`).
+    /// there is one segment).
     pub bytes_per_block: u64,
-    /// 1 (one contiguous segment) or 2 (split K then V).
-    pub segments: u8,
-    /// Distance between consecutive blocks of this layer.
+    /// Distance between consecutive blocks of each segment.
     pub block_stride: u64,
-    /// Distance from a block's K segment to its V segment; 0 when
-    /// `segments == 1`.
-    pub kv_stride: u64,
+    /// Segment 0: K, or the whole slot (MLA, or K and V fused per block).
+    pub k: SegmentBase,
+    /// Segment 1 (V) for split K/V; `None` for a single segment.
+    pub v: Option<SegmentBase>,
 }
 
 impl LayerLayout {
-    /// Device offset of `segment` of block `block_idx`, or `None` on `u64`
-    /// overflow. Does not check the indices against the layout.
-    pub fn segment_offset(&self, block_idx: u64, segment: u8) -> Option<u64> {
-        self.base_offset
-            .checked_add(block_idx.checked_mul(self.block_stride)?)?
-            .checked_add(u64::from(segment).checked_mul(self.kv_stride)?)
+    /// The paged layout engines allocate per layer: K (and V, when split) in
+    /// buffers of their own, block `b` at `b * bytes_per_block` — vLLM's
+    /// "NHD" `[num_blocks, block_tokens, kv_heads, head_dim]` tensors have
+    /// `bytes_per_block = block_tokens * kv_heads * head_dim * dtype bytes`.
+    pub fn paged(k: DeviceBufferId, v: Option<DeviceBufferId>, num_blocks: u64, bytes_per_block: u64) -> Self {
+        Self {
+            num_blocks,
+            bytes_per_block,
+            block_stride: bytes_per_block,
+            k: SegmentBase::new(k, 0),
+            v: v.map(|v| SegmentBase::new(v, 0)),
+        }
     }
 
-    /// One past the last device byte this layer touches
-    /// (`base + (n-1)*block_stride + (segments-1)*kv_stride + bytes_per_block`),
-    /// or `None` on `u64` overflow or when `num_blocks`/`segments` is 0.
-    pub fn end_offset(&self) -> Option<u64> {
-        let last_block = self.num_blocks.checked_sub(1)?;
-        let last_segment = self.segments.checked_sub(1)?;
-        self.segment_offset(last_block, last_segment)?.checked_add(self.bytes_per_block)
+    /// 1, or 2 for split K/V.
+    pub fn segments(&self) -> u8 {
+        if self.v.is_some() { 2 } else { 1 }
+    }
+
+    /// Segment `segment`'s base (0 = K or whole, 1 = V), `None` past the
+    /// last.
+    pub fn segment(&self, segment: u8) -> Option<SegmentBase> {
+        match segment {
+            0 => Some(self.k),
+            1 => self.v,
+            _ => None,
+        }
+    }
+
+    /// The layer's segments, in order.
+    pub fn segment_bases(&self) -> impl Iterator<Item = SegmentBase> + '_ {
+        std::iter::once(self.k).chain(self.v)
+    }
+
+    /// Device offset of `segment` of block `block_idx` inside its buffer,
+    /// or `None` on `u64` overflow or a missing segment. Does not check the
+    /// block index against the layout.
+    pub fn segment_offset(&self, block_idx: u64, segment: u8) -> Option<u64> {
+        self.segment(segment)?.offset.checked_add(block_idx.checked_mul(self.block_stride)?)
+    }
+
+    /// One past the last byte `segment` touches in its buffer
+    /// (`offset + (n-1)*block_stride + bytes_per_block`), or `None` on
+    /// overflow, a missing segment, or `num_blocks == 0`.
+    pub fn end_offset(&self, segment: u8) -> Option<u64> {
+        self.segment_offset(self.num_blocks.checked_sub(1)?, segment)?.checked_add(self.bytes_per_block)
     }
 
     /// Host bytes of this layer's slot (`segments * bytes_per_block`), or
     /// `None` on overflow.
     pub fn slot_bytes(&self) -> Option<u64> {
-        u64::from(self.segments).checked_mul(self.bytes_per_block)
+        u64::from(self.segments()).checked_mul(self.bytes_per_block)
     }
 
     /// Block stride as far as overlaps are concerned: irrelevant (0) when the
     /// layer has a single block.
     fn effective_stride(&self) -> u64 {
         if self.num_blocks > 1 { self.block_stride } else { 0 }
+    }
+}
+
+/// What a block looks like on the host and on the wire: per layer, the
+/// segment count and the bytes of each segment. Two layouts of one family
+/// exchange blocks whatever their device buffers (C15).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct LayoutFamily {
+    /// Per layer `(segments, bytes_per_block)`.
+    pub slots: Vec<(u8, u64)>,
+}
+
+impl std::fmt::Display for LayoutFamily {
+    /// `36 layers × 2 segments × 32768 B`, or the per-layer list when the
+    /// layers differ.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.slots.first() {
+            Some(first) if self.slots.iter().all(|s| s == first) => {
+                write!(f, "{} layers × {} segment(s) × {} B", self.slots.len(), first.0, first.1)
+            }
+            _ => write!(f, "layers (segments, B) {:?}", self.slots),
+        }
     }
 }
 
@@ -136,11 +211,15 @@ pub enum LayoutError {
         /// Number of layers given.
         n: usize,
     },
-    /// The layer's buffer is not registered.
-    #[error("layer {layer}: unknown device buffer")]
+    /// A segment's buffer is not registered.
+    #[error("layer {layer} segment {segment}: unknown device {buffer}")]
     UnknownBuffer {
         /// Offending layer.
         layer: usize,
+        /// Offending segment.
+        segment: u8,
+        /// The buffer named.
+        buffer: DeviceBufferId,
     },
     /// `num_blocks == 0`.
     #[error("layer {layer}: zero blocks")]
@@ -164,32 +243,16 @@ pub enum LayoutError {
         /// Offending layer.
         layer: usize,
     },
-    /// `segments` is neither 1 nor 2.
-    #[error("layer {layer}: {segments} segments (want 1 or 2)")]
-    BadSegments {
-        /// Offending layer.
-        layer: usize,
-        /// The value given.
-        segments: u8,
-    },
-    /// `kv_stride != 0` with a single segment.
-    #[error("layer {layer}: kv_stride set but segments == 1")]
-    KvStrideWithoutSplit {
-        /// Offending layer.
-        layer: usize,
-    },
-    /// With split K/V, `kv_stride < bytes_per_block`: a block's K and V overlap.
-    #[error("layer {layer}: kv_stride smaller than bytes_per_block (K and V overlap)")]
-    KvStrideTooSmall {
-        /// Offending layer.
-        layer: usize,
-    },
-    /// Two different blocks of the layer share a byte (`block_stride <
-    /// bytes_per_block`, or one block's K runs into another block's V).
-    #[error("layer {layer}: block_stride makes blocks overlap")]
+    /// Two different blocks of one segment share a byte (`block_stride <
+    /// bytes_per_block` with more than one block).
+    #[error("layer {layer}: block_stride {block_stride} is smaller than bytes_per_block {bytes_per_block}")]
     BlockStrideTooSmall {
         /// Offending layer.
         layer: usize,
+        /// The stride given.
+        block_stride: u64,
+        /// The segment size given.
+        bytes_per_block: u64,
     },
     /// An address or size computation overflows `u64`.
     #[error("layer {layer}: address computation overflows u64")]
@@ -197,19 +260,23 @@ pub enum LayoutError {
         /// Offending layer.
         layer: usize,
     },
-    /// The layer's last byte lies outside its buffer.
-    #[error("layer {layer}: last byte {last_byte} outside buffer of {buffer_len} B")]
+    /// A segment's last byte lies outside its buffer.
+    #[error("layer {layer} segment {segment}: last byte {last_byte} outside {buffer} of {buffer_len} B")]
     OutOfBounds {
         /// Offending layer.
         layer: usize,
-        /// Offset of the layer's last byte (inclusive).
+        /// Offending segment.
+        segment: u8,
+        /// The buffer.
+        buffer: DeviceBufferId,
+        /// Offset of the segment's last byte (inclusive).
         last_byte: u64,
         /// Length of the buffer (bytes).
         buffer_len: u64,
     },
-    /// Two different (layer, segment, block) ranges on one buffer intersect;
-    /// `a` and `b` are the (layer, segment) of the two, `a < b` unless both
-    /// are the same progression.
+    /// Two different (layer, segment, block) ranges on one buffer intersect
+    /// (K and V of one layer included); `a` and `b` are the (layer, segment)
+    /// of the two, `a < b`.
     #[error("ranges of (layer, segment) {a:?} and {b:?} overlap")]
     Overlap {
         /// First (layer, segment).
@@ -217,8 +284,9 @@ pub enum LayoutError {
         /// Second (layer, segment).
         b: (usize, u8),
     },
-    /// Buffers shared by layers with different block strides hold more than
-    /// [`OVERLAP_CHECK_RANGES_MAX`] ranges: too many to check exactly.
+    /// Buffers shared by progressions with different block strides hold
+    /// more than [`OVERLAP_CHECK_RANGES_MAX`] ranges: too many to check
+    /// exactly.
     #[error("{ranges} ranges on mixed-stride buffers exceed the overlap check bound {max}")]
     TooLarge {
         /// Ranges the sweep would have to enumerate.
@@ -272,19 +340,17 @@ impl Layout {
     /// each device buffer's length in bytes (`None` = unknown buffer).
     ///
     /// Checks run layer by layer in the order of the error list below, then
-    /// the cross-layer overlap check; the first failure is returned.
+    /// the overlap check across every (layer, segment); the first failure is
+    /// returned.
     ///
     /// # Errors
     /// [`LayoutError::NoLayers`], [`TooManyLayers`](LayoutError::TooManyLayers),
-    /// then per layer [`UnknownBuffer`](LayoutError::UnknownBuffer),
-    /// [`ZeroBlocks`](LayoutError::ZeroBlocks),
+    /// then per layer [`ZeroBlocks`](LayoutError::ZeroBlocks),
     /// [`BlockCountMismatch`](LayoutError::BlockCountMismatch),
     /// [`ZeroBytes`](LayoutError::ZeroBytes),
-    /// [`BadSegments`](LayoutError::BadSegments),
-    /// [`KvStrideWithoutSplit`](LayoutError::KvStrideWithoutSplit),
-    /// [`KvStrideTooSmall`](LayoutError::KvStrideTooSmall),
+    /// [`BlockStrideTooSmall`](LayoutError::BlockStrideTooSmall), then per
+    /// segment [`UnknownBuffer`](LayoutError::UnknownBuffer),
     /// [`Overflow`](LayoutError::Overflow),
-    /// [`BlockStrideTooSmall`](LayoutError::BlockStrideTooSmall),
     /// [`OutOfBounds`](LayoutError::OutOfBounds); then
     /// [`Overlap`](LayoutError::Overlap) or [`TooLarge`](LayoutError::TooLarge).
     pub fn new(
@@ -301,8 +367,7 @@ impl Layout {
         let mut slot_offsets = Vec::with_capacity(layers.len());
         let mut host = 0u64;
         for (layer, l) in layers.iter().enumerate() {
-            let buffer_len = buffer_len(l.buffer).ok_or(LayoutError::UnknownBuffer { layer })?;
-            validate_layer(layer, l, expected, buffer_len)?;
+            validate_layer(layer, l, expected, &buffer_len)?;
             let slot = l.slot_bytes().ok_or(LayoutError::Overflow { layer })?;
             slot_offsets.push(host);
             host = host.checked_add(slot).ok_or(LayoutError::Overflow { layer })?;
@@ -314,6 +379,16 @@ impl Layout {
     /// The validated layers, in registration order.
     pub fn layers(&self) -> &[LayerLayout] {
         &self.layers
+    }
+
+    /// The host/wire format of this layout's blocks (module doc).
+    pub fn family(&self) -> LayoutFamily {
+        LayoutFamily { slots: self.layers.iter().map(|l| (l.segments(), l.bytes_per_block)).collect() }
+    }
+
+    /// Whether the layout names `buffer` in any segment.
+    pub fn names_buffer(&self, buffer: DeviceBufferId) -> bool {
+        self.layers.iter().any(|l| l.segment_bases().any(|s| s.buffer == buffer))
     }
 
     /// Blocks per layer (equal for every layer; validated).
@@ -332,7 +407,7 @@ impl Layout {
     /// If `layer >= layers().len()`.
     pub fn slot_bytes(&self, layer: usize) -> u64 {
         let l = &self.layers[layer];
-        u64::from(l.segments) * l.bytes_per_block
+        u64::from(l.segments()) * l.bytes_per_block
     }
 
     /// Where `layer`'s slot starts inside a host block extent (bytes): slots
@@ -367,14 +442,14 @@ impl Layout {
     pub fn segment_copies(&self, block_idx: u64) -> impl Iterator<Item = SegmentCopy> {
         assert!(block_idx < self.num_blocks, "block index {block_idx} out of range ({} blocks)", self.num_blocks);
         self.layers.iter().zip(&self.slot_offsets).enumerate().flat_map(move |(layer, (l, &host))| {
-            (0..l.segments).map(move |segment| SegmentCopy {
+            l.segment_bases().enumerate().map(move |(segment, base)| SegmentCopy {
                 layer,
-                segment,
-                buffer: l.buffer,
+                segment: segment as u8,
+                buffer: base.buffer,
                 // Cannot overflow: `block_idx <= num_blocks - 1` and
-                // `Layout::new` checked the last address of every layer.
-                device_offset: l.base_offset + block_idx * l.block_stride + u64::from(segment) * l.kv_stride,
-                host_offset_in_block: host + u64::from(segment) * l.bytes_per_block,
+                // `Layout::new` checked the last address of every segment.
+                device_offset: base.offset + block_idx * l.block_stride,
+                host_offset_in_block: host + segment as u64 * l.bytes_per_block,
                 len: l.bytes_per_block,
             })
         })
@@ -405,9 +480,14 @@ impl Layout {
     }
 }
 
-/// Per-layer checks (everything except the unknown buffer and cross-layer
-/// overlaps), in the documented order.
-fn validate_layer(layer: usize, l: &LayerLayout, expected: u64, buffer_len: u64) -> Result<(), LayoutError> {
+/// Per-layer checks (everything except cross-segment overlaps), in the
+/// documented order.
+fn validate_layer(
+    layer: usize,
+    l: &LayerLayout,
+    expected: u64,
+    buffer_len: &impl Fn(DeviceBufferId) -> Option<u64>,
+) -> Result<(), LayoutError> {
     if l.num_blocks == 0 {
         return Err(LayoutError::ZeroBlocks { layer });
     }
@@ -417,30 +497,26 @@ fn validate_layer(layer: usize, l: &LayerLayout, expected: u64, buffer_len: u64)
     if l.bytes_per_block == 0 {
         return Err(LayoutError::ZeroBytes { layer });
     }
-    if !matches!(l.segments, 1 | 2) {
-        return Err(LayoutError::BadSegments { layer, segments: l.segments });
+    if l.num_blocks > 1 && l.block_stride < l.bytes_per_block {
+        return Err(LayoutError::BlockStrideTooSmall {
+            layer,
+            block_stride: l.block_stride,
+            bytes_per_block: l.bytes_per_block,
+        });
     }
-    if l.segments == 1 && l.kv_stride != 0 {
-        return Err(LayoutError::KvStrideWithoutSplit { layer });
-    }
-    if l.segments == 2 && l.kv_stride < l.bytes_per_block {
-        return Err(LayoutError::KvStrideTooSmall { layer });
-    }
-    let end = l.end_offset().ok_or(LayoutError::Overflow { layer })?;
-    let stride = l.effective_stride();
-    if l.num_blocks > 1 && stride < l.bytes_per_block {
-        return Err(LayoutError::BlockStrideTooSmall { layer });
-    }
-    // K of one block against V of another (same block excluded above by the
-    // kv_stride check, which the closed form also re-confirms for k = 0).
-    if l.segments == 2 {
-        let v_start = l.base_offset + l.kv_stride; // ≤ end: no overflow
-        if progressions_overlap(l.base_offset, l.bytes_per_block, v_start, l.bytes_per_block, stride, l.num_blocks) {
-            return Err(LayoutError::BlockStrideTooSmall { layer });
+    for (segment, base) in l.segment_bases().enumerate() {
+        let segment = segment as u8;
+        let len = buffer_len(base.buffer).ok_or(LayoutError::UnknownBuffer { layer, segment, buffer: base.buffer })?;
+        let end = l.end_offset(segment).ok_or(LayoutError::Overflow { layer })?;
+        if end > len {
+            return Err(LayoutError::OutOfBounds {
+                layer,
+                segment,
+                buffer: base.buffer,
+                last_byte: end - 1,
+                buffer_len: len,
+            });
         }
-    }
-    if end > buffer_len {
-        return Err(LayoutError::OutOfBounds { layer, last_byte: end - 1, buffer_len });
     }
     Ok(())
 }
@@ -480,16 +556,17 @@ impl Progression {
     }
 }
 
-/// The cross-layer overlap check (module doc, "The overlap check").
-/// Same-layer pairs were already checked by `validate_layer`.
+/// The overlap check across every (layer, segment) (module doc, "The
+/// overlap check"). Blocks of one progression were already kept apart by
+/// `validate_layer` (`block_stride >= bytes_per_block`).
 fn check_overlaps(layers: &[LayerLayout]) -> Result<(), LayoutError> {
     let mut by_buffer: BTreeMap<DeviceBufferId, Vec<Progression>> = BTreeMap::new();
     for (layer, l) in layers.iter().enumerate() {
-        for segment in 0..l.segments {
-            by_buffer.entry(l.buffer).or_default().push(Progression {
+        for (segment, base) in l.segment_bases().enumerate() {
+            by_buffer.entry(base.buffer).or_default().push(Progression {
                 layer,
-                segment,
-                start: l.base_offset + u64::from(segment) * l.kv_stride,
+                segment: segment as u8,
+                start: base.offset,
                 len: l.bytes_per_block,
                 stride: l.effective_stride(),
                 count: l.num_blocks,
@@ -517,7 +594,7 @@ fn check_overlaps(layers: &[LayerLayout]) -> Result<(), LayoutError> {
 fn check_uniform(progs: &[Progression]) -> Result<(), LayoutError> {
     for (i, a) in progs.iter().enumerate() {
         for b in &progs[i + 1..] {
-            if a.layer != b.layer && progressions_overlap(a.start, a.len, b.start, b.len, a.stride, a.count) {
+            if progressions_overlap(a.start, a.len, b.start, b.len, a.stride, a.count) {
                 return Err(LayoutError::Overlap { a: a.id(), b: b.id() });
             }
         }
@@ -558,12 +635,12 @@ fn check_sweep(progs: &[Progression]) -> Result<(), LayoutError> {
 /// - `layer_first`: layer `l` owns the region
 ///   `[l * R, (l+1) * R)` with `R = segments * num_blocks * segment_bytes`;
 ///   inside it all blocks' K, then (when `split`) all blocks' V:
-///   `block_stride = segment_bytes`, `kv_stride = num_blocks * segment_bytes`.
+///   `block_stride = segment_bytes`, K at `l * R`, V at
+///   `l * R + num_blocks * segment_bytes`.
 /// - fused (`!layer_first`): block `b` occupies
 ///   `[b * B, (b+1) * B)` with `B = layers * segments * segment_bytes`,
-///   holding layer 0's K (V), layer 1's K (V), …:
-///   `base_offset = l * segments * segment_bytes`, `block_stride = B`,
-///   `kv_stride = segment_bytes`.
+///   holding layer 0's K (V), layer 1's K (V), …: `block_stride = B`, K at
+///   `l * segments * segment_bytes`, V `segment_bytes` after it.
 ///
 /// The buffer must be at least [`buffer_bytes_needed`] bytes. Sizes whose
 /// products overflow `u64` saturate, and [`Layout::new`] then rejects them.
@@ -575,37 +652,34 @@ pub fn contiguous(
     split: bool,
     layer_first: bool,
 ) -> Vec<LayerLayout> {
-    let segments: u8 = if split { 2 } else { 1 };
-    let slot = u64::from(segments).saturating_mul(segment_bytes);
+    let segments: u64 = if split { 2 } else { 1 };
+    let slot = segments.saturating_mul(segment_bytes);
     (0..u64::from(layers))
         .map(|l| {
             let (base_offset, block_stride, kv_stride) = if layer_first {
                 let region = slot.saturating_mul(num_blocks);
-                let kv = if split { num_blocks.saturating_mul(segment_bytes) } else { 0 };
-                (l.saturating_mul(region), segment_bytes, kv)
+                (l.saturating_mul(region), segment_bytes, num_blocks.saturating_mul(segment_bytes))
             } else {
                 let block = slot.saturating_mul(u64::from(layers));
-                (l.saturating_mul(slot), block, if split { segment_bytes } else { 0 })
+                (l.saturating_mul(slot), block, segment_bytes)
             };
             LayerLayout {
-                buffer,
-                base_offset,
                 num_blocks,
                 bytes_per_block: segment_bytes,
-                segments,
                 block_stride,
-                kv_stride,
+                k: SegmentBase::new(buffer, base_offset),
+                v: split.then(|| SegmentBase::new(buffer, base_offset.saturating_add(kv_stride))),
             }
         })
         .collect()
 }
 
-/// Smallest buffer length (bytes) that holds every given layer: the largest
-/// [`LayerLayout::end_offset`] over the layers, whatever their buffer (so for
-/// layers spread over several buffers it is an upper bound for each).
-/// Saturates at `u64::MAX` on overflow; 0 for no layers.
+/// Smallest buffer length (bytes) that holds every given segment: the
+/// largest [`LayerLayout::end_offset`] over the layers' segments, whatever
+/// their buffer (so for segments spread over several buffers it is an upper
+/// bound for each). Saturates at `u64::MAX` on overflow; 0 for no layers.
 pub fn buffer_bytes_needed(layers: &[LayerLayout]) -> u64 {
-    layers.iter().map(|l| l.end_offset().unwrap_or(u64::MAX)).max().unwrap_or(0)
+    layers.iter().flat_map(|l| (0..l.segments()).map(move |s| l.end_offset(s).unwrap_or(u64::MAX))).max().unwrap_or(0)
 }
 
 #[cfg(test)]
@@ -624,17 +698,23 @@ mod tests {
         Some(u64::MAX)
     }
 
-    /// A valid single-segment layer: 4 blocks of 100 B, stride 100.
+    /// A valid single-segment layer: 4 blocks of 100 B, stride 100, at `base`.
+    fn at(base: u64) -> LayerLayout {
+        LayerLayout { num_blocks: 4, bytes_per_block: 100, block_stride: 100, k: SegmentBase::new(B0, base), v: None }
+    }
+
     fn layer() -> LayerLayout {
-        LayerLayout {
-            buffer: B0,
-            base_offset: 0,
-            num_blocks: 4,
-            bytes_per_block: 100,
-            segments: 1,
-            block_stride: 100,
-            kv_stride: 0,
-        }
+        at(0)
+    }
+
+    /// `l` split into K and V, V `kv` bytes after K in the same buffer.
+    fn split(l: LayerLayout, kv: u64) -> LayerLayout {
+        LayerLayout { v: Some(SegmentBase::new(l.k.buffer, l.k.offset + kv)), ..l }
+    }
+
+    /// `l` with every segment moved to `buffer`.
+    fn on(l: LayerLayout, buffer: DeviceBufferId) -> LayerLayout {
+        LayerLayout { k: SegmentBase { buffer, ..l.k }, v: l.v.map(|v| SegmentBase { buffer, ..v }), ..l }
     }
 
     fn err(layers: Vec<LayerLayout>) -> LayoutError {
@@ -656,9 +736,14 @@ mod tests {
 
     #[test]
     fn rejects_unknown_buffer() {
-        let l = LayerLayout { buffer: B1, ..layer() };
+        let l = on(layer(), B1);
         let e = Layout::new(vec![layer(), l], one_buffer(1 << 20)).unwrap_err();
-        assert_eq!(e, LayoutError::UnknownBuffer { layer: 1 });
+        assert_eq!(e, LayoutError::UnknownBuffer { layer: 1, segment: 0, buffer: B1 });
+        // V alone in an unknown buffer.
+        let l = LayerLayout { v: Some(SegmentBase::new(B1, 0)), ..at(400) };
+        let e = Layout::new(vec![l], one_buffer(1 << 20)).unwrap_err();
+        assert_eq!(e, LayoutError::UnknownBuffer { layer: 0, segment: 1, buffer: B1 });
+        assert_eq!(e.to_string(), "layer 0 segment 1: unknown device buffer 1");
     }
 
     #[test]
@@ -669,7 +754,7 @@ mod tests {
 
     #[test]
     fn rejects_block_count_mismatch() {
-        let l = LayerLayout { num_blocks: 5, base_offset: 1 << 20, ..layer() };
+        let l = LayerLayout { num_blocks: 5, ..at(1 << 20) };
         assert_eq!(err(vec![layer(), l]), LayoutError::BlockCountMismatch { layer: 1, expected: 4, got: 5 });
     }
 
@@ -680,79 +765,71 @@ mod tests {
     }
 
     #[test]
-    fn rejects_bad_segments() {
-        for segments in [0u8, 3, 255] {
-            let l = LayerLayout { segments, ..layer() };
-            assert_eq!(err(vec![l]), LayoutError::BadSegments { layer: 0, segments });
-        }
-    }
-
-    #[test]
-    fn rejects_kv_stride_without_split() {
-        let l = LayerLayout { kv_stride: 400, ..layer() };
-        assert_eq!(err(vec![l]), LayoutError::KvStrideWithoutSplit { layer: 0 });
-    }
-
-    #[test]
-    fn rejects_kv_stride_too_small() {
-        let l = LayerLayout { segments: 2, kv_stride: 99, block_stride: 200, ..layer() };
-        assert_eq!(err(vec![l]), LayoutError::KvStrideTooSmall { layer: 0 });
-        let ok = LayerLayout { kv_stride: 100, ..l };
+    fn k_and_v_of_one_layer_may_not_overlap() {
+        let l = split(LayerLayout { block_stride: 200, ..layer() }, 99);
+        assert_eq!(err(vec![l]), LayoutError::Overlap { a: (0, 0), b: (0, 1) });
+        let ok = split(LayerLayout { block_stride: 200, ..layer() }, 100);
         assert!(Layout::new(vec![ok], big).is_ok());
+        // K of block 1 lands on V of block 0: V 150 after K, block_stride 100.
+        assert_eq!(err(vec![split(layer(), 150)]), LayoutError::Overlap { a: (0, 0), b: (0, 1) });
+        // V 400 = num_blocks * bytes after K: the layer-first split shape.
+        assert!(Layout::new(vec![split(layer(), 400)], big).is_ok());
+        // K and V in buffers of their own never overlap.
+        let apart = LayerLayout { v: Some(SegmentBase::new(B1, 0)), ..layer() };
+        assert!(Layout::new(vec![apart], big).is_ok());
     }
 
     #[test]
     fn rejects_block_stride_too_small() {
         let l = LayerLayout { block_stride: 99, ..layer() };
-        assert_eq!(err(vec![l]), LayoutError::BlockStrideTooSmall { layer: 0 });
+        assert_eq!(err(vec![l]), LayoutError::BlockStrideTooSmall { layer: 0, block_stride: 99, bytes_per_block: 100 });
         // Stride is irrelevant with one block.
         let single = LayerLayout { num_blocks: 1, block_stride: 0, ..layer() };
         assert!(Layout::new(vec![single], big).is_ok());
-        // K of block 1 lands on V of block 0: kv_stride 150, block_stride 100.
-        let kv = LayerLayout { segments: 2, kv_stride: 150, ..layer() };
-        assert_eq!(err(vec![kv]), LayoutError::BlockStrideTooSmall { layer: 0 });
-        // kv_stride 400 = num_blocks * bytes: the layer-first split shape.
-        let kv = LayerLayout { segments: 2, kv_stride: 400, ..layer() };
-        assert!(Layout::new(vec![kv], big).is_ok());
     }
 
     #[test]
     fn rejects_overflow() {
-        let l = LayerLayout { base_offset: u64::MAX - 50, ..layer() };
-        assert_eq!(err(vec![l]), LayoutError::Overflow { layer: 0 });
+        assert_eq!(err(vec![at(u64::MAX - 50)]), LayoutError::Overflow { layer: 0 });
         let l = LayerLayout { block_stride: u64::MAX / 2, ..layer() };
         assert_eq!(err(vec![l]), LayoutError::Overflow { layer: 0 });
-        let l = LayerLayout { segments: 2, kv_stride: u64::MAX - 10, ..layer() };
+        let l = LayerLayout { v: Some(SegmentBase::new(B1, u64::MAX - 10)), ..layer() };
         assert_eq!(err(vec![l]), LayoutError::Overflow { layer: 0 });
         // Host-side: Σ slot bytes overflows.
         let half = u64::MAX / 2 + 1;
         let a = LayerLayout { num_blocks: 1, bytes_per_block: half, block_stride: 0, ..layer() };
-        let b = LayerLayout { buffer: B1, ..a };
+        let b = on(a, B1);
         assert_eq!(err(vec![a, b]), LayoutError::Overflow { layer: 1 });
     }
 
     #[test]
     fn rejects_out_of_bounds() {
         let e = Layout::new(vec![layer()], one_buffer(399)).unwrap_err();
-        assert_eq!(e, LayoutError::OutOfBounds { layer: 0, last_byte: 399, buffer_len: 399 });
+        assert_eq!(e, LayoutError::OutOfBounds { layer: 0, segment: 0, buffer: B0, last_byte: 399, buffer_len: 399 });
         assert!(Layout::new(vec![layer()], one_buffer(400)).is_ok());
+        // The V segment of its own buffer, one byte short.
+        let lens = |id: DeviceBufferId| Some(if id == B0 { 400 } else { 399 });
+        let l = LayerLayout { v: Some(SegmentBase::new(B1, 0)), ..layer() };
+        let e = Layout::new(vec![l], lens).unwrap_err();
+        assert_eq!(e, LayoutError::OutOfBounds { layer: 0, segment: 1, buffer: B1, last_byte: 399, buffer_len: 399 });
     }
 
     #[test]
     fn rejects_overlap_between_layers() {
         // Layer 1 starts inside layer 0's last block.
-        let l1 = LayerLayout { base_offset: 350, ..layer() };
-        assert_eq!(err(vec![layer(), l1]), LayoutError::Overlap { a: (0, 0), b: (1, 0) });
+        assert_eq!(err(vec![layer(), at(350)]), LayoutError::Overlap { a: (0, 0), b: (1, 0) });
         // Interleaved without a gap is fine: stride 200, layer 1 at +100.
         let l0 = LayerLayout { block_stride: 200, ..layer() };
-        let l1 = LayerLayout { base_offset: 100, ..l0 };
+        let l1 = LayerLayout { k: SegmentBase::new(B0, 100), ..l0 };
         assert!(Layout::new(vec![l0, l1], big).is_ok());
         // …but one byte further and layer 1's block 0 hits layer 0's block 1.
-        let l1 = LayerLayout { base_offset: 101, ..l0 };
+        let l1 = LayerLayout { k: SegmentBase::new(B0, 101), ..l0 };
         assert_eq!(err(vec![l0, l1]), LayoutError::Overlap { a: (0, 0), b: (1, 0) });
+        // Layer 1's V on layer 0's K.
+        let l1 = LayerLayout { v: Some(SegmentBase::new(B0, 300)), ..on(layer(), B1) };
+        assert_eq!(err(vec![layer(), l1]), LayoutError::Overlap { a: (0, 0), b: (1, 1) });
         // Different buffers never overlap.
-        let l1 = LayerLayout { buffer: B1, ..layer() };
-        assert!(Layout::new(vec![layer(), l1], big).is_ok());
+        assert!(Layout::new(vec![layer(), on(layer(), B1)], big).is_ok());
     }
 
     #[test]
@@ -760,19 +837,17 @@ mod tests {
         // Layer 0: blocks at 0, 300, 600, 900 (stride 300).
         let l0 = LayerLayout { block_stride: 300, ..layer() };
         // Layer 1, stride 100 from 1000: past layer 0's end.
-        let l1 = LayerLayout { base_offset: 1000, ..layer() };
-        assert!(Layout::new(vec![l0, l1], big).is_ok());
+        assert!(Layout::new(vec![l0, at(1000)], big).is_ok());
         // Layer 1, stride 600 from 100: 100, 700, 1300, 1900 — in layer 0's gaps.
-        let l1 = LayerLayout { base_offset: 100, block_stride: 600, ..layer() };
+        let l1 = LayerLayout { block_stride: 600, ..at(100) };
         assert!(Layout::new(vec![l0, l1], big).is_ok());
         // Layer 1, stride 100 from 150: its block 1 (250..350) hits layer 0's
         // block 1 (300..400).
-        let l1 = LayerLayout { base_offset: 150, ..layer() };
-        assert_eq!(err(vec![l0, l1]), LayoutError::Overlap { a: (0, 0), b: (1, 0) });
+        assert_eq!(err(vec![l0, at(150)]), LayoutError::Overlap { a: (0, 0), b: (1, 0) });
         // Reported in (layer, segment) order even when the later layer comes
         // first in address order.
-        let l0 = LayerLayout { base_offset: 250, block_stride: 300, ..layer() };
-        let l1 = LayerLayout { segments: 2, kv_stride: 400, ..layer() };
+        let l0 = LayerLayout { block_stride: 300, ..at(250) };
+        let l1 = split(layer(), 400);
         assert_eq!(err(vec![l0, l1]), LayoutError::Overlap { a: (0, 0), b: (1, 0) });
     }
 
@@ -780,7 +855,7 @@ mod tests {
     fn rejects_too_large_mixed_stride_buffer() {
         let n = OVERLAP_CHECK_RANGES_MAX / 2 + 1;
         let l0 = LayerLayout { num_blocks: n, bytes_per_block: 1, block_stride: 2, ..layer() };
-        let l1 = LayerLayout { base_offset: 1 << 40, block_stride: 3, ..l0 };
+        let l1 = LayerLayout { block_stride: 3, k: SegmentBase::new(B0, 1 << 40), ..l0 };
         assert_eq!(err(vec![l0, l1]), LayoutError::TooLarge { ranges: 2 * n, max: OVERLAP_CHECK_RANGES_MAX });
         // The same count with one stride per buffer is checked in closed form.
         let l1 = LayerLayout { block_stride: 2, ..l1 };
@@ -870,8 +945,8 @@ mod tests {
     #[test]
     fn unsplit_shapes() {
         let ll = contiguous(B0, 2, 3, 10, false, true);
-        assert_eq!(ll[1].base_offset, 30);
-        assert_eq!((ll[1].segments, ll[1].kv_stride, ll[1].block_stride), (1, 0, 10));
+        assert_eq!(ll[1].k.offset, 30);
+        assert_eq!((ll[1].segments(), ll[1].v, ll[1].block_stride), (1, None, 10));
         let layout = Layout::new(ll, one_buffer(60)).unwrap();
         let c = layout.coalesced_copies(2);
         assert_eq!(c.len(), 2);
@@ -888,8 +963,7 @@ mod tests {
     #[test]
     fn layers_in_separate_buffers() {
         let mut ll = contiguous(B0, 2, 8, 16, true, true);
-        ll[1].buffer = B1;
-        ll[1].base_offset = 0;
+        ll[1] = LayerLayout { k: SegmentBase::new(B1, 0), v: Some(SegmentBase::new(B1, 128)), ..ll[1] };
         let lens = |id: DeviceBufferId| [Some(256), Some(256)].get(id.0 as usize).copied().flatten();
         let layout = Layout::new(ll, lens).unwrap();
         let c = layout.coalesced_copies(7);
@@ -898,21 +972,58 @@ mod tests {
         assert_eq!((c[2].device_offset, c[3].device_offset), (7 * 16, 128 + 7 * 16));
     }
 
+    /// The vLLM/FlashInfer "NHD" shape: per layer a K and a V tensor
+    /// `[num_blocks, block_tokens, kv_heads, head_dim]`, four buffers for two
+    /// layers; block `b` of each at `b * bytes_per_block`.
+    #[test]
+    fn paged_k_and_v_tensors_per_layer() {
+        let (block_tokens, kv_heads, head_dim, elem) = (16u64, 8, 128, 2);
+        let bpb = block_tokens * kv_heads * head_dim * elem;
+        let n = 10;
+        let ids: Vec<DeviceBufferId> = (0..4).map(DeviceBufferId).collect();
+        let ll =
+            vec![LayerLayout::paged(ids[0], Some(ids[1]), n, bpb), LayerLayout::paged(ids[2], Some(ids[3]), n, bpb)];
+        let layout = Layout::new(ll.clone(), |_| Some(n * bpb)).unwrap();
+        assert_eq!(layout.block_bytes(), 4 * bpb);
+        let c: Vec<_> = layout.segment_copies(7).map(|c| (c.buffer, c.device_offset, c.host_offset_in_block)).collect();
+        assert_eq!(
+            c,
+            vec![(ids[0], 7 * bpb, 0), (ids[1], 7 * bpb, bpb), (ids[2], 7 * bpb, 2 * bpb), (ids[3], 7 * bpb, 3 * bpb)]
+        );
+        // One byte short in the last V tensor.
+        let short = |id: DeviceBufferId| Some(if id == ids[3] { n * bpb - 1 } else { n * bpb });
+        assert!(matches!(Layout::new(ll, short), Err(LayoutError::OutOfBounds { layer: 1, segment: 1, .. })));
+    }
+
+    /// The same model's blocks have one family however each side arranged
+    /// its buffers (C15): K and V as separate tensors, `[2, num_blocks, …]`
+    /// in one tensor, or every layer in one region.
+    #[test]
+    fn buffer_arrangements_share_a_family() {
+        let (n, bpb) = (6u64, 64u64);
+        let separate: Vec<_> = (0..3)
+            .map(|l| LayerLayout::paged(DeviceBufferId(2 * l), Some(DeviceBufferId(2 * l + 1)), n, bpb))
+            .collect();
+        let kv_axis: Vec<_> =
+            (0..3).map(|l| split(on(LayerLayout::paged(B0, None, n, bpb), DeviceBufferId(l)), n * bpb)).collect();
+        let one_region = contiguous(B0, 3, n, bpb, true, true);
+        let family = |ll: Vec<LayerLayout>| Layout::new(ll, big).unwrap().family();
+        let f = family(separate);
+        assert_eq!(f, family(kv_axis));
+        assert_eq!(f, family(one_region));
+        assert_eq!(f.to_string(), "3 layers × 2 segment(s) × 64 B");
+        // MLA (one segment) is another family.
+        let mla = contiguous(B0, 3, n, 2 * bpb, false, true);
+        assert_ne!(f, family(mla));
+    }
+
     #[test]
     fn slot_offsets_concatenate() {
         // Mixed slot sizes: split 100-byte, single 30-byte, split 7-byte.
-        let l0 = LayerLayout { segments: 2, kv_stride: 400, ..layer() };
-        let l1 = LayerLayout {
-            buffer: B1,
-            base_offset: 0,
-            num_blocks: 4,
-            bytes_per_block: 30,
-            segments: 1,
-            block_stride: 30,
-            kv_stride: 0,
-        };
-        let l2 =
-            LayerLayout { base_offset: 800, bytes_per_block: 7, block_stride: 7, segments: 2, kv_stride: 28, ..l0 };
+        let l0 = split(layer(), 400);
+        let l1 =
+            LayerLayout { num_blocks: 4, bytes_per_block: 30, block_stride: 30, k: SegmentBase::new(B1, 0), v: None };
+        let l2 = split(LayerLayout { bytes_per_block: 7, block_stride: 7, ..at(800) }, 28);
         let layout = Layout::new(vec![l0, l1, l2], big).unwrap();
         assert_eq!((layout.slot_bytes(0), layout.slot_bytes(1), layout.slot_bytes(2)), (200, 30, 14));
         assert_eq!((layout.slot_offset(0), layout.slot_offset(1), layout.slot_offset(2)), (0, 200, 230));
@@ -921,6 +1032,7 @@ mod tests {
         let host: Vec<_> = copies.iter().map(|c| (c.host_offset_in_block, c.len)).collect();
         assert_eq!(host, vec![(0, 100), (100, 100), (200, 30), (230, 7), (237, 7)]);
         assert_eq!(copies[4].device_offset, 800 + 7 + 28);
+        assert!(layout.names_buffer(B1) && !layout.names_buffer(DeviceBufferId(2)));
     }
 
     /// Brute force: do any two distinct (layer, segment, block) ranges on the
@@ -929,9 +1041,9 @@ mod tests {
         let mut ranges = Vec::new();
         for l in layers {
             for b in 0..l.num_blocks {
-                for s in 0..l.segments {
+                for s in 0..l.segments() {
                     let start = l.segment_offset(b, s).unwrap();
-                    ranges.push((l.buffer, start, start + l.bytes_per_block));
+                    ranges.push((l.segment(s).unwrap().buffer, start, start + l.bytes_per_block));
                 }
             }
         }
@@ -940,17 +1052,15 @@ mod tests {
     }
 
     fn arb_layer() -> impl Strategy<Value = LayerLayout> {
-        (0u32..2, 0u64..64, 1u64..12, 1u8..3, 0u64..24, 0u64..40).prop_map(|(buf, base, bpb, segments, bs, kv)| {
-            LayerLayout {
-                buffer: DeviceBufferId(buf),
-                base_offset: base,
+        (0u32..2, 0u64..64, 1u64..12, any::<bool>(), 0u32..2, 0u64..24, 0u64..64).prop_map(
+            |(buf, base, bpb, split, vbuf, bs, vbase)| LayerLayout {
                 num_blocks: 0, // set by the caller
                 bytes_per_block: bpb,
-                segments,
                 block_stride: bs,
-                kv_stride: if segments == 2 { kv } else { 0 },
-            }
-        })
+                k: SegmentBase::new(DeviceBufferId(buf), base),
+                v: split.then(|| SegmentBase::new(DeviceBufferId(vbuf), vbase)),
+            },
+        )
     }
 
     proptest! {
@@ -985,11 +1095,9 @@ mod tests {
                         prop_assert_eq!(total, layout.block_bytes());
                     }
                 }
-                Err(
-                    LayoutError::Overlap { .. }
-                    | LayoutError::BlockStrideTooSmall { .. }
-                    | LayoutError::KvStrideTooSmall { .. },
-                ) => prop_assert!(brute_overlap(&layers)),
+                Err(LayoutError::Overlap { .. } | LayoutError::BlockStrideTooSmall { .. }) => {
+                    prop_assert!(brute_overlap(&layers))
+                }
                 Err(LayoutError::OutOfBounds { .. }) => {}
                 Err(e) => prop_assert!(false, "unexpected {e:?}"),
             }

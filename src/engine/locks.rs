@@ -13,6 +13,7 @@ use std::collections::HashMap;
 
 use super::cache::CachedBlock;
 use super::pool::SealedExtent;
+pub use crate::transport::AccessError;
 use crate::types::BlockHash;
 
 /// One transfer session.
@@ -23,38 +24,14 @@ struct Session {
     expires_at_ms: u64,
 }
 
-/// Why a data-plane read was refused.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum AccessError {
-    /// No such session (never existed, released or expired).
-    #[error("unknown transfer session")]
-    UnknownSession,
-    /// The id was not issued by this incarnation of the engine: another
-    /// node's, or an earlier process's on the same address (C16). Refused
-    /// before the table is looked at.
-    #[error("transfer session issued by another node or incarnation")]
-    ForeignSession,
-    /// The range is not inside one block of the session.
-    #[error("range [{offset}, +{len}) of region {region} is not inside a block locked by this session")]
-    OutOfRange {
-        /// Region id.
-        region: u32,
-        /// Offset asked for.
-        offset: u64,
-        /// Length asked for.
-        len: u64,
-    },
-}
-
 /// Lock-table errors.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LockError {
     /// The table holds `TRANSFER_SESSIONS_MAX` sessions.
     #[error("too many transfer sessions ({0})")]
     TooMany(usize),
-    /// The id is already in use, or not one of this table's (see
-    /// [`LockTable::next_id`]).
-    #[error("duplicate or foreign transfer session id")]
+    /// The session id is already in use (RNG collision).
+    #[error("duplicate transfer session id")]
     Duplicate,
 }
 

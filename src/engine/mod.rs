@@ -10,7 +10,7 @@ pub mod cache;
 pub mod fetch;
 pub mod layout;
 pub mod locks;
-pub mod pool;
+pub use crate::memory::pool;
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -24,10 +24,12 @@ use tokio::time::Instant;
 use crate::client::{FlushReport, MetaServerClient, OwnershipSource};
 use crate::gpu::{ChecksumRange, CopyBatch, CopyOp, Direction, Gpu, GpuError, HostBuf};
 use crate::limits;
+use crate::memory::DeviceBufferId;
 use crate::transport::{DataSource, Transport};
 use crate::types::{BlockHash, IdError, NodeAddr, validate_namespace};
 use cache::{BlockCache, CachedBlock};
-use layout::{LayerLayout, Layout, LayoutError};
+use fetch::FetchReport;
+use layout::{LayerLayout, Layout, LayoutError, LayoutFamily};
 use locks::{AccessError, LockError, LockTable};
 use pool::{Extent, Pool, PoolError, SealedExtent};
 
@@ -82,9 +84,30 @@ pub enum EngineError {
     /// No layout registered for the namespace.
     #[error("no layout registered for namespace {0:?}")]
     UnknownNamespace(String),
-    /// The namespace already has a (different) layout.
-    #[error("namespace {0:?} already has a layout")]
+    /// The namespace already has a (different) layout: unregister it first.
+    #[error("namespace {0:?} already has a different layout; unregister it first")]
     LayoutExists(String),
+    /// A layout of another [`LayoutFamily`] than the one this namespace had:
+    /// its cached blocks, and its peers' blocks, have the old shape. A
+    /// namespace names one layout family (see [`crate::hash::KvFamily`]).
+    #[error("namespace {namespace:?} holds blocks of {had}, the new layout has {got}: use another namespace")]
+    FamilyMismatch {
+        /// The namespace.
+        namespace: String,
+        /// Its family so far.
+        had: LayoutFamily,
+        /// The new layout's.
+        got: LayoutFamily,
+    },
+    /// The buffer is named by a registered layout (C15): unregister the
+    /// layout first.
+    #[error("{buffer} is named by the layout of namespace {namespace:?}; unregister the layout first")]
+    BufferInUse {
+        /// The buffer.
+        buffer: DeviceBufferId,
+        /// A namespace whose layout names it.
+        namespace: String,
+    },
     /// The layout failed validation.
     #[error(transparent)]
     Layout(#[from] LayoutError),
@@ -149,6 +172,24 @@ impl LoadReport {
     }
 }
 
+/// Result of [`Engine::fetch_into`].
+#[derive(Debug)]
+pub struct FetchIntoReport {
+    /// The fetch: `available` of `requested` resident here, and why it
+    /// stopped short.
+    pub fetch: FetchReport,
+    /// The load of the first `fetch.available` blocks.
+    pub load: LoadReport,
+}
+
+impl FetchIntoReport {
+    /// Leading blocks now on the device (fetched or already resident, and
+    /// loaded): the caller recomputes every block after them.
+    pub fn ready(&self) -> usize {
+        self.load.results.iter().take_while(|r| r.is_ok()).count()
+    }
+}
+
 /// Plain counters and gauges an exporter reads.
 #[derive(Debug, Default)]
 pub struct EngineMetrics {
@@ -210,6 +251,14 @@ pub struct EngineGauges {
     pub active_transfer_locks: u64,
 }
 
+/// Registered layouts, and the family each namespace ever had (kept after
+/// an unregister: cached blocks keep their shape).
+#[derive(Default)]
+struct Layouts {
+    live: HashMap<Arc<str>, Arc<Layout>>,
+    families: HashMap<Arc<str>, LayoutFamily>,
+}
+
 #[derive(Default)]
 struct SaveTracker {
     next: u64,
@@ -221,7 +270,7 @@ pub(crate) struct EngineInner {
     cfg: EngineConfig,
     pool: Pool,
     gpu: Arc<dyn Gpu>,
-    layouts: RwLock<HashMap<Arc<str>, Arc<Layout>>>,
+    layouts: RwLock<Layouts>,
     cache: Mutex<BlockCache>,
     locks: Mutex<LockTable>,
     client: MetaServerClient,
@@ -328,7 +377,7 @@ impl Engine {
             node,
             pool,
             gpu,
-            layouts: RwLock::new(HashMap::new()),
+            layouts: RwLock::new(Layouts::default()),
             cache: Mutex::new(BlockCache::new()),
             locks: Mutex::new(LockTable::new(limits::TRANSFER_SESSIONS_MAX, incarnation)),
             client: client.clone(),
@@ -402,26 +451,94 @@ impl Engine {
         crate::rt::elapsed_ms(self.inner.origin)
     }
 
+    /// Registers `len` bytes of the embedder's memory at `addr` (a device
+    /// address on the `cuda` backend, a host address on `host`) as a device
+    /// buffer that layouts can name. kvferry never frees it. See
+    /// [`Gpu::register_external`] for what is validated.
+    ///
+    /// # Safety
+    /// The range must stay valid and writable, at the same address, until
+    /// [`Engine::unregister_buffer`] returned `Ok` for the id (the engine
+    /// refuses while a layout names the buffer, the backend while a copy
+    /// touches it).
+    ///
+    /// # Errors
+    /// [`EngineError::Gpu`] (null, empty, unaligned, overlapping, not this
+    /// device's memory, past its allocation); nothing is registered.
+    pub unsafe fn register_buffer(&self, addr: u64, len: u64) -> Result<DeviceBufferId, EngineError> {
+        // SAFETY: forwarded to the caller.
+        Ok(unsafe { self.inner.gpu.register_external(addr, len) }?)
+    }
+
+    /// Forgets a device buffer (C15). After `Ok` the embedder may free the
+    /// memory.
+    ///
+    /// # Errors
+    /// [`EngineError::BufferInUse`] while a registered layout names it;
+    /// [`EngineError::Gpu`] for an unknown buffer or one an in-flight copy
+    /// batch touches (retry after the save or load finished). Nothing
+    /// changes on error.
+    pub fn unregister_buffer(&self, buffer: DeviceBufferId) -> Result<(), EngineError> {
+        // Held across the backend call so no layout naming the buffer can
+        // be registered meanwhile.
+        let layouts = self.inner.layouts.read().expect("layouts lock");
+        if let Some((ns, _)) = layouts.live.iter().find(|(_, l)| l.names_buffer(buffer)) {
+            return Err(EngineError::BufferInUse { buffer, namespace: ns.to_string() });
+        }
+        Ok(self.inner.gpu.unregister(buffer)?)
+    }
+
     /// Registers the layout of a namespace, validated against the device
     /// buffers so later copies cannot go out of bounds. Registering the same
     /// layout again is a no-op.
     ///
     /// # Errors
     /// [`EngineError::Id`], [`EngineError::Layout`] (specific variant),
-    /// [`EngineError::LayoutExists`] for a different layout.
+    /// [`EngineError::LayoutExists`] for a different layout (unregister the
+    /// old one first), [`EngineError::FamilyMismatch`] when the namespace
+    /// held a layout of another family.
     pub fn register_layout(&self, namespace: &str, layers: Vec<LayerLayout>) -> Result<(), EngineError> {
         validate_namespace(namespace)?;
+        let mut map = self.inner.layouts.write().expect("layouts lock");
         let gpu = self.inner.gpu.clone();
         let layout = Layout::new(layers, |id| gpu.buffer_len(id))?;
-        let mut map = self.inner.layouts.write().expect("layouts lock");
-        if let Some(existing) = map.get(namespace) {
+        if let Some(existing) = map.live.get(namespace) {
             if existing.layers() == layout.layers() {
                 return Ok(());
             }
             return Err(EngineError::LayoutExists(namespace.to_string()));
         }
-        map.insert(Arc::from(namespace), Arc::new(layout));
+        let family = layout.family();
+        match map.families.get(namespace) {
+            Some(had) if *had != family => {
+                return Err(EngineError::FamilyMismatch {
+                    namespace: namespace.to_string(),
+                    had: had.clone(),
+                    got: family,
+                });
+            }
+            Some(_) => {}
+            None => {
+                map.families.insert(Arc::from(namespace), family);
+            }
+        }
+        map.live.insert(Arc::from(namespace), Arc::new(layout));
         Ok(())
+    }
+
+    /// Unregisters a namespace's layout so its buffers can be unregistered
+    /// or it can be registered anew over other buffers (same family). Saves
+    /// and loads already running finish on the old layout (their buffers
+    /// stay pinned until their batches complete); new saves, loads, fetches
+    /// and peers' lock requests treat the namespace as unknown until a
+    /// layout is registered again. The cached blocks stay and are served
+    /// again then (the pool format depends only on the family).
+    ///
+    /// # Errors
+    /// [`EngineError::UnknownNamespace`].
+    pub fn unregister_layout(&self, namespace: &str) -> Result<(), EngineError> {
+        let mut map = self.inner.layouts.write().expect("layouts lock");
+        map.live.remove(namespace).map(|_| ()).ok_or_else(|| EngineError::UnknownNamespace(namespace.to_string()))
     }
 
     /// The layout of a namespace.
@@ -430,7 +547,8 @@ impl Engine {
     /// [`EngineError::UnknownNamespace`].
     pub fn layout(&self, namespace: &str) -> Result<(Arc<str>, Arc<Layout>), EngineError> {
         let map = self.inner.layouts.read().expect("layouts lock");
-        map.get_key_value(namespace)
+        map.live
+            .get_key_value(namespace)
             .map(|(k, v)| (k.clone(), v.clone()))
             .ok_or_else(|| EngineError::UnknownNamespace(namespace.to_string()))
     }
@@ -490,14 +608,17 @@ impl Engine {
     /// if this future is dropped ([`crate::rt::run_to_completion`]), so a
     /// cancelled caller never abandons a save half way.
     ///
+    /// `blocks` pairs each block's hash with its index in the namespace's
+    /// layout (the embedder's paged cache), as [`Engine::load`] does.
+    ///
     /// # Errors
     /// Validation errors (nothing is saved), [`EngineError::Gpu`] when any
     /// copy batch failed (nothing is saved).
-    pub async fn save(&self, namespace: &str, blocks: &[(u64, BlockHash)]) -> Result<SaveReport, EngineError> {
+    pub async fn save(&self, namespace: &str, blocks: &[(BlockHash, u64)]) -> Result<SaveReport, EngineError> {
         let called = Instant::now();
         let (ns, layout) = self.layout(namespace)?;
-        Self::check_indices(&layout, blocks.iter().map(|(i, _)| i))?;
-        for (_, h) in blocks {
+        Self::check_indices(&layout, blocks.iter().map(|(_, i)| i))?;
+        for (h, _) in blocks {
             h.validate()?;
         }
         self.inner.metrics.saves.fetch_add(1, Ordering::Relaxed);
@@ -514,7 +635,7 @@ impl Engine {
         {
             let cache = self.inner.cache.lock().expect("cache lock");
             let mut seen = HashSet::with_capacity(blocks.len());
-            for (idx, h) in blocks {
+            for (h, idx) in blocks {
                 if cache.contains(&ns, h) || !seen.insert(h.clone()) {
                     report.already_resident += 1;
                 } else {
@@ -792,6 +913,32 @@ impl Engine {
         self.inner.metrics.loaded_blocks.fetch_add(ok, Ordering::Relaxed);
         self.inner.metrics.load_failures.fetch_add(blocks.len() as u64 - ok, Ordering::Relaxed);
         Ok(report)
+    }
+
+    /// Fetches `blocks` from peers ([`Engine::fetch`]) and loads the
+    /// fetched (or already resident) prefix into the caller's block indices
+    /// ([`Engine::load`]) in one call: the decode side of the P/D handoff.
+    /// `blocks` pairs each hash (in prefix order) with the index of the
+    /// embedder's paged cache it goes to.
+    ///
+    /// [`FetchIntoReport::ready`] is how many leading blocks are now on the
+    /// device; the caller recomputes the rest.
+    ///
+    /// # Errors
+    /// Validation errors (unknown namespace, index out of range), before
+    /// anything is fetched. Peer and copy failures are not errors: they end
+    /// the ready prefix early (C9).
+    pub async fn fetch_into(
+        &self,
+        namespace: &str,
+        blocks: &[(BlockHash, u64)],
+    ) -> Result<FetchIntoReport, EngineError> {
+        let (_, layout) = self.layout(namespace)?;
+        Self::check_indices(&layout, blocks.iter().map(|(_, i)| i))?;
+        let hashes: Vec<BlockHash> = blocks.iter().map(|(h, _)| h.clone()).collect();
+        let fetch = self.fetch(namespace, &hashes).await;
+        let load = self.load(namespace, &blocks[..fetch.available]).await?;
+        Ok(FetchIntoReport { fetch, load })
     }
 
     /// Resident blocks per namespace (the backfill source, C6).

@@ -56,8 +56,11 @@ use cudarc::driver::sys;
 use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaStream, LaunchConfig, PushKernelArg, result};
 
 use super::crc::{self, PIECE_BYTES_MAX, RangeFolder, RangeIndex};
-use super::{Completed, Completion, CopyBatch, Direction, Gpu, GpuError, HostBuf, validate_batch};
-use crate::engine::layout::DeviceBufferId;
+use super::{
+    BatchPin, BufferTable, Completed, Completion, CopyBatch, Direction, ExternalMemoryError, Gpu, GpuError, HostBuf,
+    KvMemory, pin_and_validate,
+};
+use crate::memory::DeviceBufferId;
 
 /// Threads per block of both kernels (the checksum kernel needs exactly
 /// `crc::CHUNKS_PER_PIECE`).
@@ -265,8 +268,11 @@ struct Inner {
     crc_kernel: CudaFunction,
     /// `crc::kernel_tables()` in device memory.
     crc_tables: sys::CUdeviceptr,
-    /// Device buffers: (device pointer, bytes).
-    buffers: Mutex<Vec<(sys::CUdeviceptr, u64)>>,
+    /// The device's ordinal (external memory must be this device's).
+    ordinal: usize,
+    /// Device buffers: the embedder's (external) and this backend's own
+    /// (`owned`, freed on unregister and drop).
+    buffers: BufferTable,
     /// Host memory registered with the driver (the pool).
     registered: Mutex<Vec<Registered>>,
     /// Free descriptor tables in pinned, mapped host memory, reused across
@@ -364,7 +370,8 @@ impl CudaGpu {
                 copy_kernel,
                 crc_kernel,
                 crc_tables,
-                buffers: Mutex::new(Vec::new()),
+                ordinal,
+                buffers: BufferTable::new(),
                 registered: Mutex::new(Vec::new()),
                 tables: Mutex::new(Vec::new()),
                 sm_count,
@@ -386,7 +393,19 @@ impl CudaGpu {
 
     /// Raw device pointer of a buffer (benchmarks).
     pub fn device_ptr(&self, id: DeviceBufferId) -> Option<u64> {
-        self.inner.buffers.lock().expect("buffers lock").get(id.0 as usize).map(|b| b.0)
+        self.inner.buffers.get(id).map(|b| b.addr)
+    }
+
+    /// Allocates a zeroed device buffer of `bytes` that this backend owns
+    /// (frees on [`Gpu::unregister`] or drop) and registers it.
+    ///
+    /// # Errors
+    /// [`GpuError::Alloc`], or the registration's [`GpuError::Buffer`].
+    pub fn alloc(&self, bytes: u64) -> Result<DeviceBufferId, GpuError> {
+        let mem = DeviceMemory::alloc_in(&self.inner.ctx, bytes)?;
+        let id = self.inner.buffers.register(mem.ptr, bytes, true)?;
+        std::mem::forget(mem); // owned by the table now: freed by `unregister`/drop
+        Ok(id)
     }
 
     /// Times one contiguous copy of `len` bytes between pinned host memory at
@@ -816,7 +835,7 @@ impl Inner {
     /// Runs one batch (validated against `bufs`, the buffer table it was
     /// submitted with) to completion; returns the checksums of its ranges
     /// when they were computed on the device.
-    fn run(&self, batch: &CopyBatch, bufs: &[(sys::CUdeviceptr, u64)]) -> Result<Option<Vec<u32>>, GpuError> {
+    fn run(&self, batch: &CopyBatch, bufs: &BatchPin) -> Result<Option<Vec<u32>>, GpuError> {
         let started = std::time::Instant::now();
         let save = batch.direction == Direction::DeviceToHost;
         let index = (save && self.cfg.device_checksums && !batch.checksums.is_empty())
@@ -851,7 +870,8 @@ impl Inner {
             enqueued: None,
             chunk: Chunk::default(),
         };
-        let dev = |op: &super::CopyOp| bufs[op.buffer.0 as usize].0 + op.device_offset;
+        let dev =
+            |op: &super::CopyOp| bufs.get(op.buffer).expect("validated against this snapshot").0 + op.device_offset;
         let res = (|| {
             for op in &batch.ops {
                 let host_ptr = match &batch.host[op.extent] {
@@ -951,16 +971,10 @@ impl Inner {
     /// Device address of `[offset, offset+len)` in buffer `id`, range
     /// checked, with the context bound to this thread.
     fn checked_ptr(&self, id: DeviceBufferId, offset: u64, len: u64) -> Result<sys::CUdeviceptr, GpuError> {
-        let (ptr, total) = self
-            .buffers
-            .lock()
-            .expect("buffers lock")
-            .get(id.0 as usize)
-            .copied()
-            .ok_or(GpuError::UnknownBuffer(id))?;
-        super::checked_range(offset, len, total)?;
+        let b = self.buffers.get(id).ok_or(GpuError::UnknownBuffer(id))?;
+        super::checked_range(offset, len, b.len)?;
         self.ctx.bind_to_thread().map_err(dev_err)?;
-        Ok(ptr + offset)
+        Ok(b.addr + offset)
     }
 
     fn take_table(&self, n: usize) -> Result<Table, GpuError> {
@@ -989,25 +1003,28 @@ impl Gpu for CudaGpu {
         "cuda"
     }
 
-    fn alloc(&self, bytes: u64) -> Result<DeviceBufferId, GpuError> {
-        let i = &self.inner;
-        i.ctx.bind_to_thread().map_err(dev_err)?;
-        let len = usize::try_from(bytes).map_err(|_| GpuError::Alloc { bytes, reason: "too large".into() })?;
-        // SAFETY: a plain device allocation of `len` bytes, zeroed next.
-        let ptr =
-            unsafe { result::malloc_sync(len.max(1)) }.map_err(|e| GpuError::Alloc { bytes, reason: e.to_string() })?;
-        // SAFETY: `ptr` is a fresh allocation of at least `len` bytes.
-        unsafe { result::memset_d8_sync(ptr, 0, len) }.map_err(|e| GpuError::Alloc { bytes, reason: e.to_string() })?;
-        let mut bufs = i.buffers.lock().expect("buffers lock");
-        let id = DeviceBufferId(
-            u32::try_from(bufs.len()).map_err(|_| GpuError::Alloc { bytes, reason: "too many buffers".into() })?,
-        );
-        bufs.push((ptr, bytes));
-        Ok(id)
+    unsafe fn register_external(&self, addr: u64, len: u64) -> Result<DeviceBufferId, GpuError> {
+        // The table's own range checks first, so a null or odd pointer is
+        // never handed to the driver; the overlap check comes with the insert.
+        crate::memory::buffers::check_range(addr, len)?;
+        self.inner.check_external(addr, len)?;
+        Ok(self.inner.buffers.register(addr, len, false)?)
+    }
+
+    fn unregister(&self, id: DeviceBufferId) -> Result<(), GpuError> {
+        let entry = self.inner.buffers.unregister(id)?;
+        if entry.owned {
+            drop(DeviceMemory { ctx: self.inner.ctx.clone(), ptr: entry.addr, len: entry.len });
+        }
+        Ok(())
     }
 
     fn buffer_len(&self, id: DeviceBufferId) -> Option<u64> {
-        self.inner.buffers.lock().expect("buffers lock").get(id.0 as usize).map(|b| b.1)
+        self.inner.buffers.get(id).map(|b| b.len)
+    }
+
+    fn alloc_kv_memory(&self, bytes: u64) -> Result<Box<dyn KvMemory>, GpuError> {
+        Ok(Box::new(DeviceMemory::alloc_in(&self.inner.ctx, bytes)?))
     }
 
     fn register_host(&self, base: *mut u8, len: u64) -> Result<(), GpuError> {
@@ -1033,11 +1050,15 @@ impl Gpu for CudaGpu {
     }
 
     fn submit(&self, batch: CopyBatch) -> Completion {
-        // One snapshot of the buffer table serves validation and the run.
-        let bufs: Vec<(sys::CUdeviceptr, u64)> = self.inner.buffers.lock().expect("buffers lock").clone();
-        if let Err(e) = validate_batch(&batch, |id| bufs.get(id.0 as usize).map(|b| b.1)) {
-            return Box::pin(std::future::ready(Completed { host: batch.host, result: Err(e), checksums: None }));
-        }
+        // One pinned snapshot of the buffer table serves validation and the
+        // run; the pin keeps every buffer the batch touches registered until
+        // the worker is done with it (C15).
+        let bufs = match pin_and_validate(&self.inner.buffers, &batch) {
+            Ok(pin) => pin,
+            Err(e) => {
+                return Box::pin(std::future::ready(Completed { host: batch.host, result: Err(e), checksums: None }));
+            }
+        };
         let inner = self.inner.clone();
         let (tx, rx) = tokio::sync::oneshot::channel();
         // The worker owns the batch (and so the host buffers) until the GPU
@@ -1051,6 +1072,7 @@ impl Gpu for CudaGpu {
                 Err(e) => (Err(e), None),
             };
             let _ = tx.send(Completed { host: batch.host, result, checksums });
+            drop(bufs);
         }));
         Box::pin(async move {
             rx.await.unwrap_or_else(|_| Completed {
@@ -1078,14 +1100,195 @@ impl Gpu for CudaGpu {
     }
 }
 
+impl Inner {
+    /// Checks with the driver's pointer attributes that `[addr, addr+len)`
+    /// is device memory of this device inside one allocation (the context
+    /// is the device's primary one, shared with the CUDA runtime: memory
+    /// PyTorch or CuPy allocated in this process qualifies).
+    fn check_external(&self, addr: u64, len: u64) -> Result<(), GpuError> {
+        use sys::CUpointer_attribute as A;
+        self.ctx.bind_to_thread().map_err(dev_err)?;
+        let mut memory_type: u32 = 0;
+        let mut ordinal: i32 = -1;
+        let mut start: sys::CUdeviceptr = 0;
+        let mut size: usize = 0;
+        let mut attrs = [
+            A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+            A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+            A::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+            A::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+        ];
+        let mut data: [*mut std::ffi::c_void; 4] = [
+            (&mut memory_type as *mut u32).cast(),
+            (&mut ordinal as *mut i32).cast(),
+            (&mut start as *mut sys::CUdeviceptr).cast(),
+            (&mut size as *mut usize).cast(),
+        ];
+        // SAFETY: four attributes, four pointers to locals of the sizes the
+        // driver writes (u32 memory type, int ordinal, CUdeviceptr, size_t).
+        // The plural call leaves the defaults for a pointer it does not know.
+        unsafe { sys::cuPointerGetAttributes(4, attrs.as_mut_ptr(), data.as_mut_ptr(), addr) }
+            .result()
+            .map_err(|e| ExternalMemoryError::Query { addr, reason: e.to_string() })?;
+        if memory_type != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+            let memory_type = match memory_type {
+                0 => "unknown to the driver: host memory, or freed".to_string(),
+                t if t == sys::CUmemorytype::CU_MEMORYTYPE_HOST as u32 => "pinned host memory".to_string(),
+                t => format!("memory type {t}"),
+            };
+            return Err(ExternalMemoryError::NotDeviceMemory { addr, memory_type }.into());
+        }
+        if ordinal < 0 || ordinal as usize != self.ordinal {
+            return Err(ExternalMemoryError::OtherDevice {
+                addr,
+                device: i64::from(ordinal),
+                backend_device: self.ordinal,
+            }
+            .into());
+        }
+        let end = addr + len;
+        if start > addr || end > start + size as u64 {
+            return Err(ExternalMemoryError::OutsideAllocation {
+                addr,
+                len,
+                allocation_start: start,
+                allocation_len: size as u64,
+            }
+            .into());
+        }
+        Ok(())
+    }
+}
+
+/// Device memory allocated with the driver API (`cuMemAlloc`) in a device's
+/// primary context, outside any backend's table: what an embedder's
+/// allocator would hand kvferry. Freed on drop; keep it alive until its
+/// buffer is unregistered.
+pub struct DeviceMemory {
+    ctx: Arc<CudaContext>,
+    ptr: sys::CUdeviceptr,
+    len: u64,
+}
+
+// SAFETY: a device address and a context handle (`Send + Sync` in cudarc).
+unsafe impl Send for DeviceMemory {}
+// SAFETY: as above; no interior mutability.
+unsafe impl Sync for DeviceMemory {}
+
+impl DeviceMemory {
+    /// `bytes` of zeroed memory on device `ordinal` (its primary context).
+    ///
+    /// # Errors
+    /// [`GpuError::Unavailable`] without a driver or device,
+    /// [`GpuError::Alloc`].
+    pub fn alloc(ordinal: usize, bytes: u64) -> Result<Self, GpuError> {
+        // SAFETY: only probes whether the shared library can be opened.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(unavailable("libcuda not found: no NVIDIA driver on this machine"));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| unavailable(format!("context on device {ordinal}: {e}")))?;
+        Self::alloc_in(&ctx, bytes)
+    }
+
+    fn alloc_in(ctx: &Arc<CudaContext>, bytes: u64) -> Result<Self, GpuError> {
+        ctx.bind_to_thread().map_err(dev_err)?;
+        let len = usize::try_from(bytes).map_err(|_| GpuError::Alloc { bytes, reason: "too large".into() })?;
+        // SAFETY: a plain device allocation of `len` bytes, zeroed next.
+        let ptr =
+            unsafe { result::malloc_sync(len.max(1)) }.map_err(|e| GpuError::Alloc { bytes, reason: e.to_string() })?;
+        let mem = Self { ctx: ctx.clone(), ptr, len: bytes };
+        // SAFETY: `ptr` is a fresh allocation of at least `len` bytes.
+        unsafe { result::memset_d8_sync(ptr, 0, len) }.map_err(|e| GpuError::Alloc { bytes, reason: e.to_string() })?;
+        Ok(mem)
+    }
+}
+
+impl KvMemory for DeviceMemory {
+    fn addr(&self) -> u64 {
+        self.ptr
+    }
+
+    fn len(&self) -> u64 {
+        self.len
+    }
+}
+
+impl Drop for DeviceMemory {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: allocated by `alloc_in`, freed once; the owner promised no
+        // backend uses it any more (its buffer was unregistered).
+        unsafe {
+            let _ = result::free_sync(self.ptr);
+        }
+    }
+}
+
+/// The external-memory checks `kvferry bench gpu` runs on a real device
+/// (C15): a sub-range inside a larger allocation (a framework tensor that is
+/// a slice of its allocator's segment) registers; a host pointer, a range
+/// that overruns its allocation and — where a second device exists — another
+/// device's memory are typed errors that register nothing. Returns one line
+/// per check, saying what was refused and why.
+///
+/// # Errors
+/// The first check that went the wrong way, as text.
+pub fn external_memory_checks(gpu: &CudaGpu, device: usize) -> Result<Vec<String>, String> {
+    let mut out = Vec::new();
+    let live = gpu.inner.buffers.live();
+    let seg = DeviceMemory::alloc(device, 1 << 20).map_err(|e| e.to_string())?;
+    // A slice in the middle of the allocation registers and unregisters.
+    // SAFETY: `seg` outlives the registration.
+    let id =
+        unsafe { gpu.register_external(seg.addr() + 4096, 64 << 10) }.map_err(|e| format!("slice refused: {e}"))?;
+    gpu.unregister(id).map_err(|e| e.to_string())?;
+    out.push("a 64 KiB slice inside a 1 MiB allocation: registered".to_string());
+    let host = vec![0u128; 4096];
+    let mut expect = |what: &str, addr: u64, len: u64, ok: fn(&GpuError) -> bool| -> Result<(), String> {
+        // SAFETY: nothing is registered (each case must be refused).
+        match unsafe { gpu.register_external(addr, len) } {
+            Err(e) if ok(&e) => {
+                out.push(format!("{what}: refused ({e})"));
+                Ok(())
+            }
+            Err(e) => Err(format!("{what}: refused for the wrong reason: {e}")),
+            Ok(id) => {
+                let _ = gpu.unregister(id);
+                Err(format!("{what}: registered"))
+            }
+        }
+    };
+    expect("a host pointer", host.as_ptr() as u64, 4096, |e| {
+        matches!(e, GpuError::External(ExternalMemoryError::NotDeviceMemory { .. }))
+    })?;
+    expect("a range overrunning its allocation by 1 byte", seg.addr(), (1 << 20) + 1, |e| {
+        matches!(e, GpuError::External(ExternalMemoryError::OutsideAllocation { .. }))
+    })?;
+    let count = device_count().unwrap_or(1);
+    if count > 1 {
+        let other = DeviceMemory::alloc((device + 1) % count, 1 << 20).map_err(|e| e.to_string())?;
+        expect("memory of another device", other.addr(), 4096, |e| {
+            matches!(e, GpuError::External(ExternalMemoryError::OtherDevice { .. }))
+        })?;
+    } else {
+        out.push("memory of another device: not checked (one device visible)".to_string());
+    }
+    if gpu.inner.buffers.live() != live {
+        return Err("a refused registration left a buffer behind".into());
+    }
+    Ok(out)
+}
+
 impl Drop for Inner {
     fn drop(&mut self) {
         let _ = self.ctx.bind_to_thread();
         let _ = self.ctx.synchronize();
-        for (ptr, _) in self.buffers.lock().expect("buffers lock").drain(..) {
-            // SAFETY: allocated by `alloc`, freed once, device idle.
-            unsafe {
-                let _ = result::free_sync(ptr);
+        for b in self.buffers.drain() {
+            if b.owned {
+                // SAFETY: allocated by `alloc`, freed once, device idle.
+                unsafe {
+                    let _ = result::free_sync(b.addr);
+                }
             }
         }
         // SAFETY: allocated in `with_config`, device idle.

@@ -13,8 +13,21 @@
 //!   caller must treat every destination of the batch as garbage. Copies are
 //!   validated before anything runs (buffer ids, ranges), so a bad batch is
 //!   an error, never an out-of-bounds access.
-//! - Device buffers are allocated once (at layout registration) and live as
-//!   long as the backend.
+//! - Device buffers belong to the embedder (contract C15): it allocates its
+//!   KV tensors, registers each range with [`Gpu::register_external`] and
+//!   gets a [`DeviceBufferId`] that layouts name. Every backend keeps them
+//!   in a [`BufferTable`]: ids are never reused, ranges never overlap, and a
+//!   buffer an in-flight batch touches cannot be unregistered
+//!   ([`Gpu::unregister`] answers [`BufferError::Busy`]). kvferry never frees
+//!   external memory; a backend may allocate a buffer itself (its own
+//!   `alloc`, tests and benchmarks), which is the same entry marked owned.
+//!
+//! # What the embedder keeps alive
+//! A registered range must stay valid, writable and at the same address
+//! from [`Gpu::register_external`] until [`Gpu::unregister`] returned `Ok`
+//! for it. Unregister only after the layouts naming it are unregistered
+//! (the engine refuses otherwise) and no save or load of them is running
+//! (the backend refuses while a batch touches it).
 //!
 //! Backends: [`host`] (embedded default: the "device" is host memory; also
 //! the simulator's GPU) and `cuda` (feature `cuda`, H200 runs).
@@ -29,8 +42,9 @@ pub use crc::ChecksumRange;
 use std::future::Future;
 use std::pin::Pin;
 
-use crate::engine::layout::DeviceBufferId;
-use crate::engine::pool::Extent;
+use crate::memory::DeviceBufferId;
+pub use crate::memory::buffers::{BatchPin, BufferError, BufferTable};
+use crate::memory::pool::Extent;
 
 /// Copy direction.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -62,7 +76,7 @@ pub enum HostBuf {
     /// A writable (unsealed) extent: destination of a save.
     Writable(Extent),
     /// A sealed extent: source of a load (held as a lease for the copy).
-    Sealed(crate::engine::pool::SealedExtent),
+    Sealed(crate::memory::pool::SealedExtent),
 }
 
 impl HostBuf {
@@ -130,6 +144,14 @@ pub enum GpuError {
     /// A save targets a sealed extent or a load sources a writable one.
     #[error("host buffer of the wrong kind for a {0:?} copy")]
     WrongHostKind(Direction),
+    /// A buffer registration or unregistration was refused (the message
+    /// carries the addresses and lengths).
+    #[error(transparent)]
+    Buffer(#[from] BufferError),
+    /// Memory handed to [`Gpu::register_external`] is not device memory of
+    /// this backend's device inside one allocation.
+    #[error(transparent)]
+    External(#[from] ExternalMemoryError),
     /// Device memory could not be allocated.
     #[error("device allocation of {bytes} bytes failed: {reason}")]
     Alloc {
@@ -146,19 +168,147 @@ pub enum GpuError {
     Device(String),
 }
 
+/// Why the `cuda` backend refused an external range (checked with the
+/// driver's pointer attributes before anything is registered).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ExternalMemoryError {
+    /// The address is not device memory (a host pointer, or unknown to the
+    /// driver).
+    #[error("{addr:#x} is not device memory ({memory_type})")]
+    NotDeviceMemory {
+        /// Address given.
+        addr: u64,
+        /// What the driver says it is.
+        memory_type: String,
+    },
+    /// Device memory of another device.
+    #[error("{addr:#x} is memory of device {device}, this backend runs on device {backend_device}")]
+    OtherDevice {
+        /// Address given.
+        addr: u64,
+        /// Its device ordinal.
+        device: i64,
+        /// The backend's device ordinal.
+        backend_device: usize,
+    },
+    /// `[addr, addr + len)` runs past the allocation that holds `addr`.
+    #[error(
+        "[{addr:#x}, +{len}) overruns its allocation [{allocation_start:#x}, +{allocation_len}) by {} bytes",
+        addr + len - allocation_start - allocation_len
+    )]
+    OutsideAllocation {
+        /// Address given.
+        addr: u64,
+        /// Length given.
+        len: u64,
+        /// Start of the allocation holding `addr`.
+        allocation_start: u64,
+        /// Its length.
+        allocation_len: u64,
+    },
+    /// The driver could not answer for the address.
+    #[error("pointer attributes of {addr:#x}: {reason}")]
+    Query {
+        /// Address given.
+        addr: u64,
+        /// Driver error.
+        reason: String,
+    },
+}
+
+/// Memory an embedder allocated for its KV cache, outside any backend's
+/// buffer table — what an inference engine's own allocator hands it.
+/// Dropping it frees it: keep it alive until its buffer is unregistered.
+pub trait KvMemory: Send + Sync {
+    /// First byte (a host address for [`HostMemory`], a device address on
+    /// CUDA); aligned to [`crate::limits::DEVICE_BUFFER_ALIGN`].
+    fn addr(&self) -> u64;
+    /// Length in bytes.
+    fn len(&self) -> u64;
+    /// True when zero-length (never, for memory a backend allocated).
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Zeroed, 16-byte aligned host memory owned by the caller: the `host`
+/// backend's kind of "device" memory, as an embedder would allocate it.
+pub struct HostMemory {
+    words: Box<[u128]>,
+    len: u64,
+}
+
+impl HostMemory {
+    /// `len` zeroed bytes (at least one 16-byte word is allocated).
+    ///
+    /// # Errors
+    /// [`GpuError::Alloc`] when the memory cannot be had.
+    pub fn new(len: u64) -> Result<Self, GpuError> {
+        let words = usize::try_from(len.div_ceil(16).max(1))
+            .map_err(|_| GpuError::Alloc { bytes: len, reason: "larger than the address space".into() })?;
+        let mut v: Vec<u128> = Vec::new();
+        v.try_reserve_exact(words).map_err(|e| GpuError::Alloc { bytes: len, reason: e.to_string() })?;
+        v.resize(words, 0);
+        Ok(Self { words: v.into_boxed_slice(), len })
+    }
+}
+
+impl KvMemory for HostMemory {
+    fn addr(&self) -> u64 {
+        self.words.as_ptr() as u64
+    }
+
+    fn len(&self) -> u64 {
+        self.len
+    }
+}
+
 /// The GPU backend trait. See the module doc for the failure contract.
 pub trait Gpu: Send + Sync + 'static {
     /// Backend name (`host`, `cuda`).
     fn name(&self) -> &'static str;
 
-    /// Allocates a zeroed device buffer of `bytes`.
+    /// Registers `len` bytes of memory the embedder allocated at `addr` (a
+    /// device address on `cuda`, a host address on `host`) and returns the
+    /// id layouts name it by. The backend validates what it can (non-null,
+    /// aligned to [`crate::limits::DEVICE_BUFFER_ALIGN`], no overlap with a
+    /// live buffer; on `cuda`, the driver's pointer attributes: device
+    /// memory of this device, inside one allocation) and registers nothing
+    /// on error.
+    ///
+    /// # Safety
+    /// `[addr, addr + len)` must be memory the copies may read and write,
+    /// valid at the same address until [`Gpu::unregister`] returned `Ok`
+    /// for the id (module doc, "What the embedder keeps alive"). kvferry
+    /// never frees it.
     ///
     /// # Errors
-    /// [`GpuError::Alloc`].
-    fn alloc(&self, bytes: u64) -> Result<DeviceBufferId, GpuError>;
+    /// [`GpuError::Buffer`] (null, empty, unaligned, overlapping, too many),
+    /// [`GpuError::External`] (`cuda`: not this device's memory, or past the
+    /// end of its allocation).
+    unsafe fn register_external(&self, addr: u64, len: u64) -> Result<DeviceBufferId, GpuError>;
+
+    /// Forgets a buffer; an owned one (allocated by the backend) is freed,
+    /// external memory never is.
+    ///
+    /// # Errors
+    /// [`GpuError::Buffer`] with [`BufferError::Unknown`] or
+    /// [`BufferError::Busy`] (an in-flight batch touches it); nothing
+    /// changes.
+    fn unregister(&self, id: DeviceBufferId) -> Result<(), GpuError>;
 
     /// Length of a buffer in bytes, `None` if unknown.
     fn buffer_len(&self, id: DeviceBufferId) -> Option<u64>;
+
+    /// Allocates `bytes` of this backend's kind of memory the way an
+    /// embedder's allocator would — zeroed where the backend can, *not*
+    /// registered, owned by the caller — for the replay, tests and
+    /// benchmarks that play the embedder. Register it with
+    /// [`Gpu::register_external`].
+    ///
+    /// # Errors
+    /// [`GpuError::Alloc`].
+    fn alloc_kv_memory(&self, bytes: u64) -> Result<Box<dyn KvMemory>, GpuError>;
 
     /// Registers host memory (the pinned pool, once at start) so copies can
     /// reach it. The host backend needs nothing; CUDA pins and maps it.
@@ -204,6 +354,18 @@ pub fn checked_range(offset: u64, len: u64, total: u64) -> Result<std::ops::Rang
     }
 }
 
+/// Pins the buffers a batch names in `table` ([`BufferTable::pin_batch`])
+/// and validates the batch against the pinned snapshot, so a buffer cannot
+/// be unregistered between validation and the copies.
+///
+/// # Errors
+/// The first bad op as [`GpuError`] (the pin is dropped with it).
+pub fn pin_and_validate(table: &BufferTable, batch: &CopyBatch) -> Result<BatchPin, GpuError> {
+    let pin = table.pin_batch(batch.ops.iter().map(|op| op.buffer));
+    validate_batch(batch, |id| pin.get(id).map(|(_, len)| len))?;
+    Ok(pin)
+}
+
 /// Checks every op of a batch against buffer lengths and host extents.
 ///
 /// # Errors
@@ -241,20 +403,36 @@ pub fn validate_batch(batch: &CopyBatch, buffer_len: impl Fn(DeviceBufferId) -> 
     Ok(())
 }
 
+/// Fragment size of the conformance body's scattered copies (bytes).
+const CONFORMANCE_FRAG: u64 = 32 << 10;
+/// Fragments per direction in the conformance body.
+const CONFORMANCE_FRAGS: u64 = 64;
+/// Bytes of the device buffer [`conformance`] needs (4 MiB).
+pub const CONFORMANCE_BUFFER_BYTES: u64 = 2 * CONFORMANCE_FRAG * CONFORMANCE_FRAGS;
+
 /// The conformance body every backend must pass (run against `host` in
 /// `cargo test`, against `cuda` by `kvferry bench gpu` on the H200): scattered
 /// device→host and host→device copies land byte for byte, buffers come back
-/// with their completion on success and on error, bad batches are errors.
+/// with their completion on success and on error, bad batches are errors,
+/// and a buffer is unregistered exactly once.
+///
+/// `dev` is a registered buffer of at least [`CONFORMANCE_BUFFER_BYTES`] that
+/// the caller allocated (the embedder's memory: the body never allocates
+/// device memory, so a backend that only adopts memory runs it too); its
+/// contents are overwritten, and it is unregistered at the end.
 ///
 /// # Errors
 /// The first violated expectation, as text.
-pub async fn conformance(gpu: &dyn Gpu) -> Result<(), String> {
-    use crate::engine::pool::Pool;
-    const FRAG: u64 = 32 << 10;
-    const FRAGS: u64 = 64;
+pub async fn conformance(gpu: &dyn Gpu, dev: DeviceBufferId) -> Result<(), String> {
+    use crate::memory::pool::Pool;
+    const FRAG: u64 = CONFORMANCE_FRAG;
+    const FRAGS: u64 = CONFORMANCE_FRAGS;
+    match gpu.buffer_len(dev) {
+        Some(len) if len >= CONFORMANCE_BUFFER_BYTES => {}
+        other => return Err(format!("conformance needs {dev} of {CONFORMANCE_BUFFER_BYTES} bytes, found {other:?}")),
+    }
     let pool = Pool::new(4 * FRAG * FRAGS, 256).map_err(|e| e.to_string())?;
     gpu.register_host(pool.base_ptr(), pool.arena_len()).map_err(|e| e.to_string())?;
-    let dev = gpu.alloc(2 * FRAG * FRAGS).map_err(|e| e.to_string())?;
     let pattern: Vec<u8> = (0..FRAG * FRAGS).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
     gpu.write(dev, 0, &pattern).map_err(|e| e.to_string())?;
     // Save: fragment i of the device goes to slot (FRAGS-1-i) of one extent (shuffled), plus an odd-sized tail op.
@@ -353,29 +531,57 @@ pub async fn conformance(gpu: &dyn Gpu) -> Result<(), String> {
         return Err(format!("out-of-range op not rejected cleanly: {:?}", done.result));
     }
     let unknown = CopyOp { buffer: DeviceBufferId(u32::MAX), device_offset: 0, extent: 0, host_offset: 0, len: 1 };
+    let unknown_dev = CopyOp { buffer: dev, ..unknown };
     let done = gpu.submit(CopyBatch::new(Direction::DeviceToHost, vec![unknown], done.host)).await;
     if !matches!(done.result, Err(GpuError::UnknownBuffer(_))) || done.host.len() != 1 {
         return Err(format!("unknown buffer not rejected cleanly: {:?}", done.result));
     }
-    if gpu.write(dev, 2 * FRAG * FRAGS, &[1]).is_ok() {
+    let len = gpu.buffer_len(dev).unwrap_or_default();
+    if gpu.write(dev, len, &[1]).is_ok() {
         return Err("write past the end accepted".into());
+    }
+    // Unregister: once, then the id names nothing.
+    gpu.unregister(dev).map_err(|e| format!("unregister: {e}"))?;
+    if gpu.buffer_len(dev).is_some() || !matches!(gpu.unregister(dev), Err(GpuError::Buffer(BufferError::Unknown(_)))) {
+        return Err("a buffer unregistered twice, or still known".into());
+    }
+    let done = gpu.submit(CopyBatch::new(Direction::DeviceToHost, vec![unknown_dev], done.host)).await;
+    if !matches!(done.result, Err(GpuError::UnknownBuffer(_))) {
+        return Err(format!("a batch naming an unregistered buffer ran: {:?}", done.result));
     }
     Ok(())
 }
 
 #[cfg(test)]
 mod tests {
+    use super::{CONFORMANCE_BUFFER_BYTES, Gpu, host::HostGpu};
+
+    /// On memory the test allocated and registered (the embedder's).
     #[tokio::test]
-    async fn host_backend_conforms() {
-        let gpu = super::host::HostGpu::new();
-        super::conformance(&gpu).await.expect("host backend conformance");
+    async fn host_backend_conforms_on_external_memory() {
+        let gpu = HostGpu::new();
+        let mut mem = vec![0u128; (CONFORMANCE_BUFFER_BYTES / 16) as usize];
+        // SAFETY: `mem` outlives the registration (the body unregisters it).
+        let dev = unsafe { gpu.register_external(mem.as_mut_ptr() as u64, CONFORMANCE_BUFFER_BYTES) }.unwrap();
+        super::conformance(&gpu, dev).await.expect("host backend conformance");
+        drop(mem);
+    }
+
+    /// On a buffer the backend allocated itself (the same table entry,
+    /// marked owned).
+    #[tokio::test]
+    async fn host_backend_conforms_on_owned_memory() {
+        let gpu = HostGpu::new();
+        let dev = gpu.alloc(CONFORMANCE_BUFFER_BYTES).unwrap();
+        super::conformance(&gpu, dev).await.expect("host backend conformance");
     }
 
     /// The conformance body's checksum check with a backend that answers it
     /// (the path the CUDA backend takes, modelled on the CPU).
     #[tokio::test]
     async fn host_backend_with_device_checksums_conforms() {
-        let gpu = super::host::HostGpu::with_device_checksums();
-        super::conformance(&gpu).await.expect("host backend conformance with device checksums");
+        let gpu = HostGpu::with_device_checksums();
+        let dev = gpu.alloc(CONFORMANCE_BUFFER_BYTES).unwrap();
+        super::conformance(&gpu, dev).await.expect("host backend conformance with device checksums");
     }
 }

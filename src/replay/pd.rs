@@ -24,9 +24,9 @@ use serde::Serialize;
 use tokio::time::Instant;
 
 use super::trace::{self, ModelPreset, TraceError, TraceRequest, fill_kv, verify_kv};
-use crate::engine::layout::{DeviceBufferId, LayerLayout, buffer_bytes_needed, contiguous};
+use crate::engine::layout::{DeviceBufferId, LayerLayout};
 use crate::engine::{Engine, EngineConfig};
-use crate::gpu::Gpu;
+use crate::gpu::{Gpu, KvMemory};
 use crate::metaserver::{self, MetaServerConfig, MetaServerHandle};
 use crate::node::{self, NodeConfig, NodeHandle, TransportChoice};
 use crate::types::BlockHash;
@@ -39,7 +39,8 @@ const DEVICE_BYTES_MAX: u64 = 32 << 30;
 const NODE_STOP_DEADLINE: Duration = Duration::from_millis(500);
 
 /// How requests pick a prefill node.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 pub enum Routing {
     /// Request i goes to live prefill node i mod P.
     RoundRobin,
@@ -254,8 +255,9 @@ struct PdNode {
     device_label: String,
     handle: std::sync::Mutex<Option<NodeHandle>>,
     engine: Engine,
-    /// Device buffer (one per node; layer-first split K/V).
-    buffer: DeviceBufferId,
+    /// The node's KV cache: memory the replay (the embedder) allocated and
+    /// registered, never the backend's.
+    kv: KvCache,
     /// Serializes use of the device region (block slots are per request).
     device: tokio::sync::Mutex<()>,
 }
@@ -267,8 +269,58 @@ struct Shape {
     device_blocks: u64,
 }
 
-fn layers(shape: &Shape, buffer: DeviceBufferId) -> Vec<LayerLayout> {
-    contiguous(buffer, shape.model.layers, shape.device_blocks, shape.seg, true, true)
+/// A node's paged KV cache as an engine keeps it: per layer a K and a V
+/// tensor `[device_blocks, block_tokens, kv_heads, head_dim]` ("NHD"), each
+/// its own allocation, registered with the engine as a device buffer.
+struct KvCache {
+    layers: Vec<LayerLayout>,
+    engine: Engine,
+    ns: String,
+    /// Each tensor's memory and buffer id, freed on drop only once the
+    /// engine let go of it (C15).
+    memory: Vec<(DeviceBufferId, Box<dyn KvMemory>)>,
+}
+
+impl Drop for KvCache {
+    /// What an engine must do before it frees its KV tensors: unregister
+    /// the layout, then each buffer; a buffer the engine still uses (a copy
+    /// in flight) is leaked rather than freed under it.
+    fn drop(&mut self) {
+        let _ = self.engine.unregister_layout(&self.ns);
+        for (id, m) in self.memory.drain(..) {
+            if let Err(e) = self.engine.unregister_buffer(id) {
+                tracing::warn!(%id, error = %e, "KV memory still in use at shutdown: leaked, not freed");
+                std::mem::forget(m);
+            }
+        }
+    }
+}
+
+impl KvCache {
+    /// Allocates the tensors on `engine`'s device, registers each as a
+    /// buffer and the namespace's layout over them. On error everything
+    /// allocated so far is unregistered and freed (`Drop`).
+    fn allocate(engine: &Engine, shape: &Shape) -> Result<Self, PdError> {
+        let mut kv = Self { layers: Vec::new(), engine: engine.clone(), ns: shape.ns.clone(), memory: Vec::new() };
+        for _ in 0..shape.model.layers {
+            let (k, v) = (kv.tensor(shape)?, kv.tensor(shape)?);
+            kv.layers.push(LayerLayout::paged(k, Some(v), shape.device_blocks, shape.seg));
+        }
+        engine.register_layout(&shape.ns, kv.layers.clone()).map_err(|e| PdError::Start(e.to_string()))?;
+        Ok(kv)
+    }
+
+    /// One `[device_blocks, …]` tensor of `shape.seg` bytes per block.
+    fn tensor(&mut self, shape: &Shape) -> Result<DeviceBufferId, PdError> {
+        let bytes = shape.device_blocks * shape.seg;
+        let m = self.engine.gpu().alloc_kv_memory(bytes).map_err(|e| PdError::Device(e.to_string()))?;
+        // SAFETY: `m` lives in `self.memory` and is freed only after the
+        // engine unregistered it (`Drop`).
+        let id =
+            unsafe { self.engine.register_buffer(m.addr(), m.len()) }.map_err(|e| PdError::Device(e.to_string()))?;
+        self.memory.push((id, m));
+        Ok(id)
+    }
 }
 
 /// Validates the configuration and loads the trace window.
@@ -345,19 +397,19 @@ fn truncate(mut r: TraceRequest, tokens: u64) -> TraceRequest {
     r
 }
 
+/// Where segment `seg` of block `slot` of layer `ly` lives.
+fn segment_at(ly: &LayerLayout, slot: u64, seg: u8) -> (DeviceBufferId, u64) {
+    let base = ly.segment(seg).expect("the replay's layers are split K/V");
+    (base.buffer, base.offset + slot * ly.block_stride)
+}
+
 /// Fills device slot `slot` with the KV of `hash` (the "compute").
-fn compute_block(
-    gpu: &dyn Gpu,
-    shape: &Shape,
-    buffer: DeviceBufferId,
-    slot: u64,
-    hash: &BlockHash,
-) -> Result<(), PdError> {
+fn compute_block(gpu: &dyn Gpu, shape: &Shape, kv: &KvCache, slot: u64, hash: &BlockHash) -> Result<(), PdError> {
     let mut buf = vec![0u8; shape.seg as usize];
-    for (l, ly) in layers(shape, buffer).iter().enumerate() {
-        for seg in 0..2u32 {
-            fill_kv(&shape.ns, hash, l as u32, seg, &mut buf);
-            let off = ly.base_offset + slot * ly.block_stride + u64::from(seg) * ly.kv_stride;
+    for (l, ly) in kv.layers.iter().enumerate() {
+        for seg in 0..2u8 {
+            fill_kv(&shape.ns, hash, l as u32, u32::from(seg), &mut buf);
+            let (buffer, off) = segment_at(ly, slot, seg);
             gpu.write(buffer, off, &buf).map_err(|e| PdError::Device(e.to_string()))?;
         }
     }
@@ -365,19 +417,13 @@ fn compute_block(
 }
 
 /// Checks device slot `slot` holds exactly the KV of `hash`.
-fn verify_block(
-    gpu: &dyn Gpu,
-    shape: &Shape,
-    buffer: DeviceBufferId,
-    slot: u64,
-    hash: &BlockHash,
-) -> Result<bool, PdError> {
+fn verify_block(gpu: &dyn Gpu, shape: &Shape, kv: &KvCache, slot: u64, hash: &BlockHash) -> Result<bool, PdError> {
     let mut buf = vec![0u8; shape.seg as usize];
-    for (l, ly) in layers(shape, buffer).iter().enumerate() {
-        for seg in 0..2u32 {
-            let off = ly.base_offset + slot * ly.block_stride + u64::from(seg) * ly.kv_stride;
+    for (l, ly) in kv.layers.iter().enumerate() {
+        for seg in 0..2u8 {
+            let (buffer, off) = segment_at(ly, slot, seg);
             gpu.read(buffer, off, &mut buf).map_err(|e| PdError::Device(e.to_string()))?;
-            if !verify_kv(&shape.ns, hash, l as u32, seg, &buf) {
+            if !verify_kv(&shape.ns, hash, l as u32, u32::from(seg), &buf) {
                 return Ok(false);
             }
         }
@@ -660,12 +706,7 @@ async fn start_node(
     let handle =
         node::start(ncfg, gpu).await.map_err(|e| PdError::Start(format!("{} node {index}: {e}", role.name())))?;
     let engine = handle.engine.clone();
-    let bytes = buffer_bytes_needed(&layers(shape, DeviceBufferId(0)));
-    let registered = engine.gpu().alloc(bytes).map_err(|e| PdError::Device(e.to_string())).and_then(|buffer| {
-        engine.register_layout(&shape.ns, layers(shape, buffer)).map_err(|e| PdError::Start(e.to_string()))?;
-        Ok(buffer)
-    });
-    let buffer = match registered {
+    let kv = match KvCache::allocate(&engine, shape) {
         Ok(b) => b,
         Err(e) => {
             handle.shutdown(NODE_STOP_DEADLINE).await;
@@ -678,7 +719,7 @@ async fn start_node(
         device_label,
         handle: std::sync::Mutex::new(Some(handle)),
         engine,
-        buffer,
+        kv,
         device: tokio::sync::Mutex::new(()),
     }))
 }
@@ -773,14 +814,14 @@ async fn serve_request(
             // A block evicted between the lookup and the load is recomputed.
             for (j, r) in rep.results.iter().enumerate() {
                 if r.is_err() {
-                    compute_block(&*gpu, shape, p.buffer, j as u64, &hashes[j])?;
+                    compute_block(&*gpu, shape, &p.kv, j as u64, &hashes[j])?;
                 }
             }
         }
         for (j, h) in hashes.iter().enumerate().skip(reuse) {
-            compute_block(&*gpu, shape, p.buffer, j as u64, h)?;
+            compute_block(&*gpu, shape, &p.kv, j as u64, h)?;
         }
-        let to_save: Vec<(u64, BlockHash)> = (0u64..).zip(hashes.iter().cloned()).collect();
+        let to_save: Vec<(BlockHash, u64)> = hashes.iter().cloned().zip(0u64..).collect();
         pe.save(&shape.ns, &to_save).await.map_err(|e| PdError::Device(e.to_string()))?;
         handoff_start = Instant::now();
         let fr = pe.flush_saves_and_registrations(flush_deadline).await;
@@ -811,9 +852,9 @@ async fn serve_request(
     o.decode_fetched = loaded[local..].iter().filter(|l| **l).count() as u64;
     for (j, h) in hashes.iter().enumerate() {
         if !loaded[j] {
-            compute_block(&*dgpu, shape, d.buffer, j as u64, h)?;
+            compute_block(&*dgpu, shape, &d.kv, j as u64, h)?;
         }
-        if verify_block(&*dgpu, shape, d.buffer, j as u64, h)? {
+        if verify_block(&*dgpu, shape, &d.kv, j as u64, h)? {
             o.verified += 1;
         }
     }

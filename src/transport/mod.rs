@@ -36,9 +36,31 @@ use tokio::time::Instant;
 
 pub use handshake::{HandshakeMetadata, Region, TransportKind};
 
-use crate::engine::locks::AccessError;
-use crate::engine::pool::{Extent, SealedExtent};
+use crate::memory::pool::{Extent, SealedExtent};
 use crate::types::NodeAddr;
+
+/// Why a data-plane read was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AccessError {
+    /// No such session (never existed, released or expired).
+    #[error("unknown transfer session")]
+    UnknownSession,
+    /// The id was not issued by this incarnation of the engine: another
+    /// node's, or an earlier process's on the same address (C16). Refused
+    /// before the table is looked at.
+    #[error("transfer session issued by another node or incarnation")]
+    ForeignSession,
+    /// The range is not inside one block of the session.
+    #[error("range [{offset}, +{len}) of region {region} is not inside a block locked by this session")]
+    OutOfRange {
+        /// Region id.
+        region: u32,
+        /// Offset asked for.
+        offset: u64,
+        /// Length asked for.
+        len: u64,
+    },
+}
 
 /// The serving side's access policy and memory: authorizes a read under a
 /// transfer session and returns the block extent (a clone that pins the

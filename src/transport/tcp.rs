@@ -30,12 +30,12 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+use super::AccessError;
 use super::frame::{self, ReadRequest, Request, ResponseHeader, Status};
 use super::handshake::{HandshakeMetadata, Region, TransportKind};
 use super::{DataSource, ReadCompletion, ReadOp, Transport, TransportError, validate_local};
-use crate::engine::locks::AccessError;
-use crate::engine::pool::Extent;
 use crate::limits;
+use crate::memory::pool::Extent;
 use crate::types::NodeAddr;
 
 /// Largest request frame the server buffers before deciding it is malformed.
@@ -107,6 +107,23 @@ impl TcpTransport {
         conns_per_peer: usize,
     ) -> std::io::Result<Self> {
         let listener = TcpListener::bind(bind).await?;
+        Self::start_on(listener, advertise_host, node, pool_len, source, conns_per_peer)
+    }
+
+    /// [`TcpTransport::start`] on a listener the embedder already bound
+    /// (bind-first serving: a taken port failed at its bind, before anything
+    /// was started).
+    ///
+    /// # Errors
+    /// When the listener's local address cannot be read.
+    pub fn start_on(
+        listener: TcpListener,
+        advertise_host: &str,
+        node: NodeAddr,
+        pool_len: u64,
+        source: Arc<dyn DataSource>,
+        conns_per_peer: usize,
+    ) -> std::io::Result<Self> {
         let port = listener.local_addr()?.port();
         let hooks = Arc::new(TcpHooks::default());
         let local = HandshakeMetadata {

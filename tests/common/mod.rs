@@ -10,7 +10,7 @@ use std::time::Duration;
 use kvferry::engine::layout::{self, DeviceBufferId, LayerLayout};
 use kvferry::engine::{Engine, EngineConfig, EngineError, SaveReport};
 use kvferry::gpu::host::HostGpu;
-use kvferry::gpu::{Completion, CopyBatch, Gpu, GpuError};
+use kvferry::gpu::{Completion, CopyBatch, Gpu, GpuError, KvMemory};
 use kvferry::metaserver::{self, MetaServerConfig, MetaServerHandle};
 use kvferry::node::{self, NodeConfig, NodeHandle};
 use kvferry::replay::trace::{fill_kv, verify_kv};
@@ -95,18 +95,22 @@ pub fn tcp(n: &NodeHandle) -> &Arc<TcpTransport> {
     n.tcp.as_ref().expect("a node with the TCP transport")
 }
 
-/// One registered KV layout on one device buffer.
-#[derive(Clone, Debug)]
+/// One registered KV layout on one device buffer: memory the test
+/// allocated (as an embedder would), registered with the engine.
+#[derive(Clone)]
 pub struct Kv {
     pub ns: String,
     pub buffer: DeviceBufferId,
     pub layers: Vec<LayerLayout>,
+    /// Kept alive as long as any clone of this `Kv` (tests drop it after
+    /// their saves and loads completed).
+    pub memory: Arc<Vec<Box<dyn KvMemory>>>,
 }
 
 impl Kv {
     /// Bytes of one block in the pool (all slots).
     pub fn block_bytes(&self) -> u64 {
-        self.layers.iter().map(|l| u64::from(l.segments) * l.bytes_per_block).sum()
+        self.layers.iter().map(|l| u64::from(l.segments()) * l.bytes_per_block).sum()
     }
 
     pub fn num_blocks(&self) -> u64 {
@@ -114,7 +118,8 @@ impl Kv {
     }
 }
 
-/// Allocates a device buffer for [`layout::contiguous`] and registers it.
+/// Allocates memory for [`layout::contiguous`] (the test plays the
+/// embedder) and registers it as a buffer, then the layout.
 pub fn register(
     engine: &Engine,
     ns: &str,
@@ -126,10 +131,30 @@ pub fn register(
 ) -> Kv {
     let ll = layout::contiguous(DeviceBufferId(u32::MAX), layers, num_blocks, seg, split, layer_first);
     let need = layout::buffer_bytes_needed(&ll);
-    let buffer = engine.gpu().alloc(need).expect("device alloc");
+    let memory = engine.gpu().alloc_kv_memory(need).expect("device alloc");
+    // SAFETY: `memory` lives in the returned `Kv` for as long as the test
+    // uses the layout.
+    let buffer = unsafe { engine.register_buffer(memory.addr(), memory.len()) }.expect("register buffer");
     let ll = layout::contiguous(buffer, layers, num_blocks, seg, split, layer_first);
     engine.register_layout(ns, ll.clone()).expect("register layout");
-    Kv { ns: ns.to_string(), buffer, layers: ll }
+    Kv { ns: ns.to_string(), buffer, layers: ll, memory: Arc::new(vec![memory]) }
+}
+
+/// The default geometry as an engine allocates it: per layer a K and a V
+/// tensor of their own ("NHD" paged), allocated by the test.
+pub fn register_paged(engine: &Engine, ns: &str, num_blocks: u64) -> Kv {
+    let mut memory = Vec::new();
+    let mut tensor = || {
+        let m = engine.gpu().alloc_kv_memory(num_blocks * SEG).expect("device alloc");
+        // SAFETY: `m` lives in the returned `Kv`.
+        let id = unsafe { engine.register_buffer(m.addr(), m.len()) }.expect("register buffer");
+        memory.push(m);
+        id
+    };
+    let ll: Vec<LayerLayout> =
+        (0..LAYERS).map(|_| LayerLayout::paged(tensor(), Some(tensor()), num_blocks, SEG)).collect();
+    engine.register_layout(ns, ll.clone()).expect("register layout");
+    Kv { ns: ns.to_string(), buffer: ll[0].k.buffer, layers: ll, memory: Arc::new(memory) }
 }
 
 /// The default small split layer-first layout (4 x 2 x 4 KiB).
@@ -140,11 +165,11 @@ pub fn register_default(engine: &Engine, num_blocks: u64) -> Kv {
 /// Writes the deterministic KV of `hash` into device block `idx`.
 pub fn fill(engine: &Engine, kv: &Kv, idx: u64, hash: &BlockHash) {
     for (l, ly) in kv.layers.iter().enumerate() {
-        for s in 0..ly.segments {
+        for s in 0..ly.segments() {
             let mut data = vec![0u8; ly.bytes_per_block as usize];
             fill_kv(&kv.ns, hash, l as u32, u32::from(s), &mut data);
             let off = ly.segment_offset(idx, s).expect("offset");
-            engine.gpu().write(kv.buffer, off, &data).expect("device write");
+            engine.gpu().write(ly.segment(s).expect("segment").buffer, off, &data).expect("device write");
         }
     }
 }
@@ -152,9 +177,12 @@ pub fn fill(engine: &Engine, kv: &Kv, idx: u64, hash: &BlockHash) {
 /// Zeroes device block `idx`.
 pub fn clear(engine: &Engine, kv: &Kv, idx: u64) {
     for ly in &kv.layers {
-        for s in 0..ly.segments {
+        for s in 0..ly.segments() {
             let zeros = vec![0u8; ly.bytes_per_block as usize];
-            engine.gpu().write(kv.buffer, ly.segment_offset(idx, s).expect("offset"), &zeros).expect("device write");
+            engine
+                .gpu()
+                .write(ly.segment(s).expect("segment").buffer, ly.segment_offset(idx, s).expect("offset"), &zeros)
+                .expect("device write");
         }
     }
 }
@@ -162,9 +190,12 @@ pub fn clear(engine: &Engine, kv: &Kv, idx: u64) {
 /// Whether device block `idx` holds exactly the KV of `hash`.
 pub fn verify(engine: &Engine, kv: &Kv, idx: u64, hash: &BlockHash) -> bool {
     kv.layers.iter().enumerate().all(|(l, ly)| {
-        (0..ly.segments).all(|s| {
+        (0..ly.segments()).all(|s| {
             let mut data = vec![0u8; ly.bytes_per_block as usize];
-            engine.gpu().read(kv.buffer, ly.segment_offset(idx, s).expect("offset"), &mut data).expect("device read");
+            engine
+                .gpu()
+                .read(ly.segment(s).expect("segment").buffer, ly.segment_offset(idx, s).expect("offset"), &mut data)
+                .expect("device read");
             verify_kv(&kv.ns, hash, l as u32, u32::from(s), &data)
         })
     })
@@ -176,10 +207,10 @@ pub fn hashes(ids: std::ops::Range<u64>) -> Vec<BlockHash> {
 }
 
 /// Fills device blocks `first_idx..` with the KV bytes of `hs`; returns
-/// the `(device block, hash)` list a save of them takes.
-pub fn fill_blocks(engine: &Engine, kv: &Kv, first_idx: u64, hs: &[BlockHash]) -> Vec<(u64, BlockHash)> {
-    let blocks: Vec<(u64, BlockHash)> = hs.iter().enumerate().map(|(i, h)| (first_idx + i as u64, h.clone())).collect();
-    for (idx, h) in &blocks {
+/// the `(hash, device block)` list a save of them takes.
+pub fn fill_blocks(engine: &Engine, kv: &Kv, first_idx: u64, hs: &[BlockHash]) -> Vec<(BlockHash, u64)> {
+    let blocks: Vec<(BlockHash, u64)> = hs.iter().enumerate().map(|(i, h)| (h.clone(), first_idx + i as u64)).collect();
+    for (h, idx) in &blocks {
         fill(engine, kv, *idx, h);
     }
     blocks
@@ -187,7 +218,7 @@ pub fn fill_blocks(engine: &Engine, kv: &Kv, first_idx: u64, hs: &[BlockHash]) -
 
 /// Saves `blocks` of namespace [`NS`] from a task of its own (which the test
 /// may abort half way).
-pub fn spawn_save(engine: &Engine, blocks: Vec<(u64, BlockHash)>) -> JoinHandle<Result<SaveReport, EngineError>> {
+pub fn spawn_save(engine: &Engine, blocks: Vec<(BlockHash, u64)>) -> JoinHandle<Result<SaveReport, EngineError>> {
     let e = engine.clone();
     tokio::spawn(async move { e.save(NS, &blocks).await })
 }
@@ -278,15 +309,27 @@ impl Gpu for GatedGpu {
         "gated-host"
     }
 
-    fn alloc(&self, bytes: u64) -> Result<DeviceBufferId, GpuError> {
-        self.inner.alloc(bytes)
+    unsafe fn register_external(&self, addr: u64, len: u64) -> Result<DeviceBufferId, GpuError> {
+        // SAFETY: forwarded to the caller.
+        unsafe { self.inner.register_external(addr, len) }
+    }
+
+    fn unregister(&self, id: DeviceBufferId) -> Result<(), GpuError> {
+        self.inner.unregister(id)
     }
 
     fn buffer_len(&self, id: DeviceBufferId) -> Option<u64> {
         self.inner.buffer_len(id)
     }
 
+    fn alloc_kv_memory(&self, bytes: u64) -> Result<Box<dyn KvMemory>, GpuError> {
+        self.inner.alloc_kv_memory(bytes)
+    }
+
+    /// A held batch keeps its buffers pinned (busy) until it completes, as
+    /// the CUDA backend's batches do while the device copies.
     fn submit(&self, batch: CopyBatch) -> Completion {
+        let pin = self.inner.buffers().pin_batch(batch.ops.iter().map(|op| op.buffer));
         let done = self.inner.submit(batch);
         let mut gate = self.gate.lock().unwrap();
         if gate.0 {
@@ -296,7 +339,9 @@ impl Gpu for GatedGpu {
         gate.1.push(tx);
         Box::pin(async move {
             let _ = rx.await;
-            done.await
+            let done = done.await;
+            drop(pin);
+            done
         })
     }
 

@@ -27,8 +27,8 @@ use super::plan::{
     self, Completion, EffectiveLimits, InitAttrs, LocalBuf, LocalPort, OfferTable, PathMtu, PlanError, QpPlan, ReadWr,
     RemotePeer, Tracked, VerbsConfig, WrTracker,
 };
-use crate::engine::pool::{Extent, Pool};
 use crate::limits;
+use crate::memory::pool::{Extent, Pool};
 use crate::rt::timeout_at;
 use crate::transport::handshake::{HandshakeMetadata, LinkLayer, Region, TransportKind};
 use crate::transport::{DataSource, ReadCompletion, ReadOp, Transport, TransportError, validate_local};
@@ -902,8 +902,8 @@ impl Transport for VerbsTransport {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::locks::AccessError;
-    use crate::engine::pool::SealedExtent;
+    use crate::memory::pool::SealedExtent;
+    use crate::transport::AccessError;
     use sideway::ibverbs::completion::WorkCompletionStatus;
 
     struct NoAccess;
