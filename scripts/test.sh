@@ -6,6 +6,7 @@
 #   FUZZ_SECS=N scripts/test.sh   seconds per fuzz target in the smoke run (default 20)
 #
 # Tiers:
+#   0. scripts/layers.sh: no module imports a module above it.
 #   1. cargo test (real tokio): unit tests (incl. seeded fuzz-body replays and
 #      fuzz/regressions/), integration tests on loopback, properties, the
 #      main job on a small trace window.
@@ -23,6 +24,9 @@ cd "$(dirname "$0")/.."
 SIM_SEEDS=${SIM_SEEDS:-500}
 FUZZ_SECS=${FUZZ_SECS:-20}
 step() { printf '\n==== %s\n' "$*"; }
+
+step "tier 0: module layers (no upward imports)"
+scripts/layers.sh
 
 step "tier 1: cargo test (real tokio)"
 cargo test --all-targets

@@ -182,9 +182,14 @@ pub const TRACE_INPUT_TOKENS_MAX: u64 = 1 << 19;
 /// staying far below the per-device QP budget (tens of thousands).
 pub const VERBS_QPS_PER_PEER_DEFAULT: usize = 2;
 
+/// Most queue pairs one verbs endpoint advertises in its handshake. One QP
+/// per peer connection is the common case; 64 leaves room to spread reads
+/// over many QPs while keeping the count in one byte and the section small.
+pub const HANDSHAKE_QPNS_MAX: usize = 64;
+
 /// Most RC queue pairs per peer: the handshake carries at most
-/// [`QPNS_MAX`](crate::transport::handshake::QPNS_MAX) QPNs.
-pub const VERBS_QPS_PER_PEER_MAX: usize = crate::transport::handshake::QPNS_MAX;
+/// [`HANDSHAKE_QPNS_MAX`] QPNs.
+pub const VERBS_QPS_PER_PEER_MAX: usize = HANDSHAKE_QPNS_MAX;
 
 /// Longest RDMA device name (bytes, `--rdma-device`): libibverbs keeps
 /// device names in 64-byte buffers (`IBV_SYSFS_NAME_MAX`).

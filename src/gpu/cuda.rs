@@ -872,7 +872,7 @@ impl Inner {
         };
         let dev =
             |op: &super::CopyOp| bufs.get(op.buffer).expect("validated against this snapshot").0 + op.device_offset;
-        let res = (|| {
+        let res: Result<Option<Vec<u32>>, GpuError> = (|| {
             for op in &batch.ops {
                 let host_ptr = match &batch.host[op.extent] {
                     HostBuf::Writable(e) => e.as_ptr(),
@@ -1106,6 +1106,39 @@ impl Inner {
     /// is the device's primary one, shared with the CUDA runtime: memory
     /// PyTorch or CuPy allocated in this process qualifies).
     fn check_external(&self, addr: u64, len: u64) -> Result<(), GpuError> {
+        let (memory_type, ordinal, start, size) = self.pointer_attributes(addr)?;
+        if memory_type != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+            let memory_type = match memory_type {
+                0 => "unknown to the driver: host memory, or freed".to_string(),
+                t if t == sys::CUmemorytype::CU_MEMORYTYPE_HOST as u32 => "pinned host memory".to_string(),
+                t => format!("memory type {t}"),
+            };
+            return Err(ExternalMemoryError::NotDeviceMemory { addr, memory_type }.into());
+        }
+        if ordinal < 0 || ordinal as usize != self.ordinal {
+            return Err(ExternalMemoryError::OtherDevice {
+                addr,
+                device: i64::from(ordinal),
+                backend_device: self.ordinal,
+            }
+            .into());
+        }
+        if start > addr || addr + len > start + size {
+            return Err(ExternalMemoryError::OutsideAllocation {
+                addr,
+                len,
+                allocation_start: start,
+                allocation_len: size,
+            }
+            .into());
+        }
+        Ok(())
+    }
+
+    /// The driver's `(memory type, device ordinal, allocation start,
+    /// allocation length)` for `addr`; `(0, -1, 0, 0)` for an address the
+    /// driver does not know.
+    fn pointer_attributes(&self, addr: u64) -> Result<(u32, i32, u64, u64), GpuError> {
         use sys::CUpointer_attribute as A;
         self.ctx.bind_to_thread().map_err(dev_err)?;
         let mut memory_type: u32 = 0;
@@ -1130,33 +1163,7 @@ impl Inner {
         unsafe { sys::cuPointerGetAttributes(4, attrs.as_mut_ptr(), data.as_mut_ptr(), addr) }
             .result()
             .map_err(|e| ExternalMemoryError::Query { addr, reason: e.to_string() })?;
-        if memory_type != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
-            let memory_type = match memory_type {
-                0 => "unknown to the driver: host memory, or freed".to_string(),
-                t if t == sys::CUmemorytype::CU_MEMORYTYPE_HOST as u32 => "pinned host memory".to_string(),
-                t => format!("memory type {t}"),
-            };
-            return Err(ExternalMemoryError::NotDeviceMemory { addr, memory_type }.into());
-        }
-        if ordinal < 0 || ordinal as usize != self.ordinal {
-            return Err(ExternalMemoryError::OtherDevice {
-                addr,
-                device: i64::from(ordinal),
-                backend_device: self.ordinal,
-            }
-            .into());
-        }
-        let end = addr + len;
-        if start > addr || end > start + size as u64 {
-            return Err(ExternalMemoryError::OutsideAllocation {
-                addr,
-                len,
-                allocation_start: start,
-                allocation_len: size as u64,
-            }
-            .into());
-        }
-        Ok(())
+        Ok((memory_type, ordinal, start, size as u64))
     }
 }
 
@@ -1261,7 +1268,9 @@ pub fn external_memory_checks(gpu: &CudaGpu, device: usize) -> Result<Vec<String
     expect("a host pointer", host.as_ptr() as u64, 4096, |e| {
         matches!(e, GpuError::External(ExternalMemoryError::NotDeviceMemory { .. }))
     })?;
-    expect("a range overrunning its allocation by 1 byte", seg.addr(), (1 << 20) + 1, |e| {
+    // The allocation as the driver sizes it (it may round the request up).
+    let (_, _, start, size) = gpu.inner.pointer_attributes(seg.addr()).map_err(|e| e.to_string())?;
+    expect("a range overrunning its allocation by 1 byte", seg.addr(), start + size - seg.addr() + 1, |e| {
         matches!(e, GpuError::External(ExternalMemoryError::OutsideAllocation { .. }))
     })?;
     let count = device_count().unwrap_or(1);

@@ -53,10 +53,9 @@ pub const HANDSHAKE_VERSION: u8 = 1;
 /// same bound as `limits::NODE_ADDR_BYTES_MAX`.
 pub const ADDR_BYTES_MAX: usize = limits::NODE_ADDR_BYTES_MAX;
 
-/// Most queue pairs one verbs endpoint advertises. One QP per peer connection
-/// is the common case; 64 leaves room to spread reads over many QPs while
-/// keeping the count in one byte and the section small.
-pub const QPNS_MAX: usize = 64;
+/// Most queue pairs one verbs endpoint advertises
+/// ([`crate::limits::HANDSHAKE_QPNS_MAX`]).
+pub const QPNS_MAX: usize = crate::limits::HANDSHAKE_QPNS_MAX;
 
 /// Queue pair numbers and packet sequence numbers are 24-bit on the wire of
 /// InfiniBand and RoCE; values must be below this.
