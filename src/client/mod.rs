@@ -108,8 +108,13 @@ fn status_text(status: &tonic::Status) -> String {
 pub struct ClientMetrics {
     /// Heartbeats answered OK.
     pub heartbeats_ok: AtomicU64,
-    /// Heartbeats that failed.
+    /// Heartbeats that failed (any reason, refusals included).
     pub heartbeats_failed: AtomicU64,
+    /// Heartbeats refused with `FAILED_PRECONDITION`: another live session
+    /// holds this node's address (two processes on one address, or a
+    /// restart before the old session went stale). The client keeps
+    /// heartbeating with backoff and takes over once the other goes stale.
+    pub heartbeats_refused: AtomicU64,
     /// Backfills completed.
     pub backfills: AtomicU64,
     /// Hashes re-advertised by backfills.
@@ -135,6 +140,14 @@ struct Inner {
     ever_registered: AtomicBool,
     /// Set when a write saw FAILED_PRECONDITION: heartbeat before the next write.
     needs_heartbeat: AtomicBool,
+    /// The MetaServer accepted our session at the last heartbeat. Cleared by
+    /// any failed heartbeat — notably `FAILED_PRECONDITION`, which a
+    /// MetaServer answers while another live session holds our address —
+    /// and set again by the next accepted one. While it is clear, heartbeats
+    /// go only on the driver's backoff schedule: neither a write that was
+    /// fenced nor `needs_heartbeat` sends an extra one, so a refused client
+    /// does not hammer the server.
+    registered: AtomicBool,
     closed: AtomicBool,
     stop: watch::Sender<bool>,
     metrics: ClientMetrics,
@@ -175,6 +188,7 @@ impl MetaServerClient {
             needs_backfill: AtomicBool::new(false),
             ever_registered: AtomicBool::new(false),
             needs_heartbeat: AtomicBool::new(false),
+            registered: AtomicBool::new(false),
             closed: AtomicBool::new(false),
             stop,
             metrics: ClientMetrics::default(),
@@ -191,6 +205,13 @@ impl MetaServerClient {
     /// This client's node address.
     pub fn node(&self) -> &NodeAddr {
         &self.inner.cfg.node
+    }
+
+    /// Whether the MetaServer accepted this client's session at its last
+    /// heartbeat (false before the first one, and after a refused or failed
+    /// one until the next is accepted).
+    pub fn is_registered(&self) -> bool {
+        self.inner.registered.load(Ordering::Relaxed)
     }
 
     /// This client's session id.
@@ -353,7 +374,10 @@ async fn drive(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
             return;
         }
         let now = tokio::time::Instant::now();
-        if now >= next_heartbeat || inner.needs_heartbeat.load(Ordering::Relaxed) {
+        // `needs_heartbeat` jumps the schedule only while registered: after
+        // a failed heartbeat the backoff alone decides.
+        let jump = inner.needs_heartbeat.load(Ordering::Relaxed) && inner.registered.load(Ordering::Relaxed);
+        if now >= next_heartbeat || jump {
             match heartbeat(&inner).await {
                 Some(stale_after) => {
                     let interval = (stale_after / 2).max(Duration::from_millis(100));
@@ -396,6 +420,7 @@ async fn heartbeat(inner: &Inner) -> Option<Duration> {
             let r = resp.into_inner();
             inner.metrics.heartbeats_ok.fetch_add(1, Ordering::Relaxed);
             inner.needs_heartbeat.store(false, Ordering::Relaxed);
+            inner.registered.store(true, Ordering::Relaxed);
             let was_registered = inner.ever_registered.swap(true, Ordering::Relaxed);
             // On first contact a backfill is needed only if registrations
             // were already lost (e.g. a restarted node fenced until its old
@@ -410,13 +435,31 @@ async fn heartbeat(inner: &Inner) -> Option<Duration> {
             }
             Some(Duration::from_secs(r.stale_after_secs.max(1)))
         }
+        Ok(Err(status)) if status.code() == Code::FailedPrecondition => {
+            // Another live session holds our address (the peer MetaServer's
+            // answer, and ours). Not registered any more: writes would be
+            // fenced, so heartbeat again on the backoff schedule until the
+            // other session goes stale and ours takes over (then the server
+            // answers `new_session` and the backfill rule above applies).
+            inner.metrics.heartbeats_failed.fetch_add(1, Ordering::Relaxed);
+            inner.metrics.heartbeats_refused.fetch_add(1, Ordering::Relaxed);
+            inner.needs_heartbeat.store(true, Ordering::Relaxed);
+            if inner.registered.swap(false, Ordering::Relaxed)
+                || inner.metrics.heartbeats_refused.load(Ordering::Relaxed) == 1
+            {
+                tracing::warn!(node = %inner.cfg.node, %status, "metaserver refused our heartbeat; retrying with backoff");
+            }
+            None
+        }
         Ok(Err(status)) => {
             inner.metrics.heartbeats_failed.fetch_add(1, Ordering::Relaxed);
+            inner.registered.store(false, Ordering::Relaxed);
             tracing::debug!(%status, "heartbeat failed");
             None
         }
         Err(_) => {
             inner.metrics.heartbeats_failed.fetch_add(1, Ordering::Relaxed);
+            inner.registered.store(false, Ordering::Relaxed);
             tracing::debug!("heartbeat timed out");
             None
         }
@@ -520,8 +563,12 @@ async fn send_chunk(inner: &Inner, chunk: Chunk) {
         let mut res = rpc_chunk(inner, &chunk).await;
         if let Err(status) = &res {
             if status.code() == Code::FailedPrecondition {
+                // Re-heartbeat inline only while registered (the server lost
+                // or fenced a session it had accepted); a client whose
+                // heartbeats are being refused waits for its backoff.
+                let inline = inner.registered.load(Ordering::Relaxed);
                 inner.needs_heartbeat.store(true, Ordering::Relaxed);
-                if heartbeat(inner).await.is_some() {
+                if inline && heartbeat(inner).await.is_some() {
                     res = rpc_chunk(inner, &chunk).await;
                 }
             }
