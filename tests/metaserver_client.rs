@@ -1110,3 +1110,60 @@ async fn client_refused_heartbeat_backs_off_then_takes_over_and_backfills() {
     assert_eq!(srv.handle.store.lock().unwrap().node_session(&me).map(|x| x.0), Some(c.session().clone()));
     c.shutdown(Duration::from_millis(300)).await;
 }
+
+// ---------------------------------------------------------------- faults inside the MetaServer
+
+/// A request that panics while holding the store lock answers INTERNAL and
+/// is counted; the lock is not poisoned, the store keeps its data, and every
+/// later RPC (and the sweep) is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fault_panic_in_a_request_answers_internal_and_service_keeps_serving() {
+    let srv = spawn_server().await;
+    let mut g = raw(srv.addr()).await;
+    let (n, s) = (node(1), session("s"));
+    g.heartbeat_node(heartbeat_req(&n, &s)).await.unwrap();
+    g.insert_block_hashes(insert_req(&n, &s, &hs(0..4))).await.unwrap();
+    let hooks = &srv.handle.hooks;
+    let m = &srv.handle.metrics;
+    // One fault per RPC kind.
+    hooks.panic_store_ops.store(1, Ordering::Relaxed);
+    assert_eq!(code(g.insert_block_hashes(insert_req(&n, &s, &hs(4..8))).await), Code::Internal);
+    hooks.panic_store_ops.store(1, Ordering::Relaxed);
+    assert_eq!(code(g.heartbeat_node(heartbeat_req(&n, &s)).await), Code::Internal);
+    hooks.panic_store_ops.store(1, Ordering::Relaxed);
+    let q = proto::QueryPrefixBlocksRequest { namespace: NS.into(), block_hashes: vec![h(0).0] };
+    assert_eq!(code(g.query_prefix_blocks(q.clone()).await), Code::Internal);
+    assert_eq!(m.store_panics.load(Ordering::Relaxed), 3);
+    assert!(!srv.handle.store.is_poisoned());
+    assert_eq!(m.store_resets.load(Ordering::Relaxed), 0, "a consistent store is kept");
+    // Still serving, data intact.
+    g.heartbeat_node(heartbeat_req(&n, &s)).await.unwrap();
+    g.insert_block_hashes(insert_req(&n, &s, &hs(4..8))).await.unwrap();
+    let r = g.query_prefix_blocks(q).await.unwrap().into_inner();
+    assert_eq!(r.nodes.len(), 1);
+    assert_eq!(srv.owners(NS, &h(7)), vec![n.clone()]);
+    assert_eq!(srv.visible().len(), 8);
+}
+
+/// The store lock poisoned by a panic elsewhere (an embedder or exporter
+/// that held it) is recovered by the next RPC, which is served; counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fault_poisoned_store_lock_is_recovered() {
+    let srv = spawn_server().await;
+    let mut g = raw(srv.addr()).await;
+    let (n, s) = (node(1), session("s"));
+    g.heartbeat_node(heartbeat_req(&n, &s)).await.unwrap();
+    g.insert_block_hashes(insert_req(&n, &s, &hs(0..4))).await.unwrap();
+    let store = srv.handle.store.clone();
+    let _ = std::thread::spawn(move || {
+        let _guard = store.lock().unwrap();
+        panic!("injected: a holder of the store lock panics");
+    })
+    .join();
+    assert!(srv.handle.store.is_poisoned());
+    g.insert_block_hashes(insert_req(&n, &s, &hs(4..6))).await.unwrap();
+    assert!(!srv.handle.store.is_poisoned());
+    assert_eq!(srv.handle.metrics.poison_recoveries.load(Ordering::Relaxed), 1);
+    assert_eq!(srv.handle.metrics.store_resets.load(Ordering::Relaxed), 0);
+    assert_eq!(srv.visible().len(), 6);
+}

@@ -147,6 +147,12 @@ pub enum StoreError {
     },
 }
 
+/// The store's indices disagree (see [`MetaStore::check_consistency`]):
+/// what was found, in words.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("metaserver store is inconsistent: {0}")]
+pub struct Inconsistency(pub String);
+
 fn describe_expected(expected: Option<&SessionId>) -> String {
     match expected {
         Some(s) => format!("the node's live session is {s}"),
@@ -778,34 +784,87 @@ impl MetaStore {
     /// Panics unless the forward and reverse indices agree exactly.
     #[cfg(any(test, fuzzing))]
     fn assert_consistent(&self) {
+        if let Err(e) = self.check_consistency() {
+            panic!("{e}");
+        }
+    }
+
+    /// Checks that the forward index (namespace → hash → owners) and the
+    /// reverse index (node → owned slots) agree exactly, without panicking
+    /// on any state. The MetaServer runs it after a request panicked while
+    /// holding the store (or left its lock poisoned), to decide whether the
+    /// store can keep serving. O(everything): a fault path, not a hot one.
+    ///
+    /// # Errors
+    /// [`Inconsistency`] naming the first disagreement found.
+    pub fn check_consistency(&self) -> Result<(), Inconsistency> {
+        fn ensure(ok: bool, what: impl FnOnce() -> String) -> Result<(), Inconsistency> {
+            if ok { Ok(()) } else { Err(Inconsistency(what())) }
+        }
         let mut entries = 0usize;
         for (name, &ns_id) in &self.ns_ids {
-            let ns = &self.namespaces[ns_id as usize];
-            assert_eq!(&ns.name, name);
-            assert!(!ns.map.is_empty(), "interned namespace {name} is empty");
+            let ns = self
+                .namespaces
+                .get(ns_id as usize)
+                .ok_or_else(|| Inconsistency(format!("namespace id {ns_id} of {name} out of range")))?;
+            ensure(&ns.name == name, || format!("namespace {name} interned as {}", ns.name))?;
+            ensure(!ns.map.is_empty(), || format!("interned namespace {name} is empty"))?;
             for (key, &slot_id) in &ns.map {
-                let slot = &ns.slots[slot_id as usize];
-                assert!(slot.key == *key, "slot key mismatch");
-                assert!(!slot.owners.is_empty(), "ownerless slot in map");
+                let slot = ns
+                    .slots
+                    .get(slot_id as usize)
+                    .ok_or_else(|| Inconsistency(format!("slot {slot_id} of {name} out of range")))?;
+                ensure(slot.key == *key, || format!("slot {slot_id} of {name}: key mismatch"))?;
+                ensure(!slot.owners.is_empty(), || format!("ownerless slot {slot_id} in {name}"))?;
                 for o in slot.owners.as_slice() {
-                    let node = &self.nodes[o.node as usize];
-                    assert_eq!(node.generation, o.generation, "superseded owner kept");
-                    let rec = node.rec.as_ref().expect("owner of a released node");
-                    assert_eq!(rec.owned[o.rev as usize], (ns_id, slot_id));
-                    assert_eq!(slot.owners.as_slice().iter().filter(|x| x.node == o.node).count(), 1);
+                    let node = self
+                        .nodes
+                        .get(o.node as usize)
+                        .ok_or_else(|| Inconsistency(format!("owner node {} out of range", o.node)))?;
+                    ensure(node.generation == o.generation, || {
+                        format!("superseded owner {} kept in {name}", node.addr)
+                    })?;
+                    let rec = node
+                        .rec
+                        .as_ref()
+                        .ok_or_else(|| Inconsistency(format!("owner {} of {name} is a released node", node.addr)))?;
+                    ensure(rec.owned.get(o.rev as usize) == Some(&(ns_id, slot_id)), || {
+                        format!("reverse entry {} of {} does not point back to {name}/{slot_id}", o.rev, node.addr)
+                    })?;
+                    let dups = slot.owners.as_slice().iter().filter(|x| x.node == o.node).count();
+                    ensure(dups == 1, || format!("node {} owns slot {slot_id} of {name} {dups} times", node.addr))?;
                     entries += 1;
                 }
             }
         }
         let mut reverse = 0usize;
         for (addr, &idx) in &self.node_ids {
-            let slot = &self.nodes[idx as usize];
-            assert_eq!(&slot.addr, addr);
-            reverse += slot.rec.as_ref().expect("interned node has a record").owned.len();
+            let slot = self
+                .nodes
+                .get(idx as usize)
+                .ok_or_else(|| Inconsistency(format!("node id {idx} of {addr} out of range")))?;
+            ensure(&slot.addr == addr, || format!("node {addr} interned as {}", slot.addr))?;
+            let rec = slot.rec.as_ref().ok_or_else(|| Inconsistency(format!("interned node {addr} has no record")))?;
+            reverse += rec.owned.len();
         }
-        assert_eq!(entries, reverse, "forward and reverse index sizes differ");
+        ensure(entries == reverse, || format!("forward index has {entries} owner entries, reverse index {reverse}"))?;
         let live = self.nodes.iter().filter(|n| n.rec.is_some()).count();
-        assert_eq!(live, self.node_ids.len());
+        ensure(live == self.node_ids.len(), || {
+            format!("{live} node records but {} interned addresses", self.node_ids.len())
+        })
+    }
+
+    /// Test-only: breaks the reverse index of the first node that owns
+    /// anything (or interns a record-less address when none does), so the
+    /// service's fault recovery can be tested against a store a panic left
+    /// half-updated.
+    #[cfg(test)]
+    pub(crate) fn corrupt_for_test(&mut self) {
+        if let Some(rec) = self.nodes.iter_mut().filter_map(|n| n.rec.as_mut()).find(|r| !r.owned.is_empty()) {
+            rec.owned.pop();
+        } else {
+            self.node_ids.insert(NodeAddr("10.255.255.255:1".into()), u32::MAX);
+        }
     }
 }
 
