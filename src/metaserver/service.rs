@@ -438,7 +438,106 @@ pub enum StartError {
     },
     /// A setting is out of range.
     #[error("bad configuration: {0}")]
-    Config(String),
+    Config(#[from] ConfigError),
+}
+
+/// A [`MetaServerConfig`] duration setting, named in [`ConfigError`] so a
+/// front end can name its own flag for it (the CLI says `--ttl-secs`, not
+/// `ttl_secs`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ConfigField {
+    /// [`MetaServerConfig::stale_after_secs`].
+    StaleAfterSecs,
+    /// [`MetaServerConfig::ttl_secs`].
+    TtlSecs,
+    /// [`MetaServerConfig::sweep_interval_secs`].
+    SweepIntervalSecs,
+}
+
+impl ConfigField {
+    /// The config field's name (`stale_after_secs`, …).
+    pub fn name(self) -> &'static str {
+        match self {
+            ConfigField::StaleAfterSecs => "stale_after_secs",
+            ConfigField::TtlSecs => "ttl_secs",
+            ConfigField::SweepIntervalSecs => "sweep_interval_secs",
+        }
+    }
+}
+
+/// Why a [`MetaServerConfig`] was refused. The texts name the config fields;
+/// [`ConfigError::render`] names them any other way.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    /// The setting must be at least 1 s.
+    #[error("{} must be at least 1 (s)", .0.name())]
+    Zero(ConfigField),
+    /// A node would be swept before it goes stale.
+    #[error("ttl_secs ({ttl_secs}) must be >= stale_after_secs ({stale_after_secs})")]
+    TtlBelowStaleAfter {
+        /// The TTL asked for (s).
+        ttl_secs: u64,
+        /// The staleness bound asked for (s).
+        stale_after_secs: u64,
+    },
+    /// The setting exceeds [`limits::METASERVER_DURATION_SECS_MAX`].
+    #[error("{} ({value}) must be at most {max} (s)", field.name())]
+    TooLong {
+        /// Which setting.
+        field: ConfigField,
+        /// Its value (s).
+        value: u64,
+        /// The bound (s).
+        max: u64,
+    },
+}
+
+impl ConfigError {
+    /// The message with each setting named by `name` (e.g. a flag).
+    pub fn render(&self, name: impl Fn(ConfigField) -> String) -> String {
+        match self {
+            ConfigError::Zero(f) => format!("{} must be at least 1 (s)", name(*f)),
+            ConfigError::TtlBelowStaleAfter { ttl_secs, stale_after_secs } => format!(
+                "{} ({ttl_secs}) must be >= {} ({stale_after_secs})",
+                name(ConfigField::TtlSecs),
+                name(ConfigField::StaleAfterSecs)
+            ),
+            ConfigError::TooLong { field, value, max } => {
+                format!("{} ({value}) must be at most {max} (s)", name(*field))
+            }
+        }
+    }
+}
+
+impl MetaServerConfig {
+    /// Checks the duration settings: each at least 1 s and at most
+    /// [`limits::METASERVER_DURATION_SECS_MAX`], and `ttl_secs >=
+    /// stale_after_secs`.
+    ///
+    /// # Errors
+    /// The first [`ConfigError`] found.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let max = limits::METASERVER_DURATION_SECS_MAX;
+        for (field, value) in [
+            (ConfigField::StaleAfterSecs, self.stale_after_secs),
+            (ConfigField::TtlSecs, self.ttl_secs),
+            (ConfigField::SweepIntervalSecs, self.sweep_interval_secs),
+        ] {
+            if value == 0 {
+                return Err(ConfigError::Zero(field));
+            }
+            if value > max {
+                return Err(ConfigError::TooLong { field, value, max });
+            }
+        }
+        if self.ttl_secs < self.stale_after_secs {
+            return Err(ConfigError::TtlBelowStaleAfter {
+                ttl_secs: self.ttl_secs,
+                stale_after_secs: self.stale_after_secs,
+            });
+        }
+        Ok(())
+    }
 }
 
 /// Binds, then serves the MetaServer and runs its TTL sweep. Returns once the
@@ -446,20 +545,9 @@ pub enum StartError {
 ///
 /// # Errors
 /// [`StartError::Bind`] for a taken or invalid address, [`StartError::Config`]
-/// for zero/inconsistent durations.
+/// for zero/inconsistent durations (see [`MetaServerConfig::validate`]).
 pub async fn start(config: MetaServerConfig) -> Result<MetaServerHandle, StartError> {
-    let max = limits::METASERVER_DURATION_SECS_MAX;
-    if config.stale_after_secs == 0
-        || config.sweep_interval_secs == 0
-        || config.ttl_secs < config.stale_after_secs
-        || config.ttl_secs > max
-        || config.sweep_interval_secs > max
-    {
-        return Err(StartError::Config(format!(
-            "need 0 < stale_after_secs <= ttl_secs <= {max} and 0 < sweep_interval_secs <= {max} (got stale_after {}, ttl {}, sweep {})",
-            config.stale_after_secs, config.ttl_secs, config.sweep_interval_secs
-        )));
-    }
+    config.validate()?;
     let bound = crate::rt::bind(config.addr).await.map_err(|source| StartError::Bind { addr: config.addr, source })?;
     let local_addr = bound.local_addr;
     let store = Arc::new(Mutex::new(MetaStore::new(StoreConfig {
