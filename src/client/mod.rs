@@ -140,14 +140,17 @@ struct Inner {
     ever_registered: AtomicBool,
     /// Set when a write saw FAILED_PRECONDITION: heartbeat before the next write.
     needs_heartbeat: AtomicBool,
-    /// The MetaServer accepted our session at the last heartbeat. Cleared by
-    /// any failed heartbeat — notably `FAILED_PRECONDITION`, which a
-    /// MetaServer answers while another live session holds our address —
-    /// and set again by the next accepted one. While it is clear, heartbeats
-    /// go only on the driver's backoff schedule: neither a write that was
-    /// fenced nor `needs_heartbeat` sends an extra one, so a refused client
-    /// does not hammer the server.
+    /// The MetaServer accepted our session at the last heartbeat that got
+    /// an answer: set by an accepted heartbeat, cleared by a refused one
+    /// (`FAILED_PRECONDITION`: another live session holds our address).
+    /// A heartbeat that got no answer (timeout, server down) changes
+    /// nothing: it says nothing about our session.
     registered: AtomicBool,
+    /// The last answered heartbeat was refused. While set, heartbeats go
+    /// only on the driver's backoff schedule: neither a fenced write nor
+    /// `needs_heartbeat` sends an extra one, so a refused client does not
+    /// hammer the server (one heartbeat per fenced chunk, or a tight loop).
+    refused: AtomicBool,
     closed: AtomicBool,
     stop: watch::Sender<bool>,
     metrics: ClientMetrics,
@@ -189,6 +192,7 @@ impl MetaServerClient {
             ever_registered: AtomicBool::new(false),
             needs_heartbeat: AtomicBool::new(false),
             registered: AtomicBool::new(false),
+            refused: AtomicBool::new(false),
             closed: AtomicBool::new(false),
             stop,
             metrics: ClientMetrics::default(),
@@ -208,8 +212,8 @@ impl MetaServerClient {
     }
 
     /// Whether the MetaServer accepted this client's session at its last
-    /// heartbeat (false before the first one, and after a refused or failed
-    /// one until the next is accepted).
+    /// answered heartbeat (false before the first accepted one, and after a
+    /// refused one until the next is accepted).
     pub fn is_registered(&self) -> bool {
         self.inner.registered.load(Ordering::Relaxed)
     }
@@ -374,9 +378,9 @@ async fn drive(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
             return;
         }
         let now = tokio::time::Instant::now();
-        // `needs_heartbeat` jumps the schedule only while registered: after
-        // a failed heartbeat the backoff alone decides.
-        let jump = inner.needs_heartbeat.load(Ordering::Relaxed) && inner.registered.load(Ordering::Relaxed);
+        // `needs_heartbeat` jumps the schedule, except after a refusal:
+        // then the backoff alone decides.
+        let jump = inner.needs_heartbeat.load(Ordering::Relaxed) && !inner.refused.load(Ordering::Relaxed);
         if now >= next_heartbeat || jump {
             match heartbeat(&inner).await {
                 Some(stale_after) => {
@@ -421,6 +425,7 @@ async fn heartbeat(inner: &Inner) -> Option<Duration> {
             inner.metrics.heartbeats_ok.fetch_add(1, Ordering::Relaxed);
             inner.needs_heartbeat.store(false, Ordering::Relaxed);
             inner.registered.store(true, Ordering::Relaxed);
+            inner.refused.store(false, Ordering::Relaxed);
             let was_registered = inner.ever_registered.swap(true, Ordering::Relaxed);
             // On first contact a backfill is needed only if registrations
             // were already lost (e.g. a restarted node fenced until its old
@@ -444,22 +449,19 @@ async fn heartbeat(inner: &Inner) -> Option<Duration> {
             inner.metrics.heartbeats_failed.fetch_add(1, Ordering::Relaxed);
             inner.metrics.heartbeats_refused.fetch_add(1, Ordering::Relaxed);
             inner.needs_heartbeat.store(true, Ordering::Relaxed);
-            if inner.registered.swap(false, Ordering::Relaxed)
-                || inner.metrics.heartbeats_refused.load(Ordering::Relaxed) == 1
-            {
+            inner.registered.store(false, Ordering::Relaxed);
+            if !inner.refused.swap(true, Ordering::Relaxed) {
                 tracing::warn!(node = %inner.cfg.node, %status, "metaserver refused our heartbeat; retrying with backoff");
             }
             None
         }
         Ok(Err(status)) => {
             inner.metrics.heartbeats_failed.fetch_add(1, Ordering::Relaxed);
-            inner.registered.store(false, Ordering::Relaxed);
             tracing::debug!(%status, "heartbeat failed");
             None
         }
         Err(_) => {
             inner.metrics.heartbeats_failed.fetch_add(1, Ordering::Relaxed);
-            inner.registered.store(false, Ordering::Relaxed);
             tracing::debug!("heartbeat timed out");
             None
         }
@@ -563,10 +565,10 @@ async fn send_chunk(inner: &Inner, chunk: Chunk) {
         let mut res = rpc_chunk(inner, &chunk).await;
         if let Err(status) = &res {
             if status.code() == Code::FailedPrecondition {
-                // Re-heartbeat inline only while registered (the server lost
-                // or fenced a session it had accepted); a client whose
-                // heartbeats are being refused waits for its backoff.
-                let inline = inner.registered.load(Ordering::Relaxed);
+                // Re-heartbeat inline (the server lost or fenced our
+                // session, e.g. it restarted), unless our heartbeats are
+                // being refused: then wait for the backoff.
+                let inline = !inner.refused.load(Ordering::Relaxed);
                 inner.needs_heartbeat.store(true, Ordering::Relaxed);
                 if inline && heartbeat(inner).await.is_some() {
                     res = rpc_chunk(inner, &chunk).await;
