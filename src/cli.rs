@@ -47,6 +47,11 @@ enum Cmd {
         /// Serve /health and Prometheus /metrics here.
         #[arg(long)]
         http_addr: Option<SocketAddr>,
+        /// Distinct block hashes each namespace's index is sized for up front (roughly 150 bytes
+        /// each, allocated when the namespace is first written): no index growth, hence no
+        /// rehash pause under the store lock, below it. 0: grow on demand.
+        #[arg(long, default_value_t = 0)]
+        capacity: u64,
     },
     /// Replay a request trace across an embedded P/D cluster (the main job).
     Pd(Box<PdArgs>),
@@ -559,7 +564,10 @@ async fn resolve_listen_addr(addr: &str) -> Result<SocketAddr, String> {
 
 /// The `--flag` of a MetaServer setting.
 fn metaserver_flag(f: ConfigField) -> String {
-    format!("--{}", f.name().replace('_', "-"))
+    match f {
+        ConfigField::CapacityHashes => "--capacity".to_string(),
+        _ => format!("--{}", f.name().replace('_', "-")),
+    }
 }
 
 /// A MetaServer start-up error in the command line's words (flags, not
@@ -577,9 +585,10 @@ async fn run_metaserver(
     ttl_secs: u64,
     sweep_interval_secs: u64,
     http_addr: Option<SocketAddr>,
+    capacity_hashes: u64,
 ) -> Result<ExitCode, String> {
     let addr = resolve_listen_addr(addr).await?;
-    let cfg = MetaServerConfig { addr, stale_after_secs, ttl_secs, sweep_interval_secs, seed: 0 };
+    let cfg = MetaServerConfig { addr, stale_after_secs, ttl_secs, sweep_interval_secs, seed: 0, capacity_hashes };
     let mut h = metaserver::start(cfg).await.map_err(|e| metaserver_error_text(&e))?;
     if let Some(http) = http_addr {
         let local = kvferry::exporter::serve(http, kvferry::exporter::metaserver_samples(&h))?;
@@ -608,8 +617,8 @@ pub fn main() -> ExitCode {
     };
     let result = rt.block_on(async move {
         match cli.cmd {
-            Cmd::Metaserver { addr, stale_after_secs, ttl_secs, sweep_interval_secs, http_addr } => {
-                run_metaserver(&addr, stale_after_secs, ttl_secs, sweep_interval_secs, http_addr).await
+            Cmd::Metaserver { addr, stale_after_secs, ttl_secs, sweep_interval_secs, http_addr, capacity } => {
+                run_metaserver(&addr, stale_after_secs, ttl_secs, sweep_interval_secs, http_addr, capacity).await
             }
             Cmd::Pd(a) => run_pd(*a).await,
             Cmd::Bench { which, json } => {
@@ -740,6 +749,8 @@ mod tests {
         assert_eq!(text, "--ttl-secs (1) must be >= --stale-after-secs (5)");
         let e = StartError::Config(ConfigError::Zero(ConfigField::SweepIntervalSecs));
         assert_eq!(metaserver_error_text(&e), "--sweep-interval-secs must be at least 1 (s)");
+        let e = StartError::Config(ConfigError::CapacityTooLarge { value: 1 << 40, max: 1 << 28 });
+        assert_eq!(metaserver_error_text(&e), format!("--capacity ({}) must be at most {}", 1u64 << 40, 1u64 << 28));
     }
 
     #[test]

@@ -195,6 +195,13 @@ pub const HANDSHAKE_REGIONS_MAX: usize = 1_024;
 /// TTL and sweep interval so their millisecond forms cannot overflow.
 pub const METASERVER_DURATION_SECS_MAX: u64 = 7 * 24 * 3600;
 
+/// Largest `--capacity` of the MetaServer (distinct hashes each namespace
+/// is sized for up front). At roughly 150 bytes per hash this is ~37 GiB: a
+/// large host's budget for one index; a mistyped capacity (extra zeros)
+/// fails at start instead of the process dying of memory on the first
+/// write.
+pub const METASERVER_CAPACITY_HASHES_MAX: u64 = 1 << 28;
+
 /// Most prompt tokens one trace request may claim (the replay sizes device
 /// buffers from it): 4 × the longest request of the bundled trace.
 pub const TRACE_INPUT_TOKENS_MAX: u64 = 1 << 19;

@@ -32,6 +32,10 @@ pub struct MetaServerConfig {
     pub sweep_interval_secs: u64,
     /// Seed of the fault hooks' RNG (deterministic drops under a seed).
     pub seed: u64,
+    /// Distinct block hashes each namespace's index is sized for up front
+    /// (see [`MetaStore::with_capacity`]; at most
+    /// [`limits::METASERVER_CAPACITY_HASHES_MAX`]). 0: grow on demand.
+    pub capacity_hashes: u64,
 }
 
 impl MetaServerConfig {
@@ -43,6 +47,7 @@ impl MetaServerConfig {
             ttl_secs: limits::NODE_TTL_SECS_DEFAULT,
             sweep_interval_secs: limits::SWEEP_INTERVAL_SECS_DEFAULT,
             seed: 0,
+            capacity_hashes: 0,
         }
     }
 }
@@ -138,7 +143,7 @@ pub(crate) fn lock_store<'a>(store: &'a Mutex<MetaStore>, metrics: &MetaServerMe
 fn recover_store(store: &mut MetaStore, metrics: &MetaServerMetrics) {
     if let Err(e) = store.check_consistency() {
         tracing::error!(error = %e, "resetting the metaserver store to empty after a fault");
-        *store = MetaStore::new(store.config());
+        *store = MetaStore::with_capacity(store.config(), store.capacity_hashes());
         metrics.store_resets.fetch_add(1, Ordering::Relaxed);
     }
 }
@@ -452,6 +457,8 @@ pub enum ConfigField {
     TtlSecs,
     /// [`MetaServerConfig::sweep_interval_secs`].
     SweepIntervalSecs,
+    /// [`MetaServerConfig::capacity_hashes`].
+    CapacityHashes,
 }
 
 impl ConfigField {
@@ -461,6 +468,7 @@ impl ConfigField {
             ConfigField::StaleAfterSecs => "stale_after_secs",
             ConfigField::TtlSecs => "ttl_secs",
             ConfigField::SweepIntervalSecs => "sweep_interval_secs",
+            ConfigField::CapacityHashes => "capacity_hashes",
         }
     }
 }
@@ -479,6 +487,15 @@ pub enum ConfigError {
         ttl_secs: u64,
         /// The staleness bound asked for (s).
         stale_after_secs: u64,
+    },
+    /// [`MetaServerConfig::capacity_hashes`] exceeds
+    /// [`limits::METASERVER_CAPACITY_HASHES_MAX`].
+    #[error("capacity_hashes ({value}) must be at most {max}")]
+    CapacityTooLarge {
+        /// The capacity asked for (hashes).
+        value: u64,
+        /// The bound (hashes).
+        max: u64,
     },
     /// The setting exceeds [`limits::METASERVER_DURATION_SECS_MAX`].
     #[error("{} ({value}) must be at most {max} (s)", field.name())]
@@ -505,6 +522,9 @@ impl ConfigError {
             ConfigError::TooLong { field, value, max } => {
                 format!("{} ({value}) must be at most {max} (s)", name(*field))
             }
+            ConfigError::CapacityTooLarge { value, max } => {
+                format!("{} ({value}) must be at most {max}", name(ConfigField::CapacityHashes))
+            }
         }
     }
 }
@@ -530,6 +550,12 @@ impl MetaServerConfig {
                 return Err(ConfigError::TooLong { field, value, max });
             }
         }
+        if self.capacity_hashes > limits::METASERVER_CAPACITY_HASHES_MAX {
+            return Err(ConfigError::CapacityTooLarge {
+                value: self.capacity_hashes,
+                max: limits::METASERVER_CAPACITY_HASHES_MAX,
+            });
+        }
         if self.ttl_secs < self.stale_after_secs {
             return Err(ConfigError::TtlBelowStaleAfter {
                 ttl_secs: self.ttl_secs,
@@ -550,10 +576,10 @@ pub async fn start(config: MetaServerConfig) -> Result<MetaServerHandle, StartEr
     config.validate()?;
     let bound = crate::rt::bind(config.addr).await.map_err(|source| StartError::Bind { addr: config.addr, source })?;
     let local_addr = bound.local_addr;
-    let store = Arc::new(Mutex::new(MetaStore::new(StoreConfig {
-        stale_after_ms: config.stale_after_secs * 1000,
-        ttl_ms: config.ttl_secs * 1000,
-    })));
+    let store = Arc::new(Mutex::new(MetaStore::with_capacity(
+        StoreConfig { stale_after_ms: config.stale_after_secs * 1000, ttl_ms: config.ttl_secs * 1000 },
+        config.capacity_hashes as usize,
+    )));
     let hooks = Arc::new(MetaServerHooks::default());
     let metrics = Arc::new(MetaServerMetrics::default());
     let origin = Instant::now();
