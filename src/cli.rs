@@ -2,13 +2,14 @@
 //! main job) and the benchmarks. Not built under the simulator.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::{Parser, Subcommand};
 use kvferry::gpu::Gpu;
 use kvferry::gpu::host::HostGpu;
+use kvferry::metaserver::service::{ConfigField, StartError};
 use kvferry::metaserver::{self, MetaServerConfig};
 use kvferry::node::TransportChoice;
 use kvferry::replay::pd::{self, PdConfig, PdError, Routing};
@@ -24,10 +25,16 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Run the MetaServer (cluster-wide block index) until SIGINT/SIGTERM.
+    ///
+    /// It listens on loopback (127.0.0.1:50055) unless --addr says
+    /// otherwise: the MetaServer has no authentication, so reaching it from
+    /// other machines is an explicit choice (--addr 0.0.0.0:50055 for every
+    /// interface, or one interface's address).
     Metaserver {
-        /// gRPC listen address.
-        #[arg(long, default_value = "0.0.0.0:50055")]
-        addr: SocketAddr,
+        /// gRPC listen address, HOST:PORT; HOST may be a name (resolved,
+        /// first address used). Default: loopback only.
+        #[arg(long, default_value = "127.0.0.1:50055")]
+        addr: String,
         /// A node silent this long is invisible (s).
         #[arg(long, default_value_t = kvferry::limits::STALE_AFTER_SECS_DEFAULT)]
         stale_after_secs: u64,
@@ -40,6 +47,11 @@ enum Cmd {
         /// Serve /health and Prometheus /metrics here.
         #[arg(long)]
         http_addr: Option<SocketAddr>,
+        /// Distinct block hashes each namespace's index is sized for up front (roughly 150 bytes
+        /// each, allocated when the namespace is first written): no index growth, hence no
+        /// rehash pause under the store lock, below it. 0: grow on demand.
+        #[arg(long, default_value_t = 0)]
+        capacity: u64,
     },
     /// Replay a request trace across an embedded P/D cluster (the main job).
     Pd(Box<PdArgs>),
@@ -103,8 +115,8 @@ struct PdArgs {
     /// First request of the window.
     #[arg(long, default_value_t = 0)]
     first: usize,
-    /// Replay this many seconds of trace time instead of --requests.
-    #[arg(long)]
+    /// Replay this many seconds of trace time instead of --requests (the two conflict).
+    #[arg(long, conflicts_with = "requests")]
     window_secs: Option<u64>,
     /// Prefill nodes.
     #[arg(long, default_value_t = 2)]
@@ -139,7 +151,8 @@ struct PdArgs {
     /// Fraction of registration RPCs the embedded MetaServer drops.
     #[arg(long, default_value_t = 0.0)]
     drop_registrations: f64,
-    /// Write the report as JSON here.
+    /// Write the report as JSON here, once, at the end (atomically: a temporary file in the same
+    /// directory, then a rename). The path is checked up front, without touching an existing file.
     #[arg(long)]
     json: Option<PathBuf>,
     /// Serve /health and Prometheus /metrics of every node here.
@@ -305,9 +318,10 @@ fn report_text(r: &pd::PdReport) -> String {
     }
     let gib = r.bytes_transferred as f64 / (1u64 << 30) as f64;
     println!(
-        "kvferry pd — {} request{}, model {} ({} tokens/block, {} KiB/block), transport {}",
+        "kvferry pd — {} request{}{}, model {} ({} tokens/block, {} KiB/block), transport {}",
         r.requests,
         if r.requests == 1 { "" } else { "s" },
+        if r.interrupted { " (INTERRUPTED: the figures cover the requests replayed)" } else { "" },
         r.model,
         r.block_tokens,
         r.block_bytes >> 10,
@@ -318,8 +332,8 @@ fn report_text(r: &pd::PdReport) -> String {
         r.prefix_hit_rate * 100.0,
         r.oracle_hit_rate * 100.0
     );
-    println!("    prefill local hits   {:>8}", r.prefill_local_hits);
-    println!("    prefill peer fetches {:>8}", r.prefill_fetched);
+    println!("    prefill local hits   {:>8} blocks", r.prefill_local_hits);
+    println!("    prefill peer fetches {:>8} blocks", r.prefill_fetched);
     println!("  decode blocks          {:>8}", r.blocks_total);
     println!("    fetched from peers   {:>8}", r.blocks_fetched);
     println!("    already local        {:>8}", r.blocks_decode_local);
@@ -329,10 +343,13 @@ fn report_text(r: &pd::PdReport) -> String {
         r.blocks_verified,
         if r.blocks_verified == r.blocks_total { "all" } else { "MISMATCH" }
     );
-    println!("  bytes moved            {:>8.2} GiB at {:.2} GB/s (timed inside fetches)", gib, r.transport_gbps);
+    println!(
+        "  bytes moved            {:>8.2} GiB at {:.2} GB/s (over {:.2} s with a fetch in flight)",
+        gib, r.transport_gbps, r.fetch_busy_s
+    );
     println!("  handoff (flush+query+fetch) p50 {:.2} ms, p99 {:.2} ms", r.handoff_p50_ms, r.handoff_p99_ms);
     println!(
-        "  prefill registrations  {} delivered, {} dropped (at the handoff barriers)",
+        "  prefill registry cmds  {} delivered, {} dropped (block inserts + eviction removals, at the handoff barriers)",
         r.registrations_delivered, r.registrations_dropped
     );
     println!("  checksum rejections    {}", r.checksum_failures);
@@ -362,12 +379,85 @@ fn report_text(r: &pd::PdReport) -> String {
     s
 }
 
-async fn run_pd(a: PdArgs) -> Result<(), String> {
+/// Where a JSON report goes: a temporary file next to `path` (same
+/// directory, so the final rename is atomic).
+fn report_temp_path(path: &Path) -> Result<PathBuf, String> {
+    let name = path.file_name().ok_or_else(|| format!("cannot write {}: not a file path", path.display()))?;
+    let dir = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    Ok(dir.join(format!(".{}.{}.tmp", name.to_string_lossy(), std::process::id())))
+}
+
+/// Checks, before any work, that a report can be written to `path`: it is
+/// not a directory and its directory takes a new file (created and removed
+/// again). `path` itself is neither created nor changed, so a run that then
+/// fails leaves a previous report as it was.
+///
+/// # Errors
+/// One line naming `path` and the cause.
+fn check_report_path(path: &Path) -> Result<(), String> {
+    if path.is_dir() {
+        return Err(format!("cannot write {}: it is a directory", path.display()));
+    }
+    let tmp = report_temp_path(path)?;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&tmp)
+        .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    let _ = std::fs::remove_file(&tmp);
+    Ok(())
+}
+
+/// Writes `text` to `path` atomically: a temporary file in the same
+/// directory, synced, then renamed over `path`. On failure `path` is
+/// unchanged and the temporary file removed.
+///
+/// # Errors
+/// One line naming `path` and the cause.
+fn write_report(path: &Path, text: &str) -> Result<(), String> {
+    use std::io::Write;
+    let tmp = report_temp_path(path)?;
+    let res = std::fs::File::create(&tmp)
+        .and_then(|mut f| f.write_all(text.as_bytes()).and_then(|_| f.sync_all()))
+        .and_then(|_| std::fs::rename(&tmp, path));
+    res.map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        format!("cannot write {}: {e}", path.display())
+    })
+}
+
+/// Exit status of a replay stopped by Ctrl-C (128 + SIGINT, the shell's
+/// convention), after its partial report was printed and written.
+const EXIT_INTERRUPTED: u8 = 130;
+
+/// Turns the first Ctrl-C into a stop request for the replay (the
+/// requests in flight finish, then the report of what was measured); a
+/// second Ctrl-C exits at once with [`EXIT_INTERRUPTED`].
+fn stop_on_ctrl_c() -> (tokio::sync::watch::Receiver<bool>, tokio::task::JoinHandle<()>) {
+    let (tx, rx) = tokio::sync::watch::channel(false);
+    let task = tokio::spawn(async move {
+        if tokio::signal::ctrl_c().await.is_err() {
+            return;
+        }
+        eprintln!("\ninterrupted: finishing the requests in flight, then the report (Ctrl-C again quits at once)");
+        let _ = tx.send(true);
+        if tokio::signal::ctrl_c().await.is_ok() {
+            std::process::exit(i32::from(EXIT_INTERRUPTED));
+        }
+    });
+    (rx, task)
+}
+
+async fn run_pd(a: PdArgs) -> Result<ExitCode, String> {
     let transport = transport_choice(&a)?;
     if let Some(path) = &a.json {
         // Fail on an unwritable report path before the run, not after it.
-        std::fs::write(path, b"{}").map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+        check_report_path(path)?;
     }
+    let (stop, sigint) = stop_on_ctrl_c();
     let cfg = PdConfig {
         trace: a.trace.unwrap_or_else(kvferry::replay::trace::default_trace_path),
         model: a.model,
@@ -387,6 +477,7 @@ async fn run_pd(a: PdArgs) -> Result<(), String> {
         concurrency: a.concurrency,
         max_blocks: a.max_blocks,
         transport,
+        stop: Some(stop),
         ..PdConfig::default()
     };
     let bar = indicatif::ProgressBar::new(0);
@@ -413,11 +504,13 @@ async fn run_pd(a: PdArgs) -> Result<(), String> {
         }
     })
     .await
-    .map_err(|e| e.to_string())?;
+    .map_err(|e| e.to_string());
+    sigint.abort();
+    let report = report?;
     print_report(&report);
     if let Some(path) = a.json {
         let json = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
-        std::fs::write(&path, json).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+        write_report(&path, &json)?;
     }
     if report.blocks_verified != report.blocks_total {
         return Err(format!(
@@ -426,7 +519,7 @@ async fn run_pd(a: PdArgs) -> Result<(), String> {
             report.blocks_total
         ));
     }
-    Ok(())
+    Ok(if report.interrupted { ExitCode::from(EXIT_INTERRUPTED) } else { ExitCode::SUCCESS })
 }
 
 #[cfg(feature = "cuda")]
@@ -459,27 +552,57 @@ async fn shutdown_signal() {
     let _ = ctrl_c.await;
 }
 
+/// Resolves `--addr HOST:PORT` (HOST an IP or a name; the first address
+/// the resolver returns is used).
+///
+/// # Errors
+/// One line naming the flag: not `HOST:PORT`, or a name that does not resolve.
+async fn resolve_listen_addr(addr: &str) -> Result<SocketAddr, String> {
+    let mut found = tokio::net::lookup_host(addr).await.map_err(|e| format!("--addr {addr}: {e} (want HOST:PORT)"))?;
+    found.next().ok_or_else(|| format!("--addr {addr}: the name resolved to no address"))
+}
+
+/// The `--flag` of a MetaServer setting.
+fn metaserver_flag(f: ConfigField) -> String {
+    match f {
+        ConfigField::CapacityHashes => "--capacity".to_string(),
+        _ => format!("--{}", f.name().replace('_', "-")),
+    }
+}
+
+/// A MetaServer start-up error in the command line's words (flags, not
+/// config fields).
+fn metaserver_error_text(e: &StartError) -> String {
+    match e {
+        StartError::Config(c) => c.render(metaserver_flag),
+        StartError::Bind { addr, source } => format!("cannot bind --addr {addr}: {source}"),
+    }
+}
+
 async fn run_metaserver(
-    addr: SocketAddr,
+    addr: &str,
     stale_after_secs: u64,
     ttl_secs: u64,
     sweep_interval_secs: u64,
     http_addr: Option<SocketAddr>,
-) -> Result<(), String> {
-    let cfg = MetaServerConfig { addr, stale_after_secs, ttl_secs, sweep_interval_secs, seed: 0 };
-    let mut h = metaserver::start(cfg).await.map_err(|e| e.to_string())?;
+    capacity_hashes: u64,
+) -> Result<ExitCode, String> {
+    let addr = resolve_listen_addr(addr).await?;
+    let cfg = MetaServerConfig { addr, stale_after_secs, ttl_secs, sweep_interval_secs, seed: 0, capacity_hashes };
+    let mut h = metaserver::start(cfg).await.map_err(|e| metaserver_error_text(&e))?;
     if let Some(http) = http_addr {
         let local = kvferry::exporter::serve(http, kvferry::exporter::metaserver_samples(&h))?;
         out(&format!("metrics and health on http://{local}/metrics, /health\n"));
     }
     out(&format!("metaserver ready on {}\n", h.local_addr));
-    tokio::select! {
+    let r = tokio::select! {
         _ = shutdown_signal() => {
             tracing::info!("shutting down");
             h.shutdown().await.map_err(|e| e.to_string())
         }
         r = h.wait() => r.map_err(|e| e.to_string()),
-    }
+    };
+    r.map(|()| ExitCode::SUCCESS)
 }
 
 pub fn main() -> ExitCode {
@@ -494,11 +617,15 @@ pub fn main() -> ExitCode {
     };
     let result = rt.block_on(async move {
         match cli.cmd {
-            Cmd::Metaserver { addr, stale_after_secs, ttl_secs, sweep_interval_secs, http_addr } => {
-                run_metaserver(addr, stale_after_secs, ttl_secs, sweep_interval_secs, http_addr).await
+            Cmd::Metaserver { addr, stale_after_secs, ttl_secs, sweep_interval_secs, http_addr, capacity } => {
+                run_metaserver(&addr, stale_after_secs, ttl_secs, sweep_interval_secs, http_addr, capacity).await
             }
             Cmd::Pd(a) => run_pd(*a).await,
             Cmd::Bench { which, json } => {
+                if let Some(path) = &json {
+                    // Before the benchmark, not after it.
+                    check_report_path(path)?;
+                }
                 let v = match which {
                     BenchCmd::Engine { blocks } => kvferry::bench::engine(blocks).await,
                     BenchCmd::Transport { blocks, block_mib } => kvferry::bench::transport(blocks, block_mib).await,
@@ -507,14 +634,14 @@ pub fn main() -> ExitCode {
                 }?;
                 if let Some(path) = json {
                     let text = serde_json::to_string_pretty(&v).map_err(|e| e.to_string())?;
-                    std::fs::write(&path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+                    write_report(&path, &text)?;
                 }
-                Ok(())
+                Ok(ExitCode::SUCCESS)
             }
         }
     });
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => code,
         Err(e) => {
             eprintln!("error: {e}");
             ExitCode::FAILURE
@@ -583,5 +710,66 @@ mod tests {
                 pd_transport(&["--transport", "verbs", "--rdma-device", "x", "--rdma-qps-per-peer", n]).unwrap_err();
             assert!(e.contains("--rdma-qps-per-peer"), "{n}: {e}");
         }
+    }
+
+    #[test]
+    fn window_secs_conflicts_with_requests() {
+        let e =
+            Cli::try_parse_from(["kvferry", "pd", "--requests", "5", "--window-secs", "3"]).err().expect("a conflict");
+        assert_eq!(e.kind(), clap::error::ErrorKind::ArgumentConflict);
+        assert!(e.to_string().contains("--window-secs"), "{e}");
+        // Each alone is fine (the default of --requests is no conflict).
+        assert!(Cli::try_parse_from(["kvferry", "pd", "--window-secs", "3"]).is_ok());
+        assert!(Cli::try_parse_from(["kvferry", "pd", "--requests", "5"]).is_ok());
+    }
+
+    #[test]
+    fn metaserver_listens_on_loopback_unless_told() {
+        match Cli::try_parse_from(["kvferry", "metaserver"]).unwrap().cmd {
+            Cmd::Metaserver { addr, .. } => assert_eq!(addr, "127.0.0.1:50055"),
+            _ => panic!("parsed as another command"),
+        }
+    }
+
+    #[tokio::test]
+    async fn metaserver_addr_takes_host_names() {
+        let a = resolve_listen_addr("localhost:50055").await.expect("localhost resolves");
+        assert!(a.ip().is_loopback(), "{a}");
+        assert_eq!(a.port(), 50055);
+        assert_eq!(resolve_listen_addr("0.0.0.0:7").await, Ok("0.0.0.0:7".parse().unwrap()));
+        let e = resolve_listen_addr("no-port").await.unwrap_err();
+        assert!(e.starts_with("--addr no-port"), "{e}");
+    }
+
+    #[test]
+    fn metaserver_config_errors_name_flags() {
+        use kvferry::metaserver::service::ConfigError;
+        let e = StartError::Config(ConfigError::TtlBelowStaleAfter { ttl_secs: 1, stale_after_secs: 5 });
+        let text = metaserver_error_text(&e);
+        assert_eq!(text, "--ttl-secs (1) must be >= --stale-after-secs (5)");
+        let e = StartError::Config(ConfigError::Zero(ConfigField::SweepIntervalSecs));
+        assert_eq!(metaserver_error_text(&e), "--sweep-interval-secs must be at least 1 (s)");
+        let e = StartError::Config(ConfigError::CapacityTooLarge { value: 1 << 40, max: 1 << 28 });
+        assert_eq!(metaserver_error_text(&e), format!("--capacity ({}) must be at most {}", 1u64 << 40, 1u64 << 28));
+    }
+
+    #[test]
+    fn report_path_is_checked_without_clobbering_and_written_atomically() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("r.json");
+        std::fs::write(&path, "previous").unwrap();
+        check_report_path(&path).unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "previous", "the check changes nothing");
+        let fresh = dir.path().join("new.json");
+        check_report_path(&fresh).unwrap();
+        assert!(!fresh.exists(), "the check creates nothing");
+        write_report(&path, "{\"x\": 1}").unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "{\"x\": 1}");
+        let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(left, vec![std::ffi::OsString::from("r.json")], "no temporary file left");
+        // Unwritable: a missing directory, a directory.
+        let e = check_report_path(&dir.path().join("missing/r.json")).unwrap_err();
+        assert!(e.contains("missing/r.json"), "{e}");
+        assert!(check_report_path(dir.path()).unwrap_err().contains("is a directory"));
     }
 }

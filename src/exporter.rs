@@ -112,7 +112,7 @@ pub fn metaserver_samples(h: &crate::metaserver::MetaServerHandle) -> Collect {
     let m = h.metrics.clone();
     let hooks = h.hooks.clone();
     Arc::new(move || {
-        let st = store.lock().expect("store lock").stats();
+        let st = crate::metaserver::service::lock_store(&store, &m).stats();
         let l = Vec::new;
         let c = |name, help, v: &AtomicU64| Sample {
             name,
@@ -129,6 +129,9 @@ pub fn metaserver_samples(h: &crate::metaserver::MetaServerHandle) -> Collect {
             c("metaserver_rejected", "Requests rejected with an error status", &m.rejected),
             c("metaserver_swept_nodes", "Nodes removed by the TTL sweep", &m.swept_nodes),
             c("metaserver_dropped_writes", "Writes dropped by the fault hook", &hooks.dropped_writes),
+            c("metaserver_store_panics", "Store operations that panicked (request answered INTERNAL)", &m.store_panics),
+            c("metaserver_poison_recoveries", "Poisoned store locks recovered", &m.poison_recoveries),
+            c("metaserver_store_resets", "Stores reset to empty after a fault left them inconsistent", &m.store_resets),
             Sample { name: "metaserver_nodes", help: "Node records", counter: false, labels: l(), value: st.nodes },
             Sample {
                 name: "metaserver_hashes",

@@ -135,6 +135,32 @@ pub const TCP_PIPELINE_DEPTH: usize = 32;
 /// TCP connections per peer (the pool reads are spread over).
 pub const TCP_CONNECTIONS_PER_PEER_DEFAULT: usize = 4;
 
+/// Data-plane connections the TCP transport's server accepts from one peer
+/// IP at once. A host runs up to 8 engines (one per GPU), each pooling up to
+/// `TCP_CONNECTIONS_PER_PEER_DEFAULT` (4) connections to us: 32 in steady
+/// state; 4x headroom covers pooled connections being replaced (a dead one
+/// is redialled before the server has reaped it) and loopback clusters
+/// (`kvferry pd`, tests) where every node shares 127.0.0.1. Beyond it a new
+/// connection gets an error frame and is closed (counted): one host cannot
+/// take every connection slot.
+pub const TCP_SERVER_CONNECTIONS_PER_IP_MAX: usize = 128;
+
+/// Data-plane connections the TCP transport's server accepts in total at
+/// once. Each open connection holds a task, a 64 KiB request buffer at most
+/// and one file descriptor; 512 is 16 hosts of 8 engines in steady state and
+/// stays well under the common 1024 open-files soft limit, leaving room for
+/// the node's gRPC server, MetaServer channel and outbound connections.
+pub const TCP_SERVER_CONNECTIONS_MAX: usize = 512;
+
+/// Refusals (error frame, then close) the TCP server has in flight at once;
+/// connections refused beyond it are closed without the frame, so a flood of
+/// connects costs no more than this many short tasks.
+pub const TCP_SERVER_REFUSALS_IN_FLIGHT_MAX: usize = 16;
+
+/// How long a refusal may take to write its error frame and close cleanly
+/// (ms); then the connection is dropped whatever its state.
+pub const TCP_SERVER_REFUSAL_WRITE_MS: u64 = 200;
+
 /// Default of `EngineConfig::fetch_read_part_bytes`: bytes of blocks a
 /// fetch reads per transport call. Each part is
 /// checksummed while the next one is read (so the CRC pass overlaps the
@@ -168,6 +194,13 @@ pub const HANDSHAKE_REGIONS_MAX: usize = 1_024;
 /// Longest MetaServer duration setting (s): a week. Bounds `stale_after`,
 /// TTL and sweep interval so their millisecond forms cannot overflow.
 pub const METASERVER_DURATION_SECS_MAX: u64 = 7 * 24 * 3600;
+
+/// Largest `--capacity` of the MetaServer (distinct hashes each namespace
+/// is sized for up front). At roughly 150 bytes per hash this is ~37 GiB: a
+/// large host's budget for one index; a mistyped capacity (extra zeros)
+/// fails at start instead of the process dying of memory on the first
+/// write.
+pub const METASERVER_CAPACITY_HASHES_MAX: u64 = 1 << 28;
 
 /// Most prompt tokens one trace request may claim (the replay sizes device
 /// buffers from it): 4 × the longest request of the bundled trace.

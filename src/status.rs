@@ -12,13 +12,19 @@ pub fn from_id_error(e: IdError) -> Status {
     Status::invalid_argument(e.to_string())
 }
 
-/// Store errors: unknown node / stale session → `FAILED_PRECONDITION` (the
-/// client re-heartbeats); a different live session on the same address →
-/// `ALREADY_EXISTS` (re-heartbeating would not help).
+/// Store errors → `FAILED_PRECONDITION`, all three of them, as the peer
+/// MetaServer (pegaflow-metaserver) answers: an unknown node or a stale
+/// session on a write, and a heartbeat from a different session while the
+/// address's registered session is still live. That is the one code the
+/// peer's clients act on (they reset their "registered" flag and heartbeat
+/// again, with backoff); a conflicting heartbeat succeeds once the other
+/// session goes stale. The message names which case it was. The full table
+/// of codes per RPC is in `docs/wire.md`.
 pub fn from_store_error(e: StoreError) -> Status {
     let code = match e {
-        StoreError::UnknownNode { .. } | StoreError::StaleSession { .. } => Code::FailedPrecondition,
-        StoreError::LiveSessionConflict { .. } => Code::AlreadyExists,
+        StoreError::UnknownNode { .. } | StoreError::StaleSession { .. } | StoreError::LiveSessionConflict { .. } => {
+            Code::FailedPrecondition
+        }
     };
     Status::new(code, e.to_string())
 }

@@ -833,15 +833,21 @@ async fn bad_input_oversized_message_is_resource_exhausted() {
     assert!(g.query_prefix_blocks(req).await.unwrap().into_inner().nodes.is_empty());
 }
 
+/// A heartbeat of a different session while the address's session is live
+/// answers FAILED_PRECONDITION, as the peer MetaServer does (its clients
+/// reset their registered flag and heartbeat again); the live session keeps
+/// the address.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn bad_input_second_live_session_is_already_exists() {
+async fn bad_input_second_live_session_is_failed_precondition() {
     let srv = spawn_server().await;
     let mut g = raw(srv.addr()).await;
     let (n, s1, s2) = (node(1), session("s"), session("s"));
     let r = g.heartbeat_node(heartbeat_req(&n, &s1)).await.unwrap().into_inner();
     assert!(r.new_session);
     assert_eq!(r.stale_after_secs, limits::STALE_AFTER_SECS_DEFAULT);
-    assert_eq!(code(g.heartbeat_node(heartbeat_req(&n, &s2)).await), Code::AlreadyExists);
+    let refused = g.heartbeat_node(heartbeat_req(&n, &s2)).await.unwrap_err();
+    assert_eq!(refused.code(), Code::FailedPrecondition);
+    assert!(refused.message().contains("live session"), "{}", refused.message());
     let r = g.heartbeat_node(heartbeat_req(&n, &s1)).await.unwrap().into_inner();
     assert!(!r.new_session, "a refresh is not a new session");
     assert_eq!(srv.handle.store.lock().unwrap().node_session(&n).map(|x| x.0), Some(s1));
@@ -903,4 +909,261 @@ async fn start_on_taken_port_fails_with_bind_error() {
     // The first server is unaffected.
     let mut g = raw(taken).await;
     g.heartbeat_node(heartbeat_req(&node(1), &session("s"))).await.unwrap();
+}
+
+// ---------------------------------------------------------------- wire status table
+
+/// One row of the status table in docs/wire.md: an RPC in a situation and
+/// the gRPC code the peer MetaServer's clients expect for it.
+fn expect_code<T: std::fmt::Debug>(row: &str, got: Result<tonic::Response<T>, tonic::Status>, want: Code) {
+    let got = match got {
+        Ok(_) => Code::Ok,
+        Err(s) => s.code(),
+    };
+    assert_eq!(got, want, "status table row {row:?}");
+}
+
+/// Pins every status code of every MetaServer RPC (the table in
+/// docs/wire.md, section "Status codes"), row by row, over the wire. The
+/// oversized-message row is `bad_input_oversized_message_is_resource_exhausted`
+/// and the fault rows (`INTERNAL`, `UNAVAILABLE`) are the `fault_*` tests.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wire_status_table_every_metaserver_rpc() {
+    let srv = spawn_server_at("127.0.0.1:0".parse().unwrap(), 1).await;
+    let mut g = raw(srv.addr()).await;
+    let (n, s1, s2) = (node(1), session("s"), session("s"));
+    let bad_id = SessionId("not a session!".into());
+    let bad_node = NodeAddr("no-port".into());
+    let with_ns = |mut r: proto::InsertBlockHashesRequest, ns: &str| {
+        r.namespace = ns.into();
+        r
+    };
+    let too_many = hs(0..limits::HASHES_PER_REQUEST_MAX as u64 + 1);
+    let long_hash = [BlockHash::new(vec![1u8; limits::BLOCK_HASH_BYTES_MAX + 1])];
+
+    // HeartbeatNode
+    expect_code("heartbeat: new node", g.heartbeat_node(heartbeat_req(&n, &s1)).await, Code::Ok);
+    expect_code("heartbeat: same session", g.heartbeat_node(heartbeat_req(&n, &s1)).await, Code::Ok);
+    expect_code(
+        "heartbeat: other live session",
+        g.heartbeat_node(heartbeat_req(&n, &s2)).await,
+        Code::FailedPrecondition,
+    );
+    expect_code(
+        "heartbeat: malformed node_id",
+        g.heartbeat_node(heartbeat_req(&n, &bad_id)).await,
+        Code::InvalidArgument,
+    );
+    expect_code(
+        "heartbeat: malformed node",
+        g.heartbeat_node(heartbeat_req(&bad_node, &s1)).await,
+        Code::InvalidArgument,
+    );
+
+    // InsertBlockHashes
+    expect_code("insert: live session", g.insert_block_hashes(insert_req(&n, &s1, &hs(0..4))).await, Code::Ok);
+    expect_code("insert: no hashes", g.insert_block_hashes(insert_req(&n, &s1, &[])).await, Code::Ok);
+    expect_code(
+        "insert: unknown node",
+        g.insert_block_hashes(insert_req(&node(2), &s1, &hs(0..1))).await,
+        Code::FailedPrecondition,
+    );
+    expect_code(
+        "insert: other session",
+        g.insert_block_hashes(insert_req(&n, &s2, &hs(0..1))).await,
+        Code::FailedPrecondition,
+    );
+    expect_code(
+        "insert: malformed node_id",
+        g.insert_block_hashes(insert_req(&n, &bad_id, &hs(0..1))).await,
+        Code::InvalidArgument,
+    );
+    expect_code(
+        "insert: malformed node",
+        g.insert_block_hashes(insert_req(&bad_node, &s1, &hs(0..1))).await,
+        Code::InvalidArgument,
+    );
+    expect_code(
+        "insert: empty namespace",
+        g.insert_block_hashes(with_ns(insert_req(&n, &s1, &hs(0..1)), "")).await,
+        Code::InvalidArgument,
+    );
+    expect_code(
+        "insert: too many hashes",
+        g.insert_block_hashes(insert_req(&n, &s1, &too_many)).await,
+        Code::InvalidArgument,
+    );
+    expect_code(
+        "insert: hash too long",
+        g.insert_block_hashes(insert_req(&n, &s1, &long_hash)).await,
+        Code::InvalidArgument,
+    );
+
+    // RemoveBlockHashes
+    expect_code("remove: live session", g.remove_block_hashes(remove_req(&n, &s1, &hs(3..4))).await, Code::Ok);
+    expect_code("remove: not owned", g.remove_block_hashes(remove_req(&n, &s1, &hs(90..91))).await, Code::Ok);
+    expect_code(
+        "remove: unknown node",
+        g.remove_block_hashes(remove_req(&node(2), &s1, &hs(0..1))).await,
+        Code::FailedPrecondition,
+    );
+    expect_code(
+        "remove: other session",
+        g.remove_block_hashes(remove_req(&n, &s2, &hs(0..1))).await,
+        Code::FailedPrecondition,
+    );
+    expect_code(
+        "remove: malformed node_id",
+        g.remove_block_hashes(remove_req(&n, &bad_id, &hs(0..1))).await,
+        Code::InvalidArgument,
+    );
+    expect_code(
+        "remove: too many hashes",
+        g.remove_block_hashes(remove_req(&n, &s1, &too_many)).await,
+        Code::InvalidArgument,
+    );
+
+    // QueryPrefixBlocks
+    let query = |ns: &str, hashes: &[BlockHash]| proto::QueryPrefixBlocksRequest {
+        namespace: ns.into(),
+        block_hashes: hashes.iter().map(|x| x.0.clone()).collect(),
+    };
+    expect_code("query: prefix", g.query_prefix_blocks(query(NS, &hs(0..3))).await, Code::Ok);
+    expect_code("query: nothing owned", g.query_prefix_blocks(query(NS, &hs(50..53))).await, Code::Ok);
+    expect_code("query: no hashes", g.query_prefix_blocks(query(NS, &[])).await, Code::InvalidArgument);
+    expect_code("query: empty namespace", g.query_prefix_blocks(query("", &hs(0..1))).await, Code::InvalidArgument);
+    expect_code("query: too many hashes", g.query_prefix_blocks(query(NS, &too_many)).await, Code::InvalidArgument);
+    expect_code("query: hash too long", g.query_prefix_blocks(query(NS, &long_hash)).await, Code::InvalidArgument);
+
+    // UnregisterNode: a no-op, never an error, for anything well formed.
+    let unreg = |n: &NodeAddr, s: &SessionId| proto::UnregisterNodeRequest { node: n.0.clone(), node_id: s.0.clone() };
+    expect_code("unregister: other session", g.unregister_node(unreg(&n, &s2)).await, Code::Ok);
+    expect_code("unregister: unknown node", g.unregister_node(unreg(&node(2), &s1)).await, Code::Ok);
+    expect_code("unregister: malformed node_id", g.unregister_node(unreg(&n, &bad_id)).await, Code::InvalidArgument);
+
+    // Stale: writes of the stale session are fenced; a new session takes over.
+    tokio::time::sleep(Duration::from_millis(1_300)).await;
+    expect_code(
+        "insert: stale session",
+        g.insert_block_hashes(insert_req(&n, &s1, &hs(0..1))).await,
+        Code::FailedPrecondition,
+    );
+    expect_code("heartbeat: other session after stale", g.heartbeat_node(heartbeat_req(&n, &s2)).await, Code::Ok);
+    expect_code("unregister: own session", g.unregister_node(unreg(&n, &s2)).await, Code::Ok);
+    assert_eq!(srv.handle.store.lock().unwrap().node_session(&n), None, "unregistered");
+}
+
+// ---------------------------------------------------------------- client vs a refused heartbeat
+
+/// A client whose address is held by another live session is refused with
+/// FAILED_PRECONDITION: it is not registered, heartbeats again on its
+/// backoff schedule (not in a tight loop, not once per fenced write), and
+/// takes over once the other session goes stale, then re-advertises its
+/// resident blocks (the registrations fenced meanwhile were dropped).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_refused_heartbeat_backs_off_then_takes_over_and_backfills() {
+    let srv = spawn_server_at("127.0.0.1:0".parse().unwrap(), 1).await;
+    let mut g = raw(srv.addr()).await;
+    let me = node(1);
+    let squatter = session("squatter");
+    g.heartbeat_node(heartbeat_req(&me, &squatter)).await.unwrap();
+    // The squatter stays live for 2.5 s.
+    let keep = tokio::spawn({
+        let mut g = g.clone();
+        let (me, squatter) = (me.clone(), squatter.clone());
+        async move {
+            for _ in 0..10 {
+                let _ = g.heartbeat_node(heartbeat_req(&me, &squatter)).await;
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+        }
+    });
+    let c = start_client(client_config(srv.addr().to_string(), me.clone(), 300));
+    c.set_ownership_source(Arc::new(Fixed(vec![(NS.to_string(), hs(0..8))])));
+    let t = Instant::now();
+    while c.metrics().heartbeats_refused.load(Ordering::Relaxed) == 0 {
+        assert!(t.elapsed() < Duration::from_secs(3), "heartbeat never refused");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(!c.is_registered());
+    // Fenced registrations are dropped, and do not each send a heartbeat.
+    for i in 0..20 {
+        c.try_register(NS, &hs(i..i + 1));
+        let r = within(Duration::from_secs(3), "flush while refused", c.flush()).await;
+        assert_eq!((r.delivered, r.dropped), (0, 1));
+    }
+    keep.await.unwrap();
+    let refused = c.metrics().heartbeats_refused.load(Ordering::Relaxed);
+    // 2.5 s of refusals on a 100 ms doubling backoff is about 5 heartbeats;
+    // a tight loop, or one per fenced write, would be hundreds (or >= 20).
+    assert!((1..=10).contains(&refused), "{refused} refused heartbeats in 2.5 s");
+    assert_eq!(c.metrics().heartbeats_ok.load(Ordering::Relaxed), 0);
+    // The squatter goes stale; the client takes over and backfills.
+    let want: BTreeSet<(String, BlockHash, NodeAddr)> =
+        hs(0..8).into_iter().map(|x| (NS.to_string(), x, me.clone())).collect();
+    let t = Instant::now();
+    while srv.visible() != want {
+        assert!(t.elapsed() < Duration::from_secs(10), "no takeover + backfill: {:?}", srv.visible());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(c.is_registered());
+    assert_eq!(srv.handle.store.lock().unwrap().node_session(&me).map(|x| x.0), Some(c.session().clone()));
+    c.shutdown(Duration::from_millis(300)).await;
+}
+
+// ---------------------------------------------------------------- faults inside the MetaServer
+
+/// A request that panics while holding the store lock answers INTERNAL and
+/// is counted; the lock is not poisoned, the store keeps its data, and every
+/// later RPC (and the sweep) is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fault_panic_in_a_request_answers_internal_and_service_keeps_serving() {
+    let srv = spawn_server().await;
+    let mut g = raw(srv.addr()).await;
+    let (n, s) = (node(1), session("s"));
+    g.heartbeat_node(heartbeat_req(&n, &s)).await.unwrap();
+    g.insert_block_hashes(insert_req(&n, &s, &hs(0..4))).await.unwrap();
+    let hooks = &srv.handle.hooks;
+    let m = &srv.handle.metrics;
+    // One fault per RPC kind.
+    hooks.panic_store_ops.store(1, Ordering::Relaxed);
+    assert_eq!(code(g.insert_block_hashes(insert_req(&n, &s, &hs(4..8))).await), Code::Internal);
+    hooks.panic_store_ops.store(1, Ordering::Relaxed);
+    assert_eq!(code(g.heartbeat_node(heartbeat_req(&n, &s)).await), Code::Internal);
+    hooks.panic_store_ops.store(1, Ordering::Relaxed);
+    let q = proto::QueryPrefixBlocksRequest { namespace: NS.into(), block_hashes: vec![h(0).0] };
+    assert_eq!(code(g.query_prefix_blocks(q.clone()).await), Code::Internal);
+    assert_eq!(m.store_panics.load(Ordering::Relaxed), 3);
+    assert!(!srv.handle.store.is_poisoned());
+    assert_eq!(m.store_resets.load(Ordering::Relaxed), 0, "a consistent store is kept");
+    // Still serving, data intact.
+    g.heartbeat_node(heartbeat_req(&n, &s)).await.unwrap();
+    g.insert_block_hashes(insert_req(&n, &s, &hs(4..8))).await.unwrap();
+    let r = g.query_prefix_blocks(q).await.unwrap().into_inner();
+    assert_eq!(r.nodes.len(), 1);
+    assert_eq!(srv.owners(NS, &h(7)), vec![n.clone()]);
+    assert_eq!(srv.visible().len(), 8);
+}
+
+/// The store lock poisoned by a panic elsewhere (an embedder or exporter
+/// that held it) is recovered by the next RPC, which is served; counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fault_poisoned_store_lock_is_recovered() {
+    let srv = spawn_server().await;
+    let mut g = raw(srv.addr()).await;
+    let (n, s) = (node(1), session("s"));
+    g.heartbeat_node(heartbeat_req(&n, &s)).await.unwrap();
+    g.insert_block_hashes(insert_req(&n, &s, &hs(0..4))).await.unwrap();
+    let store = srv.handle.store.clone();
+    let _ = std::thread::spawn(move || {
+        let _guard = store.lock().unwrap();
+        panic!("injected: a holder of the store lock panics");
+    })
+    .join();
+    assert!(srv.handle.store.is_poisoned());
+    g.insert_block_hashes(insert_req(&n, &s, &hs(4..6))).await.unwrap();
+    assert!(!srv.handle.store.is_poisoned());
+    assert_eq!(srv.handle.metrics.poison_recoveries.load(Ordering::Relaxed), 1);
+    assert_eq!(srv.handle.metrics.store_resets.load(Ordering::Relaxed), 0);
+    assert_eq!(srv.visible().len(), 6);
 }

@@ -219,3 +219,102 @@ fn pd_transport_flags_are_checked() {
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("need --gpu cuda"), "{err}");
 }
+
+// ---------------------------------------------------------------- data-plane connection limits
+
+/// A data source that holds no blocks (the limit test only pings).
+struct NoBlocks;
+
+impl kvferry::transport::DataSource for NoBlocks {
+    fn authorize(
+        &self,
+        _session: &str,
+        _region: u32,
+        _offset: u64,
+        _len: u64,
+    ) -> Result<(kvferry::engine::pool::SealedExtent, u64), kvferry::engine::locks::AccessError> {
+        Err(kvferry::engine::locks::AccessError::UnknownSession)
+    }
+}
+
+/// Connects from `source_ip` to `addr`.
+async fn connect_from(source_ip: &str, addr: std::net::SocketAddr) -> tokio::net::TcpStream {
+    let sock = tokio::net::TcpSocket::new_v4().unwrap();
+    sock.bind(format!("{source_ip}:0").parse().unwrap()).unwrap();
+    sock.connect(addr).await.unwrap()
+}
+
+/// Sends a Ping and returns the answer's status and message (or `None` when
+/// the server closed the connection without a frame).
+async fn ping(s: &mut tokio::net::TcpStream, req_id: u64) -> Option<(kvferry::transport::frame::Status, String)> {
+    use kvferry::transport::frame;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut out = Vec::new();
+    frame::encode_request(&frame::Request::Ping { req_id }, &mut out).unwrap();
+    let _ = s.write_all(&out).await;
+    let mut hdr = [0u8; frame::RESPONSE_HEADER_BYTES];
+    let read =
+        tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut hdr)).await.expect("an answer or a close");
+    read.ok()?;
+    let (h, _) = frame::decode_response_header(&hdr).unwrap().unwrap();
+    let mut msg = vec![0u8; h.len as usize];
+    s.read_exact(&mut msg).await.unwrap();
+    Some((h.status, String::from_utf8_lossy(&msg).into_owned()))
+}
+
+/// The TCP data plane bounds its connections per peer IP and in total: one
+/// over a bound gets an error frame naming it and is closed, counted; the
+/// admitted connections keep working, and a slot freed by a close is reused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_server_bounds_connections_per_ip_and_in_total() {
+    use kvferry::transport::frame::Status;
+    use kvferry::transport::tcp::{ConnLimits, TcpTransport};
+    use std::sync::atomic::Ordering;
+    let limits = ConnLimits { per_ip_max: 2, total_max: 3 };
+    let t = TcpTransport::start_with_limits(
+        "127.0.0.1:0".parse().unwrap(),
+        "127.0.0.1",
+        NodeAddr::parse("127.0.0.1:1").unwrap(),
+        4096,
+        Arc::new(NoBlocks),
+        1,
+        limits,
+    )
+    .await
+    .unwrap();
+    let addr: std::net::SocketAddr = t.data_addr().parse().unwrap();
+    let mut a1 = connect_from("127.0.0.1", addr).await;
+    let mut a2 = connect_from("127.0.0.1", addr).await;
+    assert_eq!(ping(&mut a1, 1).await.map(|x| x.0), Some(Status::Ok));
+    assert_eq!(ping(&mut a2, 2).await.map(|x| x.0), Some(Status::Ok));
+    // A third from the same IP: refused by the per-IP bound.
+    let mut a3 = connect_from("127.0.0.1", addr).await;
+    let (status, msg) = ping(&mut a3, 3).await.expect("an error frame before the close");
+    assert_eq!(status, Status::Internal);
+    assert!(msg.contains("per IP"), "{msg}");
+    assert_eq!(ping(&mut a3, 4).await, None, "closed after the refusal");
+    assert_eq!(t.hooks.connections_refused.load(Ordering::Relaxed), 1);
+    // Another IP (127.0.0.2 is loopback too) gets the last total slot...
+    let mut b1 = connect_from("127.0.0.2", addr).await;
+    assert_eq!(ping(&mut b1, 5).await.map(|x| x.0), Some(Status::Ok));
+    // ...and a fourth connection is refused by the total bound.
+    let mut b2 = connect_from("127.0.0.2", addr).await;
+    let (status, msg) = ping(&mut b2, 6).await.expect("an error frame before the close");
+    assert_eq!(status, Status::Internal);
+    assert!(msg.contains("in total"), "{msg}");
+    assert_eq!(t.hooks.connections_refused.load(Ordering::Relaxed), 2);
+    assert_eq!(t.hooks.connections_accepted.load(Ordering::Relaxed), 3);
+    // The admitted connections still work; closing one frees its slot.
+    assert_eq!(ping(&mut a1, 7).await.map(|x| x.0), Some(Status::Ok));
+    drop(a2);
+    let t0 = Instant::now();
+    loop {
+        let mut a4 = connect_from("127.0.0.1", addr).await;
+        if ping(&mut a4, 8).await.map(|x| x.0) == Some(Status::Ok) {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(5), "the closed connection's slot was never freed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    t.shutdown();
+}

@@ -122,3 +122,100 @@ fn metaserver_port_taken_is_a_clear_error() {
     let addr = l.local_addr().expect("addr").to_string();
     fails_with(&["metaserver", "--addr", &addr], "cannot bind");
 }
+
+/// `--json` is checked before the run and written only at the end: a run
+/// that fails leaves a previous report untouched, and an unwritable path
+/// fails at once, before any replay (or benchmark) work.
+#[test]
+fn json_report_is_checked_first_and_never_clobbered_by_a_failed_run() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let json = dir.path().join("report.json");
+    std::fs::write(&json, "previous report").expect("write");
+    let out = kvferry()
+        .args(["pd", "--quiet", "--trace", "/nonexistent/trace.jsonl", "--json"])
+        .arg(&json)
+        .output()
+        .expect("run kvferry");
+    assert!(!out.status.success());
+    assert_eq!(std::fs::read_to_string(&json).expect("read"), "previous report", "a failed run left the old report");
+    let missing = dir.path().join("no-such-dir").join("r.json");
+    let missing = missing.to_str().expect("utf8 path");
+    fails_with(&["pd", "--quiet", "--json", missing], "no-such-dir");
+    // bench: checked before the benchmark runs (a huge --keys would take
+    // minutes; the error comes at once).
+    let t = std::time::Instant::now();
+    fails_with(&["bench", "store", "--keys", "100000000", "--json", missing], "no-such-dir");
+    assert!(t.elapsed() < std::time::Duration::from_secs(20), "bench ran before checking --json");
+}
+
+/// Conflicting window flags are a usage error, not a silent override.
+#[test]
+fn window_secs_and_requests_conflict() {
+    let out = kvferry().args(["pd", "--quiet", "--requests", "5", "--window-secs", "3"]).output().expect("run");
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--window-secs") && err.contains("--requests"), "{err}");
+}
+
+/// Ctrl-C (SIGINT) stops the replay: the requests in flight finish, the
+/// report of what was measured is printed and written (marked
+/// interrupted, every replayed block verified), and the exit status is 130.
+#[cfg(unix)]
+#[test]
+fn sigint_ends_pd_with_a_partial_report_and_exit_130() {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let json = dir.path().join("report.json");
+    let mut child = kvferry()
+        .args([
+            "pd",
+            "--quiet",
+            "--requests",
+            "100000",
+            "--max-blocks",
+            "12",
+            "--pool-size",
+            "64MiB",
+            "--http-addr",
+            "127.0.0.1:0",
+            "--json",
+        ])
+        .arg(&json)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run kvferry");
+    // The exporter's line says the cluster is up; let some requests run.
+    let mut err = BufReader::new(child.stderr.take().expect("stderr"));
+    let mut line = String::new();
+    while !line.contains("metrics on") {
+        line.clear();
+        assert!(err.read_line(&mut line).expect("read stderr") > 0, "kvferry exited before the cluster was up");
+    }
+    std::thread::sleep(std::time::Duration::from_millis(1_500));
+    let kill = Command::new("kill").args(["-INT", &child.id().to_string()]).status().expect("kill");
+    assert!(kill.success());
+    let end = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("wait") {
+            break s;
+        }
+        if std::time::Instant::now() > end {
+            let _ = child.kill();
+            panic!("kvferry pd did not stop within 60 s of SIGINT");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let out = child.wait_with_output().expect("output");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(status.code(), Some(130), "stdout: {stdout}");
+    assert!(stdout.contains("INTERRUPTED"), "{stdout}");
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).expect("report written")).expect("report is JSON");
+    assert_eq!(r["interrupted"], serde_json::Value::Bool(true));
+    let requests = num(&r, "requests");
+    assert!(requests > 0.0 && requests < 100_000.0, "{requests}");
+    assert_eq!(num(&r, "blocks_verified"), num(&r, "blocks_total"));
+    assert!(num(&r, "prefix_hit_rate") <= num(&r, "oracle_hit_rate") + 1e-9, "{r}");
+}

@@ -108,8 +108,13 @@ fn status_text(status: &tonic::Status) -> String {
 pub struct ClientMetrics {
     /// Heartbeats answered OK.
     pub heartbeats_ok: AtomicU64,
-    /// Heartbeats that failed.
+    /// Heartbeats that failed (any reason, refusals included).
     pub heartbeats_failed: AtomicU64,
+    /// Heartbeats refused with `FAILED_PRECONDITION`: another live session
+    /// holds this node's address (two processes on one address, or a
+    /// restart before the old session went stale). The client keeps
+    /// heartbeating with backoff and takes over once the other goes stale.
+    pub heartbeats_refused: AtomicU64,
     /// Backfills completed.
     pub backfills: AtomicU64,
     /// Hashes re-advertised by backfills.
@@ -135,6 +140,17 @@ struct Inner {
     ever_registered: AtomicBool,
     /// Set when a write saw FAILED_PRECONDITION: heartbeat before the next write.
     needs_heartbeat: AtomicBool,
+    /// The MetaServer accepted our session at the last heartbeat that got
+    /// an answer: set by an accepted heartbeat, cleared by a refused one
+    /// (`FAILED_PRECONDITION`: another live session holds our address).
+    /// A heartbeat that got no answer (timeout, server down) changes
+    /// nothing: it says nothing about our session.
+    registered: AtomicBool,
+    /// The last answered heartbeat was refused. While set, heartbeats go
+    /// only on the driver's backoff schedule: neither a fenced write nor
+    /// `needs_heartbeat` sends an extra one, so a refused client does not
+    /// hammer the server (one heartbeat per fenced chunk, or a tight loop).
+    refused: AtomicBool,
     closed: AtomicBool,
     stop: watch::Sender<bool>,
     metrics: ClientMetrics,
@@ -175,6 +191,8 @@ impl MetaServerClient {
             needs_backfill: AtomicBool::new(false),
             ever_registered: AtomicBool::new(false),
             needs_heartbeat: AtomicBool::new(false),
+            registered: AtomicBool::new(false),
+            refused: AtomicBool::new(false),
             closed: AtomicBool::new(false),
             stop,
             metrics: ClientMetrics::default(),
@@ -191,6 +209,13 @@ impl MetaServerClient {
     /// This client's node address.
     pub fn node(&self) -> &NodeAddr {
         &self.inner.cfg.node
+    }
+
+    /// Whether the MetaServer accepted this client's session at its last
+    /// answered heartbeat (false before the first accepted one, and after a
+    /// refused one until the next is accepted).
+    pub fn is_registered(&self) -> bool {
+        self.inner.registered.load(Ordering::Relaxed)
     }
 
     /// This client's session id.
@@ -353,7 +378,10 @@ async fn drive(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
             return;
         }
         let now = tokio::time::Instant::now();
-        if now >= next_heartbeat || inner.needs_heartbeat.load(Ordering::Relaxed) {
+        // `needs_heartbeat` jumps the schedule, except after a refusal:
+        // then the backoff alone decides.
+        let jump = inner.needs_heartbeat.load(Ordering::Relaxed) && !inner.refused.load(Ordering::Relaxed);
+        if now >= next_heartbeat || jump {
             match heartbeat(&inner).await {
                 Some(stale_after) => {
                     let interval = (stale_after / 2).max(Duration::from_millis(100));
@@ -396,6 +424,8 @@ async fn heartbeat(inner: &Inner) -> Option<Duration> {
             let r = resp.into_inner();
             inner.metrics.heartbeats_ok.fetch_add(1, Ordering::Relaxed);
             inner.needs_heartbeat.store(false, Ordering::Relaxed);
+            inner.registered.store(true, Ordering::Relaxed);
+            inner.refused.store(false, Ordering::Relaxed);
             let was_registered = inner.ever_registered.swap(true, Ordering::Relaxed);
             // On first contact a backfill is needed only if registrations
             // were already lost (e.g. a restarted node fenced until its old
@@ -409,6 +439,21 @@ async fn heartbeat(inner: &Inner) -> Option<Duration> {
                 inner.needs_backfill.store(true, Ordering::Relaxed);
             }
             Some(Duration::from_secs(r.stale_after_secs.max(1)))
+        }
+        Ok(Err(status)) if status.code() == Code::FailedPrecondition => {
+            // Another live session holds our address (the peer MetaServer's
+            // answer, and ours). Not registered any more: writes would be
+            // fenced, so heartbeat again on the backoff schedule until the
+            // other session goes stale and ours takes over (then the server
+            // answers `new_session` and the backfill rule above applies).
+            inner.metrics.heartbeats_failed.fetch_add(1, Ordering::Relaxed);
+            inner.metrics.heartbeats_refused.fetch_add(1, Ordering::Relaxed);
+            inner.needs_heartbeat.store(true, Ordering::Relaxed);
+            inner.registered.store(false, Ordering::Relaxed);
+            if !inner.refused.swap(true, Ordering::Relaxed) {
+                tracing::warn!(node = %inner.cfg.node, %status, "metaserver refused our heartbeat; retrying with backoff");
+            }
+            None
         }
         Ok(Err(status)) => {
             inner.metrics.heartbeats_failed.fetch_add(1, Ordering::Relaxed);
@@ -520,8 +565,12 @@ async fn send_chunk(inner: &Inner, chunk: Chunk) {
         let mut res = rpc_chunk(inner, &chunk).await;
         if let Err(status) = &res {
             if status.code() == Code::FailedPrecondition {
+                // Re-heartbeat inline (the server lost or fenced our
+                // session, e.g. it restarted), unless our heartbeats are
+                // being refused: then wait for the backoff.
+                let inline = !inner.refused.load(Ordering::Relaxed);
                 inner.needs_heartbeat.store(true, Ordering::Relaxed);
-                if heartbeat(inner).await.is_some() {
+                if inline && heartbeat(inner).await.is_some() {
                     res = rpc_chunk(inner, &chunk).await;
                 }
             }

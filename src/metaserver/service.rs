@@ -2,8 +2,9 @@
 //! PegaFlow; see wire.md) and its start-up entry.
 
 use std::net::SocketAddr;
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use rand::{Rng, SeedableRng};
@@ -31,6 +32,10 @@ pub struct MetaServerConfig {
     pub sweep_interval_secs: u64,
     /// Seed of the fault hooks' RNG (deterministic drops under a seed).
     pub seed: u64,
+    /// Distinct block hashes each namespace's index is sized for up front
+    /// (see [`MetaStore::with_capacity`]; at most
+    /// [`limits::METASERVER_CAPACITY_HASHES_MAX`]). 0: grow on demand.
+    pub capacity_hashes: u64,
 }
 
 impl MetaServerConfig {
@@ -42,6 +47,7 @@ impl MetaServerConfig {
             ttl_secs: limits::NODE_TTL_SECS_DEFAULT,
             sweep_interval_secs: limits::SWEEP_INTERVAL_SECS_DEFAULT,
             seed: 0,
+            capacity_hashes: 0,
         }
     }
 }
@@ -62,6 +68,11 @@ pub struct MetaServerHooks {
     pub reject_hash: Mutex<Option<BlockHash>>,
     /// Writes dropped by `drop_writes_ppm`.
     pub dropped_writes: AtomicU64,
+    /// The next this-many store operations (any RPC, or the sweep) panic
+    /// while holding the store lock, before touching the store: a fault
+    /// injected to prove one failed request does not take the service down
+    /// (the request answers `INTERNAL`, the service keeps serving).
+    pub panic_store_ops: AtomicU32,
 }
 
 /// Counters a `/metrics` exporter reads.
@@ -79,6 +90,15 @@ pub struct MetaServerMetrics {
     pub rejected: AtomicU64,
     /// Nodes removed by the TTL sweep.
     pub swept_nodes: AtomicU64,
+    /// Store operations that panicked (a request answered `INTERNAL`, or a
+    /// sweep skipped); the service kept serving.
+    pub store_panics: AtomicU64,
+    /// Times the store lock was found poisoned (a panic elsewhere while it
+    /// was held) and recovered.
+    pub poison_recoveries: AtomicU64,
+    /// Times a fault left the store inconsistent and it was reset to empty
+    /// (clients then re-heartbeat and backfill, as after a restart: C6).
+    pub store_resets: AtomicU64,
 }
 
 /// The tonic service. Cheap to clone.
@@ -92,7 +112,78 @@ pub struct MetaServerService {
     rng: Arc<Mutex<rand::rngs::SmallRng>>,
 }
 
+/// Takes the store lock, surviving a poisoned one: a panic while another
+/// holder had it (the exporter, an embedder, a test) leaves the lock
+/// poisoned, and `expect` there would turn one fault into every later
+/// request panicking. The guard is recovered with
+/// [`PoisonError::into_inner`], the store is checked
+/// ([`MetaStore::check_consistency`]) and, if the fault left it
+/// half-updated, reset to empty (see [`recover_store`]); the poison flag is
+/// cleared and the recovery counted.
+pub(crate) fn lock_store<'a>(store: &'a Mutex<MetaStore>, metrics: &MetaServerMetrics) -> MutexGuard<'a, MetaStore> {
+    match store.lock() {
+        Ok(g) => g,
+        Err(poisoned) => {
+            let mut g = poisoned.into_inner();
+            store.clear_poison();
+            metrics.poison_recoveries.fetch_add(1, Ordering::Relaxed);
+            recover_store(&mut g, metrics);
+            g
+        }
+    }
+}
+
+/// After a fault while the store was held: keeps it if its indices agree,
+/// else replaces it with an empty store of the same configuration (counted
+/// in [`MetaServerMetrics::store_resets`]). An empty store is a state the
+/// system already recovers from — a MetaServer restart: writes of unknown
+/// nodes answer `FAILED_PRECONDITION`, clients re-heartbeat, learn their
+/// session is new and backfill their resident blocks (C6) — whereas a
+/// half-updated index could answer owners that do not hold a block.
+fn recover_store(store: &mut MetaStore, metrics: &MetaServerMetrics) {
+    if let Err(e) = store.check_consistency() {
+        tracing::error!(error = %e, "resetting the metaserver store to empty after a fault");
+        *store = MetaStore::with_capacity(store.config(), store.capacity_hashes());
+        metrics.store_resets.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Runs `op` on the store under its lock; a panic inside it (a bug, or the
+/// [`MetaServerHooks::panic_store_ops`] fault) is caught while the lock is
+/// still held, so the lock is never poisoned: the store is checked (and
+/// reset if inconsistent, see [`recover_store`]), the panic counted in
+/// [`MetaServerMetrics::store_panics`], and `Err(())` returned for the
+/// caller to refuse just that request.
+fn guarded<T>(
+    store: &Mutex<MetaStore>,
+    hooks: &MetaServerHooks,
+    metrics: &MetaServerMetrics,
+    op: impl FnOnce(&mut MetaStore) -> T,
+) -> Result<T, ()> {
+    let mut g = lock_store(store, metrics);
+    let res = std::panic::catch_unwind(AssertUnwindSafe(|| {
+        let injected =
+            hooks.panic_store_ops.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1)).is_ok();
+        if injected {
+            panic!("injected store fault (MetaServerHooks::panic_store_ops)");
+        }
+        op(&mut g)
+    }));
+    res.map_err(|_| {
+        metrics.store_panics.fetch_add(1, Ordering::Relaxed);
+        recover_store(&mut g, metrics);
+    })
+}
+
 impl MetaServerService {
+    /// [`guarded`] on this service's store: a panicking operation answers
+    /// `INTERNAL` (counted as rejected too) and the service keeps serving.
+    fn with_store<T>(&self, op: impl FnOnce(&mut MetaStore) -> T) -> Result<T, Status> {
+        guarded(&self.store, &self.hooks, &self.metrics, op).or_else(|()| {
+            self.reject(Status::internal("the metaserver failed on this request (store fault); it keeps serving"))
+        })
+    }
+
     fn now_ms(&self) -> u64 {
         crate::rt::elapsed_ms(self.origin)
     }
@@ -119,7 +210,7 @@ impl MetaServerService {
         if ppm == 0 {
             return false;
         }
-        let roll: u32 = self.rng.lock().expect("rng lock").random_range(0..1_000_000);
+        let roll: u32 = self.rng.lock().unwrap_or_else(PoisonError::into_inner).random_range(0..1_000_000);
         if roll < ppm {
             self.hooks.dropped_writes.fetch_add(1, Ordering::Relaxed);
             true
@@ -152,7 +243,7 @@ impl MetaServerService {
             return Err(Status::unavailable("registration dropped by fault hook"));
         }
         let now = self.now_ms();
-        let res = op(&mut self.store.lock().expect("store lock"), namespace, &hashes, &node, &session, now);
+        let res = self.with_store(|st| op(st, namespace, &hashes, &node, &session, now))?;
         res.or_else(|e| self.reject(from_store_error(e)))
     }
 
@@ -167,7 +258,7 @@ impl MetaServerService {
         let (node, session) = identity(node, node_id)?;
         validate_namespace(namespace).map_err(from_id_error)?;
         let hashes = check_hashes(hashes)?;
-        if let Some(poison) = self.hooks.reject_hash.lock().expect("hook lock").as_ref() {
+        if let Some(poison) = self.hooks.reject_hash.lock().unwrap_or_else(PoisonError::into_inner).as_ref() {
             if hashes.contains(poison) {
                 return Err(Status::invalid_argument(format!("hash {poison:?} rejected")));
             }
@@ -215,7 +306,7 @@ impl MetaServer for MetaServerService {
             Err(e) => return self.reject(e),
         };
         let now = self.now_ms();
-        let outcome = self.store.lock().expect("store lock").heartbeat(&node, &session, now);
+        let outcome = self.with_store(|st| st.heartbeat(&node, &session, now))?;
         match outcome {
             Ok(o) => {
                 self.metrics.heartbeats.fetch_add(1, Ordering::Relaxed);
@@ -238,7 +329,7 @@ impl MetaServer for MetaServerService {
             Ok(v) => v,
             Err(e) => return self.reject(e),
         };
-        let removed_owners = self.store.lock().expect("store lock").unregister(&node, &session);
+        let removed_owners = self.with_store(|st| st.unregister(&node, &session))?;
         Ok(Response::new(UnregisterNodeResponse { removed_owners }))
     }
 
@@ -290,7 +381,7 @@ impl MetaServer for MetaServerService {
             Err(s) => return self.reject(s),
         };
         let now = self.now_ms();
-        let owners = self.store.lock().expect("store lock").query_prefix(&r.namespace, &hashes, now);
+        let owners = self.with_store(|st| st.query_prefix(&r.namespace, &hashes, now))?;
         self.metrics.queries.fetch_add(1, Ordering::Relaxed);
         Ok(Response::new(QueryPrefixBlocksResponse {
             nodes: owners.into_iter().map(|(node, prefix_len)| NodePrefixResult { node: node.0, prefix_len }).collect(),
@@ -352,7 +443,127 @@ pub enum StartError {
     },
     /// A setting is out of range.
     #[error("bad configuration: {0}")]
-    Config(String),
+    Config(#[from] ConfigError),
+}
+
+/// A [`MetaServerConfig`] duration setting, named in [`ConfigError`] so a
+/// front end can name its own flag for it (the CLI says `--ttl-secs`, not
+/// `ttl_secs`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ConfigField {
+    /// [`MetaServerConfig::stale_after_secs`].
+    StaleAfterSecs,
+    /// [`MetaServerConfig::ttl_secs`].
+    TtlSecs,
+    /// [`MetaServerConfig::sweep_interval_secs`].
+    SweepIntervalSecs,
+    /// [`MetaServerConfig::capacity_hashes`].
+    CapacityHashes,
+}
+
+impl ConfigField {
+    /// The config field's name (`stale_after_secs`, …).
+    pub fn name(self) -> &'static str {
+        match self {
+            ConfigField::StaleAfterSecs => "stale_after_secs",
+            ConfigField::TtlSecs => "ttl_secs",
+            ConfigField::SweepIntervalSecs => "sweep_interval_secs",
+            ConfigField::CapacityHashes => "capacity_hashes",
+        }
+    }
+}
+
+/// Why a [`MetaServerConfig`] was refused. The texts name the config fields;
+/// [`ConfigError::render`] names them any other way.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    /// The setting must be at least 1 s.
+    #[error("{} must be at least 1 (s)", .0.name())]
+    Zero(ConfigField),
+    /// A node would be swept before it goes stale.
+    #[error("ttl_secs ({ttl_secs}) must be >= stale_after_secs ({stale_after_secs})")]
+    TtlBelowStaleAfter {
+        /// The TTL asked for (s).
+        ttl_secs: u64,
+        /// The staleness bound asked for (s).
+        stale_after_secs: u64,
+    },
+    /// [`MetaServerConfig::capacity_hashes`] exceeds
+    /// [`limits::METASERVER_CAPACITY_HASHES_MAX`].
+    #[error("capacity_hashes ({value}) must be at most {max}")]
+    CapacityTooLarge {
+        /// The capacity asked for (hashes).
+        value: u64,
+        /// The bound (hashes).
+        max: u64,
+    },
+    /// The setting exceeds [`limits::METASERVER_DURATION_SECS_MAX`].
+    #[error("{} ({value}) must be at most {max} (s)", field.name())]
+    TooLong {
+        /// Which setting.
+        field: ConfigField,
+        /// Its value (s).
+        value: u64,
+        /// The bound (s).
+        max: u64,
+    },
+}
+
+impl ConfigError {
+    /// The message with each setting named by `name` (e.g. a flag).
+    pub fn render(&self, name: impl Fn(ConfigField) -> String) -> String {
+        match self {
+            ConfigError::Zero(f) => format!("{} must be at least 1 (s)", name(*f)),
+            ConfigError::TtlBelowStaleAfter { ttl_secs, stale_after_secs } => format!(
+                "{} ({ttl_secs}) must be >= {} ({stale_after_secs})",
+                name(ConfigField::TtlSecs),
+                name(ConfigField::StaleAfterSecs)
+            ),
+            ConfigError::TooLong { field, value, max } => {
+                format!("{} ({value}) must be at most {max} (s)", name(*field))
+            }
+            ConfigError::CapacityTooLarge { value, max } => {
+                format!("{} ({value}) must be at most {max}", name(ConfigField::CapacityHashes))
+            }
+        }
+    }
+}
+
+impl MetaServerConfig {
+    /// Checks the duration settings: each at least 1 s and at most
+    /// [`limits::METASERVER_DURATION_SECS_MAX`], and `ttl_secs >=
+    /// stale_after_secs`.
+    ///
+    /// # Errors
+    /// The first [`ConfigError`] found.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let max = limits::METASERVER_DURATION_SECS_MAX;
+        for (field, value) in [
+            (ConfigField::StaleAfterSecs, self.stale_after_secs),
+            (ConfigField::TtlSecs, self.ttl_secs),
+            (ConfigField::SweepIntervalSecs, self.sweep_interval_secs),
+        ] {
+            if value == 0 {
+                return Err(ConfigError::Zero(field));
+            }
+            if value > max {
+                return Err(ConfigError::TooLong { field, value, max });
+            }
+        }
+        if self.capacity_hashes > limits::METASERVER_CAPACITY_HASHES_MAX {
+            return Err(ConfigError::CapacityTooLarge {
+                value: self.capacity_hashes,
+                max: limits::METASERVER_CAPACITY_HASHES_MAX,
+            });
+        }
+        if self.ttl_secs < self.stale_after_secs {
+            return Err(ConfigError::TtlBelowStaleAfter {
+                ttl_secs: self.ttl_secs,
+                stale_after_secs: self.stale_after_secs,
+            });
+        }
+        Ok(())
+    }
 }
 
 /// Binds, then serves the MetaServer and runs its TTL sweep. Returns once the
@@ -360,26 +571,15 @@ pub enum StartError {
 ///
 /// # Errors
 /// [`StartError::Bind`] for a taken or invalid address, [`StartError::Config`]
-/// for zero/inconsistent durations.
+/// for zero/inconsistent durations (see [`MetaServerConfig::validate`]).
 pub async fn start(config: MetaServerConfig) -> Result<MetaServerHandle, StartError> {
-    let max = limits::METASERVER_DURATION_SECS_MAX;
-    if config.stale_after_secs == 0
-        || config.sweep_interval_secs == 0
-        || config.ttl_secs < config.stale_after_secs
-        || config.ttl_secs > max
-        || config.sweep_interval_secs > max
-    {
-        return Err(StartError::Config(format!(
-            "need 0 < stale_after_secs <= ttl_secs <= {max} and 0 < sweep_interval_secs <= {max} (got stale_after {}, ttl {}, sweep {})",
-            config.stale_after_secs, config.ttl_secs, config.sweep_interval_secs
-        )));
-    }
+    config.validate()?;
     let bound = crate::rt::bind(config.addr).await.map_err(|source| StartError::Bind { addr: config.addr, source })?;
     let local_addr = bound.local_addr;
-    let store = Arc::new(Mutex::new(MetaStore::new(StoreConfig {
-        stale_after_ms: config.stale_after_secs * 1000,
-        ttl_ms: config.ttl_secs * 1000,
-    })));
+    let store = Arc::new(Mutex::new(MetaStore::with_capacity(
+        StoreConfig { stale_after_ms: config.stale_after_secs * 1000, ttl_ms: config.ttl_secs * 1000 },
+        config.capacity_hashes as usize,
+    )));
     let hooks = Arc::new(MetaServerHooks::default());
     let metrics = Arc::new(MetaServerMetrics::default());
     let origin = Instant::now();
@@ -403,12 +603,16 @@ pub async fn start(config: MetaServerConfig) -> Result<MetaServerHandle, StartEr
     }));
     let sweep_store = store.clone();
     let sweep_metrics = metrics.clone();
+    let sweep_hooks = hooks.clone();
     let period = Duration::from_secs(config.sweep_interval_secs);
     let sweep = tokio::spawn(async move {
         loop {
             tokio::time::sleep(period).await;
             let now = crate::rt::elapsed_ms(origin);
-            let rep = sweep_store.lock().expect("store lock").sweep(now);
+            // A panicking sweep is counted and skipped; the next period retries.
+            let Ok(rep) = guarded(&sweep_store, &sweep_hooks, &sweep_metrics, |st| st.sweep(now)) else {
+                continue;
+            };
             if rep.nodes_removed > 0 {
                 sweep_metrics.swept_nodes.fetch_add(rep.nodes_removed, Ordering::Relaxed);
                 tracing::info!(nodes = rep.nodes_removed, owners = rep.owners_removed, "ttl sweep");
@@ -417,4 +621,67 @@ pub async fn start(config: MetaServerConfig) -> Result<MetaServerHandle, StartEr
     });
     tracing::info!(%local_addr, "metaserver listening");
     Ok(MetaServerHandle { local_addr, store, hooks, metrics, shutdown: tx, serve, sweep })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::types::{BlockHash, NodeAddr, SessionId};
+
+    fn store_with_one_block() -> Mutex<MetaStore> {
+        let mut st = MetaStore::new(StoreConfig { stale_after_ms: 1_000, ttl_ms: 5_000 });
+        let (n, s) = (NodeAddr("10.0.0.1:7000".into()), SessionId("s1".into()));
+        st.heartbeat(&n, &s, 0).unwrap();
+        st.insert("ns", &[BlockHash::from_u64(1)], &n, &s, 0).unwrap();
+        Mutex::new(st)
+    }
+
+    /// A panic that leaves the store half-updated is caught, and the store
+    /// is reset to empty instead of serving a wrong index; counted.
+    #[test]
+    fn a_panic_that_corrupts_the_store_resets_it() {
+        let store = store_with_one_block();
+        let (hooks, metrics) = (MetaServerHooks::default(), MetaServerMetrics::default());
+        let r: Result<(), ()> = guarded(&store, &hooks, &metrics, |st| {
+            st.corrupt_for_test();
+            panic!("injected: a bug halfway through an update");
+        });
+        assert_eq!(r, Err(()));
+        assert_eq!(metrics.store_panics.load(Ordering::Relaxed), 1);
+        assert_eq!(metrics.store_resets.load(Ordering::Relaxed), 1);
+        assert!(!store.is_poisoned());
+        let st = lock_store(&store, &metrics);
+        assert_eq!(st.stats().nodes, 0, "reset to empty");
+        assert_eq!(st.check_consistency(), Ok(()));
+    }
+
+    /// A panic before any change keeps the store as it was.
+    #[test]
+    fn a_panic_that_changed_nothing_keeps_the_store() {
+        let store = store_with_one_block();
+        let (hooks, metrics) = (MetaServerHooks::default(), MetaServerMetrics::default());
+        hooks.panic_store_ops.store(1, Ordering::Relaxed);
+        assert_eq!(guarded(&store, &hooks, &metrics, |st| st.stats().hashes), Err(()));
+        assert_eq!(guarded(&store, &hooks, &metrics, |st| st.stats().hashes), Ok(1), "one injected fault only");
+        assert_eq!(metrics.store_panics.load(Ordering::Relaxed), 1);
+        assert_eq!(metrics.store_resets.load(Ordering::Relaxed), 0);
+    }
+
+    /// A lock poisoned elsewhere over a corrupted store: recovered, checked,
+    /// reset; the poison flag is cleared.
+    #[test]
+    fn a_poisoned_lock_over_a_corrupted_store_is_recovered_and_reset() {
+        let store = store_with_one_block();
+        let metrics = MetaServerMetrics::default();
+        let _ = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            let mut g = store.lock().unwrap();
+            g.corrupt_for_test();
+            panic!("injected: a holder corrupts the store and panics");
+        }));
+        assert!(store.is_poisoned());
+        assert!(lock_store(&store, &metrics).check_consistency().is_ok());
+        assert!(!store.is_poisoned());
+        assert_eq!(metrics.poison_recoveries.load(Ordering::Relaxed), 1);
+        assert_eq!(metrics.store_resets.load(Ordering::Relaxed), 1);
+    }
 }

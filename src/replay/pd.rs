@@ -134,6 +134,11 @@ pub struct PdConfig {
     /// Data plane of every node (`--transport`, `--rdma-device`): all nodes
     /// share it, so with verbs they all open the same device.
     pub transport: TransportChoice,
+    /// When this turns true (the binary's Ctrl-C), no further request is
+    /// started; the requests in flight finish (each bounded by its flush
+    /// and fetch deadlines) and the report covers the requests replayed so
+    /// far, with [`PdReport::interrupted`] set. None: run to the end.
+    pub stop: Option<tokio::sync::watch::Receiver<bool>>,
 }
 
 impl Default for PdConfig {
@@ -159,6 +164,7 @@ impl Default for PdConfig {
             flush_deadline: Duration::from_secs(5),
             fetch_deadline: Duration::from_secs(5),
             transport: TransportChoice::Tcp,
+            stop: None,
         }
     }
 }
@@ -166,8 +172,11 @@ impl Default for PdConfig {
 /// The final report (`--json` writes it; keys are stable).
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct PdReport {
-    /// Requests replayed.
+    /// Requests replayed (fewer than the window's when interrupted).
     pub requests: u64,
+    /// True when the replay was stopped early ([`PdConfig::stop`]): every
+    /// figure covers the requests replayed, the oracle included.
+    pub interrupted: bool,
     /// Engine blocks across all requests (decode side).
     pub blocks_total: u64,
     /// Blocks whose bytes on the decode device equal recomputation (= all).
@@ -178,13 +187,18 @@ pub struct PdReport {
     pub blocks_recomputed: u64,
     /// Blocks decode nodes already held locally.
     pub blocks_decode_local: u64,
-    /// Prefill-side prefix hits: local cache.
+    /// Prefill-side prefix hits: blocks reused from the node's own cache.
     pub prefill_local_hits: u64,
-    /// Prefill-side prefix hits fetched from a peer.
+    /// Prefill-side prefix hits: blocks fetched from a peer.
     pub prefill_fetched: u64,
     /// Bytes moved through the transport (all fetches).
     pub bytes_transferred: u64,
-    /// Transport throughput: bytes ÷ time inside fetches (GB/s, 1e9).
+    /// Wall-clock seconds during which at least one fetch (prefill or
+    /// decode side) was in flight: the union of the fetch intervals, so
+    /// concurrent fetches are not counted twice.
+    pub fetch_busy_s: f64,
+    /// Transport throughput: `bytes_transferred` ÷ `fetch_busy_s` (GB/s,
+    /// 1e9 B/s): the aggregate rate of the concurrent fetches.
     pub transport_gbps: f64,
     /// Prefill prefix hit rate (local + fetched) over all blocks.
     pub prefix_hit_rate: f64,
@@ -194,9 +208,12 @@ pub struct PdReport {
     pub handoff_p50_ms: f64,
     /// 99th percentile.
     pub handoff_p99_ms: f64,
-    /// Registrations dropped (all flush reports, all nodes).
+    /// Registry commands dropped, from the prefill nodes' flush reports at
+    /// the handoff barriers: inserts of saved blocks and the removals that
+    /// pool eviction queued (so more than the blocks saved is possible).
+    /// The key keeps its historical name.
     pub registrations_dropped: u64,
-    /// Registrations delivered.
+    /// Registry commands delivered, counted as `registrations_dropped`.
     pub registrations_delivered: u64,
     /// Blocks rejected by checksum.
     pub checksum_failures: u64,
@@ -441,7 +458,8 @@ struct ReqOutcome {
     decode_fetched: u64,
     verified: u64,
     bytes: u64,
-    fetch_time: Duration,
+    /// (start, end) of each fetch this request ran (prefill and decode).
+    fetch_intervals: Vec<(Instant, Instant)>,
     handoff: Duration,
     delivered: u64,
     dropped: u64,
@@ -560,7 +578,13 @@ pub async fn run_with_observer(
     // join handles works on both runtimes).
     let mut inflight: FuturesUnordered<tokio::task::JoinHandle<Result<ReqOutcome, PdError>>> = FuturesUnordered::new();
     let mut bytes_so_far = 0u64;
+    let mut started = 0usize;
+    let mut interrupted = false;
     for (i, req) in reqs.iter().enumerate() {
+        if cfg.stop.as_ref().is_some_and(|s| *s.borrow()) {
+            interrupted = true;
+            break;
+        }
         // Faults fire between requests, with earlier requests possibly in flight.
         if Some(i) == kill_ms_at {
             if let Some(h) = ms.take() {
@@ -612,6 +636,7 @@ pub async fn run_with_observer(
         let shape = shape.clone();
         let flush_deadline = cfg.flush_deadline;
         inflight.push(tokio::spawn(async move { serve_request(&p, &d, &shape, hashes, flush_deadline).await }));
+        started = i + 1;
     }
     while let Some(r) = inflight.next().await {
         let o = r.map_err(|e| PdError::Start(e.to_string()))??;
@@ -620,9 +645,13 @@ pub async fn run_with_observer(
         outcomes.push(o);
     }
     progress.finish();
+    // Interrupted: the figures cover the requests started (all of which
+    // finished), a prefix of the window, so the oracle is recomputed on it.
+    let oracle = if started < n { trace::oracle_engine_blocks(&reqs[..started], cfg.block_tokens) } else { oracle };
 
     let mut rep = PdReport {
-        requests: n as u64,
+        requests: started as u64,
+        interrupted,
         model: model.name.to_string(),
         transport: cfg.transport.to_string(),
         block_tokens: cfg.block_tokens,
@@ -632,7 +661,7 @@ pub async fn run_with_observer(
         ..Default::default()
     };
     let mut handoffs: Vec<f64> = Vec::with_capacity(n);
-    let mut fetch_time = Duration::ZERO;
+    let mut fetch_intervals: Vec<(Instant, Instant)> = Vec::new();
     for o in &outcomes {
         rep.blocks_total += o.blocks;
         rep.blocks_verified += o.verified;
@@ -644,7 +673,7 @@ pub async fn run_with_observer(
         rep.bytes_transferred += o.bytes;
         rep.registrations_delivered += o.delivered;
         rep.registrations_dropped += o.dropped;
-        fetch_time += o.fetch_time;
+        fetch_intervals.extend_from_slice(&o.fetch_intervals);
         handoffs.push(o.handoff.as_secs_f64() * 1e3);
     }
     rep.prefix_hit_rate = if rep.blocks_total == 0 {
@@ -652,8 +681,9 @@ pub async fn run_with_observer(
     } else {
         (rep.prefill_local_hits + rep.prefill_fetched) as f64 / rep.blocks_total as f64
     };
-    rep.transport_gbps =
-        if fetch_time.is_zero() { 0.0 } else { rep.bytes_transferred as f64 / fetch_time.as_secs_f64() / 1e9 };
+    let busy = union_duration(&mut fetch_intervals);
+    rep.fetch_busy_s = busy.as_secs_f64();
+    rep.transport_gbps = if busy.is_zero() { 0.0 } else { rep.bytes_transferred as f64 / busy.as_secs_f64() / 1e9 };
     handoffs.sort_by(|a, b| a.total_cmp(b));
     rep.handoff_p50_ms = percentile(&handoffs, 0.50);
     rep.handoff_p99_ms = percentile(&handoffs, 0.99);
@@ -737,6 +767,29 @@ async fn stop_cluster(nodes: &[Arc<PdNode>], ms: Option<MetaServerHandle>) {
     }
 }
 
+/// The wall-clock time covered by at least one of `intervals` (their
+/// union's length); sorts them in place. Concurrent fetches overlap, and
+/// a rate of concurrent work is bytes over this, not over the sum.
+fn union_duration(intervals: &mut [(Instant, Instant)]) -> Duration {
+    intervals.sort_by_key(|&(start, _)| start);
+    let mut total = Duration::ZERO;
+    let mut current: Option<(Instant, Instant)> = None;
+    for &(start, end) in intervals.iter() {
+        current = match current {
+            Some((s, e)) if start <= e => Some((s, e.max(end))),
+            Some((s, e)) => {
+                total += e - s;
+                Some((start, end))
+            }
+            None => Some((start, end)),
+        };
+    }
+    if let Some((s, e)) = current {
+        total += e - s;
+    }
+    total
+}
+
 fn percentile(sorted: &[f64], q: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;
@@ -801,9 +854,14 @@ async fn serve_request(
     {
         let _dev = p.device.lock().await;
         let local = pe.query_prefix(&shape.ns, &hashes);
-        let t = Instant::now();
-        let fetched = if local < n { pe.fetch(&shape.ns, &hashes).await } else { Default::default() };
-        o.fetch_time += t.elapsed();
+        let fetched = if local < n {
+            let t = Instant::now();
+            let f = pe.fetch(&shape.ns, &hashes).await;
+            o.fetch_intervals.push((t, Instant::now()));
+            f
+        } else {
+            Default::default()
+        };
         o.bytes += fetched.bytes;
         let reuse = local.max(fetched.available);
         o.prefill_local = local as u64;
@@ -835,8 +893,9 @@ async fn serve_request(
     let local = de.query_prefix(&shape.ns, &hashes);
     let t = Instant::now();
     let fetched = de.fetch(&shape.ns, &hashes).await;
-    o.fetch_time += t.elapsed();
-    o.handoff = handoff_start.elapsed();
+    let fetch_end = Instant::now();
+    o.fetch_intervals.push((t, fetch_end));
+    o.handoff = fetch_end - handoff_start;
     o.bytes += fetched.bytes;
     let have = fetched.available.max(local);
     let mut loaded = vec![false; n];
@@ -859,4 +918,23 @@ async fn serve_request(
         }
     }
     Ok(o)
+}
+
+#[cfg(all(test, not(madsim)))]
+mod tests {
+    use super::*;
+
+    /// Overlapping fetch intervals count once: the union, not the sum.
+    #[test]
+    fn union_duration_counts_overlap_once() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        // [0,10) and [5,20) overlap → 20; [30,40) apart → +10; [32,35) inside → +0.
+        let mut v = vec![(at(30), at(40)), (at(0), at(10)), (at(32), at(35)), (at(5), at(20))];
+        assert_eq!(union_duration(&mut v), Duration::from_millis(30));
+        assert_eq!(union_duration(&mut []), Duration::ZERO);
+        // Four fully concurrent fetches of 10 ms take 10 ms of wall clock, not 40.
+        let mut same = vec![(at(0), at(10)); 4];
+        assert_eq!(union_duration(&mut same), Duration::from_millis(10));
+    }
 }

@@ -17,9 +17,14 @@
 //! out-of-range reads get an error frame and the connection stays usable; a
 //! malformed frame gets an error frame and the connection is closed. Input
 //! from the network never panics and never allocates by an unchecked length.
+//!
+//! The server bounds its connections per peer IP and in total
+//! ([`ConnLimits`], defaults in `limits`): a connection beyond either bound
+//! gets one [`Status::Internal`] error frame with `req_id` 0 naming the
+//! bound, is closed, and is counted in [`TcpHooks::connections_refused`].
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -53,8 +58,10 @@ pub struct TcpHooks {
     pub bytes_served: AtomicU64,
     /// Error frames sent (unknown session, out of range, malformed).
     pub errors_sent: AtomicU64,
-    /// Connections accepted.
+    /// Connections accepted (admitted under the [`ConnLimits`]).
     pub connections_accepted: AtomicU64,
+    /// Connections refused by the [`ConnLimits`] (per IP or total).
+    pub connections_refused: AtomicU64,
     /// Client side, test hook: the next N read ops fail as if the connection
     /// reset mid-read (the stream is dropped and the rest of its batch fails
     /// with [`TransportError::Io`]). Used by the simulator (`transport::sim`).
@@ -65,6 +72,97 @@ pub struct TcpHooks {
     pub read_delay_ms: AtomicU64,
     /// Read ops failed by `fail_next_reads`.
     pub injected_read_errors: AtomicU64,
+}
+
+/// Bounds on the connections the data-plane server holds open at once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConnLimits {
+    /// Connections from one peer IP (IPv4-mapped IPv6 counts as IPv4).
+    pub per_ip_max: usize,
+    /// Connections in total.
+    pub total_max: usize,
+}
+
+impl Default for ConnLimits {
+    /// [`limits::TCP_SERVER_CONNECTIONS_PER_IP_MAX`] and
+    /// [`limits::TCP_SERVER_CONNECTIONS_MAX`].
+    fn default() -> Self {
+        Self { per_ip_max: limits::TCP_SERVER_CONNECTIONS_PER_IP_MAX, total_max: limits::TCP_SERVER_CONNECTIONS_MAX }
+    }
+}
+
+/// Why the server refused a connection.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ConnRefusal {
+    /// The peer IP already holds `limit` connections.
+    #[error("too many data-plane connections from {ip} (limit {limit} per IP)")]
+    PerIp {
+        /// The peer's IP.
+        ip: IpAddr,
+        /// [`ConnLimits::per_ip_max`].
+        limit: usize,
+    },
+    /// The server already holds `limit` connections.
+    #[error("too many data-plane connections (limit {limit} in total)")]
+    Total {
+        /// [`ConnLimits::total_max`].
+        limit: usize,
+    },
+}
+
+/// The open-connection counts behind [`ConnLimits`]: a plain struct (no
+/// I/O), so its rules are unit-tested without sockets.
+#[derive(Debug)]
+struct ConnTable {
+    limits: ConnLimits,
+    per_ip: HashMap<IpAddr, usize>,
+    total: usize,
+}
+
+impl ConnTable {
+    fn new(limits: ConnLimits) -> Self {
+        Self { limits, per_ip: HashMap::new(), total: 0 }
+    }
+
+    /// Counts a new connection from `ip`, or refuses it (nothing changes).
+    fn admit(&mut self, ip: IpAddr) -> Result<(), ConnRefusal> {
+        let ip = ip.to_canonical();
+        if self.total >= self.limits.total_max {
+            return Err(ConnRefusal::Total { limit: self.limits.total_max });
+        }
+        let n = self.per_ip.entry(ip).or_insert(0);
+        if *n >= self.limits.per_ip_max {
+            return Err(ConnRefusal::PerIp { ip, limit: self.limits.per_ip_max });
+        }
+        *n += 1;
+        self.total += 1;
+        Ok(())
+    }
+
+    /// Uncounts a connection `admit` counted.
+    fn release(&mut self, ip: IpAddr) {
+        let ip = ip.to_canonical();
+        if let Some(n) = self.per_ip.get_mut(&ip) {
+            *n -= 1;
+            if *n == 0 {
+                self.per_ip.remove(&ip);
+            }
+            self.total -= 1;
+        }
+    }
+}
+
+/// An admitted connection's place in the [`ConnTable`], given back when the
+/// connection's task ends (however it ends).
+struct ConnSlot {
+    table: Arc<Mutex<ConnTable>>,
+    ip: IpAddr,
+}
+
+impl Drop for ConnSlot {
+    fn drop(&mut self) {
+        self.table.lock().unwrap_or_else(std::sync::PoisonError::into_inner).release(self.ip);
+    }
 }
 
 struct Peer {
@@ -106,6 +204,24 @@ impl TcpTransport {
         source: Arc<dyn DataSource>,
         conns_per_peer: usize,
     ) -> std::io::Result<Self> {
+        Self::start_with_limits(bind, advertise_host, node, pool_len, source, conns_per_peer, ConnLimits::default())
+            .await
+    }
+
+    /// [`TcpTransport::start`] with explicit bounds on the connections the
+    /// server holds open ([`ConnLimits`]).
+    ///
+    /// # Errors
+    /// The bind error.
+    pub async fn start_with_limits(
+        bind: SocketAddr,
+        advertise_host: &str,
+        node: NodeAddr,
+        pool_len: u64,
+        source: Arc<dyn DataSource>,
+        conns_per_peer: usize,
+        conn_limits: ConnLimits,
+    ) -> std::io::Result<Self> {
         let listener = TcpListener::bind(bind).await?;
         Self::start_on(listener, advertise_host, node, pool_len, source, conns_per_peer)
     }
@@ -134,7 +250,7 @@ impl TcpTransport {
             verbs: None,
         };
         let (stop, stop_rx) = watch::channel(false);
-        tokio::spawn(accept_loop(listener, source, hooks.clone(), stop_rx));
+        tokio::spawn(accept_loop(listener, source, hooks.clone(), conn_limits, stop_rx));
         Ok(Self {
             local,
             peers: Mutex::new(HashMap::new()),
@@ -167,8 +283,11 @@ async fn accept_loop(
     listener: TcpListener,
     source: Arc<dyn DataSource>,
     hooks: Arc<TcpHooks>,
+    conn_limits: ConnLimits,
     mut stop: watch::Receiver<bool>,
 ) {
+    let table = Arc::new(Mutex::new(ConnTable::new(conn_limits)));
+    let refusing = Arc::new(AtomicUsize::new(0));
     loop {
         // `biased` (stop first) here and below: an unbiased select! draws
         // from tokio's thread RNG, seeded with a process-global counter,
@@ -179,11 +298,20 @@ async fn accept_loop(
             a = listener.accept() => a,
         };
         match accepted {
-            Ok((stream, _)) => {
+            Ok((stream, peer)) => {
+                let admitted = table.lock().unwrap_or_else(std::sync::PoisonError::into_inner).admit(peer.ip());
+                if let Err(why) = admitted {
+                    hooks.connections_refused.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(%peer, %why, "data-plane connection refused");
+                    refuse(stream, why, &hooks, &refusing);
+                    continue;
+                }
+                let slot = ConnSlot { table: table.clone(), ip: peer.ip() };
                 let _ = stream.set_nodelay(true);
                 hooks.connections_accepted.fetch_add(1, Ordering::Relaxed);
                 let (source, hooks, mut stop) = (source.clone(), hooks.clone(), stop.clone());
                 tokio::spawn(async move {
+                    let _slot = slot;
                     tokio::select! {
                         biased;
                         _ = stop.wait_for(|s| *s) => {}
@@ -197,6 +325,34 @@ async fn accept_loop(
             }
         }
     }
+}
+
+/// Refuses a connection over the [`ConnLimits`]: one error frame
+/// ([`Status::Internal`], `req_id` 0, the reason), then close, all within
+/// [`limits::TCP_SERVER_REFUSAL_WRITE_MS`]. With
+/// [`limits::TCP_SERVER_REFUSALS_IN_FLIGHT_MAX`] refusals already writing,
+/// the connection is closed at once instead.
+fn refuse(mut stream: TcpStream, why: ConnRefusal, hooks: &Arc<TcpHooks>, refusing: &Arc<AtomicUsize>) {
+    if refusing.fetch_add(1, Ordering::Relaxed) >= limits::TCP_SERVER_REFUSALS_IN_FLIGHT_MAX {
+        refusing.fetch_sub(1, Ordering::Relaxed);
+        return; // dropping the stream closes it
+    }
+    let (hooks, refusing) = (hooks.clone(), refusing.clone());
+    tokio::spawn(async move {
+        let deadline = Instant::now() + std::time::Duration::from_millis(limits::TCP_SERVER_REFUSAL_WRITE_MS);
+        // Frame, FIN, then drain what the peer already sent: closing a
+        // socket with unread input sends a reset, which can destroy the
+        // frame before the peer reads it.
+        let _ = timeout_at(deadline, async {
+            send_error(&mut stream, &hooks, 0, Status::Internal, &why.to_string()).await?;
+            stream.shutdown().await?;
+            let mut sink = [0u8; 1024];
+            while stream.read(&mut sink).await? > 0 {}
+            Ok::<(), std::io::Error>(())
+        })
+        .await;
+        refusing.fetch_sub(1, Ordering::Relaxed);
+    });
 }
 
 async fn send_error(
@@ -445,8 +601,19 @@ async fn read_one(
         Ok(None) => return Err(TransportError::Protocol("short response header".into())),
         Err(e) => return Err(TransportError::Protocol(e.to_string())),
     };
+    if h.req_id == 0 && h.status != Status::Ok {
+        // A connection-level error (a malformed frame, or the server's
+        // connection limits): the server closes the connection after it.
+        let n = (h.len as usize).min(frame::ERROR_MESSAGE_BYTES_MAX);
+        let mut msg = vec![0u8; n];
+        let _ = timeout_at(deadline, rd.read_exact(&mut msg)).await;
+        return Err(TransportError::Refused {
+            status: format!("{:?}", h.status),
+            message: String::from_utf8_lossy(&msg).into_owned(),
+        });
+    }
     if h.req_id != id {
-        // A malformed-frame reply carries req_id 0; anything else out of order is a broken peer.
+        // Anything out of order is a broken peer.
         return Err(TransportError::Protocol(format!("response for request {} while expecting {id}", h.req_id)));
     }
     if h.status != Status::Ok {
@@ -594,5 +761,36 @@ impl Transport for TcpTransport {
         }
         let (local, results) = slots.into_iter().map(|s| s.expect("every extent comes back")).unzip();
         ReadCompletion { local, results }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    /// The per-IP bound, then the total bound; a refusal changes nothing;
+    /// a release frees exactly one slot; IPv4-mapped IPv6 counts as IPv4.
+    #[test]
+    fn conn_table_bounds_per_ip_and_total() {
+        let mut t = ConnTable::new(ConnLimits { per_ip_max: 2, total_max: 3 });
+        let (a, b, c) = (ip("10.0.0.1"), ip("10.0.0.2"), ip("10.0.0.3"));
+        t.admit(a).unwrap();
+        t.admit(ip("::ffff:10.0.0.1")).unwrap();
+        assert_eq!(t.admit(a), Err(ConnRefusal::PerIp { ip: a, limit: 2 }));
+        t.admit(b).unwrap();
+        assert_eq!(t.admit(c), Err(ConnRefusal::Total { limit: 3 }));
+        assert_eq!((t.total, t.per_ip.len()), (3, 2), "refusals change nothing");
+        t.release(a);
+        t.admit(c).unwrap();
+        assert_eq!(t.admit(a), Err(ConnRefusal::Total { limit: 3 }));
+        t.release(b);
+        t.release(c);
+        t.release(c); // not counted any more: a no-op
+        assert_eq!((t.total, t.per_ip.get(&a)), (1, Some(&1)));
+        assert!(!t.per_ip.contains_key(&c), "an IP with no connection is forgotten");
     }
 }
