@@ -495,16 +495,32 @@ class Node:
                 "or register the same tensors",
                 "EngineError::LayoutExists",
             )
+        # Tensors whose memory overlaps or touches (K and V views of one
+        # allocation) share one registered buffer; each segment is then an
+        # offset into it.
+        spans = sorted(((info.addr, info.addr + span, j) for j, (info, _) in enumerate(infos)))
+        groups: List[List[int]] = []  # [start, end, members...]
+        for start, end, j in spans:
+            if groups and start <= groups[-1][1]:
+                groups[-1][1] = max(groups[-1][1], end)
+                groups[-1].append(j)
+            else:
+                groups.append([start, end, j])
+        seg: Dict[int, Tuple[int, int]] = {}
         registered: List[Tuple[int, Any]] = []
         try:
-            for info, t in infos:
-                registered.append((self._node.register_buffer(info.addr, span), t))
+            for g in groups:
+                start, end, members = g[0], g[1], g[2:]
+                bid = self._node.register_buffer(start, end - start)
+                registered.append((bid, [infos[j][1] for j in members]))
+                for j in members:
+                    seg[j] = (bid, infos[j][0].addr - start)
             layers = []
             step = 2 if vs is not None else 1
             for i in range(len(ks)):
-                kb = registered[i * step][0]
-                vb = registered[i * step + 1][0] if vs is not None else None
-                layers.append((kb, 0, vb, 0, num_blocks, bytes_per_block, block_stride))
+                kb, ko = seg[i * step]
+                vb, vo = seg[i * step + 1] if vs is not None else (None, 0)
+                layers.append((kb, ko, vb, vo, num_blocks, bytes_per_block, block_stride))
             self._node.register_layout(namespace, layers)
         except BaseException:
             for bid, _ in registered:
@@ -526,6 +542,25 @@ class Node:
         self._caches[namespace] = (cache, registered)
         self._spans[namespace] = [(info.addr, span) for info, _ in infos]
         return cache
+
+    def unregister_kv_cache(self, namespace: str) -> None:
+        """Forgets the KV cache of ``namespace``: kvferry no longer copies
+        into or out of those tensors, and this node drops its references to
+        them (they may be freed afterwards). Blocks already in the pool stay
+        and can still be served to peers and loaded after registering a cache
+        of the same shape again.
+
+        Raises:
+            UnknownNamespaceError: nothing is registered for ``namespace``.
+            LayoutError: a buffer is still in use by an in-flight copy
+                (retry once the save or load finished).
+        """
+        self.kv_cache(namespace)
+        self._node.unregister_layout(namespace)
+        _, registered = self._caches.pop(namespace)
+        self._spans.pop(namespace, None)
+        for bid, _ in registered:
+            self._node.unregister_buffer(bid)
 
     def kv_cache(self, namespace: str) -> KvCacheInfo:
         """What is registered for ``namespace``.
@@ -619,15 +654,9 @@ class Node:
     ) -> Tuple[FetchReport, LoadReport]:
         """:meth:`fetch`, then :meth:`load` of the ``available`` prefix into
         ``block_ids[:available]``. Returns both reports."""
-        hs = [bytes(h) for h in hashes]
-        ids = [int(i) for i in block_ids]
-        if len(hs) != len(ids):
-            raise ConfigError(f"{len(hs)} hashes but {len(ids)} block ids", "LengthMismatch")
-        f = self.fetch(namespace, hs, timeout=timeout)
-        k = f.available
-        if k == 0:
-            return f, LoadReport(0, [])
-        return f, self.load(namespace, hs[:k], ids[:k])
+        t = self._fetch_timeout if timeout is None else float(timeout)
+        f, lrep = self._node.fetch_into(namespace, [bytes(h) for h in hashes], [int(i) for i in block_ids], t)
+        return FetchReport(**f), LoadReport(int(lrep["loaded"]), [tuple(x) for x in lrep["failed"]])
 
     def metrics(self) -> Dict[str, int]:
         """Engine counters and gauges (saves, fetched blocks and bytes, pool

@@ -16,7 +16,6 @@
 //! whose `cause` names the Rust variant.
 
 mod adapter;
-mod external_host;
 
 use std::future::Future;
 use std::sync::atomic::Ordering;
@@ -26,7 +25,6 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use kvferry::client::ClientError;
 use kvferry::engine::fetch::FetchReport;
-use kvferry::engine::layout::DeviceBufferId;
 use kvferry::engine::{Engine, EngineError, LoadError};
 use kvferry::gpu::GpuError;
 use kvferry::metaserver::{MetaServerConfig, MetaServerHandle};
@@ -36,7 +34,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 use tokio::runtime::Runtime;
 
-use adapter::{Backend, PyLayer, RegisterError};
+use adapter::{Backend, PyLayer};
 
 /// Longest the GIL-free part of a wait lasts before signals are polled.
 const WAIT_SLICE: Duration = Duration::from_millis(50);
@@ -78,10 +76,19 @@ impl From<Fail> for PyErr {
     }
 }
 
-/// `Enum::Variant` from a value's `Debug` text (`Variant(..)`, `Variant { .. }`).
+/// `Enum::Variant` from a value's `Debug` text (`Variant(..)`,
+/// `Variant { .. }`); a variant wrapping another enum's value gets that
+/// variant too (`GpuError::Buffer::Unaligned`).
 fn variant(prefix: &str, dbg: &str) -> String {
-    let name: String = dbg.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
-    format!("{prefix}::{name}")
+    let ident = |s: &str| -> String { s.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect() };
+    let name = ident(dbg);
+    let rest = &dbg[name.len()..];
+    match rest.strip_prefix('(') {
+        Some(inner) if inner.starts_with(|c: char| c.is_ascii_uppercase()) => {
+            format!("{prefix}::{name}::{}", ident(inner))
+        }
+        _ => format!("{prefix}::{name}"),
+    }
 }
 
 fn gpu_fail(e: GpuError) -> Fail {
@@ -90,6 +97,12 @@ fn gpu_fail(e: GpuError) -> Fail {
         GpuError::Unavailable(_) => " (is the device visible and the driver loaded?)",
         GpuError::OutOfRange(_) | GpuError::UnknownBuffer(_) => {
             " (the registered tensor is smaller than the layout needs, or was unregistered)"
+        }
+        GpuError::External(_) => {
+            " (pass a live CUDA tensor of this node's device: freed memory is no longer device memory)"
+        }
+        GpuError::Buffer(_) => {
+            " (a buffer must be non-null, 16-byte aligned and must not overlap another registered buffer)"
         }
         _ => "",
     };
@@ -126,6 +139,8 @@ fn engine_fail(e: EngineError) -> Fail {
         ),
         EngineError::Gpu(g) => gpu_fail(g),
         EngineError::Id(i) => Fail::new("ConfigError", cause, i.to_string()),
+        e @ EngineError::FamilyMismatch { .. } => Fail::new("LayoutError", cause, e.to_string()),
+        e @ EngineError::BufferInUse { .. } => Fail::new("LayoutError", cause, e.to_string()),
         other => Fail::new("KvferryError", cause, other.to_string()),
     }
 }
@@ -313,7 +328,6 @@ struct Live {
 #[pyclass(module = "kvferry._native")]
 struct Node {
     live: Mutex<Option<Live>>,
-    backend: Backend,
     #[pyo3(get)]
     address: String,
     #[pyo3(get)]
@@ -403,7 +417,7 @@ impl Node {
         let started = py.detach(|| rt.block_on(kvferry::node::start(cfg, g)));
         let handle = started.map_err(node_fail)?;
         let address = handle.node.0.clone();
-        Ok(Self { live: Mutex::new(Some(Live { rt: Arc::new(rt), handle })), backend, address, gpu: gpu.to_string() })
+        Ok(Self { live: Mutex::new(Some(Live { rt: Arc::new(rt), handle })), address, gpu: gpu.to_string() })
     }
 
     /// Registers caller memory `[addr, addr + nbytes)`; returns its id.
@@ -412,22 +426,25 @@ impl Node {
         let (_, engine) = self.engine()?;
         // SAFETY: the Python layer holds a reference to the object owning
         // this memory until it unregisters the buffer.
-        let r = unsafe { self.backend.register(&engine, addr, nbytes) };
-        match r {
-            Ok(id) => Ok(id.0),
-            Err(RegisterError::Gpu(e)) => {
-                let mut f = gpu_fail(e);
-                f.class = "BufferError";
-                Err(f.into())
-            }
-            Err(RegisterError::Unsupported(m)) => Err(Fail::new("BufferError", "Unsupported", m).into()),
-        }
+        let r = unsafe { adapter::register_buffer(&engine, addr, nbytes) };
+        r.map(|id| id.0).map_err(|e| {
+            let mut f = engine_fail(e);
+            f.class = "BufferError";
+            f.msg = format!("cannot register [{addr:#x}, +{nbytes}): {}", f.msg);
+            f.into()
+        })
     }
 
-    /// Forgets a registered buffer.
+    /// Forgets a registered buffer (refused while a layout names it).
     fn unregister_buffer(&self, id: u32) -> PyResult<()> {
         let (_, engine) = self.engine()?;
-        self.backend.unregister(&engine, DeviceBufferId(id)).map_err(|e| gpu_fail(e).into())
+        adapter::unregister_buffer(&engine, id).map_err(|e| engine_fail(e).into())
+    }
+
+    /// Forgets a namespace's layout.
+    fn unregister_layout(&self, namespace: &str) -> PyResult<()> {
+        let (_, engine) = self.engine()?;
+        adapter::unregister_layout(&engine, namespace).map_err(|e| engine_fail(e).into())
     }
 
     /// Registers a namespace's layout. `layers`: per layer
@@ -568,6 +585,25 @@ impl Node {
         load_dict(py, &r)
     }
 
+    /// Fetch, then load the available prefix into `blocks`; `(fetch, load)`
+    /// report dicts.
+    fn fetch_into<'py>(
+        &self,
+        py: Python<'py>,
+        namespace: String,
+        hashes: Vec<Vec<u8>>,
+        blocks: Vec<u64>,
+        timeout_s: f64,
+    ) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyDict>)> {
+        let t = secs(timeout_s)?;
+        let (rt, engine) = self.engine()?;
+        let p = pairs(hashes, blocks)?;
+        let r = wait(py, &rt, t, async move { adapter::fetch_into(&engine, &namespace, p).await })?
+            .ok_or_else(|| deadline_fail("fetch_into", t))?
+            .map_err(engine_fail)?;
+        Ok((fetch_dict(py, &r.fetch)?, load_dict(py, &r.load)?))
+    }
+
     /// Counters and gauges.
     fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let (_, engine) = self.engine()?;
@@ -660,14 +696,17 @@ fn block_hashes<'py>(
     if block_tokens == 0 {
         return Err(Fail::new("ConfigError", "BlockTokens", "block_tokens must be at least 1").into());
     }
-    let hs = py.detach(|| adapter::block_hashes(namespace, &tokens, block_tokens));
+    let hs = py
+        .detach(|| adapter::block_hashes(namespace, &tokens, block_tokens))
+        .map_err(|e| Fail::new("ConfigError", variant("HashError", &format!("{e:?}")), e.to_string()))?;
     Ok(hs.iter().map(|h| PyBytes::new(py, h.as_bytes())).collect())
 }
 
 /// The namespace string of one KV layout family.
 #[pyfunction]
-fn namespace(model: &str, dtype: &str, block_tokens: u32, tp_rank: u32, tp_size: u32, layers: u32) -> String {
+fn namespace(model: &str, dtype: &str, block_tokens: u32, tp_rank: u32, tp_size: u32, layers: u32) -> PyResult<String> {
     adapter::namespace(model, dtype, block_tokens, tp_rank, tp_size, layers)
+        .map_err(|e| Fail::new("ConfigError", variant("HashError", &format!("{e:?}")), e.to_string()).into())
 }
 
 /// Whether this build has the CUDA backend.

@@ -88,3 +88,19 @@ def test_block_hashes_are_chained_full_blocks_only(ns):
     # The namespace is part of the hash.
     assert kvferry.block_hashes(ns + "x", toks, 16) != hs
     assert kvferry.block_hashes(ns, toks[:15], 16) == []
+
+
+def test_hash_and_namespace_match_the_rust_test_vectors():
+    # docs/block-hash.md, pinned on the Rust side by hash::tests::v1_test_vectors.
+    ns = kvferry.namespace("test", "bf16", block_tokens=4, tp_rank=0, tp_size=1, layers=2)
+    assert ns == "kvferry1|model=test|dtype=bf16|bt=4|tp=0/1|layers=2"
+    assert [h.hex() for h in kvferry.block_hashes(ns, [1, 2, 3, 4, 5, 6, 7, 8, 9], 4)] == [
+        "726d2da1c87699eef98c012015b957de6bd0c719569154d9e0f6bdbb06c7268d",
+        "676bd1a00ff9a69ec88251d1d77766180b56c6538f27fb2c306a1597bc13c9c3",
+    ]
+    assert [h.hex() for h in kvferry.block_hashes("n", [0], 1)] == [
+        "0af1f7381c2ab5e5c01e4f0c2b86bb942a9275c80c161334e34e16bc13ee160c"
+    ]
+    with pytest.raises(kvferry.ConfigError) as e:
+        kvferry.namespace("", "bf16", 4)
+    assert e.value.cause.startswith("HashError::")

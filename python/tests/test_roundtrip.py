@@ -99,3 +99,50 @@ def test_save_releases_the_gil(metaserver, ns):
         stop.set()
         t.join()
         assert ticks
+
+
+@pytest.mark.parametrize("arrangement", ["kv-axis-first", "kv-axis-inside-block"])
+def test_k_and_v_in_one_allocation(metaserver, ns, arrangement):
+    # [2, num_blocks, ...] per layer, and [num_blocks, 2, ...] (K and V
+    # interleaved per block): one registered buffer, K and V at offsets.
+    # The pool format depends only on the family, so a peer with separate
+    # K and V tensors exchanges blocks with it.
+    shape = (8, BT, 2, 16)
+    rng = np.random.default_rng(9)
+    if arrangement == "kv-axis-first":
+        whole = [rng.standard_normal((2,) + shape).astype(np.float32) for _ in range(2)]
+        k, v = [w[0] for w in whole], [w[1] for w in whole]
+    else:
+        whole = [rng.standard_normal((shape[0], 2) + shape[1:]).astype(np.float32) for _ in range(2)]
+        k, v = [w[:, 0] for w in whole], [w[:, 1] for w in whole]
+    p, d = two_nodes(metaserver)
+    with p, d:
+        info = p.register_kv_cache(ns, k, v)
+        if arrangement == "kv-axis-inside-block":
+            assert info.block_stride == 2 * info.bytes_per_block
+        dk, dv = paged(fill=0.0)
+        d.register_kv_cache(ns, dk, dv)
+        hs = kvferry.block_hashes(ns, tokens(3 * BT), BT)
+        p.save(ns, hs, [5, 6, 7])
+        assert p.flush_saves_and_registrations(timeout=5).ok
+        f, l = d.fetch_into(ns, hs, [0, 1, 2])
+        assert f.available == 3 and l.loaded == 3
+        for src, dst in zip(k + v, dk + dv):
+            np.testing.assert_array_equal(dst[:3], src[5:8])
+
+
+def test_unregister_kv_cache_then_register_again(metaserver, ns):
+    with kvferry.Node(metaserver.address) as node:
+        k, v = paged(seed=5)
+        node.register_kv_cache(ns, k, v)
+        hs = kvferry.block_hashes(ns, tokens(2 * BT), BT)
+        node.save(ns, hs, [0, 1])
+        node.unregister_kv_cache(ns)
+        with pytest.raises(kvferry.UnknownNamespaceError):
+            node.load(ns, hs, [0, 1])
+        # A new cache of the same shape: the pooled blocks load into it.
+        k2, v2 = paged(fill=0.0)
+        node.register_kv_cache(ns, k2, v2)
+        assert node.load(ns, hs, [3, 4]).loaded == 2
+        for a, b in zip(k + v, k2 + v2):
+            np.testing.assert_array_equal(b[3:5], a[0:2])
