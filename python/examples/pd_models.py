@@ -189,9 +189,11 @@ class QwenModel:
         self.device = device
         self.paged_device = paged_device
         if size == "large":
-            # KV shape of Qwen3-8B (36 layers x 8 KV heads x 128 head dim);
-            # a narrower residual stream keeps weights small (~0.6 B params).
-            cfg = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=36, num_attention_heads=16)
+            # Qwen3-8B's dimensions (36 layers, 32 query / 8 KV heads x 128,
+            # hidden 4096, MLP 12288), so both the KV bytes and the prefill
+            # compute a fetch competes with are an 8B model's; a 32k
+            # vocabulary instead of 152k (the embedding does not touch KV).
+            cfg = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32)
         else:
             cfg = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8)
         config = Qwen3Config(
@@ -204,8 +206,13 @@ class QwenModel:
             **cfg,
         )
         torch.manual_seed(seed)
-        with torch.device(device):
-            model = Qwen3ForCausalLM(config)
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)  # build in bf16 on the device: no fp32 copy of 8B weights
+        try:
+            with torch.device(device):
+                model = Qwen3ForCausalLM(config)
+        finally:
+            torch.set_default_dtype(default)
         self.model = model.to(dtype=torch.bfloat16).eval()
         self.num_layers = config.num_hidden_layers
         self.kv_heads = config.num_key_value_heads

@@ -375,7 +375,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "block_tokens": bt,
         "decode_tokens": args.decode_tokens or (16 if cuda else 8),
         "num_blocks": long_n // bt + 8,
-        "pool_bytes": (6 << 30) if cuda else (256 << 20),
+        "pool_bytes": (3 << 30) if cuda else (256 << 20),
         "fetch_timeout": 30.0 if cuda else 10.0,
         "rpc_timeout": 2.0,
         "barrier_timeout": 5.0,
