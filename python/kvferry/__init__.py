@@ -29,7 +29,10 @@ Objects: :class:`MetaServer`, :class:`Node`; functions :func:`block_hashes`,
 
 Every blocking call releases the GIL, takes a ``timeout`` in seconds, and can
 be interrupted with Ctrl-C. Each MetaServer and Node owns its own Rust
-runtime: several can live in one process.
+runtime: several can live in one process. Runtime threads do not survive a
+``fork``: create nodes in the process that uses them (with
+``multiprocessing``, use the ``spawn`` start method or create them in the
+child).
 """
 
 from __future__ import annotations
