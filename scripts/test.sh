@@ -19,6 +19,9 @@
 #      scenario, the determinism sample, the broken-build checks.
 #   3. fuzz smoke (scripts/fuzz.sh smoke): each coverage-guided target briefly.
 #   4. clippy in both cfgs (warnings are errors).
+#   5. the Python package (scripts/python-test.sh): the wheel into a venv,
+#      pytest (incl. the P/D example on CPU with the numpy model), and
+#      fmt/clippy of the python/ crate.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SIM_SEEDS=${SIM_SEEDS:-500}
@@ -51,5 +54,10 @@ scripts/fuzz.sh smoke "$FUZZ_SECS"
 step "tier 4: clippy (tokio and madsim)"
 cargo clippy --all-targets -- -D warnings
 RUSTFLAGS="--cfg madsim ${RUSTFLAGS:-}" CARGO_TARGET_DIR=target-sim cargo clippy --lib --test sim -- -D warnings
+
+step "tier 5: python package (wheel into a venv, pytest)"
+cargo fmt --manifest-path python/Cargo.toml -- --check
+CARGO_TARGET_DIR=python/target cargo clippy --manifest-path python/Cargo.toml -- -D warnings
+scripts/python-test.sh
 
 step "all tiers passed"

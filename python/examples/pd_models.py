@@ -1,0 +1,318 @@
+"""The two models the P/D example runs, behind one small interface.
+
+    model.prefill(tokens)     -> kv: per layer (K, V), each [kv_heads, seq, head_dim]
+    model.decode(kv, tokens, n, on_first=None) -> n greedy tokens
+
+``decode`` continues from a cache ``kv`` that covers a *strict* prefix of
+``tokens`` (at least one prompt token is always computed: a cache covering
+the whole prompt leaves no logits to pick the first token from), computes
+the rest of the prompt in one forward, then decodes greedily. ``on_first``
+is called when the first token is known (time to first token).
+
+- :class:`NumpyDecoder`: a small reference decoder in numpy (RMSNorm, RoPE,
+  grouped-query attention, SwiGLU), float32. What CI runs: torch is several
+  GB, numpy a few MB.
+- :class:`QwenModel`: transformers' Qwen3 architecture with seeded random
+  weights (nothing can be downloaded), bf16 on CUDA. Its cache is
+  transformers' ``DynamicCache`` (``[batch, kv_heads, seq, head_dim]`` per
+  layer), converted to and from the per-layer (K, V) form above.
+
+Each model also says how to move KV between that form and a paged cache
+``[num_blocks, block_tokens, kv_heads, head_dim]`` (vLLM's "NHD").
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+KV = List[Tuple[Any, Any]]
+
+
+class NumpyDecoder:
+    """A seeded random decoder-only transformer in numpy (float32)."""
+
+    dtype_name = "float32"
+
+    def __init__(self, *, vocab=512, hidden=128, layers=4, heads=4, kv_heads=2, head_dim=32, inter=256, seed=0):
+        self.vocab, self.hidden, self.num_layers = vocab, hidden, layers
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        rng = np.random.default_rng(seed)
+
+        def w(*shape, scale=None):
+            s = scale if scale is not None else 1.0 / np.sqrt(shape[0])
+            return (rng.standard_normal(shape) * s).astype(np.float32)
+
+        self.embed = w(vocab, hidden, scale=1.0)
+        self.layers = []
+        for _ in range(layers):
+            self.layers.append(
+                dict(
+                    ln1=np.ones(hidden, np.float32) + w(hidden, scale=0.1),
+                    wq=w(hidden, heads * head_dim),
+                    wk=w(hidden, kv_heads * head_dim),
+                    wv=w(hidden, kv_heads * head_dim),
+                    wo=w(heads * head_dim, hidden),
+                    ln2=np.ones(hidden, np.float32) + w(hidden, scale=0.1),
+                    wg=w(hidden, inter),
+                    wu=w(hidden, inter),
+                    wd=w(inter, hidden),
+                )
+            )
+        self.ln_f = np.ones(hidden, np.float32)
+        self.lm_head = w(hidden, vocab)
+        inv = 1.0 / (10000.0 ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+        self._inv_freq = inv
+
+    def fingerprint(self) -> str:
+        """Digest of the weights (both sides must build the same model)."""
+        h = hashlib.sha256(self.embed.tobytes())
+        h.update(self.layers[-1]["wd"].tobytes())
+        return h.hexdigest()[:16]
+
+    @staticmethod
+    def _rms(x, g):
+        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-6) * g
+
+    def _rope(self, x, pos):  # x [h, s, d]
+        ang = np.outer(pos, self._inv_freq)  # [s, d/2]
+        cos = np.concatenate([np.cos(ang), np.cos(ang)], -1).astype(np.float32)
+        sin = np.concatenate([np.sin(ang), np.sin(ang)], -1).astype(np.float32)
+        half = x.shape[-1] // 2
+        rot = np.concatenate([-x[..., half:], x[..., :half]], -1)
+        return x * cos + rot * sin
+
+    def _forward(self, tokens: Sequence[int], kv: KV) -> Tuple[np.ndarray, KV]:
+        """Runs ``tokens`` after the cache ``kv``; last position's logits and
+        the extended cache."""
+        start = kv[0][0].shape[1] if kv else 0
+        n = len(tokens)
+        pos = np.arange(start, start + n)
+        x = self.embed[np.asarray(tokens)]
+        group = self.heads // self.kv_heads
+        mask = np.triu(np.full((n, start + n), -np.inf, np.float32), k=start + 1)
+        out_kv: KV = []
+        for i, L in enumerate(self.layers):
+            h = self._rms(x, L["ln1"])
+            q = (h @ L["wq"]).reshape(n, self.heads, self.head_dim).transpose(1, 0, 2)
+            k = (h @ L["wk"]).reshape(n, self.kv_heads, self.head_dim).transpose(1, 0, 2)
+            v = (h @ L["wv"]).reshape(n, self.kv_heads, self.head_dim).transpose(1, 0, 2)
+            q, k = self._rope(q, pos), self._rope(k, pos)
+            if kv:
+                k = np.concatenate([kv[i][0], k], axis=1)
+                v = np.concatenate([kv[i][1], v], axis=1)
+            k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)
+            out_kv.append((k, v))
+            kk = np.repeat(k, group, axis=0)
+            vv = np.repeat(v, group, axis=0)
+            s = q @ kk.transpose(0, 2, 1) / np.sqrt(self.head_dim) + mask
+            s = np.exp(s - s.max(-1, keepdims=True))
+            s /= s.sum(-1, keepdims=True)
+            a = (s @ vv).transpose(1, 0, 2).reshape(n, -1)
+            x = x + a @ L["wo"]
+            h = self._rms(x, L["ln2"])
+            g = h @ L["wg"]
+            x = x + ((g / (1 + np.exp(-g))) * (h @ L["wu"])) @ L["wd"]
+        logits = self._rms(x[-1:], self.ln_f) @ self.lm_head
+        return logits[0], out_kv
+
+    def prefill(self, tokens: Sequence[int]) -> KV:
+        return self._forward(list(tokens), [])[1]
+
+    def decode(self, kv: KV, tokens: Sequence[int], n: int, on_first: Optional[Callable[[], None]] = None) -> List[int]:
+        c = kv[0][0].shape[1] if kv else 0
+        assert c < len(tokens), "the cache must leave at least one prompt token to compute"
+        logits, kv = self._forward(list(tokens[c:]), kv)
+        out: List[int] = []
+        for step in range(n):
+            t = int(np.argmax(logits))
+            out.append(t)
+            if step == 0 and on_first:
+                on_first()
+            if step + 1 < n:
+                logits, kv = self._forward([t], kv)
+        return out
+
+    # -- paged cache ----------------------------------------------------
+    def new_paged(self, num_blocks: int, block_tokens: int):
+        shape = (num_blocks, block_tokens, self.kv_heads, self.head_dim)
+        return [np.zeros(shape, np.float32) for _ in range(self.num_layers)], [
+            np.zeros(shape, np.float32) for _ in range(self.num_layers)
+        ]
+
+    @staticmethod
+    def to_paged(kv: KV, pk, pv, nblocks: int, bt: int) -> None:
+        """Blocks ``0..nblocks`` of the paged cache ← tokens ``0..nblocks*bt``."""
+        for (k, v), dk, dv in zip(kv, pk, pv):
+            h, _, d = k.shape
+            dk[:nblocks] = k[:, : nblocks * bt].reshape(h, nblocks, bt, d).transpose(1, 2, 0, 3)
+            dv[:nblocks] = v[:, : nblocks * bt].reshape(h, nblocks, bt, d).transpose(1, 2, 0, 3)
+
+    @staticmethod
+    def from_paged(pk, pv, nblocks: int, bt: int) -> KV:
+        out = []
+        for dk, dv in zip(pk, pv):
+            _, _, h, d = dk.shape
+            k = np.ascontiguousarray(dk[:nblocks].transpose(2, 0, 1, 3).reshape(h, nblocks * bt, d))
+            v = np.ascontiguousarray(dv[:nblocks].transpose(2, 0, 1, 3).reshape(h, nblocks * bt, d))
+            out.append((k, v))
+        return out
+
+    @staticmethod
+    def block_digests(pk, pv, nblocks: int) -> List[str]:
+        """Per block, a digest of its bytes (all layers, K and V)."""
+        out = []
+        for b in range(nblocks):
+            h = hashlib.blake2b(digest_size=16)
+            for dk, dv in zip(pk, pv):
+                h.update(dk[b].tobytes())
+                h.update(dv[b].tobytes())
+            out.append(h.hexdigest())
+        return out
+
+    def sync(self) -> None:
+        pass
+
+
+class QwenModel:
+    """transformers' Qwen3 with seeded random weights, bf16 on CUDA."""
+
+    dtype_name = "bfloat16"
+
+    def __init__(self, *, size: str = "small", seed: int = 0, device: str = "cuda", paged_device: str = "cuda"):
+        import torch
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        self.torch = torch
+        self.device = device
+        self.paged_device = paged_device
+        if size == "large":
+            # Qwen3-8B's dimensions (36 layers, 32 query / 8 KV heads x 128,
+            # hidden 4096, MLP 12288), so both the KV bytes and the prefill
+            # compute a fetch competes with are an 8B model's; a 32k
+            # vocabulary instead of 152k (the embedding does not touch KV).
+            cfg = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32)
+        else:
+            cfg = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8)
+        config = Qwen3Config(
+            vocab_size=32000,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=16384,
+            rope_theta=1_000_000.0,
+            tie_word_embeddings=False,
+            **cfg,
+        )
+        torch.manual_seed(seed)
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)  # build in bf16 on the device: no fp32 copy of 8B weights
+        try:
+            with torch.device(device):
+                model = Qwen3ForCausalLM(config)
+        finally:
+            torch.set_default_dtype(default)
+        self.model = model.to(dtype=torch.bfloat16).eval()
+        self.num_layers = config.num_hidden_layers
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.vocab = config.vocab_size
+
+    def fingerprint(self) -> str:
+        t = self.torch
+        acc = hashlib.sha256()
+        for p in list(self.model.parameters())[:3] + list(self.model.parameters())[-2:]:
+            acc.update(p.detach().flatten()[:4096].view(t.int16).cpu().numpy().tobytes())
+        return acc.hexdigest()[:16]
+
+    def sync(self) -> None:
+        self.torch.cuda.synchronize()
+
+    def _cache(self, kv: KV):
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        for i, (k, v) in enumerate(kv):
+            cache.update(k[None].to(self.device), v[None].to(self.device), i)
+        return cache
+
+    @staticmethod
+    def _layers(cache) -> KV:
+        if hasattr(cache, "layers"):
+            return [(layer.keys[0], layer.values[0]) for layer in cache.layers]
+        return [(k[0], v[0]) for k, v in zip(cache.key_cache, cache.value_cache)]
+
+    def prefill(self, tokens: Sequence[int]) -> KV:
+        t = self.torch
+        with t.inference_mode():
+            ids = t.tensor([list(tokens)], device=self.device)
+            out = self.model(input_ids=ids, use_cache=True)
+            return self._layers(out.past_key_values)
+
+    def decode(self, kv: KV, tokens: Sequence[int], n: int, on_first: Optional[Callable[[], None]] = None) -> List[int]:
+        t = self.torch
+        c = int(kv[0][0].shape[1]) if kv else 0
+        assert c < len(tokens), "the cache must leave at least one prompt token to compute"
+        with t.inference_mode():
+            cache = self._cache(kv)
+            ids = t.tensor([list(tokens[c:])], device=self.device)
+            out: List[int] = []
+            for step in range(n):
+                res = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
+                cache = res.past_key_values
+                nxt = int(res.logits[0, -1].argmax())
+                out.append(nxt)
+                if step == 0 and on_first:
+                    on_first()
+                ids = t.tensor([[nxt]], device=self.device)
+            return out
+
+    # -- paged cache ----------------------------------------------------
+    def new_paged(self, num_blocks: int, block_tokens: int):
+        t = self.torch
+        shape = (num_blocks, block_tokens, self.kv_heads, self.head_dim)
+        kw = dict(dtype=t.bfloat16, device=self.paged_device)
+        if self.paged_device == "cpu":
+            kw["pin_memory"] = True
+        return [t.zeros(shape, **kw) for _ in range(self.num_layers)], [
+            t.zeros(shape, **kw) for _ in range(self.num_layers)
+        ]
+
+    @staticmethod
+    def to_paged(kv: KV, pk, pv, nblocks: int, bt: int) -> None:
+        for (k, v), dk, dv in zip(kv, pk, pv):
+            h, _, d = k.shape
+            dk[:nblocks].copy_(k[:, : nblocks * bt].reshape(h, nblocks, bt, d).permute(1, 2, 0, 3))
+            dv[:nblocks].copy_(v[:, : nblocks * bt].reshape(h, nblocks, bt, d).permute(1, 2, 0, 3))
+
+    def from_paged(self, pk, pv, nblocks: int, bt: int) -> KV:
+        out = []
+        for dk, dv in zip(pk, pv):
+            _, _, h, d = dk.shape
+            k = dk[:nblocks].permute(2, 0, 1, 3).reshape(h, nblocks * bt, d).to(self.device).contiguous()
+            v = dv[:nblocks].permute(2, 0, 1, 3).reshape(h, nblocks * bt, d).to(self.device).contiguous()
+            out.append((k, v))
+        return out
+
+    def block_digests(self, pk, pv, nblocks: int) -> List[str]:
+        t = self.torch
+        ks = [dk[:nblocks].view(t.int16).cpu().numpy() for dk in pk]
+        vs = [dv[:nblocks].view(t.int16).cpu().numpy() for dv in pv]
+        out = []
+        for b in range(nblocks):
+            h = hashlib.blake2b(digest_size=16)
+            for k, v in zip(ks, vs):
+                h.update(k[b].tobytes())
+                h.update(v[b].tobytes())
+            out.append(h.hexdigest())
+        return out
+
+
+def build(device: str, size: str, paged_device: Optional[str] = None):
+    """The model for ``--device`` (``cpu``: numpy; ``cuda``: Qwen3)."""
+    if device == "cpu":
+        if size == "large":
+            return NumpyDecoder(hidden=256, layers=8, heads=8, kv_heads=4, head_dim=32, inter=512)
+        return NumpyDecoder()
+    return QwenModel(size=size, paged_device=paged_device or "cuda")

@@ -1,0 +1,689 @@
+"""kvferry: KV-cache storage and transfer for disaggregated (prefill/decode)
+LLM serving, embedded in your Python process.
+
+A prefill process saves the KV blocks of a prompt from its own paged cache
+into a pinned host pool and registers them in a cluster-wide MetaServer; a
+decode process looks the prompt's blocks up, fetches them from the owner
+(verifying every byte's checksum) into its own pool and loads them into its
+own paged cache. Anything that fails degrades to "k of n blocks fetched":
+the caller recomputes the rest.
+
+Quick start (one process, numpy, the ``host`` backend)::
+
+    import numpy as np, kvferry
+    with kvferry.MetaServer() as ms, kvferry.Node(ms.address) as node:
+        ns = kvferry.namespace("toy", "float32", block_tokens=16, layers=1)
+        k = np.zeros((8, 16, 2, 64), np.float32)   # [blocks, tokens, heads, dim]
+        v = np.zeros_like(k)
+        node.register_kv_cache(ns, [k], [v])
+        hashes = kvferry.block_hashes(ns, list(range(40)), 16)   # 2 full blocks
+        node.save(ns, hashes, [0, 1])
+        node.flush_saves_and_registrations(timeout=5)
+        print(node.query_prefix(ns, hashes))                     # 2
+
+Objects: :class:`MetaServer`, :class:`Node`; functions :func:`block_hashes`,
+:func:`namespace`; reports :class:`SaveReport`, :class:`FlushReport`,
+:class:`FetchReport`, :class:`LoadReport`, :class:`PrefixOwner`,
+:class:`KvCacheInfo`; exceptions in :mod:`kvferry.errors` (all derive from
+:class:`KvferryError` and carry ``cause``, the Rust error variant).
+
+Every blocking call releases the GIL, takes a ``timeout`` in seconds, and can
+be interrupted with Ctrl-C. Each MetaServer and Node owns its own Rust
+runtime: several can live in one process. Runtime threads do not survive a
+``fork``: create nodes in the process that uses them (with
+``multiprocessing``, use the ``spawn`` start method or create them in the
+child).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+from . import _native
+from ._tensors import TensorInfo, block_geometry, describe
+from .errors import (
+    BlockIndexError,
+    BufferError,
+    ClosedError,
+    ConfigError,
+    DeadlineError,
+    GpuError,
+    KvferryError,
+    LayoutError,
+    MetaServerError,
+    PoolFullError,
+    StartError,
+    UnknownNamespaceError,
+)
+
+__all__ = [
+    "MetaServer",
+    "Node",
+    "block_hashes",
+    "namespace",
+    "cuda_built",
+    "SaveReport",
+    "FlushReport",
+    "FetchReport",
+    "LoadReport",
+    "PrefixOwner",
+    "KvCacheInfo",
+    "TensorInfo",
+    "describe",
+    "KvferryError",
+    "ConfigError",
+    "StartError",
+    "BufferError",
+    "LayoutError",
+    "UnknownNamespaceError",
+    "BlockIndexError",
+    "GpuError",
+    "PoolFullError",
+    "MetaServerError",
+    "DeadlineError",
+    "ClosedError",
+]
+
+__version__ = "0.1.0"
+
+BlockHashes = Sequence[bytes]
+
+
+def block_hashes(namespace: str, tokens: Sequence[int], block_tokens: int) -> List[bytes]:
+    """Chained hashes of the *full* blocks of ``tokens``.
+
+    Block ``i`` covers ``tokens[i*block_tokens:(i+1)*block_tokens]``; its
+    hash depends on the namespace and on every token up to the end of the
+    block, so equal hashes mean equal prefixes. A trailing partial block gets
+    no hash. The hash is the one kvferry's Rust side computes, so processes
+    (and Rust embedders) agree.
+
+    Args:
+        namespace: the KV layout family (see :func:`namespace`).
+        tokens: token ids (each ``0 <= t < 2**32``).
+        block_tokens: tokens per block (>= 1).
+
+    Returns:
+        ``len(tokens) // block_tokens`` hashes of 32 bytes.
+    """
+    return _native.block_hashes(namespace, [int(t) for t in tokens], int(block_tokens))
+
+
+def namespace(
+    model: str, dtype: str, block_tokens: int, tp_rank: int = 0, tp_size: int = 1, layers: int = 0
+) -> str:
+    """The namespace naming one KV layout family.
+
+    Blocks are only exchanged between nodes that use the same namespace, so
+    it must change whenever the bytes of a block would: model, dtype, tokens
+    per block, tensor-parallel rank and size, number of layers.
+    """
+    return _native.namespace(model, dtype, int(block_tokens), int(tp_rank), int(tp_size), int(layers))
+
+
+def cuda_built() -> bool:
+    """Whether this build of the package has the ``cuda`` GPU backend."""
+    return bool(_native.cuda_built())
+
+
+@dataclass(frozen=True)
+class SaveReport:
+    """Result of :meth:`Node.save`.
+
+    Attributes:
+        saved: blocks copied into the pool, sealed and registered.
+        already_resident: blocks skipped because the pool already held them.
+        no_space: blocks not saved because the pool was full.
+    """
+
+    saved: int
+    already_resident: int
+    no_space: int
+
+
+@dataclass(frozen=True)
+class FlushReport:
+    """Result of :meth:`Node.flush_saves_and_registrations`.
+
+    Attributes:
+        delivered: registrations the MetaServer accepted.
+        dropped: registrations lost (queue full, MetaServer down, shutdown).
+        timed_out: the barrier gave up at its timeout.
+    """
+
+    delivered: int
+    dropped: int
+    timed_out: bool
+
+    @property
+    def ok(self) -> bool:
+        """Every registration was delivered in time."""
+        return not self.timed_out and self.dropped == 0
+
+
+@dataclass(frozen=True)
+class FetchReport:
+    """Result of :meth:`Node.fetch`: "``available`` of ``requested``".
+
+    Attributes:
+        requested: blocks asked for (``n``).
+        available: the verified contiguous prefix now resident on this node
+            (``k``, local hits included); recompute blocks ``k..n``.
+        local_hits: blocks already resident before the fetch.
+        fetched: blocks read from peers and verified.
+        bytes: bytes read from peers.
+        owners: peers asked, in order.
+        stopped: why it stopped short (``None`` when ``available == requested``).
+        stopped_cause: the Rust variant of ``stopped`` (``"FetchError::NoOwner"``...).
+    """
+
+    requested: int
+    available: int
+    local_hits: int
+    fetched: int
+    bytes: int
+    owners: List[str]
+    stopped: Optional[str]
+    stopped_cause: Optional[str]
+
+    @property
+    def complete(self) -> bool:
+        """Every requested block is resident."""
+        return self.available == self.requested
+
+    def __str__(self) -> str:
+        why = f", stopped: {self.stopped}" if self.stopped else ""
+        return f"{self.available} of {self.requested} blocks ({self.fetched} fetched, {self.bytes} bytes{why})"
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """Result of :meth:`Node.load`.
+
+    Attributes:
+        loaded: blocks copied into the caller's cache.
+        failed: ``(position in the request, reason, cause)`` per block that
+            was not loaded (``"LoadError::NotResident"`` or a GPU error).
+    """
+
+    loaded: int
+    failed: List[Tuple[int, str, str]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """Every block was loaded."""
+        return not self.failed
+
+
+@dataclass(frozen=True)
+class PrefixOwner:
+    """One MetaServer answer: ``node`` holds the first ``blocks`` hashes."""
+
+    node: str
+    blocks: int
+
+
+@dataclass(frozen=True)
+class KvCacheInfo:
+    """What :meth:`Node.register_kv_cache` registered.
+
+    Attributes:
+        namespace: the namespace.
+        layers: number of layers.
+        num_blocks: blocks per layer.
+        bytes_per_block: bytes of one block of one segment (K or V) of one layer.
+        block_stride: bytes between consecutive blocks in the tensors.
+        dtype: element type.
+        block_shape: shape of one block (e.g. ``(block_tokens, kv_heads, head_dim)``).
+    """
+
+    namespace: str
+    layers: int
+    num_blocks: int
+    bytes_per_block: int
+    block_stride: int
+    dtype: str
+    block_shape: Tuple[int, ...]
+
+    @property
+    def block_bytes(self) -> int:
+        """Pool bytes of one block (all layers, K and V)."""
+        segments = 2 if self._has_v else 1
+        return self.layers * segments * self.bytes_per_block
+
+    _has_v: bool = True
+
+
+class MetaServer:
+    """The cluster's block index, served in this process on its own runtime.
+
+    Args:
+        addr: ``ip:port`` to listen on; port 0 picks a free one (see
+            :attr:`address`).
+        stale_after_s: a node silent this long is invisible to queries.
+        ttl_s: a node silent this long is forgotten.
+        sweep_interval_s: how often forgotten nodes are swept.
+
+    Raises:
+        StartError: the port is taken or cannot be bound.
+        ConfigError: a malformed address or inconsistent durations.
+
+    Use as a context manager, or call :meth:`shutdown`.
+    """
+
+    def __init__(
+        self,
+        addr: str = "127.0.0.1:0",
+        *,
+        stale_after_s: int = 30,
+        ttl_s: int = 120,
+        sweep_interval_s: int = 10,
+    ) -> None:
+        self._ms = _native.MetaServer(addr, int(stale_after_s), int(ttl_s), int(sweep_interval_s))
+
+    @property
+    def address(self) -> str:
+        """The bound ``ip:port``; give it to :class:`Node`."""
+        return self._ms.address
+
+    @property
+    def running(self) -> bool:
+        """True until :meth:`shutdown`."""
+        return bool(self._ms.running())
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stops serving (in-flight requests finish) within ``timeout``
+        seconds. Idempotent."""
+        self._ms.shutdown(float(timeout))
+
+    def metrics(self) -> Dict[str, Any]:
+        """The store's statistics and the service's counters (as text)."""
+        return dict(self._ms.metrics())
+
+    def __enter__(self) -> "MetaServer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        return f"MetaServer({self.address!r}, running={self.running})"
+
+
+class Node:
+    """A kvferry node in this process: an engine with a pinned host pool, its
+    MetaServer client, and the services peers fetch from. It serves peers
+    from its own runtime threads as long as it runs.
+
+    Args:
+        metaserver: the MetaServer's ``host:port`` (or a :class:`MetaServer`).
+        pool_bytes: size of the pinned host pool, allocated once at start.
+            Every saved or fetched block takes one slot of
+            ``KvCacheInfo.block_bytes``; full pools evict least-recently-used
+            blocks.
+        gpu: ``"host"`` (the caller's cache is host memory: numpy arrays,
+            CPU tensors) or ``"cuda"`` (CUDA tensors; needs a wheel built with
+            the ``cuda`` feature, see :func:`cuda_built`).
+        device: CUDA device ordinal (``gpu="cuda"``).
+        transport: the data plane; ``"tcp"``.
+        host: IP to bind and advertise to peers.
+        grpc_port, data_port: ports to bind (0: any free port).
+        fetch_timeout: the engine's bound on a whole fetch (seconds).
+        rpc_timeout: the bound on each MetaServer and peer request (seconds).
+
+    Raises:
+        StartError: a port is taken, the pool cannot be allocated, the GPU
+            backend is unavailable.
+        ConfigError: a malformed address or setting.
+
+    Use as a context manager, or call :meth:`shutdown`.
+    """
+
+    def __init__(
+        self,
+        metaserver: Union[str, MetaServer],
+        *,
+        pool_bytes: int = 256 << 20,
+        gpu: str = "host",
+        device: int = 0,
+        transport: str = "tcp",
+        host: str = "127.0.0.1",
+        grpc_port: int = 0,
+        data_port: int = 0,
+        fetch_timeout: float = 5.0,
+        rpc_timeout: float = 2.0,
+    ) -> None:
+        if isinstance(metaserver, MetaServer):
+            metaserver = metaserver.address
+        if gpu not in ("host", "cuda"):
+            raise ConfigError(f'unknown gpu backend {gpu!r}: use "host" or "cuda"', "Gpu")
+        self._device = int(device)
+        self._fetch_timeout = float(fetch_timeout)
+        self._rpc_timeout = float(rpc_timeout)
+        self._node = _native.Node(
+            str(metaserver),
+            int(pool_bytes),
+            gpu,
+            self._device,
+            transport,
+            host,
+            int(grpc_port),
+            int(data_port),
+            self._fetch_timeout,
+            self._rpc_timeout,
+        )
+        # namespace -> (info, [(buffer id, owner object)]); the owners keep
+        # registered memory alive while the engine may copy into it.
+        self._caches: Dict[str, Tuple[KvCacheInfo, List[Tuple[int, Any]]]] = {}
+        self._spans: Dict[str, List[Tuple[int, int]]] = {}
+
+    # -- properties -----------------------------------------------------
+    @property
+    def address(self) -> str:
+        """This node's advertise address (``host:port``) at the MetaServer."""
+        return self._node.address
+
+    @property
+    def gpu(self) -> str:
+        """The GPU backend (``"host"`` or ``"cuda"``)."""
+        return self._node.gpu
+
+    @property
+    def running(self) -> bool:
+        """True until :meth:`shutdown` or :meth:`kill`."""
+        return bool(self._node.running())
+
+    # -- registration ---------------------------------------------------
+    def _check_device(self, info: TensorInfo, what: str) -> None:
+        if self.gpu == "host" and info.device != "host":
+            raise BufferError(
+                f"{what} is a CUDA tensor but this node's backend is 'host': start the node with gpu='cuda' "
+                "or pass host memory",
+                "Device",
+            )
+        if self.gpu == "cuda":
+            if info.device != "cuda":
+                raise BufferError(
+                    f"{what} is host memory but this node's backend is 'cuda': pass CUDA tensors or use gpu='host'",
+                    "Device",
+                )
+            if info.device_index is not None and info.device_index != self._device:
+                raise BufferError(
+                    f"{what} is on cuda:{info.device_index} but this node uses cuda:{self._device}", "Device"
+                )
+
+    def register_kv_cache(
+        self,
+        namespace: str,
+        k_caches: Sequence[Any],
+        v_caches: Optional[Sequence[Any]] = None,
+        *,
+        dtype: Optional[str] = None,
+    ) -> KvCacheInfo:
+        """Registers the caller's paged KV cache for ``namespace``.
+
+        The cache stays the caller's: kvferry copies blocks out of it
+        (:meth:`save`) and into it (:meth:`load`) and never frees it. This
+        node keeps a reference to every tensor until the node shuts down.
+
+        Args:
+            namespace: the layout family (see :func:`namespace`).
+            k_caches: per layer, a tensor whose first axis indexes blocks,
+                e.g. vLLM's "NHD" ``[num_blocks, block_tokens, kv_heads,
+                head_dim]``; each block must be contiguous. torch (CPU or
+                CUDA), CuPy, numpy arrays, or writable buffers.
+            v_caches: per layer, the V tensor of the same shape and dtype;
+                ``None`` for single-segment caches (MLA).
+            dtype: if given, every tensor must have this dtype
+                (``"bfloat16"``, ``"float16"``, ``"float32"``, ...).
+
+        Returns:
+            What was registered.
+
+        Raises:
+            BufferError: a tensor of the wrong dtype, not contiguous inside a
+                block, on another device than this node's backend, or
+                refused by the GPU backend (e.g. freed memory on CUDA).
+            LayoutError: shapes that disagree between tensors, or a namespace
+                already registered with a different layout.
+        """
+        ks = list(k_caches)
+        vs = None if v_caches is None else list(v_caches)
+        if not ks:
+            raise BufferError("k_caches is empty: pass one tensor per layer", "Shape")
+        if vs is not None and len(vs) != len(ks):
+            raise LayoutError(f"{len(ks)} K tensors but {len(vs)} V tensors: pass one of each per layer", "Shape")
+        tensors: List[Tuple[str, Any]] = []
+        for i, k in enumerate(ks):
+            tensors.append((f"K of layer {i}", k))
+            if vs is not None:
+                tensors.append((f"V of layer {i}", vs[i]))
+        infos = []
+        first: Optional[TensorInfo] = None
+        geometry = None
+        for what, t in tensors:
+            info = describe(t, what)
+            self._check_device(info, what)
+            if dtype is not None and info.dtype != dtype:
+                raise BufferError(f"{what} has dtype {info.dtype}, expected {dtype}", "Dtype")
+            if info.readonly:
+                raise BufferError(f"{what} is read-only; kvferry loads into it", "ReadOnly")
+            geo = block_geometry(info, what)
+            if first is None:
+                first, geometry = info, geo
+            else:
+                if info.dtype != first.dtype:
+                    raise BufferError(f"{what} has dtype {info.dtype} but K of layer 0 has {first.dtype}", "Dtype")
+                if info.shape != first.shape:
+                    raise LayoutError(f"{what} has shape {info.shape} but K of layer 0 has {first.shape}", "Shape")
+                if geo != geometry:
+                    raise LayoutError(f"{what} has block stride {geo[2]} but K of layer 0 has {geometry[2]}", "Shape")
+            infos.append((info, t))
+        assert first is not None and geometry is not None
+        num_blocks, bytes_per_block, block_stride = geometry
+        span = (num_blocks - 1) * block_stride + bytes_per_block
+        if namespace in self._caches:
+            known, held = self._caches[namespace]
+            same = [info.addr for info, _ in infos] == [addr for addr, _ in self._spans[namespace]] and (
+                known.num_blocks,
+                known.bytes_per_block,
+                known.block_stride,
+                known.layers,
+            ) == (num_blocks, bytes_per_block, block_stride, len(ks))
+            if same:
+                return known
+            raise LayoutError(
+                f"namespace {namespace!r} already has a different layout on this node: use another namespace "
+                "or register the same tensors",
+                "EngineError::LayoutExists",
+            )
+        # Tensors whose memory overlaps or touches (K and V views of one
+        # allocation) share one registered buffer; each segment is then an
+        # offset into it.
+        spans = sorted(((info.addr, info.addr + span, j) for j, (info, _) in enumerate(infos)))
+        groups: List[List[int]] = []  # [start, end, members...]
+        for start, end, j in spans:
+            if groups and start <= groups[-1][1]:
+                groups[-1][1] = max(groups[-1][1], end)
+                groups[-1].append(j)
+            else:
+                groups.append([start, end, j])
+        seg: Dict[int, Tuple[int, int]] = {}
+        registered: List[Tuple[int, Any]] = []
+        try:
+            for g in groups:
+                start, end, members = g[0], g[1], g[2:]
+                bid = self._node.register_buffer(start, end - start)
+                registered.append((bid, [infos[j][1] for j in members]))
+                for j in members:
+                    seg[j] = (bid, infos[j][0].addr - start)
+            layers = []
+            step = 2 if vs is not None else 1
+            for i in range(len(ks)):
+                kb, ko = seg[i * step]
+                vb, vo = seg[i * step + 1] if vs is not None else (None, 0)
+                layers.append((kb, ko, vb, vo, num_blocks, bytes_per_block, block_stride))
+            self._node.register_layout(namespace, layers)
+        except BaseException:
+            for bid, _ in registered:
+                try:
+                    self._node.unregister_buffer(bid)
+                except KvferryError:
+                    pass
+            raise
+        cache = KvCacheInfo(
+            namespace=namespace,
+            layers=len(ks),
+            num_blocks=num_blocks,
+            bytes_per_block=bytes_per_block,
+            block_stride=block_stride,
+            dtype=first.dtype,
+            block_shape=first.shape[1:],
+            _has_v=vs is not None,
+        )
+        self._caches[namespace] = (cache, registered)
+        self._spans[namespace] = [(info.addr, span) for info, _ in infos]
+        return cache
+
+    def unregister_kv_cache(self, namespace: str) -> None:
+        """Forgets the KV cache of ``namespace``: kvferry no longer copies
+        into or out of those tensors, and this node drops its references to
+        them (they may be freed afterwards). Blocks already in the pool stay
+        and can still be served to peers and loaded after registering a cache
+        of the same shape again.
+
+        Raises:
+            UnknownNamespaceError: nothing is registered for ``namespace``.
+            LayoutError: a buffer is still in use by an in-flight copy
+                (retry once the save or load finished).
+        """
+        self.kv_cache(namespace)
+        self._node.unregister_layout(namespace)
+        _, registered = self._caches.pop(namespace)
+        self._spans.pop(namespace, None)
+        for bid, _ in registered:
+            self._node.unregister_buffer(bid)
+
+    def kv_cache(self, namespace: str) -> KvCacheInfo:
+        """What is registered for ``namespace``.
+
+        Raises:
+            UnknownNamespaceError: nothing is.
+        """
+        try:
+            return self._caches[namespace][0]
+        except KeyError:
+            raise UnknownNamespaceError(
+                f"no KV cache registered for namespace {namespace!r}: call register_kv_cache first", "UnknownNamespace"
+            ) from None
+
+    # -- data path ------------------------------------------------------
+    def save(self, namespace: str, hashes: BlockHashes, block_ids: Sequence[int], *, timeout: float = 30.0) -> SaveReport:
+        """Copies blocks from the registered cache into the pinned pool,
+        seals them and queues their registrations at the MetaServer.
+
+        Args:
+            namespace: a registered namespace.
+            hashes: block hashes (see :func:`block_hashes`).
+            block_ids: for each hash, the index of the block in the caller's
+                cache (first axis of the registered tensors).
+            timeout: seconds.
+
+        Raises:
+            UnknownNamespaceError, BlockIndexError, GpuError, DeadlineError.
+        """
+        r = self._node.save(namespace, [bytes(h) for h in hashes], [int(i) for i in block_ids], float(timeout))
+        return SaveReport(**r)
+
+    def flush_saves_and_registrations(self, timeout: float = 5.0) -> FlushReport:
+        """The P/D handoff barrier: waits until every save started before the
+        call is sealed and every registration queued before it reached the
+        MetaServer (or was dropped), within ``timeout`` seconds. After it
+        returns with ``ok``, a decode node's query sees the blocks. Never
+        raises for a MetaServer that is down: the report says what was
+        dropped."""
+        delivered, dropped, timed_out = self._node.flush_saves_and_registrations(float(timeout))
+        return FlushReport(delivered, dropped, timed_out)
+
+    def query_prefix(self, namespace: str, hashes: BlockHashes) -> int:
+        """How many of ``hashes``, from the first, are resident in this
+        node's pool (no network)."""
+        return int(self._node.query_prefix(namespace, [bytes(h) for h in hashes]))
+
+    def query_prefix_remote(
+        self, namespace: str, hashes: BlockHashes, *, timeout: Optional[float] = None
+    ) -> List[PrefixOwner]:
+        """Asks the MetaServer which nodes hold a prefix of ``hashes``:
+        longest prefix first.
+
+        Raises:
+            MetaServerError: the MetaServer is unreachable or refused.
+            DeadlineError: no answer within ``timeout`` seconds (default:
+                the node's ``rpc_timeout``).
+        """
+        t = self._rpc_timeout if timeout is None else float(timeout)
+        return [PrefixOwner(n, int(k)) for n, k in self._node.query_prefix_remote(namespace, [bytes(h) for h in hashes], t)]
+
+    def fetch(self, namespace: str, hashes: BlockHashes, *, timeout: Optional[float] = None) -> FetchReport:
+        """Pulls the missing prefix of ``hashes`` from the peers that own it
+        into this node's pool, verifying every block's checksums.
+
+        Never raises for a fetch that stops short (MetaServer down, owner
+        dead, timeout...): the report says "``available`` of ``requested``"
+        and why it stopped; recompute the rest. Use :meth:`load` to copy the
+        fetched blocks into your cache.
+
+        Args:
+            timeout: seconds (default: the node's ``fetch_timeout``; the
+                engine's own bound applies too).
+        """
+        t = self._fetch_timeout if timeout is None else float(timeout)
+        return FetchReport(**self._node.fetch(namespace, [bytes(h) for h in hashes], t))
+
+    def load(self, namespace: str, hashes: BlockHashes, block_ids: Sequence[int], *, timeout: float = 30.0) -> LoadReport:
+        """Copies resident blocks from the pool into the caller's cache at
+        ``block_ids``. A block that is not resident is reported in
+        ``failed``, not raised.
+
+        Raises:
+            UnknownNamespaceError, BlockIndexError, DeadlineError.
+        """
+        r = self._node.load(namespace, [bytes(h) for h in hashes], [int(i) for i in block_ids], float(timeout))
+        return LoadReport(int(r["loaded"]), [tuple(f) for f in r["failed"]])
+
+    def fetch_into(
+        self, namespace: str, hashes: BlockHashes, block_ids: Sequence[int], *, timeout: Optional[float] = None
+    ) -> Tuple[FetchReport, LoadReport]:
+        """:meth:`fetch`, then :meth:`load` of the ``available`` prefix into
+        ``block_ids[:available]``. Returns both reports."""
+        t = self._fetch_timeout if timeout is None else float(timeout)
+        f, lrep = self._node.fetch_into(namespace, [bytes(h) for h in hashes], [int(i) for i in block_ids], t)
+        return FetchReport(**f), LoadReport(int(lrep["loaded"]), [tuple(x) for x in lrep["failed"]])
+
+    def metrics(self) -> Dict[str, int]:
+        """Engine counters and gauges (saves, fetched blocks and bytes, pool
+        use, registrations delivered/dropped, ...)."""
+        return {k: int(v) for k, v in self._node.metrics().items()}
+
+    # -- lifecycle ------------------------------------------------------
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stops the node within ``timeout`` seconds: unregisters it from the
+        MetaServer (best effort), stops serving peers, frees the pool.
+        Idempotent. The registered tensors are released afterwards."""
+        self._node.shutdown(float(timeout))
+        self._caches.clear()
+
+    def kill(self) -> None:
+        """Stops at once as a crash would (no unregister): for tests of the
+        degrade paths."""
+        self._node.kill()
+
+    def __enter__(self) -> "Node":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        return f"Node({self.address!r}, gpu={self.gpu!r}, running={self.running})"

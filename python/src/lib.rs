@@ -1,0 +1,726 @@
+//! `kvferry._native`: the Rust half of the `kvferry` Python package.
+//!
+//! The public, documented API is the pure-Python layer (`kvferry/`), which
+//! turns tensors into addresses, reports into dataclasses and keeps
+//! registered arrays alive. This module exposes:
+//! - `MetaServer`: an in-process MetaServer on its own tokio runtime;
+//! - `Node`: a kvferry node (engine, P2P service, transport) on its own
+//!   tokio runtime, so two nodes in one process share nothing;
+//! - `block_hashes`, `namespace`.
+//!
+//! Every blocking call releases the GIL, is bounded by a deadline, and
+//! waits in slices of [`WAIT_SLICE`] between which it polls for signals, so
+//! Ctrl-C interrupts a wait (the operation is then abandoned on the runtime,
+//! which is safe: a save finishes on its own task, a fetch releases its
+//! transfer lock from its guard). Errors are `kvferry.errors` exceptions
+//! whose `cause` names the Rust variant.
+
+mod adapter;
+
+use std::future::Future;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use kvferry::client::ClientError;
+use kvferry::engine::fetch::FetchReport;
+use kvferry::engine::{Engine, EngineError, LoadError};
+use kvferry::gpu::GpuError;
+use kvferry::metaserver::{MetaServerConfig, MetaServerHandle};
+use kvferry::node::{NodeConfig, NodeError, NodeHandle};
+use kvferry::types::BlockHash;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+use tokio::runtime::Runtime;
+
+use adapter::{Backend, PyLayer};
+
+/// Longest the GIL-free part of a wait lasts before signals are polled.
+const WAIT_SLICE: Duration = Duration::from_millis(50);
+/// Slack past a call's own deadline before the wait gives up on the
+/// runtime (every engine call is bounded by itself; this guards a wedged
+/// runtime).
+const WAIT_GRACE: Duration = Duration::from_secs(2);
+/// Worker threads of each runtime: the engine's work is I/O-bound and
+/// copies run on the caller's task; two keep a node responsive while a
+/// fetch runs without starving the caller's model.
+const RUNTIME_WORKERS: usize = 2;
+
+/// An error on its way to Python: the `kvferry.errors` class, the Rust
+/// cause (variant path) and the message.
+#[derive(Debug)]
+struct Fail {
+    class: &'static str,
+    cause: String,
+    msg: String,
+}
+
+impl Fail {
+    fn new(class: &'static str, cause: impl Into<String>, msg: impl Into<String>) -> Self {
+        Self { class, cause: cause.into(), msg: msg.into() }
+    }
+}
+
+impl From<Fail> for PyErr {
+    fn from(f: Fail) -> PyErr {
+        Python::attach(|py| {
+            let made = PyModule::import(py, "kvferry.errors")
+                .and_then(|m| m.getattr(f.class))
+                .and_then(|c| c.call1((f.msg.clone(), f.cause.clone())));
+            match made {
+                Ok(v) => PyErr::from_value(v),
+                Err(e) => e,
+            }
+        })
+    }
+}
+
+/// `Enum::Variant` from a value's `Debug` text (`Variant(..)`,
+/// `Variant { .. }`); a variant wrapping another enum's value gets that
+/// variant too (`GpuError::Buffer::Unaligned`).
+fn variant(prefix: &str, dbg: &str) -> String {
+    let ident = |s: &str| -> String { s.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect() };
+    let name = ident(dbg);
+    let rest = &dbg[name.len()..];
+    match rest.strip_prefix('(') {
+        Some(inner) if inner.starts_with(|c: char| c.is_ascii_uppercase()) => {
+            format!("{prefix}::{name}::{}", ident(inner))
+        }
+        _ => format!("{prefix}::{name}"),
+    }
+}
+
+fn gpu_fail(e: GpuError) -> Fail {
+    let cause = variant("GpuError", &format!("{e:?}"));
+    let hint = match e {
+        GpuError::Unavailable(_) => " (is the device visible and the driver loaded?)",
+        GpuError::OutOfRange(_) | GpuError::UnknownBuffer(_) => {
+            " (the registered tensor is smaller than the layout needs, or was unregistered)"
+        }
+        GpuError::External(_) => {
+            " (pass a live CUDA tensor of this node's device: freed memory is no longer device memory)"
+        }
+        GpuError::Buffer(_) => {
+            " (a buffer must be non-null, 16-byte aligned and must not overlap another registered buffer)"
+        }
+        _ => "",
+    };
+    Fail::new("GpuError", cause, format!("{e}{hint}"))
+}
+
+fn engine_fail(e: EngineError) -> Fail {
+    let cause = variant("EngineError", &format!("{e:?}"));
+    match e {
+        EngineError::UnknownNamespace(ns) => Fail::new(
+            "UnknownNamespaceError",
+            cause,
+            format!("no KV layout registered for namespace {ns:?}: call Node.register_kv_cache first"),
+        ),
+        EngineError::LayoutExists(ns) => Fail::new(
+            "LayoutError",
+            cause,
+            format!("namespace {ns:?} already has a different layout: use another namespace or the same tensors"),
+        ),
+        EngineError::Layout(l) => Fail::new(
+            "LayoutError",
+            variant("LayoutError", &format!("{l:?}")),
+            format!("layout rejected: {l} (check the tensors' shapes and that every buffer is large enough)"),
+        ),
+        EngineError::BlockIndex { idx, num_blocks } => Fail::new(
+            "BlockIndexError",
+            cause,
+            format!("block index {idx} out of range: the registered cache has {num_blocks} blocks"),
+        ),
+        EngineError::Pool(p) => Fail::new(
+            "PoolFullError",
+            cause,
+            format!("{p}: the pinned pool is full even after eviction; start the node with a larger pool_bytes"),
+        ),
+        EngineError::Gpu(g) => gpu_fail(g),
+        EngineError::Id(i) => Fail::new("ConfigError", cause, i.to_string()),
+        e @ EngineError::FamilyMismatch { .. } => Fail::new("LayoutError", cause, e.to_string()),
+        e @ EngineError::BufferInUse { .. } => Fail::new("LayoutError", cause, e.to_string()),
+        other => Fail::new("KvferryError", cause, other.to_string()),
+    }
+}
+
+fn node_fail(e: NodeError) -> Fail {
+    let cause = variant("NodeError", &format!("{e:?}"));
+    match e {
+        NodeError::Engine(EngineError::Gpu(g)) => gpu_fail(g),
+        NodeError::Client(c) => Fail::new(
+            "ConfigError",
+            cause,
+            format!("{c}: pass the MetaServer as host:port (e.g. MetaServer().address)"),
+        ),
+        other => Fail::new("StartError", cause, format!("node start failed: {other}")),
+    }
+}
+
+fn closed() -> Fail {
+    Fail::new("ClosedError", "Closed", "this object was shut down; create a new one")
+}
+
+fn runtime() -> Result<Runtime, Fail> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(RUNTIME_WORKERS)
+        .thread_name("kvferry-rt")
+        .enable_all()
+        .build()
+        .map_err(|e| Fail::new("StartError", "Runtime", format!("cannot start the tokio runtime: {e}")))
+}
+
+/// Runs `fut` on `rt` bounded by `timeout`, with the GIL released, polling
+/// signals every [`WAIT_SLICE`]. `Ok(None)` when `timeout` passed first.
+fn wait<T, F>(py: Python<'_>, rt: &Runtime, timeout: Duration, fut: F) -> PyResult<Option<T>>
+where
+    T: Send + 'static,
+    F: Future<Output = T> + Send + 'static,
+{
+    let (tx, mut rx) = std::sync::mpsc::sync_channel(1);
+    let task = rt.spawn(async move {
+        let _ = tx.send(tokio::time::timeout(timeout, fut).await.ok());
+    });
+    let give_up = Instant::now() + timeout + WAIT_GRACE;
+    loop {
+        let (got, back) = py.detach(move || {
+            let got = rx.recv_timeout(WAIT_SLICE);
+            (got, rx)
+        });
+        rx = back;
+        match got {
+            Ok(v) => return Ok(v),
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                return Err(Fail::new("KvferryError", "TaskLost", "the operation's task ended without a result").into());
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                if let Err(e) = py.check_signals() {
+                    task.abort();
+                    return Err(e);
+                }
+                if Instant::now() >= give_up {
+                    task.abort();
+                    return Ok(None);
+                }
+            }
+        }
+    }
+}
+
+fn deadline_fail(what: &str, timeout: Duration) -> Fail {
+    Fail::new(
+        "DeadlineError",
+        "Deadline",
+        format!(
+            "{what} did not finish within {:.3} s; raise the timeout or check the MetaServer and peers",
+            timeout.as_secs_f64()
+        ),
+    )
+}
+
+fn secs(timeout_s: f64) -> PyResult<Duration> {
+    if !(timeout_s.is_finite() && timeout_s > 0.0 && timeout_s <= 86_400.0) {
+        return Err(Fail::new(
+            "ConfigError",
+            "Timeout",
+            format!("timeout must be in (0, 86400] seconds, got {timeout_s}"),
+        )
+        .into());
+    }
+    Ok(Duration::from_secs_f64(timeout_s))
+}
+
+fn hashes(list: Vec<Vec<u8>>) -> PyResult<Vec<BlockHash>> {
+    list.into_iter()
+        .map(|b| {
+            let h = BlockHash::new(Bytes::from(b));
+            h.validate().map_err(|e| Fail::new("ConfigError", "IdError::HashLength", e.to_string()))?;
+            Ok(h)
+        })
+        .collect()
+}
+
+fn pairs(hs: Vec<Vec<u8>>, idx: Vec<u64>) -> PyResult<Vec<(BlockHash, u64)>> {
+    if hs.len() != idx.len() {
+        return Err(Fail::new(
+            "ConfigError",
+            "LengthMismatch",
+            format!("{} hashes but {} block indices: pass one block index per hash", hs.len(), idx.len()),
+        )
+        .into());
+    }
+    Ok(hashes(hs)?.into_iter().zip(idx).collect())
+}
+
+/// An in-process MetaServer on its own runtime.
+#[pyclass(module = "kvferry._native")]
+struct MetaServer {
+    state: Mutex<Option<(Runtime, MetaServerHandle)>>,
+    #[pyo3(get)]
+    address: String,
+}
+
+#[pymethods]
+impl MetaServer {
+    #[new]
+    #[pyo3(signature = (addr, stale_after_s, ttl_s, sweep_interval_s))]
+    fn new(py: Python<'_>, addr: &str, stale_after_s: u64, ttl_s: u64, sweep_interval_s: u64) -> PyResult<Self> {
+        let sock = addr.parse().map_err(|e| {
+            Fail::new("ConfigError", "AddrParse", format!("bad MetaServer address {addr:?}: {e} (want ip:port)"))
+        })?;
+        let mut cfg = MetaServerConfig::new(sock);
+        cfg.stale_after_secs = stale_after_s;
+        cfg.ttl_secs = ttl_s;
+        cfg.sweep_interval_secs = sweep_interval_s;
+        let rt = runtime()?;
+        let started = py.detach(|| rt.block_on(kvferry::metaserver::start(cfg)));
+        let h = started.map_err(|e| {
+            Fail::new("StartError", variant("StartError", &format!("{e:?}")), format!("MetaServer start failed: {e}"))
+        })?;
+        let address = h.local_addr.to_string();
+        Ok(Self { state: Mutex::new(Some((rt, h))), address })
+    }
+
+    /// Stops serving within `timeout_s`; idempotent.
+    fn shutdown(&self, py: Python<'_>, timeout_s: f64) -> PyResult<()> {
+        let t = secs(timeout_s)?;
+        let Some((rt, h)) = self.state.lock().expect("state lock").take() else { return Ok(()) };
+        py.detach(move || {
+            let _ = rt.block_on(async move { tokio::time::timeout(t, h.shutdown()).await });
+            rt.shutdown_timeout(t);
+        });
+        Ok(())
+    }
+
+    /// True while serving.
+    fn running(&self) -> bool {
+        self.state.lock().expect("state lock").is_some()
+    }
+
+    /// The store's and service's counters.
+    fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        let guard = self.state.lock().expect("state lock");
+        let Some((_, h)) = guard.as_ref() else { return Err(closed().into()) };
+        let s = h.store.lock().expect("store lock").stats();
+        d.set_item("store", format!("{s:?}"))?;
+        d.set_item("metrics", format!("{:?}", h.metrics))?;
+        Ok(d)
+    }
+}
+
+impl Drop for MetaServer {
+    fn drop(&mut self) {
+        if let Some((rt, h)) = self.state.get_mut().ok().and_then(Option::take) {
+            drop(h);
+            rt.shutdown_background();
+        }
+    }
+}
+
+struct Live {
+    rt: Arc<Runtime>,
+    handle: NodeHandle,
+}
+
+/// A kvferry node on its own runtime.
+#[pyclass(module = "kvferry._native")]
+struct Node {
+    live: Mutex<Option<Live>>,
+    #[pyo3(get)]
+    address: String,
+    #[pyo3(get)]
+    gpu: String,
+}
+
+impl Node {
+    fn engine(&self) -> Result<(Arc<Runtime>, Engine), Fail> {
+        let g = self.live.lock().expect("live lock");
+        let l = g.as_ref().ok_or_else(closed)?;
+        Ok((l.rt.clone(), l.handle.engine.clone()))
+    }
+}
+
+fn fetch_dict<'py>(py: Python<'py>, r: &FetchReport) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("requested", r.requested)?;
+    d.set_item("available", r.available)?;
+    d.set_item("local_hits", r.local_hits)?;
+    d.set_item("fetched", r.fetched)?;
+    d.set_item("bytes", r.bytes)?;
+    d.set_item("owners", r.owners.iter().map(|o| o.0.clone()).collect::<Vec<_>>())?;
+    d.set_item("stopped", r.stopped.as_ref().map(|e| e.to_string()))?;
+    d.set_item("stopped_cause", r.stopped.as_ref().map(|e| variant("FetchError", &format!("{e:?}"))))?;
+    Ok(d)
+}
+
+fn load_dict<'py>(py: Python<'py>, r: &kvferry::engine::LoadReport) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("loaded", r.loaded())?;
+    let failed = PyList::empty(py);
+    for (i, res) in r.results.iter().enumerate() {
+        if let Err(e) = res {
+            let cause = match e {
+                LoadError::NotResident => "LoadError::NotResident".to_string(),
+                LoadError::Copy(g) => variant("GpuError", &format!("{g:?}")),
+            };
+            failed.append((i, e.to_string(), cause))?;
+        }
+    }
+    d.set_item("failed", failed)?;
+    Ok(d)
+}
+
+#[pymethods]
+impl Node {
+    #[new]
+    #[pyo3(signature = (metaserver, pool_bytes, gpu, device, transport, host, grpc_port, data_port, fetch_timeout_s, rpc_timeout_s))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        metaserver: &str,
+        pool_bytes: u64,
+        gpu: &str,
+        device: usize,
+        transport: &str,
+        host: &str,
+        grpc_port: u16,
+        data_port: u16,
+        fetch_timeout_s: f64,
+        rpc_timeout_s: f64,
+    ) -> PyResult<Self> {
+        if transport != "tcp" {
+            return Err(Fail::new(
+                "ConfigError",
+                "Transport",
+                format!("transport {transport:?} is not available from Python: use \"tcp\""),
+            )
+            .into());
+        }
+        let bind = |port: u16| {
+            format!("{host}:{port}").parse().map_err(|e| {
+                Fail::new("ConfigError", "AddrParse", format!("bad host {host:?}: {e} (want an IP address)"))
+            })
+        };
+        let mut cfg = NodeConfig::loopback(metaserver.to_string());
+        cfg.grpc_addr = bind(grpc_port)?;
+        cfg.data_addr = bind(data_port)?;
+        cfg.advertise_host = host.to_string();
+        cfg.engine.pool_bytes = pool_bytes;
+        cfg.engine.fetch_deadline = secs(fetch_timeout_s)?;
+        cfg.engine.peer_rpc_timeout = secs(rpc_timeout_s)?;
+        cfg.metaserver_rpc_timeout = secs(rpc_timeout_s)?;
+        let backend = Backend::open(gpu, device).map_err(|m| Fail::new("StartError", "GpuError::Unavailable", m))?;
+        let rt = runtime()?;
+        let g = backend.gpu();
+        let started = py.detach(|| rt.block_on(kvferry::node::start(cfg, g)));
+        let handle = started.map_err(node_fail)?;
+        let address = handle.node.0.clone();
+        Ok(Self { live: Mutex::new(Some(Live { rt: Arc::new(rt), handle })), address, gpu: gpu.to_string() })
+    }
+
+    /// Registers caller memory `[addr, addr + nbytes)`; returns its id.
+    /// The caller keeps the memory alive until `unregister_buffer`.
+    fn register_buffer(&self, addr: u64, nbytes: u64) -> PyResult<u32> {
+        let (_, engine) = self.engine()?;
+        // SAFETY: the Python layer holds a reference to the object owning
+        // this memory until it unregisters the buffer.
+        let r = unsafe { adapter::register_buffer(&engine, addr, nbytes) };
+        r.map(|id| id.0).map_err(|e| {
+            let mut f = engine_fail(e);
+            f.class = "BufferError";
+            f.msg = format!("cannot register [{addr:#x}, +{nbytes}): {}", f.msg);
+            f.into()
+        })
+    }
+
+    /// Forgets a registered buffer (refused while a layout names it).
+    fn unregister_buffer(&self, id: u32) -> PyResult<()> {
+        let (_, engine) = self.engine()?;
+        adapter::unregister_buffer(&engine, id).map_err(|e| engine_fail(e).into())
+    }
+
+    /// Forgets a namespace's layout.
+    fn unregister_layout(&self, namespace: &str) -> PyResult<()> {
+        let (_, engine) = self.engine()?;
+        adapter::unregister_layout(&engine, namespace).map_err(|e| engine_fail(e).into())
+    }
+
+    /// Registers a namespace's layout. `layers`: per layer
+    /// `(k_buf, k_off, v_buf | None, v_off, num_blocks, bytes_per_block, block_stride)`.
+    fn register_layout(
+        &self,
+        namespace: &str,
+        layers: Vec<(u32, u64, Option<u32>, u64, u64, u64, u64)>,
+    ) -> PyResult<()> {
+        let (_, engine) = self.engine()?;
+        let layers: Vec<PyLayer> = layers
+            .into_iter()
+            .map(|(kb, ko, vb, vo, num_blocks, bytes_per_block, block_stride)| PyLayer {
+                k: (kb, ko),
+                v: vb.map(|b| (b, vo)),
+                num_blocks,
+                bytes_per_block,
+                block_stride,
+            })
+            .collect();
+        adapter::register_layout(&engine, namespace, &layers).map_err(|e| engine_fail(e).into())
+    }
+
+    /// Saves blocks (device → pool); a dict report.
+    fn save<'py>(
+        &self,
+        py: Python<'py>,
+        namespace: String,
+        hashes: Vec<Vec<u8>>,
+        blocks: Vec<u64>,
+        timeout_s: f64,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let t = secs(timeout_s)?;
+        let (rt, engine) = self.engine()?;
+        let p = pairs(hashes, blocks)?;
+        let r = wait(py, &rt, t, async move { adapter::save(&engine, &namespace, p).await })?
+            .ok_or_else(|| deadline_fail("save", t))?
+            .map_err(engine_fail)?;
+        let d = PyDict::new(py);
+        d.set_item("saved", r.saved.len())?;
+        d.set_item("already_resident", r.already_resident)?;
+        d.set_item("no_space", r.no_space)?;
+        Ok(d)
+    }
+
+    /// The P/D handoff barrier; `(delivered, dropped, timed_out)`.
+    fn flush_saves_and_registrations(&self, py: Python<'_>, timeout_s: f64) -> PyResult<(u64, u64, bool)> {
+        let t = secs(timeout_s)?;
+        let (rt, engine) = self.engine()?;
+        let r = wait(py, &rt, t + WAIT_SLICE, async move { engine.flush_saves_and_registrations(t).await })?;
+        Ok(match r {
+            Some(r) => (r.delivered, r.dropped, r.timed_out),
+            None => (0, 0, true),
+        })
+    }
+
+    /// Resident prefix length here.
+    fn query_prefix(&self, namespace: &str, hashes: Vec<Vec<u8>>) -> PyResult<usize> {
+        let (_, engine) = self.engine()?;
+        Ok(engine.query_prefix(namespace, &self::hashes(hashes)?))
+    }
+
+    /// The MetaServer's answer: `[(node, prefix_len)]`, longest first.
+    fn query_prefix_remote(
+        &self,
+        py: Python<'_>,
+        namespace: String,
+        hashes: Vec<Vec<u8>>,
+        timeout_s: f64,
+    ) -> PyResult<Vec<(String, u32)>> {
+        let t = secs(timeout_s)?;
+        let (rt, engine) = self.engine()?;
+        let hs = self::hashes(hashes)?;
+        let r = wait(py, &rt, t, async move { engine.client().query_prefix(&namespace, &hs, t).await })?
+            .ok_or_else(|| deadline_fail("MetaServer query", t))?;
+        match r {
+            Ok(v) => Ok(v.into_iter().map(|(n, k)| (n.0, k)).collect()),
+            Err(ClientError::Timeout(_)) => Err(deadline_fail("MetaServer query", t).into()),
+            // The channel's own request timeout surfaces as a status.
+            Err(ClientError::Rpc(s))
+                if matches!(format!("{:?}", s.code()).as_str(), "Cancelled" | "DeadlineExceeded") =>
+            {
+                let mut f = deadline_fail("MetaServer query", t);
+                f.cause = format!("ClientError::Rpc({:?})", s.code());
+                Err(f.into())
+            }
+            Err(e) => Err(Fail::new(
+                "MetaServerError",
+                variant("ClientError", &format!("{e:?}")),
+                format!("{e}: is the MetaServer running at the address this node was given?"),
+            )
+            .into()),
+        }
+    }
+
+    /// Fetches the missing prefix of `hashes` from peers; a report dict
+    /// ("k of n"). Never raises for a fetch that stops short.
+    fn fetch<'py>(
+        &self,
+        py: Python<'py>,
+        namespace: String,
+        hashes: Vec<Vec<u8>>,
+        timeout_s: f64,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let t = secs(timeout_s)?;
+        let (rt, engine) = self.engine()?;
+        let hs = self::hashes(hashes)?;
+        let (e2, ns2, hs2) = (engine.clone(), namespace.clone(), hs.clone());
+        let r = wait(py, &rt, t, async move { e2.fetch(&ns2, &hs2).await })?;
+        let r = r.unwrap_or_else(|| {
+            // Our deadline cut the fetch: report what is resident now.
+            let k = engine.query_prefix(&namespace, &hs);
+            FetchReport {
+                requested: hs.len(),
+                available: k,
+                stopped: Some(kvferry::engine::fetch::FetchError::Deadline),
+                ..Default::default()
+            }
+        });
+        fetch_dict(py, &r)
+    }
+
+    /// Loads blocks (pool → device); a report dict.
+    fn load<'py>(
+        &self,
+        py: Python<'py>,
+        namespace: String,
+        hashes: Vec<Vec<u8>>,
+        blocks: Vec<u64>,
+        timeout_s: f64,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let t = secs(timeout_s)?;
+        let (rt, engine) = self.engine()?;
+        let p = pairs(hashes, blocks)?;
+        let r = wait(py, &rt, t, async move { adapter::load(&engine, &namespace, p).await })?
+            .ok_or_else(|| deadline_fail("load", t))?
+            .map_err(engine_fail)?;
+        load_dict(py, &r)
+    }
+
+    /// Fetch, then load the available prefix into `blocks`; `(fetch, load)`
+    /// report dicts.
+    fn fetch_into<'py>(
+        &self,
+        py: Python<'py>,
+        namespace: String,
+        hashes: Vec<Vec<u8>>,
+        blocks: Vec<u64>,
+        timeout_s: f64,
+    ) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyDict>)> {
+        let t = secs(timeout_s)?;
+        let (rt, engine) = self.engine()?;
+        let p = pairs(hashes, blocks)?;
+        let r = wait(py, &rt, t, async move { adapter::fetch_into(&engine, &namespace, p).await })?
+            .ok_or_else(|| deadline_fail("fetch_into", t))?
+            .map_err(engine_fail)?;
+        Ok((fetch_dict(py, &r.fetch)?, load_dict(py, &r.load)?))
+    }
+
+    /// Counters and gauges.
+    fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let (_, engine) = self.engine()?;
+        let m = engine.metrics();
+        let d = PyDict::new(py);
+        let c = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        for (k, v) in [
+            ("saves", c(&m.saves)),
+            ("saved_blocks", c(&m.saved_blocks)),
+            ("loads", c(&m.loads)),
+            ("loaded_blocks", c(&m.loaded_blocks)),
+            ("load_failures", c(&m.load_failures)),
+            ("evicted", c(&m.evicted)),
+            ("alloc_failures", c(&m.alloc_failures)),
+            ("fetches", c(&m.fetches)),
+            ("fetched_blocks", c(&m.fetched_blocks)),
+            ("fetched_bytes", c(&m.fetched_bytes)),
+            ("checksum_failures", c(&m.checksum_failures)),
+            ("transfer_locks_created", c(&m.transfer_locks_created)),
+            ("save_copy_bytes", c(&m.save_copy_bytes)),
+            ("load_copy_bytes", c(&m.load_copy_bytes)),
+        ] {
+            d.set_item(k, v)?;
+        }
+        let g = engine.gauges();
+        d.set_item("pool_used_bytes", g.pool_used_bytes)?;
+        d.set_item("pool_free_bytes", g.pool_free_bytes)?;
+        d.set_item("resident_blocks", g.resident_blocks)?;
+        d.set_item("active_transfer_locks", g.active_transfer_locks)?;
+        let q = engine.client().counters();
+        d.set_item("registrations_offered", q.offered)?;
+        d.set_item("registrations_delivered", q.delivered)?;
+        d.set_item("registrations_pending", q.pending)?;
+        d.set_item(
+            "registrations_dropped",
+            q.dropped_queue_full + q.dropped_rpc_failed + q.dropped_rejected + q.dropped_shutdown,
+        )?;
+        Ok(d)
+    }
+
+    /// Graceful stop within `timeout_s`; idempotent.
+    fn shutdown(&self, py: Python<'_>, timeout_s: f64) -> PyResult<()> {
+        let t = secs(timeout_s)?;
+        let Some(Live { rt, handle }) = self.live.lock().expect("live lock").take() else { return Ok(()) };
+        py.detach(move || {
+            rt.block_on(handle.shutdown(t));
+            if let Ok(rt) = Arc::try_unwrap(rt) {
+                rt.shutdown_timeout(t);
+            }
+        });
+        Ok(())
+    }
+
+    /// Abrupt stop, as a crash (tests): no unregister is sent.
+    fn kill(&self) {
+        if let Some(Live { rt, handle }) = self.live.lock().expect("live lock").take() {
+            let _g = rt.enter();
+            handle.kill();
+        }
+    }
+
+    /// True until shut down or killed.
+    fn running(&self) -> bool {
+        self.live.lock().expect("live lock").is_some()
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        if let Some(Live { rt, handle }) = self.live.get_mut().ok().and_then(Option::take) {
+            {
+                let _g = rt.enter();
+                handle.kill();
+            }
+            if let Ok(rt) = Arc::try_unwrap(rt) {
+                rt.shutdown_background();
+            }
+        }
+    }
+}
+
+/// Chained block hashes (32 bytes each) of the full blocks of `tokens`.
+#[pyfunction]
+fn block_hashes<'py>(
+    py: Python<'py>,
+    namespace: &str,
+    tokens: Vec<u32>,
+    block_tokens: usize,
+) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+    if block_tokens == 0 {
+        return Err(Fail::new("ConfigError", "BlockTokens", "block_tokens must be at least 1").into());
+    }
+    let hs = py
+        .detach(|| adapter::block_hashes(namespace, &tokens, block_tokens))
+        .map_err(|e| Fail::new("ConfigError", variant("HashError", &format!("{e:?}")), e.to_string()))?;
+    Ok(hs.iter().map(|h| PyBytes::new(py, h.as_bytes())).collect())
+}
+
+/// The namespace string of one KV layout family.
+#[pyfunction]
+fn namespace(model: &str, dtype: &str, block_tokens: u32, tp_rank: u32, tp_size: u32, layers: u32) -> PyResult<String> {
+    adapter::namespace(model, dtype, block_tokens, tp_rank, tp_size, layers)
+        .map_err(|e| Fail::new("ConfigError", variant("HashError", &format!("{e:?}")), e.to_string()).into())
+}
+
+/// Whether this build has the CUDA backend.
+#[pyfunction]
+fn cuda_built() -> bool {
+    cfg!(feature = "cuda")
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<MetaServer>()?;
+    m.add_class::<Node>()?;
+    m.add_function(wrap_pyfunction!(block_hashes, m)?)?;
+    m.add_function(wrap_pyfunction!(namespace, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_built, m)?)?;
+    Ok(())
+}

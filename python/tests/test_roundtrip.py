@@ -1,0 +1,148 @@
+"""save → flush → fetch → load with numpy on the host backend."""
+
+import time
+
+import numpy as np
+import pytest
+
+import kvferry
+from conftest import BT, paged, tokens
+
+
+def two_nodes(ms, **kw):
+    return kvferry.Node(ms.address, pool_bytes=16 << 20, **kw), kvferry.Node(ms.address, pool_bytes=16 << 20, **kw)
+
+
+def test_local_save_then_load_restores_the_bytes(metaserver, ns):
+    with kvferry.Node(metaserver.address, pool_bytes=16 << 20) as node:
+        k, v = paged(seed=1)
+        node.register_kv_cache(ns, k, v)
+        hs = kvferry.block_hashes(ns, tokens(3 * BT), BT)
+        want = [x[[2, 0, 5]].copy() for x in k + v]
+        rep = node.save(ns, hs, [2, 0, 5])
+        assert (rep.saved, rep.already_resident, rep.no_space) == (3, 0, 0)
+        assert node.query_prefix(ns, hs) == 3
+        for x in k + v:
+            x[:] = 0
+        lrep = node.load(ns, hs, [1, 3, 4])
+        assert lrep.ok and lrep.loaded == 3
+        for x, w in zip(k + v, want):
+            np.testing.assert_array_equal(x[[1, 3, 4]], w)
+        assert node.save(ns, hs, [2, 0, 5]).already_resident == 3
+
+
+def test_fetch_from_a_peer_then_load_is_bit_identical(metaserver, ns):
+    p, d = two_nodes(metaserver)
+    with p, d:
+        pk, pv = paged(seed=2)
+        dk, dv = paged(fill=0.0)
+        p.register_kv_cache(ns, pk, pv)
+        d.register_kv_cache(ns, dk, dv)
+        hs = kvferry.block_hashes(ns, tokens(5 * BT + 3), BT)
+        assert len(hs) == 5
+        p.save(ns, hs, [0, 1, 2, 3, 4])
+        flush = p.flush_saves_and_registrations(timeout=5)
+        assert flush.ok and flush.delivered >= 5
+        owners = d.query_prefix_remote(ns, hs)
+        assert owners == [kvferry.PrefixOwner(p.address, 5)]
+        f, l = d.fetch_into(ns, hs, [7, 6, 5, 4, 3])
+        assert (f.requested, f.available, f.fetched, f.stopped) == (5, 5, 5, None)
+        assert f.bytes == 5 * d.kv_cache(ns).block_bytes
+        assert f.owners == [p.address]
+        assert str(f).startswith("5 of 5 blocks")
+        assert l.loaded == 5
+        for src, dst in zip(pk + pv, dk + dv):
+            np.testing.assert_array_equal(dst[[7, 6, 5, 4, 3]], src[:5])
+        m = d.metrics()
+        assert m["fetched_blocks"] == 5 and m["fetched_bytes"] == f.bytes and m["loaded_blocks"] == 5
+        # Fetched blocks are registered as owned by d too.
+        assert d.flush_saves_and_registrations(timeout=5).ok
+
+
+def test_partial_prefix_is_k_of_n(metaserver, ns):
+    p, d = two_nodes(metaserver)
+    with p, d:
+        pk, pv = paged(seed=3)
+        p.register_kv_cache(ns, pk, pv)
+        d.register_kv_cache(ns, *paged(fill=0.0))
+        hs = kvferry.block_hashes(ns, tokens(4 * BT), BT)
+        p.save(ns, hs[:2], [0, 1])
+        assert p.flush_saves_and_registrations(timeout=5).ok
+        f = d.fetch(ns, hs)
+        assert (f.requested, f.available, f.fetched) == (4, 2, 2)
+        assert f.stopped_cause == "FetchError::NoOwner"
+        assert not f.complete
+        lrep = d.load(ns, hs, [0, 1, 2, 3])
+        assert lrep.loaded == 2
+        assert [(i, c) for i, _, c in lrep.failed] == [(2, "LoadError::NotResident"), (3, "LoadError::NotResident")]
+
+
+def test_save_releases_the_gil(metaserver, ns):
+    # Another Python thread runs while a node waits on the barrier.
+    import threading
+
+    with kvferry.Node(metaserver.address) as node:
+        ticks = []
+        stop = threading.Event()
+
+        def tick():
+            while not stop.is_set():
+                ticks.append(1)
+                time.sleep(0.001)
+
+        t = threading.Thread(target=tick)
+        t.start()
+        node.flush_saves_and_registrations(timeout=1)
+        k, v = paged()
+        node.register_kv_cache(ns, k, v)
+        node.save(ns, kvferry.block_hashes(ns, tokens(8 * BT), BT), list(range(8)))
+        stop.set()
+        t.join()
+        assert ticks
+
+
+@pytest.mark.parametrize("arrangement", ["kv-axis-first", "kv-axis-inside-block"])
+def test_k_and_v_in_one_allocation(metaserver, ns, arrangement):
+    # [2, num_blocks, ...] per layer, and [num_blocks, 2, ...] (K and V
+    # interleaved per block): one registered buffer, K and V at offsets.
+    # The pool format depends only on the family, so a peer with separate
+    # K and V tensors exchanges blocks with it.
+    shape = (8, BT, 2, 16)
+    rng = np.random.default_rng(9)
+    if arrangement == "kv-axis-first":
+        whole = [rng.standard_normal((2,) + shape).astype(np.float32) for _ in range(2)]
+        k, v = [w[0] for w in whole], [w[1] for w in whole]
+    else:
+        whole = [rng.standard_normal((shape[0], 2) + shape[1:]).astype(np.float32) for _ in range(2)]
+        k, v = [w[:, 0] for w in whole], [w[:, 1] for w in whole]
+    p, d = two_nodes(metaserver)
+    with p, d:
+        info = p.register_kv_cache(ns, k, v)
+        if arrangement == "kv-axis-inside-block":
+            assert info.block_stride == 2 * info.bytes_per_block
+        dk, dv = paged(fill=0.0)
+        d.register_kv_cache(ns, dk, dv)
+        hs = kvferry.block_hashes(ns, tokens(3 * BT), BT)
+        p.save(ns, hs, [5, 6, 7])
+        assert p.flush_saves_and_registrations(timeout=5).ok
+        f, l = d.fetch_into(ns, hs, [0, 1, 2])
+        assert f.available == 3 and l.loaded == 3
+        for src, dst in zip(k + v, dk + dv):
+            np.testing.assert_array_equal(dst[:3], src[5:8])
+
+
+def test_unregister_kv_cache_then_register_again(metaserver, ns):
+    with kvferry.Node(metaserver.address) as node:
+        k, v = paged(seed=5)
+        node.register_kv_cache(ns, k, v)
+        hs = kvferry.block_hashes(ns, tokens(2 * BT), BT)
+        node.save(ns, hs, [0, 1])
+        node.unregister_kv_cache(ns)
+        with pytest.raises(kvferry.UnknownNamespaceError):
+            node.load(ns, hs, [0, 1])
+        # A new cache of the same shape: the pooled blocks load into it.
+        k2, v2 = paged(fill=0.0)
+        node.register_kv_cache(ns, k2, v2)
+        assert node.load(ns, hs, [3, 4]).loaded == 2
+        for a, b in zip(k + v, k2 + v2):
+            np.testing.assert_array_equal(b[3:5], a[0:2])
