@@ -254,6 +254,7 @@ fn start_data_plane(
                 engine.pool().arena_len(),
                 engine.data_source(),
                 cfg.tcp_connections_per_peer,
+                crate::transport::tcp::ConnLimits::default(),
             )
             .map(|t| DataPlane::Tcp(Arc::new(t)))
             .map_err(|source| NodeError::BindData { addr: cfg.data_addr, source })

@@ -223,12 +223,12 @@ impl TcpTransport {
         conn_limits: ConnLimits,
     ) -> std::io::Result<Self> {
         let listener = TcpListener::bind(bind).await?;
-        Self::start_on(listener, advertise_host, node, pool_len, source, conns_per_peer)
+        Self::start_on(listener, advertise_host, node, pool_len, source, conns_per_peer, conn_limits)
     }
 
-    /// [`TcpTransport::start`] on a listener the embedder already bound
-    /// (bind-first serving: a taken port failed at its bind, before anything
-    /// was started).
+    /// [`TcpTransport::start_with_limits`] on a listener the embedder
+    /// already bound (bind-first serving: a taken port failed at its bind,
+    /// before anything was started).
     ///
     /// # Errors
     /// When the listener's local address cannot be read.
@@ -239,6 +239,7 @@ impl TcpTransport {
         pool_len: u64,
         source: Arc<dyn DataSource>,
         conns_per_peer: usize,
+        conn_limits: ConnLimits,
     ) -> std::io::Result<Self> {
         let port = listener.local_addr()?.port();
         let hooks = Arc::new(TcpHooks::default());
