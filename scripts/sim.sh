@@ -13,8 +13,8 @@
 # 3. determinism sample: DET_SEEDS seeds (default 6) under
 #    MADSIM_TEST_CHECK_DETERMINISM=1 (madsim checks one seed per run), and
 #    each run twice more with byte-identical output required;
-# 4. broken builds (skip with SIM_BROKEN=0): with `--features broken-flush`
-#    and `--features broken-release` the suite must FAIL (the tests
+# 4. broken builds (skip with SIM_BROKEN=0): with `--features broken-flush`,
+#    `broken-release` and `broken-session-ids` the suite must FAIL (the tests
 #    broken_*_is_caught run 20 seeds in-process and pass only if the named
 #    invariant fired).
 #
@@ -149,11 +149,12 @@ for s in $det_seeds; do
 done
 
 if [ "${SIM_BROKEN:-1}" != 0 ]; then
-    for b in flush release; do
+    for b in flush release session-ids; do
         say "broken build: --features broken-$b must be caught"
         BB=$(build "broken-$b")
-        require_tests "$BB" "broken_${b}_is_caught"
-        if "$BB" "broken_${b}_is_caught" --exact --nocapture >"$LOGS/broken-$b.log" 2>&1 \
+        t=broken_${b//-/_}_is_caught
+        require_tests "$BB" "$t"
+        if "$BB" "$t" --exact --nocapture >"$LOGS/broken-$b.log" 2>&1 \
             && grep -q "^test result: ok. 1 passed" "$LOGS/broken-$b.log"; then
             grep -m1 "caught by seed" "$LOGS/broken-$b.log"
         else

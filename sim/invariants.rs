@@ -617,7 +617,10 @@ pub struct SessionGrants(Arc<Mutex<(BTreeSet<String>, Vec<String>)>>);
 
 impl SessionGrants {
     /// The `tracing` layer that records grants into `self`.
-    pub fn layer<S: tracing::Subscriber>(&self) -> impl tracing_subscriber::Layer<S> {
+    pub fn layer<S>(&self) -> impl tracing_subscriber::Layer<S>
+    where
+        S: tracing::Subscriber + for<'span> tracing_subscriber::registry::LookupSpan<'span>,
+    {
         use tracing_subscriber::Layer as _;
         let grants = self.clone();
         GrantLayer(grants).with_filter(tracing_subscriber::filter::filter_fn(|m| {

@@ -18,7 +18,7 @@
 //! Tiers in this target: `main_scenario` (the seed sweep), `regression_*`
 //! (seeds that once found a bug, plain `#[test]`s on their own runtime) and,
 //! only in the deliberately broken builds (`--features broken-flush` /
-//! `broken-release`), `broken_*_is_caught`, which pass only if the checker
+//! `broken-release` / `broken-session-ids`), `broken_*_is_caught`, which pass only if the checker
 //! catches the broken contract within 20 seeds.
 //!
 //! In a normal (non-madsim) build this target compiles to nothing.
@@ -34,7 +34,7 @@ mod workload;
 /// there). Ignored in the deliberately broken builds, where it is expected
 /// to fail (replay a seed there with `--include-ignored`).
 #[madsim::test]
-#[cfg_attr(any(feature = "broken-flush", feature = "broken-release"), ignore)]
+#[cfg_attr(any(feature = "broken-flush", feature = "broken-release", feature = "broken-session-ids"), ignore)]
 async fn main_scenario() {
     if let Err(f) = scenario::run().await {
         panic!("seed {} violated {} invariant check(s); first: {}", f.seed, f.violations.len(), f.violations[0]);
@@ -56,7 +56,7 @@ macro_rules! regression {
     ($name:ident, $seed:expr, $why:literal) => {
         #[doc = $why]
         #[test]
-        #[cfg_attr(any(feature = "broken-flush", feature = "broken-release"), ignore)]
+        #[cfg_attr(any(feature = "broken-flush", feature = "broken-release", feature = "broken-session-ids"), ignore)]
         fn $name() {
             if let Err(f) = run_seed($seed) {
                 panic!("regression seed {} failed: {}", f.seed, f.violations[0]);
@@ -119,7 +119,7 @@ regression!(regression_connection_wait_bounded_329, 329, "Same bug as seed 91.")
 /// RNG, seeded with a process-global counter. Fix: `biased;` in the
 /// client driver and the TCP transport's accept/serve loops.
 #[test]
-#[cfg_attr(any(feature = "broken-flush", feature = "broken-release"), ignore)]
+#[cfg_attr(any(feature = "broken-flush", feature = "broken-release", feature = "broken-session-ids"), ignore)]
 fn regression_determinism_select_biased() {
     for seed in [1, 7] {
         if let Err(f) = madsim::runtime::Runtime::check_determinism(seed, madsim::Config::default(), scenario::run) {
@@ -146,6 +146,18 @@ fn broken_flush_is_caught() {
     match first_violation("inv_flush_visibility", 20) {
         Some((seed, v)) => println!("broken-flush caught by seed {seed}: {v}"),
         None => panic!("broken-flush NOT caught by inv_flush_visibility in 20 seeds"),
+    }
+}
+
+/// The checker can fail: with `broken-session-ids` (the engine's session
+/// ids stop advancing, so a released id is granted again)
+/// `inv_session_ids_unique` must fire within a few seeds.
+#[cfg(feature = "broken-session-ids")]
+#[test]
+fn broken_session_ids_is_caught() {
+    match first_violation("inv_session_ids_unique", 20) {
+        Some((seed, v)) => println!("broken-session-ids caught by seed {seed}: {v}"),
+        None => panic!("broken-session-ids NOT caught by inv_session_ids_unique in 20 seeds"),
     }
 }
 

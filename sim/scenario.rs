@@ -74,16 +74,16 @@ impl tracing_subscriber::fmt::time::FormatTime for SimTime {
 }
 
 /// Feature flags of this build, for the replay command.
-fn features() -> &'static str {
-    if cfg!(all(feature = "broken-flush", feature = "broken-release")) {
-        " --features broken-flush,broken-release"
-    } else if cfg!(feature = "broken-flush") {
-        " --features broken-flush"
-    } else if cfg!(feature = "broken-release") {
-        " --features broken-release"
-    } else {
-        ""
-    }
+fn features() -> String {
+    let on: Vec<&str> = [
+        ("broken-flush", cfg!(feature = "broken-flush")),
+        ("broken-release", cfg!(feature = "broken-release")),
+        ("broken-session-ids", cfg!(feature = "broken-session-ids")),
+    ]
+    .into_iter()
+    .filter_map(|(name, on)| on.then_some(name))
+    .collect();
+    if on.is_empty() { String::new() } else { format!(" --features {}", on.join(",")) }
 }
 
 /// The one command that replays `seed` (run from the repository root).

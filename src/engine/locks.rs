@@ -144,7 +144,12 @@ impl LockTable {
         if self.sessions.contains_key(&id) || self.check_issuer(&id).is_err() {
             return Err(LockError::Duplicate);
         }
-        self.issued += 1;
+        // Deliberately broken build (C16 canary): the sequence never
+        // advances, so the engine's next id repeats once this one is gone.
+        #[cfg(not(feature = "broken-session-ids"))]
+        {
+            self.issued += 1;
+        }
         blocks.sort_by_key(|(_, b)| b.extent.offset());
         self.sessions.insert(id, Session { blocks, expires_at_ms: now_ms.saturating_add(timeout_ms) });
         self.stats.created += 1;

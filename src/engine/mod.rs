@@ -966,6 +966,9 @@ impl Engine {
             self.inner.rng.lock().expect("rng lock").fill_bytes(&mut b);
             u128::from_le_bytes(b)
         };
+        // Deliberately broken build (C16 canary): no secret either.
+        #[cfg(feature = "broken-session-ids")]
+        let secret = secret & 0;
         let now = self.now_ms();
         let timeout_ms = u64::from(self.inner.cfg.lock_timeout_secs) * 1000;
         let id = {
