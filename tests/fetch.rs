@@ -1102,7 +1102,7 @@ async fn session_ids_of_one_node_open_nothing_on_another() {
         drop(found);
         let from_a = &ids_a[0];
         assert_eq!(b.engine.data_source().authorize(from_a, 0, off, BLOCK).unwrap_err(), AccessError::ForeignSession);
-        let mut s = connect_raw(&tcp(&b).data_addr().to_string()).await;
+        let mut s = connect_raw(tcp(&b).data_addr()).await;
         s.write_all(&read_req(1, from_a, 0, off, BLOCK)).await.unwrap();
         let (h, _) = read_response(&mut s).await;
         assert_eq!((h.status, h.req_id), (Status::UnknownSession, 1));

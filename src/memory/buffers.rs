@@ -266,7 +266,7 @@ pub fn check_range(addr: u64, len: u64) -> Result<(), BufferError> {
     if len == 0 {
         return Err(BufferError::Empty { addr });
     }
-    if addr % DEVICE_BUFFER_ALIGN != 0 {
+    if !addr.is_multiple_of(DEVICE_BUFFER_ALIGN) {
         return Err(BufferError::Unaligned { addr, align: DEVICE_BUFFER_ALIGN });
     }
     if addr.checked_add(len).is_none() {
