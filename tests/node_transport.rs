@@ -232,8 +232,8 @@ impl kvferry::transport::DataSource for NoBlocks {
         _region: u32,
         _offset: u64,
         _len: u64,
-    ) -> Result<(kvferry::engine::pool::SealedExtent, u64), kvferry::engine::locks::AccessError> {
-        Err(kvferry::engine::locks::AccessError::UnknownSession)
+    ) -> Result<(kvferry::memory::pool::SealedExtent, u64), kvferry::transport::AccessError> {
+        Err(kvferry::transport::AccessError::UnknownSession)
     }
 }
 
