@@ -270,7 +270,41 @@ pub async fn transport(blocks: u64, block_mib: u64) -> Result<serde_json::Value,
     }))
 }
 
-/// `bench store` (T5, T6, T7): returns the JSON it printed.
+/// Per-RPC-sized insert latencies (ms, sorted) of `keys` into one
+/// namespace of a fresh store sized for `capacity_hashes` (0: grows on
+/// demand), one insert call per `HASHES_PER_REQUEST_MAX` hashes — what one
+/// InsertBlockHashes RPC holds the store lock for. The first call pays the
+/// namespace's creation (and, presized, its allocation).
+fn insert_latencies_ms(
+    keys: &[BlockHash],
+    capacity_hashes: usize,
+    node: &NodeAddr,
+    session: &SessionId,
+) -> Result<Vec<f64>, String> {
+    let mut st = MetaStore::with_capacity(StoreConfig { stale_after_ms: 30_000, ttl_ms: 120_000 }, capacity_hashes);
+    st.heartbeat(node, session, 0).map_err(|e| e.to_string())?;
+    let mut lat = Vec::with_capacity(keys.len() / crate::limits::HASHES_PER_REQUEST_MAX + 1);
+    for chunk in keys.chunks(crate::limits::HASHES_PER_REQUEST_MAX) {
+        let t = Instant::now();
+        st.insert("ns", chunk, node, session, 0).map_err(|e| e.to_string())?;
+        lat.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    std::hint::black_box(&st);
+    lat.sort_by(f64::total_cmp);
+    Ok(lat)
+}
+
+/// Nearest-rank percentile of sorted values.
+fn nearest_rank(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
+    sorted[rank - 1]
+}
+
+/// `bench store` (T5, T6, T7, and the insert tail with and without
+/// `--capacity`): returns the JSON it printed.
 ///
 /// # Errors
 /// Set-up failures as text.
@@ -339,6 +373,24 @@ pub async fn store(keys_n: u64) -> Result<serde_json::Value, String> {
     }
     let _ = ms.shutdown().await;
     let grpc_rate = keys_n as f64 / grpc_s;
+
+    // Insert tail: the same inserts into a store growing on demand and one
+    // sized up front (`kvferry metaserver --capacity`), alternated; per
+    // statistic the median over the repetitions.
+    let (mut grow, mut sized): (Vec<[f64; 3]>, Vec<[f64; 3]>) = (Vec::new(), Vec::new());
+    for _ in 0..REPS {
+        for (out, capacity) in [(&mut grow, 0usize), (&mut sized, keys.len())] {
+            let lat = insert_latencies_ms(&keys, capacity, &a, &sa)?;
+            out.push([nearest_rank(&lat, 0.5), nearest_rank(&lat, 0.99), nearest_rank(&lat, 1.0)]);
+        }
+    }
+    let median = |v: &[[f64; 3]], i: usize| {
+        let mut x: Vec<f64> = v.iter().map(|r| r[i]).collect();
+        x.sort_by(f64::total_cmp);
+        x[x.len() / 2]
+    };
+    let (g50, g99, gmax) = (median(&grow, 0), median(&grow, 1), median(&grow, 2));
+    let (s50, s99, smax) = (median(&sized, 0), median(&sized, 1), median(&sized, 2));
     let (t5, t6, t7_ms) = (store_rate / base_rate, grpc_rate / store_rate, unreg_s * 1e3);
     println!("bench store, {keys_n} keys, best of {REPS}");
     println!("  HashMap<[u8;32],u32> inserts {:>12.0} /s", base_rate);
@@ -353,9 +405,16 @@ pub async fn store(keys_n: u64) -> Result<serde_json::Value, String> {
         target_note(">= 0.5", t6 >= 0.5)
     );
     println!("  unregister 10k of {keys_n}        {t7_ms:>9.3} ms   T7 {}", target_note("<= 10 ms", t7_ms <= 10.0));
+    println!(
+        "  insert of {} hashes, p50 / p99 / max: growing {g50:.2} / {g99:.2} / {gmax:.2} ms, \
+         --capacity {keys_n} {s50:.2} / {s99:.2} / {smax:.2} ms",
+        crate::limits::HASHES_PER_REQUEST_MAX
+    );
     Ok(json!({
         "keys": keys_n, "hashmap_inserts_per_s": base_rate, "store_inserts_per_s": store_rate,
         "grpc_inserts_per_s": grpc_rate, "T5": t5, "T6": t6, "T7_ms": t7_ms,
+        "insert_ms_growing": {"p50": g50, "p99": g99, "max": gmax},
+        "insert_ms_presized": {"p50": s50, "p99": s99, "max": smax},
     }))
 }
 
