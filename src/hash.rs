@@ -61,6 +61,9 @@ pub enum HashError {
     /// A parent hash that is not 32 bytes (not a v1 hash).
     #[error("parent hash of {0} bytes (a v1 block hash has 32)")]
     Parent(usize),
+    /// A [`KvFamily`] field out of range (the message names it).
+    #[error("bad KV family: {0}")]
+    Family(String),
 }
 
 /// Computes v1 block hashes for one namespace and block size (module doc).
@@ -169,15 +172,29 @@ impl KvFamily {
     /// and `D` escaped as `%25` and `%7C`.
     ///
     /// # Errors
-    /// [`HashError::Namespace`] when the result exceeds
-    /// [`crate::limits::NAMESPACE_BYTES_MAX`] bytes (a very long model name)
-    /// or the model name is empty.
+    /// [`HashError::Namespace`] when the model name is empty or the result
+    /// exceeds [`crate::limits::NAMESPACE_BYTES_MAX`] bytes (a very long
+    /// model name); [`HashError::Family`] for an empty dtype, zero block
+    /// tokens, layers or TP size, or a TP rank not below the size.
     pub fn namespace(&self) -> Result<String, HashError> {
         fn escape(s: &str) -> String {
             s.replace('%', "%25").replace('|', "%7C")
         }
         if self.model.is_empty() {
             return Err(HashError::Namespace(IdError::Namespace(0)));
+        }
+        let bad = |what: String| Err(HashError::Family(what));
+        if self.dtype.is_empty() {
+            return bad("empty dtype".into());
+        }
+        if self.block_tokens == 0 || self.layers == 0 || self.tp_size == 0 {
+            return bad(format!(
+                "block_tokens {}, layers {} and tp_size {} must each be at least 1",
+                self.block_tokens, self.layers, self.tp_size
+            ));
+        }
+        if self.tp_rank >= self.tp_size {
+            return bad(format!("tp_rank {} is not below tp_size {}", self.tp_rank, self.tp_size));
         }
         let ns = format!(
             "kvferry1|model={}|dtype={}|bt={}|tp={}/{}|layers={}",
@@ -191,6 +208,15 @@ impl KvFamily {
         validate_namespace(&ns)?;
         Ok(ns)
     }
+}
+
+/// The layer count a [`KvFamily::namespace`] string names (`…|layers=N`
+/// at its end), `None` for any other namespace.
+pub fn namespace_layers(namespace: &str) -> Option<u64> {
+    if !namespace.starts_with("kvferry1|") {
+        return None;
+    }
+    namespace.rsplit_once("|layers=")?.1.parse().ok()
 }
 
 #[cfg(test)]
@@ -262,6 +288,8 @@ mod tests {
             layers: 36,
         };
         assert_eq!(f.namespace().unwrap(), "kvferry1|model=Qwen/Qwen3-8B|dtype=bf16|bt=16|tp=0/1|layers=36");
+        assert_eq!(namespace_layers(&f.namespace().unwrap()), Some(36));
+        assert_eq!(namespace_layers("my-own/ns|layers=3"), None, "only kvferry1 namespaces are read");
         // A separator inside a field cannot forge another field.
         let a = KvFamily { model: "m|dtype=x".into(), dtype: "y".into(), ..f.clone() };
         let b = KvFamily { model: "m".into(), dtype: "x|dtype=y".into(), ..f.clone() };
@@ -271,6 +299,19 @@ mod tests {
         assert_eq!(pct.namespace().unwrap(), "kvferry1|model=m%257C|dtype=bf16|bt=16|tp=0/1|layers=36");
         assert_ne!(KvFamily { tp_rank: 1, tp_size: 2, ..f.clone() }.namespace(), f.namespace());
         assert!(KvFamily { model: "x".repeat(300), ..f.clone() }.namespace().is_err());
-        assert!(KvFamily { model: String::new(), ..f }.namespace().is_err());
+        assert!(KvFamily { model: String::new(), ..f.clone() }.namespace().is_err());
+        for bad in [
+            KvFamily { dtype: String::new(), ..f.clone() },
+            KvFamily { block_tokens: 0, ..f.clone() },
+            KvFamily { layers: 0, ..f.clone() },
+            KvFamily { tp_size: 0, ..f.clone() },
+            KvFamily { tp_rank: 2, tp_size: 2, ..f.clone() },
+        ] {
+            assert!(matches!(bad.namespace(), Err(HashError::Family(_))), "{bad:?}");
+        }
+        assert_eq!(
+            KvFamily { tp_rank: 5, tp_size: 2, ..f }.namespace().unwrap_err().to_string(),
+            "bad KV family: tp_rank 5 is not below tp_size 2"
+        );
     }
 }

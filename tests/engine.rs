@@ -351,6 +351,12 @@ async fn layout_validation_rejects_each_bad_case() {
         // Nothing of the above was registered; other namespace-level errors.
         assert!(matches!(e.layout("bad"), Err(EngineError::UnknownNamespace(_))));
         assert!(matches!(e.register_layout("", vec![ok]), Err(EngineError::Id(_))));
+        // A KvFamily namespace names its layer count; another count is refused.
+        let two = "kvferry1|model=m|dtype=bf16|bt=16|tp=0/1|layers=2";
+        match e.register_layout(two, vec![ok]) {
+            Err(EngineError::NamespaceMismatch { named: 2, given: 1, .. }) => {}
+            other => panic!("expected NamespaceMismatch, got {other:?}"),
+        }
         e.register_layout("good", vec![ok]).unwrap();
         e.register_layout("good", vec![ok]).expect("the same layout again is a no-op");
         let other = LayerLayout { num_blocks: 2, ..ok };

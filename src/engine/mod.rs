@@ -99,6 +99,17 @@ pub enum EngineError {
         /// The new layout's.
         got: LayoutFamily,
     },
+    /// A [`crate::hash::KvFamily`] namespace names another layer count than
+    /// the layout has.
+    #[error("namespace {namespace:?} names {named} layers, the layout has {given}")]
+    NamespaceMismatch {
+        /// The namespace.
+        namespace: String,
+        /// Layers the namespace names.
+        named: u64,
+        /// Layers in the layout.
+        given: usize,
+    },
     /// The buffer is named by a registered layout (C15): unregister the
     /// layout first.
     #[error("{buffer} is named by the layout of namespace {namespace:?}; unregister the layout first")]
@@ -494,11 +505,22 @@ impl Engine {
     ///
     /// # Errors
     /// [`EngineError::Id`], [`EngineError::Layout`] (specific variant),
-    /// [`EngineError::LayoutExists`] for a different layout (unregister the
-    /// old one first), [`EngineError::FamilyMismatch`] when the namespace
-    /// held a layout of another family.
+    /// [`EngineError::NamespaceMismatch`] when a [`crate::hash::KvFamily`]
+    /// namespace names another layer count, [`EngineError::LayoutExists`]
+    /// for a different layout (unregister the old one first),
+    /// [`EngineError::FamilyMismatch`] when the namespace held a layout of
+    /// another family.
     pub fn register_layout(&self, namespace: &str, layers: Vec<LayerLayout>) -> Result<(), EngineError> {
         validate_namespace(namespace)?;
+        if let Some(named) = crate::hash::namespace_layers(namespace) {
+            if named != layers.len() as u64 {
+                return Err(EngineError::NamespaceMismatch {
+                    namespace: namespace.to_string(),
+                    named,
+                    given: layers.len(),
+                });
+            }
+        }
         let mut map = self.inner.layouts.write().expect("layouts lock");
         let gpu = self.inner.gpu.clone();
         let layout = Layout::new(layers, |id| gpu.buffer_len(id))?;
