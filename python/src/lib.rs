@@ -141,6 +141,9 @@ fn engine_fail(e: EngineError) -> Fail {
         EngineError::Id(i) => Fail::new("ConfigError", cause, i.to_string()),
         e @ EngineError::FamilyMismatch { .. } => Fail::new("LayoutError", cause, e.to_string()),
         e @ EngineError::BufferInUse { .. } => Fail::new("LayoutError", cause, e.to_string()),
+        e @ EngineError::NamespaceMismatch { .. } => {
+            Fail::new("LayoutError", cause, format!("{e}: register one K (and V) tensor per layer the namespace names"))
+        }
         other => Fail::new("KvferryError", cause, other.to_string()),
     }
 }

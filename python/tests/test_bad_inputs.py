@@ -126,11 +126,21 @@ def test_freed_tensor_with_null_pointer(node, ns):
     assert e.value.cause == "NullPointer"
 
 
-def test_buffer_smaller_than_the_layout(node, ns):
-    # The engine checks every layout against its buffers' registered sizes.
+def test_buffer_smaller_than_the_layout(node):
+    # The engine checks every layout against its buffers' registered sizes
+    # (a one-layer layout under a namespace of the caller's own).
     k = np.zeros(SHAPE, np.float32)
     bpb = k[0].nbytes
     buf = node._node.register_buffer(k.ctypes.data, k.nbytes - 1)
     with pytest.raises(kvferry.LayoutError, match="large enough") as e:
-        node._node.register_layout(ns, [(buf, 0, None, 0, SHAPE[0], bpb, bpb)])
+        node._node.register_layout("raw/one-layer", [(buf, 0, None, 0, SHAPE[0], bpb, bpb)])
     assert e.value.cause.startswith("LayoutError::")
+
+
+def test_namespace_naming_other_layer_count(node, ns):
+    # `ns` names LAYERS layers; one layer is refused before anything registers.
+    k, v = paged()
+    with pytest.raises(kvferry.LayoutError, match="names 2 layers, the layout has 1") as e:
+        node.register_kv_cache(ns, k[:1], v[:1])
+    assert e.value.cause == "EngineError::NamespaceMismatch"
+    node.register_kv_cache(ns, k, v)
