@@ -299,14 +299,7 @@ class QwenModel:
         t = self.torch
         ks = [dk[:nblocks].view(t.int16).cpu().numpy() for dk in pk]
         vs = [dv[:nblocks].view(t.int16).cpu().numpy() for dv in pv]
-        out = []
-        for b in range(nblocks):
-            h = hashlib.blake2b(digest_size=16)
-            for k, v in zip(ks, vs):
-                h.update(k[b].tobytes())
-                h.update(v[b].tobytes())
-            out.append(h.hexdigest())
-        return out
+        return NumpyDecoder.block_digests(ks, vs, nblocks)
 
 
 def build(device: str, size: str, paged_device: Optional[str] = None):

@@ -56,6 +56,7 @@ from .errors import (
     StartError,
     UnknownNamespaceError,
 )
+from .errors import __all__ as _error_names
 
 __all__ = [
     "MetaServer",
@@ -71,18 +72,7 @@ __all__ = [
     "KvCacheInfo",
     "TensorInfo",
     "describe",
-    "KvferryError",
-    "ConfigError",
-    "StartError",
-    "BufferError",
-    "LayoutError",
-    "UnknownNamespaceError",
-    "BlockIndexError",
-    "GpuError",
-    "PoolFullError",
-    "MetaServerError",
-    "DeadlineError",
-    "ClosedError",
+    *_error_names,
 ]
 
 __version__ = "0.1.0"
