@@ -101,10 +101,11 @@ pub fn server_builder() -> tonic::transport::Server {
         .initial_connection_window_size(limits::GRPC_CONNECTION_WINDOW_BYTES)
 }
 
-/// Worker threads that CPU-bound work (e.g. a fetch's checksum pass) may
-/// spread over: the machine's parallelism on real tokio; 1 under the
-/// simulator, which runs every task on one thread anyway, so that a seed
-/// replays identically whatever host runs it.
+/// Worker tasks that CPU-bound work (e.g. a fetch's checksum pass) may
+/// spread over: the machine's parallelism on real tokio; a fixed
+/// [`SIM_CPU_PARALLELISM`] under the simulator, so that the same
+/// spread-over-tasks path runs there and a seed replays identically
+/// whatever host runs it.
 pub fn cpu_parallelism() -> usize {
     #[cfg(not(madsim))]
     {
@@ -112,8 +113,32 @@ pub fn cpu_parallelism() -> usize {
     }
     #[cfg(madsim)]
     {
-        1
+        SIM_CPU_PARALLELISM
     }
+}
+
+/// [`cpu_parallelism`] under the simulator.
+pub const SIM_CPU_PARALLELISM: usize = 4;
+
+/// `f` over every item, in order, the items split into at most `parts`
+/// contiguous chunks run side by side: on OS threads (scoped, joined before
+/// returning) on real builds; one chunk after the other under the
+/// simulator, where OS threads are not allowed (same chunks, same results).
+///
+/// # Panics
+/// If `f` panics (the panic is propagated).
+pub fn map_chunks<T: Sync, R: Send>(items: &[T], parts: usize, f: impl Fn(&T) -> R + Sync) -> Vec<R> {
+    let per = items.len().div_ceil(parts.max(1)).max(1);
+    #[cfg(not(madsim))]
+    if items.len() > per {
+        let f = &f;
+        return std::thread::scope(|s| {
+            let handles: Vec<_> =
+                items.chunks(per).map(|c| s.spawn(move || c.iter().map(f).collect::<Vec<R>>())).collect();
+            handles.into_iter().flat_map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
+        });
+    }
+    items.chunks(per).flat_map(|c| c.iter().map(&f).collect::<Vec<R>>()).collect()
 }
 
 /// Milliseconds since `origin` on the runtime clock (simulated under madsim).
@@ -135,40 +160,30 @@ pub async fn timeout_at<F: Future>(deadline: tokio::time::Instant, f: F) -> Resu
     tokio::time::timeout(left, f).await.map_err(|_| DeadlineElapsed)
 }
 
-/// The task ending [`run_to_completion`]'s future panicked or was cancelled
-/// (simulator only, e.g. its node was killed).
+/// [`run_to_completion`]'s future was polled again after it finished.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TaskEnded(pub String);
 
 /// Drives `fut` to completion even when the returned future is dropped
-/// first: on real tokio `fut` runs inline in the caller's task (no extra
-/// task hop — two thread wake-ups fewer on the critical path), and only a
-/// future dropped half way has its rest spawned onto the current runtime;
-/// under the simulator it runs on a task of its own from the start (the
-/// task schedule the kept regression seeds were found with).
+/// first: `fut` runs inline in the caller's task (no extra task hop — two
+/// thread wake-ups fewer on the critical path), and only a future dropped
+/// half way has its rest spawned onto the current runtime. The same code
+/// runs under the simulator (madsim's tokio has the runtime handle and its
+/// `spawn`), so the simulated schedule is the production one.
 ///
 /// # Errors
-/// [`TaskEnded`] only under the simulator (the task panicked or was killed);
-/// on real tokio a panic in `fut` propagates to the caller.
+/// [`TaskEnded`] only when polled after completion (a caller bug); a panic
+/// in `fut` propagates to the caller.
 pub fn run_to_completion<F>(fut: F) -> impl Future<Output = Result<F::Output, TaskEnded>> + Send
 where
     F: Future + Send + 'static,
     F::Output: Send + 'static,
 {
-    #[cfg(not(madsim))]
-    {
-        Detachable { fut: Some(Box::pin(fut)) }
-    }
-    #[cfg(madsim)]
-    {
-        let task = tokio::spawn(fut);
-        async move { task.await.map_err(|e| TaskEnded(e.to_string())) }
-    }
+    Detachable { fut: Some(Box::pin(fut)) }
 }
 
 /// See [`run_to_completion`]: polls its future inline; spawns the rest of it
 /// when dropped before it finished.
-#[cfg(not(madsim))]
 struct Detachable<F: Future + Send + 'static>
 where
     F::Output: Send + 'static,
@@ -176,7 +191,6 @@ where
     fut: Option<std::pin::Pin<Box<F>>>,
 }
 
-#[cfg(not(madsim))]
 impl<F: Future + Send + 'static> Future for Detachable<F>
 where
     F::Output: Send + 'static,
@@ -199,7 +213,6 @@ where
     }
 }
 
-#[cfg(not(madsim))]
 impl<F: Future + Send + 'static> Drop for Detachable<F>
 where
     F::Output: Send + 'static,

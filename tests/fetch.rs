@@ -1064,6 +1064,40 @@ async fn fetch_reads_in_parts_and_a_bad_part_ends_it() {
     .await;
 }
 
+/// With several parts in flight, `fetch_into` puts every block
+/// byte-identical into the caller's indices, loading each part as it is
+/// sealed; the phase split accounts for the fetch's time (it adds up to no
+/// more than the call's wall time, and a fetch that read charges `read`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fetch_into_with_parts_in_flight_loads_part_by_part() {
+    bounded(async {
+        let ms = start_ms().await;
+        let (p, _) = start_node(&ms, 4 * MIB).await;
+        let mut dcfg = node_cfg(ms.local_addr, 4 * MIB);
+        dcfg.engine.fetch_read_part_bytes = 2 * BLOCK;
+        dcfg.engine.fetch_reads_in_flight = 3;
+        let (d, _) = start_node_cfg(dcfg).await;
+        let kp = register_default(&p.engine, 40);
+        let kd = register_default(&d.engine, 40);
+        let hs = hashes(9400..9411);
+        prefill(&p.engine, &kp, &hs).await;
+        // The first three blocks are already resident on the decode node.
+        fill_and_save(&d.engine, &kd, 30, &hs[..3]).await;
+        let wanted: Vec<(BlockHash, u64)> = hs.iter().cloned().zip(20u64..).collect();
+        let t0 = std::time::Instant::now();
+        let got = d.engine.fetch_into(NS, &wanted).await.unwrap();
+        let wall = t0.elapsed();
+        assert_eq!((got.fetch.local_hits, got.fetch.fetched, got.ready()), (3, 8, 11), "{:?}", got.fetch);
+        for (i, h) in hs.iter().enumerate() {
+            assert!(verify(&d.engine, &kd, 20 + i as u64, h), "block {i} byte-identical at its index");
+        }
+        let ph = got.fetch.phases;
+        assert!(ph.read > Duration::ZERO, "{ph:?}");
+        assert!(ph.total() <= wall, "phases {ph:?} exceed the call's wall time {wall:?}");
+    })
+    .await;
+}
+
 // ------------------------------------------------------- C16 capability ids
 
 /// Two nodes started with the default configuration issue disjoint,

@@ -52,6 +52,14 @@ pub struct EngineConfig {
     /// checksummed while the next is read (see
     /// [`limits::FETCH_READ_PART_BYTES`]).
     pub fetch_read_part_bytes: u64,
+    /// Read parts a fetch keeps in flight at once (≥ 1; see
+    /// [`limits::FETCH_READS_IN_FLIGHT`]): with more than one, a fetch's
+    /// parts travel over several of the transport's connections at once.
+    pub fetch_reads_in_flight: usize,
+    /// Least bytes of a fetched part worth a checksum task of its own (see
+    /// [`limits::FETCH_VERIFY_PART_BYTES_MIN`]); the simulator sets it low so
+    /// its small parts take the same spread-over-tasks path as production.
+    pub fetch_verify_task_bytes_min: u64,
     /// Seed of the engine's RNG (its incarnation and transfer-session ids,
     /// C16). `None` (the default): drawn from OS entropy, so ids are
     /// unpredictable and differ between nodes and process incarnations.
@@ -70,6 +78,8 @@ impl Default for EngineConfig {
             fetch_deadline: Duration::from_millis(limits::FETCH_DEADLINE_MS_DEFAULT),
             peer_rpc_timeout: Duration::from_millis(limits::METASERVER_RPC_TIMEOUT_MS_DEFAULT),
             fetch_read_part_bytes: limits::FETCH_READ_PART_BYTES,
+            fetch_reads_in_flight: limits::FETCH_READS_IN_FLIGHT,
+            fetch_verify_task_bytes_min: limits::FETCH_VERIFY_PART_BYTES_MIN,
             seed: None,
         }
     }
@@ -941,7 +951,10 @@ impl Engine {
     /// fetched (or already resident) prefix into the caller's block indices
     /// ([`Engine::load`]) in one call: the decode side of the P/D handoff.
     /// `blocks` pairs each hash (in prefix order) with the index of the
-    /// embedder's paged cache it goes to.
+    /// embedder's paged cache it goes to. Loads are pipelined with the
+    /// fetch: the resident prefix starts loading at once and each fetched
+    /// part as soon as it is verified and sealed, so only the last part's
+    /// copy follows the last read (`fetch.phases.load_tail`).
     ///
     /// [`FetchIntoReport::ready`] is how many leading blocks are now on the
     /// device; the caller recomputes the rest.
@@ -958,8 +971,8 @@ impl Engine {
         let (_, layout) = self.layout(namespace)?;
         Self::check_indices(&layout, blocks.iter().map(|(_, i)| i))?;
         let hashes: Vec<BlockHash> = blocks.iter().map(|(h, _)| h.clone()).collect();
-        let fetch = self.fetch(namespace, &hashes).await;
-        let load = self.load(namespace, &blocks[..fetch.available]).await?;
+        let (fetch, load) = self.fetch_inner(namespace, &hashes, Some(blocks)).await;
+        let load = load.unwrap_or_else(|| Ok(LoadReport { results: Vec::new() }))?;
         Ok(FetchIntoReport { fetch, load })
     }
 
@@ -1088,31 +1101,16 @@ pub(crate) fn push_block_ops(layout: &Layout, idx: u64, extent: usize, ops: &mut
 }
 
 /// Bytes of blocks above which seal-time checksums are computed on several
-/// OS threads (outside the simulator): CRC-32C runs at ~10 GB/s per core,
-/// a GPU copies at ~55 GB/s, so one core would be the save bottleneck.
-#[cfg(not(madsim))]
+/// threads: CRC-32C runs at ~10 GB/s per core, a GPU copies at ~55 GB/s, so
+/// one core would be the save bottleneck.
 const PARALLEL_CHECKSUM_BYTES_MIN: u64 = 16 << 20;
 
-/// Seal-time checksums of many blocks, in order; parallel for large batches
-/// outside the simulator.
+/// Seal-time checksums of many blocks, in order; spread over up to 16
+/// threads for large batches ([`crate::rt::map_chunks`]).
 pub fn checksum_blocks(layout: &Layout, blocks: &[Extent]) -> Vec<Arc<[u32]>> {
     let total: u64 = blocks.iter().map(|e| e.len()).sum();
-    #[cfg(not(madsim))]
-    if total >= PARALLEL_CHECKSUM_BYTES_MIN && blocks.len() > 1 {
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(blocks.len()).min(16);
-        let per = blocks.len().div_ceil(threads);
-        return std::thread::scope(|s| {
-            let handles: Vec<_> = blocks
-                .chunks(per)
-                .map(|part| {
-                    s.spawn(move || part.iter().map(|e| slot_checksums(layout, e.as_slice())).collect::<Vec<_>>())
-                })
-                .collect();
-            handles.into_iter().flat_map(|h| h.join().expect("checksum thread")).collect()
-        });
-    }
-    let _ = total;
-    blocks.iter().map(|e| slot_checksums(layout, e.as_slice())).collect()
+    let parts = if total >= PARALLEL_CHECKSUM_BYTES_MIN { crate::rt::cpu_parallelism().min(16) } else { 1 };
+    crate::rt::map_chunks(blocks, parts, |e| slot_checksums(layout, e.as_slice()))
 }
 
 /// CRC-32C of each slot (layer) of a block laid out per `layout`.

@@ -1,0 +1,1091 @@
+//! The fetch as a sans-io state machine: every decision of a fetch (owner
+//! choice, stitching, lock, which parts to read, verification verdicts,
+//! sealing in prefix order, freeing, release) is made here, in
+//! `step(event) → actions`, with no I/O, no clock and no memory of its own.
+//! The async driver in [`super`] performs the actions (MetaServer query,
+//! handshake, `QueryBlocksForTransfer`, pool allocation, transport reads,
+//! CRC passes, seal + register, `ReleaseTransferLock`) and feeds back what
+//! happened. The queue, the MetaServer store and the lock table follow the
+//! same split; it lets a property test drive the real machine through every
+//! interleaving of outcomes and a cancellation after every event
+//! (`tests` below), which an async function cannot offer.
+//!
+//! Guarantees, each asserted by the property test:
+//! - every transfer lock taken is released exactly once, on every path
+//!   (completion, error, deadline, cancellation through [`FetchMachine::abandon`]) (C8);
+//! - what the report counts as fetched is a contiguous prefix of the
+//!   request, every block of it read successfully and verified against the
+//!   checksums its owner advertised (C9, C10);
+//! - a block whose checksum mismatches is rejected and nothing after it
+//!   (from that owner) is kept;
+//! - every block slot handed out by an allocation is sealed or freed
+//!   exactly once, and never while a read or a CRC pass still uses it (C11).
+//!
+//! Indices: *request indices* index the caller's hash list; *plan indices*
+//! index the blocks locked from the current owner (plan index 0 is request
+//! index `base`, the verified prefix length when the lock was asked for).
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use super::{FetchError, FetchReport, check_shape_family};
+use crate::engine::layout::LayoutFamily;
+use crate::proto::TransferBlockInfo;
+use crate::transport::TransportError;
+use crate::types::{BlockHash, NodeAddr};
+
+/// What the machine needs to know about the fetching node and its policy.
+#[derive(Debug, Clone)]
+pub struct MachineConfig {
+    /// This node (never chosen as an owner).
+    pub me: NodeAddr,
+    /// The local layout's family: an owner's blocks must be of it (C15).
+    pub family: LayoutFamily,
+    /// Bytes of one block in the pool.
+    pub block_bytes: u64,
+    /// Blocks per read part (≥ 1): the unit of pipelining and of loss on a
+    /// failed read.
+    pub part_blocks: usize,
+    /// Reads in flight at once (≥ 1); CRC passes of completed parts run
+    /// beside them.
+    pub reads_in_flight: usize,
+    /// Owners asked at most per fetch ([`crate::limits::FETCH_OWNERS_MAX`]).
+    pub owners_max: usize,
+}
+
+/// A granted transfer lock: the session id and the blocks it pins, as the
+/// owner described them.
+#[derive(Debug, Clone)]
+pub struct LockGrant {
+    /// The transfer session (non-empty).
+    pub session: String,
+    /// The pinned blocks, in any order.
+    pub blocks: Vec<TransferBlockInfo>,
+}
+
+/// What happened, fed to [`FetchMachine::step`].
+#[derive(Debug)]
+pub enum Event {
+    /// Answer to [`Action::QueryOwners`]: `(owner, prefix length)` in the
+    /// MetaServer's order, or why the query failed.
+    Owners(Result<Vec<(NodeAddr, u32)>, String>),
+    /// Answer to [`Action::Handshake`].
+    Handshake(Result<(), FetchError>),
+    /// Answer to [`Action::Lock`]; a lock answered with an empty session is
+    /// `Err(FetchError::Stale)`.
+    Locked(Result<LockGrant, FetchError>),
+    /// Answer to [`Action::Alloc`]: slots for the first `n` plan blocks
+    /// (fewer than asked: the pool had no room).
+    Allocated(usize),
+    /// A read part completed: one result per block of the part.
+    ReadDone {
+        /// Part number.
+        part: usize,
+        /// Per block of the part, in order.
+        results: Vec<Result<(), TransportError>>,
+    },
+    /// A CRC pass of a part completed: per block, its slot checksums (`None`
+    /// for a block whose read failed). Shorter than the part when the pass
+    /// did not finish (the runtime is shutting down).
+    Verified {
+        /// Part number.
+        part: usize,
+        /// Per block of the part, in order.
+        sums: Vec<Option<Arc<[u32]>>>,
+    },
+    /// [`Action::Release`] finished (answered, failed or timed out: the
+    /// owner's lock timeout covers the latter two).
+    Released,
+    /// The fetch deadline passed.
+    Deadline,
+}
+
+/// What the driver must do next.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Action {
+    /// Ask the MetaServer for owners of request indices `from..`.
+    QueryOwners {
+        /// First request index asked for.
+        from: usize,
+    },
+    /// Make sure a handshake with `owner` happened (single-flight per peer).
+    Handshake {
+        /// The owner.
+        owner: NodeAddr,
+    },
+    /// `QueryBlocksForTransfer` for request indices `blocks` at `owner`.
+    Lock {
+        /// The owner.
+        owner: NodeAddr,
+        /// Request indices.
+        blocks: Range<usize>,
+    },
+    /// Allocate pool slots for plan blocks `0..blocks`, in order, stopping
+    /// at the first that does not fit.
+    Alloc {
+        /// Blocks.
+        blocks: usize,
+    },
+    /// Read plan blocks `blocks` (part `part`) into their slots.
+    Read {
+        /// Part number.
+        part: usize,
+        /// Plan indices.
+        blocks: Range<usize>,
+    },
+    /// Checksum the slots of part `part` whose read succeeded (`read_ok`).
+    Verify {
+        /// Part number.
+        part: usize,
+        /// Plan indices.
+        blocks: Range<usize>,
+        /// Per block: its read succeeded.
+        read_ok: Vec<bool>,
+    },
+    /// Seal plan blocks `blocks` with `sums` and register them as owned
+    /// here, in one synchronous step (no eviction between the two).
+    Seal {
+        /// Plan indices.
+        blocks: Range<usize>,
+        /// The same blocks' request indices.
+        hashes: Range<usize>,
+        /// Per block, its verified slot checksums.
+        sums: Vec<Arc<[u32]>>,
+    },
+    /// Return plan blocks' slots to the pool (never read, read but not
+    /// kept, or rejected).
+    Free {
+        /// Plan indices.
+        blocks: Range<usize>,
+    },
+    /// Plan block `block`'s checksums differ from the advertised ones (C10):
+    /// count it.
+    Rejected {
+        /// Plan index.
+        block: usize,
+        /// Its request index.
+        hash: usize,
+    },
+    /// Forget the peer's gRPC client (and, with `disconnect`, its data-plane
+    /// connections): its state is unknown after a failure.
+    ForgetPeer {
+        /// The owner.
+        owner: NodeAddr,
+        /// Also drop transport connections.
+        disconnect: bool,
+    },
+    /// `ReleaseTransferLock(session)` at `owner`. Emitted exactly once per
+    /// granted lock; the driver runs it to completion even if the fetch is
+    /// dropped meanwhile.
+    Release {
+        /// The owner.
+        owner: NodeAddr,
+        /// The session.
+        session: String,
+    },
+    /// The fetch is over: [`FetchMachine::report`] is final and nothing is
+    /// in flight that the driver must wait for (an RPC still pending may be
+    /// dropped).
+    Done,
+}
+
+/// Where a part of the current plan is.
+#[derive(Debug, Clone)]
+enum Part {
+    /// Not read yet.
+    Unread,
+    /// A read is in flight.
+    Reading,
+    /// A CRC pass is in flight (the read results kept).
+    Verifying(Vec<Result<(), TransportError>>),
+    /// Judged: the first `good` blocks may be sealed; `bad` says why the
+    /// rest may not.
+    Judged { good: usize, sums: Vec<Arc<[u32]>>, bad: Option<FetchError> },
+    /// Sealed and/or freed: its slots are back with their owner.
+    Settled,
+}
+
+/// The blocks being read from one owner under one lock.
+#[derive(Debug)]
+struct Transfer {
+    owner: NodeAddr,
+    /// Request index of plan block 0.
+    base: usize,
+    /// Blocks asked of this owner.
+    asked: usize,
+    plan: Vec<TransferBlockInfo>,
+    parts: Vec<(Range<usize>, Part)>,
+    /// Parts before this one are settled; sealing continues here.
+    next_settle: usize,
+    /// Next part to read.
+    next_read: usize,
+    /// No more reads are started (a failed read, a rejected block, the
+    /// deadline); unread parts are freed.
+    halted: bool,
+    /// The first part with a bad block (settled): nothing after it is kept.
+    cut: Option<usize>,
+    /// Why this owner's transfer stopped short, if it did.
+    stop: Option<FetchError>,
+}
+
+#[derive(Debug)]
+enum Stage {
+    /// Waiting for the MetaServer's owners.
+    Querying,
+    /// Waiting for a handshake with the owner.
+    Handshaking { owner: NodeAddr, len: usize },
+    /// Waiting for the lock.
+    Locking { owner: NodeAddr, len: usize },
+    /// Waiting for slots.
+    Allocating(Transfer),
+    /// Reads and CRC passes in flight.
+    Reading(Transfer),
+    /// Waiting for the release of the owner's lock.
+    Releasing,
+    /// Over.
+    Done,
+}
+
+/// The fetch of one chained prefix: see the module doc.
+#[derive(Debug)]
+pub struct FetchMachine {
+    cfg: MachineConfig,
+    hashes: Vec<BlockHash>,
+    rep: FetchReport,
+    stage: Stage,
+    /// A granted lock whose release has not been emitted yet.
+    held: Option<(NodeAddr, String)>,
+    deadline_passed: bool,
+}
+
+impl FetchMachine {
+    /// A fetch of `hashes` of which the first `local` are already resident.
+    /// Returns the machine and its first actions.
+    pub fn start(cfg: MachineConfig, hashes: Vec<BlockHash>, local: usize) -> (Self, Vec<Action>) {
+        let requested = hashes.len();
+        let local = local.min(requested);
+        let mut m = Self {
+            cfg,
+            hashes,
+            rep: FetchReport { requested, available: local, local_hits: local, ..Default::default() },
+            stage: Stage::Querying,
+            held: None,
+            deadline_passed: false,
+        };
+        let mut out = Vec::new();
+        m.next_owner(&mut out);
+        (m, out)
+    }
+
+    /// The report so far (final once [`Action::Done`] was emitted).
+    pub fn report(&self) -> &FetchReport {
+        &self.rep
+    }
+
+    /// Whether [`Action::Done`] was emitted.
+    pub fn is_done(&self) -> bool {
+        matches!(self.stage, Stage::Done)
+    }
+
+    /// The blocks locked from the current owner (plan indices), as it
+    /// described them; empty outside a transfer.
+    pub fn plan(&self) -> &[TransferBlockInfo] {
+        match &self.stage {
+            Stage::Allocating(t) | Stage::Reading(t) => &t.plan,
+            _ => &[],
+        }
+    }
+
+    /// The owner and session of the granted lock being read under (until its
+    /// release is emitted).
+    pub fn transfer_session(&self) -> Option<(&NodeAddr, &str)> {
+        self.held.as_ref().map(|(o, s)| (o, s.as_str()))
+    }
+
+    /// The fetch is being dropped: the actions that must still happen (at
+    /// most one [`Action::Release`], for a granted lock whose release was
+    /// not emitted yet). The slots the driver holds go back to the pool with
+    /// it; slots inside a read in flight come back through the transport.
+    pub fn abandon(&mut self) -> Vec<Action> {
+        self.stage = Stage::Done;
+        self.held.take().map(|(owner, session)| Action::Release { owner, session }).into_iter().collect()
+    }
+
+    /// Advances the machine by one event.
+    pub fn step(&mut self, ev: Event) -> Vec<Action> {
+        let mut out = Vec::new();
+        let stage = std::mem::replace(&mut self.stage, Stage::Done);
+        match (stage, ev) {
+            (Stage::Done, _) => {}
+            (Stage::Reading(mut t), Event::Deadline) => {
+                self.deadline_passed = true;
+                t.halted = true;
+                t.stop.get_or_insert(FetchError::Deadline);
+                self.pump(t, &mut out);
+            }
+            (Stage::Releasing, Event::Deadline) => {
+                // The release runs under its own RPC timeout.
+                self.deadline_passed = true;
+                self.stage = Stage::Releasing;
+            }
+            (Stage::Allocating(t), Event::Deadline) => {
+                self.deadline_passed = true;
+                self.stage = Stage::Allocating(t);
+            }
+            (_, Event::Deadline) => {
+                // An RPC was pending (query, handshake, lock): give up on it.
+                // A lock granted after this point expires at the owner.
+                self.deadline_passed = true;
+                self.rep.stopped = Some(FetchError::Deadline);
+                self.finish(&mut out);
+            }
+            (Stage::Querying, Event::Owners(res)) => self.on_owners(res, &mut out),
+            (Stage::Handshaking { owner, len }, Event::Handshake(res)) => match res {
+                Ok(()) => {
+                    let from = self.rep.available;
+                    out.push(Action::Lock { owner: owner.clone(), blocks: from..from + len });
+                    self.stage = Stage::Locking { owner, len };
+                }
+                Err(e) => {
+                    out.push(Action::ForgetPeer { owner, disconnect: false });
+                    self.rep.stopped = Some(e);
+                    self.next_owner(&mut out);
+                }
+            },
+            (Stage::Locking { owner, len }, Event::Locked(res)) => match res {
+                Ok(grant) => self.on_locked(owner, len, grant, &mut out),
+                Err(e) => {
+                    if matches!(e, FetchError::Peer(_)) {
+                        out.push(Action::ForgetPeer { owner, disconnect: false });
+                    }
+                    self.rep.stopped = Some(e);
+                    self.next_owner(&mut out);
+                }
+            },
+            (Stage::Allocating(mut t), Event::Allocated(n)) => {
+                if n < t.plan.len() {
+                    t.stop = Some(FetchError::NoSpace);
+                    t.plan.truncate(n);
+                }
+                let per = self.cfg.part_blocks.max(1);
+                t.parts =
+                    (0..t.plan.len()).step_by(per).map(|s| (s..(s + per).min(t.plan.len()), Part::Unread)).collect();
+                self.pump(t, &mut out);
+            }
+            (Stage::Reading(mut t), Event::ReadDone { part, results }) => {
+                let past_cut = t.cut.is_some_and(|c| part > c);
+                if let Some((blocks, p @ Part::Reading)) = t.parts.get_mut(part) {
+                    if past_cut {
+                        // Nothing after a rejected block is kept.
+                        out.push(Action::Free { blocks: blocks.clone() });
+                        *p = Part::Settled;
+                    } else {
+                        let read_ok: Vec<bool> =
+                            (0..blocks.len()).map(|i| results.get(i).is_some_and(Result::is_ok)).collect();
+                        if read_ok.iter().any(|ok| !ok) {
+                            // Nothing after a failed read is read.
+                            t.halted = true;
+                        }
+                        out.push(Action::Verify { part, blocks: blocks.clone(), read_ok });
+                        *p = Part::Verifying(results);
+                    }
+                }
+                self.pump(t, &mut out);
+            }
+            (Stage::Reading(mut t), Event::Verified { part, sums }) => {
+                if let Some((blocks, p @ Part::Verifying(_))) = t.parts.get_mut(part) {
+                    let Part::Verifying(results) = std::mem::replace(p, Part::Settled) else { unreachable!() };
+                    let mut good = Vec::new();
+                    let mut bad = None;
+                    for (i, b) in blocks.clone().enumerate() {
+                        match (results.get(i), sums.get(i)) {
+                            (Some(Err(e)), _) => bad = Some(FetchError::Transport(e.clone())),
+                            (Some(Ok(())), Some(Some(s))) if as_advertised(s, &t.plan[b]) => {
+                                good.push(s.clone());
+                                continue;
+                            }
+                            (Some(Ok(())), Some(Some(_))) => {
+                                out.push(Action::Rejected { block: b, hash: t.base + b });
+                                bad = Some(FetchError::Checksum);
+                            }
+                            _ => {
+                                bad = Some(FetchError::Transport(TransportError::Io(
+                                    "checksum pass did not finish".into(),
+                                )))
+                            }
+                        }
+                        break;
+                    }
+                    if bad.is_some() {
+                        t.halted = true;
+                    }
+                    *p = Part::Judged { good: good.len(), sums: good, bad };
+                }
+                self.pump(t, &mut out);
+            }
+            (Stage::Releasing, Event::Released) => self.next_owner(&mut out),
+            (stage, _) => {
+                // An event this stage does not wait for (a driver bug):
+                // ignore it rather than lose track of a lock.
+                debug_assert!(false, "fetch machine: unexpected event in {stage:?}");
+                self.stage = stage;
+            }
+        }
+        out
+    }
+
+    fn on_owners(&mut self, res: Result<Vec<(NodeAddr, u32)>, String>, out: &mut Vec<Action>) {
+        let owners = match res {
+            Ok(o) => o,
+            Err(e) => {
+                self.rep.stopped = Some(FetchError::MetaServer(e));
+                return self.finish(out);
+            }
+        };
+        let me = &self.cfg.me;
+        let tried = &self.rep.owners;
+        let pick = owners.into_iter().find(|(n, len)| n != me && *len > 0 && !tried.contains(n));
+        let Some((owner, len)) = pick else {
+            // Keep why the last owner stopped short (stale, checksum, …):
+            // "no owner" only when none failed before.
+            self.rep.stopped = Some(self.rep.stopped.take().unwrap_or(FetchError::NoOwner));
+            return self.finish(out);
+        };
+        self.rep.owners.push(owner.clone());
+        let rest = self.hashes.len() - self.rep.available;
+        let len = usize::try_from(len).unwrap_or(usize::MAX).min(rest);
+        out.push(Action::Handshake { owner: owner.clone() });
+        self.stage = Stage::Handshaking { owner, len };
+    }
+
+    fn on_locked(&mut self, owner: NodeAddr, len: usize, grant: LockGrant, out: &mut Vec<Action>) {
+        self.held = Some((owner.clone(), grant.session));
+        let base = self.rep.available;
+        let mut plan = Vec::new();
+        let mut stop = None;
+        let mut offered = grant.blocks;
+        for h in &self.hashes[base..base + len] {
+            let Some(pos) = offered.iter().position(|b| b.block_hash == h.as_bytes()) else {
+                stop = Some(FetchError::Stale);
+                break;
+            };
+            let b = offered.swap_remove(pos);
+            if let Err(why) = check_shape_family(&self.cfg.family, &b) {
+                stop = Some(FetchError::Shape(why));
+                break;
+            }
+            plan.push(b);
+        }
+        let t = Transfer {
+            owner,
+            base,
+            asked: len,
+            plan,
+            parts: Vec::new(),
+            next_settle: 0,
+            next_read: 0,
+            halted: false,
+            cut: None,
+            stop,
+        };
+        if t.plan.is_empty() {
+            self.pump(t, out);
+        } else {
+            out.push(Action::Alloc { blocks: t.plan.len() });
+            self.stage = Stage::Allocating(t);
+        }
+    }
+
+    /// Seals judged parts in prefix order, frees what may not be kept,
+    /// starts reads up to the window, and ends the transfer when nothing is
+    /// in flight and every part is settled.
+    fn pump(&mut self, mut t: Transfer, out: &mut Vec<Action>) {
+        if self.deadline_passed && !t.halted {
+            t.halted = true;
+            t.stop.get_or_insert(FetchError::Deadline);
+        }
+        // Seal judged parts in order, up to the first part with a bad block.
+        while t.cut.is_none() {
+            let Some((blocks, part @ Part::Judged { .. })) = t.parts.get_mut(t.next_settle) else { break };
+            let Part::Judged { good, sums, bad } = std::mem::replace(part, Part::Settled) else { unreachable!() };
+            let blocks = blocks.clone();
+            if good > 0 {
+                let at = t.base + blocks.start;
+                out.push(Action::Seal { blocks: blocks.start..blocks.start + good, hashes: at..at + good, sums });
+                self.rep.available += good;
+                self.rep.fetched += good;
+                self.rep.bytes += good as u64 * self.cfg.block_bytes;
+            }
+            if good < blocks.len() {
+                out.push(Action::Free { blocks: blocks.start + good..blocks.end });
+            }
+            if let Some(e) = bad {
+                t.cut = Some(t.next_settle);
+                t.stop = Some(e);
+                t.halted = true;
+            }
+            t.next_settle += 1;
+        }
+        // Parts that will never be read, and judged parts past a cut.
+        let cut = t.cut;
+        for (i, (blocks, part)) in t.parts.iter_mut().enumerate() {
+            let free = match part {
+                Part::Unread => t.halted,
+                Part::Judged { .. } => cut.is_some_and(|c| i > c),
+                _ => false,
+            };
+            if free {
+                out.push(Action::Free { blocks: blocks.clone() });
+                *part = Part::Settled;
+            }
+        }
+        if !t.halted {
+            let in_flight = t.parts.iter().filter(|(_, p)| matches!(p, Part::Reading)).count();
+            let mut room = self.cfg.reads_in_flight.max(1).saturating_sub(in_flight);
+            while room > 0 && t.next_read < t.parts.len() {
+                let i = t.next_read;
+                out.push(Action::Read { part: i, blocks: t.parts[i].0.clone() });
+                t.parts[i].1 = Part::Reading;
+                t.next_read += 1;
+                room -= 1;
+            }
+        }
+        if !t.parts.iter().all(|(_, p)| matches!(p, Part::Settled)) {
+            self.stage = Stage::Reading(t);
+            return;
+        }
+        // The transfer is over: release the lock, then the next owner.
+        let got = self.rep.available - t.base;
+        let mut stop = t.stop;
+        if got < t.asked && stop.is_none() {
+            // The owner delivered fewer blocks than it advertised.
+            stop = Some(FetchError::Stale);
+        }
+        if let Some(FetchError::Transport(e)) = &stop {
+            if !matches!(e, TransportError::Refused { .. }) {
+                // The connection state is unknown: start clean next time.
+                out.push(Action::ForgetPeer { owner: t.owner.clone(), disconnect: true });
+            }
+        }
+        tracing::debug!(owner = %t.owner, got, stop = ?stop, "fetch from owner");
+        self.rep.stopped = stop;
+        match self.held.take() {
+            Some((owner, session)) => {
+                out.push(Action::Release { owner, session });
+                self.stage = Stage::Releasing;
+            }
+            None => self.next_owner(out),
+        }
+    }
+
+    /// After an owner: ask for the next one, or end.
+    fn next_owner(&mut self, out: &mut Vec<Action>) {
+        if self.rep.available == self.hashes.len() {
+            self.rep.stopped = None;
+            return self.finish(out);
+        }
+        if self.deadline_passed {
+            self.rep.stopped = Some(FetchError::Deadline);
+            return self.finish(out);
+        }
+        if self.rep.owners.len() >= self.cfg.owners_max {
+            self.rep.stopped = Some(FetchError::OwnersExhausted);
+            return self.finish(out);
+        }
+        out.push(Action::QueryOwners { from: self.rep.available });
+        self.stage = Stage::Querying;
+    }
+
+    fn finish(&mut self, out: &mut Vec<Action>) {
+        if self.rep.available == self.rep.requested {
+            self.rep.stopped = None;
+        }
+        if let Some((owner, session)) = self.held.take() {
+            // Only reachable through a deadline while allocating: release first.
+            out.push(Action::Release { owner, session });
+        }
+        out.push(Action::Done);
+        self.stage = Stage::Done;
+    }
+}
+
+/// Whether a fetched block's slot checksums are the ones its owner advertised
+/// for it (C10).
+pub(crate) fn as_advertised(sums: &[u32], b: &TransferBlockInfo) -> bool {
+    sums.iter().copied().eq(b.slots.iter().map(|s| s.crc32c))
+}
+
+#[cfg(test)]
+mod tests {
+    //! The real machine driven by a scripted world: every outcome of every
+    //! action (RPC failures, partial grants, wrong shapes, short allocations,
+    //! failed reads, corrupted checksums, deadlines) and every completion
+    //! order of the reads and CRC passes in flight is drawn from a byte
+    //! script, and the fetch is cancelled after an arbitrary event.
+    use std::collections::HashMap;
+
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::proto::TransferSlotInfo;
+
+    const SEG: u64 = 64;
+
+    fn family() -> LayoutFamily {
+        LayoutFamily { slots: vec![(2, SEG), (2, SEG)] }
+    }
+
+    fn hash(i: usize) -> BlockHash {
+        BlockHash::new(vec![i as u8; 4])
+    }
+
+    /// The advertised checksums of request block `i` (what a correct read
+    /// verifies to).
+    fn sums(i: usize) -> Arc<[u32]> {
+        Arc::from(vec![i as u32 * 7 + 1, i as u32 * 7 + 2])
+    }
+
+    fn info(i: usize, seg: u64) -> TransferBlockInfo {
+        let s = sums(i);
+        let slot =
+            |c: u32| TransferSlotInfo { k_ptr: 0, k_size: seg, v_ptr: seg, v_size: seg, numa_node: 0, crc32c: c };
+        TransferBlockInfo { block_hash: hash(i).0, slots: vec![slot(s[0]), slot(s[1])] }
+    }
+
+    /// Draws from the script; once it runs out every draw is "nothing goes
+    /// wrong, first in line", so every run ends.
+    struct Script<'a>(&'a [u8], usize);
+
+    impl Script<'_> {
+        fn next(&mut self) -> Option<u8> {
+            let b = self.0.get(self.1).copied();
+            self.1 += 1;
+            b
+        }
+        /// True with probability about `pct` %.
+        fn chance(&mut self, pct: u32) -> bool {
+            self.next().is_some_and(|b| u32::from(b) * 100 < pct * 256)
+        }
+        fn below(&mut self, n: usize) -> usize {
+            match self.next() {
+                Some(b) if n > 0 => usize::from(b) % n,
+                _ => 0,
+            }
+        }
+    }
+
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    enum Slot {
+        Held,
+        InRead,
+        InVerify,
+        Sealed,
+        Freed,
+    }
+
+    /// What the world checks while the machine runs.
+    #[derive(Default)]
+    struct World {
+        grants: Vec<String>,
+        releases: Vec<String>,
+        /// Slot states of the current transfer, by plan index.
+        slots: Vec<Slot>,
+        /// Per plan index of the current transfer: read ok, verified sums correct.
+        read_ok: HashMap<usize, bool>,
+        corrupt: HashMap<usize, bool>,
+        /// Request indices sealed, in order.
+        sealed: Vec<usize>,
+        rejected: usize,
+        /// Completions in flight, with the slots they hand back and whether
+        /// they are a CRC pass.
+        pending: Vec<(Event, Vec<usize>, bool)>,
+        /// Plan indices whose CRC pass came back.
+        verified: std::collections::HashSet<usize>,
+        lock_held: bool,
+        sessions: usize,
+    }
+
+    /// Which paths a run took (to show the scripts reach them all).
+    #[derive(Default, Debug)]
+    struct Paths {
+        sealed: usize,
+        rejected: usize,
+        cancelled_holding_a_lock: usize,
+        deadline_mid_read: usize,
+        stitched: usize,
+        completed: usize,
+    }
+
+    fn run(
+        script: &[u8],
+        n: usize,
+        local: usize,
+        part_blocks: usize,
+        window: usize,
+        cancel_after: Option<usize>,
+    ) -> Paths {
+        let mut paths = Paths::default();
+        let mut s = Script(script, 0);
+        let me = NodeAddr("me:1".into());
+        let owners: Vec<NodeAddr> = (0..4).map(|i| NodeAddr(format!("owner{i}:1"))).collect();
+        let cfg = MachineConfig {
+            me: me.clone(),
+            family: family(),
+            block_bytes: 4 * SEG,
+            part_blocks,
+            reads_in_flight: window,
+            owners_max: crate::limits::FETCH_OWNERS_MAX,
+        };
+        let hashes: Vec<BlockHash> = (0..n).map(hash).collect();
+        let (mut m, first) = FetchMachine::start(cfg, hashes, local);
+        let mut w = World::default();
+        let mut queue: std::collections::VecDeque<Action> = first.into();
+        let mut events = 0usize;
+        let mut done = false;
+        let mut base = local;
+        loop {
+            while let Some(a) = queue.pop_front() {
+                assert!(!done, "action {a:?} after Done");
+                let ev = perform(&mut w, &mut s, &m, &owners, &me, &mut base, a, &mut done);
+                if let Some(ev) = ev {
+                    events += 1;
+                    queue.extend(m.step(ev));
+                }
+            }
+            if done {
+                break;
+            }
+            if cancel_after.is_some_and(|c| events >= c) {
+                paths.cancelled_holding_a_lock += usize::from(w.lock_held);
+                for a in m.abandon() {
+                    let Action::Release { session, .. } = a else { panic!("abandon emitted {a:?}") };
+                    w.releases.push(session);
+                }
+                break;
+            }
+            // The next completion: a deadline now and then, else any pending
+            // one; the slots a read or CRC pass had come back with it.
+            let ev = if s.chance(3) {
+                paths.deadline_mid_read += usize::from(matches!(m.stage, Stage::Reading(_)));
+                Event::Deadline
+            } else {
+                assert!(!w.pending.is_empty(), "the machine waits with nothing in flight");
+                let i = s.below(w.pending.len());
+                let (ev, back, verified) = w.pending.swap_remove(i);
+                if let Event::Locked(Ok(g)) = &ev {
+                    // A grant counts once the fetcher learns of it; one
+                    // still in flight at a deadline or cancel expires at
+                    // the owner.
+                    w.grants.push(g.session.clone());
+                    w.lock_held = true;
+                }
+                for j in back {
+                    w.slots[j] = Slot::Held;
+                    if verified {
+                        w.verified.insert(j);
+                    }
+                }
+                ev
+            };
+            events += 1;
+            queue.extend(m.step(ev));
+        }
+        // C8: exactly one release per lock taken, naming its session.
+        let mut g = w.grants.clone();
+        let mut r = w.releases.clone();
+        g.sort();
+        r.sort();
+        assert_eq!(g, r, "locks granted vs released");
+        // C9: what is reported fetched is the contiguous prefix sealed here.
+        let rep = m.report();
+        let expect: Vec<usize> = (local..rep.available).collect();
+        assert_eq!(w.sealed, expect, "sealed blocks are not the reported contiguous prefix");
+        assert_eq!(rep.fetched, rep.available - local);
+        assert!(rep.available <= n);
+        if done {
+            // C11: every slot sealed or freed, exactly once (checked in
+            // `perform`), none left held or in flight.
+            assert!(w.slots.iter().all(|s| matches!(s, Slot::Sealed | Slot::Freed)), "slots left: {:?}", w.slots);
+            assert!(rep.available == n || rep.stopped.is_some(), "short without a reason");
+            paths.completed += usize::from(rep.available == n && rep.fetched > 0);
+        }
+        paths.sealed += w.sealed.len();
+        paths.rejected += w.rejected;
+        paths.stitched += usize::from(w.grants.len() > 1 && rep.fetched > 0);
+        paths
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn perform(
+        w: &mut World,
+        s: &mut Script<'_>,
+        m: &FetchMachine,
+        owners: &[NodeAddr],
+        me: &NodeAddr,
+        base: &mut usize,
+        a: Action,
+        done: &mut bool,
+    ) -> Option<Event> {
+        match a {
+            Action::QueryOwners { from } => {
+                let ev = if s.chance(10) {
+                    Event::Owners(Err("metaserver down".into()))
+                } else {
+                    let k = s.below(4);
+                    let mut list = Vec::new();
+                    if s.chance(30) {
+                        list.push((me.clone(), 99));
+                    }
+                    for o in owners.iter().take(k + 1) {
+                        list.push((o.clone(), s.below(9) as u32));
+                    }
+                    let _ = from;
+                    Event::Owners(Ok(list))
+                };
+                w.pending.push((ev, Vec::new(), false));
+                None
+            }
+            Action::Handshake { owner } => {
+                assert_ne!(&owner, me, "chose itself as an owner");
+                let res = if s.chance(10) { Err(FetchError::Handshake("refused".into())) } else { Ok(()) };
+                w.pending.push((Event::Handshake(res), Vec::new(), false));
+                None
+            }
+            Action::Lock { blocks, .. } => {
+                assert!(!w.lock_held, "a second lock while one is held");
+                assert!(
+                    blocks.start == m.report().available && blocks.end <= m.report().requested && !blocks.is_empty()
+                );
+                let ev = match s.next().map_or(9, |b| b % 10) {
+                    0 => Event::Locked(Err(FetchError::Peer("down".into()))),
+                    1 => Event::Locked(Err(FetchError::Stale)),
+                    _ => {
+                        w.sessions += 1;
+                        let session = format!("s{}", w.sessions);
+                        // The owner pins the asked blocks it still has, in any order, maybe one of a wrong shape.
+                        let mut pinned: Vec<TransferBlockInfo> = Vec::new();
+                        for i in blocks.clone() {
+                            if !s.chance(10) {
+                                pinned.push(info(i, if s.chance(3) { SEG / 2 } else { SEG }));
+                            }
+                        }
+                        if pinned.len() > 1 && s.chance(50) {
+                            let j = s.below(pinned.len());
+                            pinned.swap(0, j);
+                        }
+                        Event::Locked(Ok(LockGrant { session, blocks: pinned }))
+                    }
+                };
+                w.pending.push((ev, Vec::new(), false));
+                None
+            }
+            Action::Alloc { blocks } => {
+                *base = m.report().available;
+                let got = if s.chance(10) { s.below(blocks + 1) } else { blocks };
+                w.slots = vec![Slot::Held; got];
+                w.read_ok.clear();
+                w.corrupt.clear();
+                w.verified.clear();
+                Some(Event::Allocated(got))
+            }
+            Action::Read { part, blocks } => {
+                let mut results = Vec::new();
+                for i in blocks.clone() {
+                    assert_eq!(w.slots[i], Slot::Held, "read into slot {i} that is {:?}", w.slots[i]);
+                    w.slots[i] = Slot::InRead;
+                    let ok = !s.chance(8);
+                    w.read_ok.insert(i, ok);
+                    results.push(if ok { Ok(()) } else { Err(TransportError::Io("reset".into())) });
+                }
+                w.pending.push((Event::ReadDone { part, results }, blocks.collect(), false));
+                None
+            }
+            Action::Verify { part, blocks, read_ok } => {
+                let mut sums_out = Vec::new();
+                for (k, i) in blocks.clone().enumerate() {
+                    assert_eq!(w.slots[i], Slot::Held, "verify of slot {i} that is {:?}", w.slots[i]);
+                    w.slots[i] = Slot::InVerify;
+                    assert_eq!(read_ok[k], w.read_ok[&i]);
+                    let corrupt = read_ok[k] && s.chance(8);
+                    w.corrupt.insert(i, corrupt);
+                    let good = sums(*base + i);
+                    sums_out
+                        .push(read_ok[k].then(|| if corrupt { Arc::from(vec![good[0] ^ 1, good[1]]) } else { good }));
+                }
+                if s.chance(3) {
+                    sums_out.truncate(s.below(sums_out.len() + 1));
+                }
+                w.pending.push((Event::Verified { part, sums: sums_out }, blocks.collect(), true));
+                None
+            }
+            Action::Seal { blocks, hashes, sums: got } => {
+                assert_eq!(got.len(), blocks.len());
+                assert_eq!(hashes, *base + blocks.start..*base + blocks.end);
+                for (i, g) in blocks.zip(got) {
+                    assert_eq!(w.slots[i], Slot::Held, "seal of slot {i} that is {:?}", w.slots[i]);
+                    assert!(w.verified.contains(&i), "sealed block {i} before its CRC pass came back");
+                    assert!(w.read_ok[&i] && !w.corrupt[&i], "sealed a failed or corrupted block {i}");
+                    assert_eq!(*g, *sums(*base + i), "sealed with other checksums");
+                    w.slots[i] = Slot::Sealed;
+                    w.sealed.push(*base + i);
+                }
+                None
+            }
+            Action::Free { blocks } => {
+                for i in blocks {
+                    assert_eq!(
+                        w.slots[i],
+                        Slot::Held,
+                        "free of slot {i} that is {:?} (in flight, or twice)",
+                        w.slots[i]
+                    );
+                    w.slots[i] = Slot::Freed;
+                }
+                None
+            }
+            Action::Rejected { block, hash } => {
+                assert_eq!(hash, *base + block);
+                assert!(w.corrupt[&block], "rejected an intact block");
+                w.rejected += 1;
+                None
+            }
+            Action::ForgetPeer { .. } => None,
+            Action::Release { session, .. } => {
+                assert!(w.lock_held);
+                w.lock_held = false;
+                assert!(
+                    w.slots.iter().all(|s| !matches!(s, Slot::InRead | Slot::InVerify)),
+                    "released while a read or CRC pass is in flight: {:?}",
+                    w.slots
+                );
+                w.releases.push(session);
+                w.pending.push((Event::Released, Vec::new(), false));
+                None
+            }
+            Action::Done => {
+                *done = true;
+                None
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+
+        /// Exactly one release per lock, a verified contiguous prefix, no
+        /// slot freed twice or while in flight, every slot settled — under
+        /// any outcomes, completion orders, deadlines and cancellation.
+        #[test]
+        fn fetch_machine_invariants(
+            script in proptest::collection::vec(any::<u8>(), 0..400),
+            n in 1usize..14,
+            local in 0usize..4,
+            part_blocks in 1usize..4,
+            window in 1usize..4,
+            cancel in proptest::option::of(0usize..60),
+        ) {
+            run(&script, n, local.min(n), part_blocks, window, cancel);
+        }
+    }
+
+    /// The scripted world reaches every path the property is about (so the
+    /// property cannot pass by never getting there).
+    #[test]
+    fn the_scripts_reach_every_path() {
+        let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+        let mut rand = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let mut total = Paths::default();
+        for _ in 0..3000 {
+            let script: Vec<u8> = (0..(rand() % 300)).map(|_| rand() as u8).collect();
+            let n = 1 + (rand() % 13) as usize;
+            let cancel = (rand() % 3 == 0).then(|| (rand() % 40) as usize);
+            let p = run(
+                &script,
+                n,
+                (rand() % 3) as usize % n,
+                1 + (rand() % 3) as usize,
+                1 + (rand() % 3) as usize,
+                cancel,
+            );
+            total.sealed += p.sealed;
+            total.rejected += p.rejected;
+            total.cancelled_holding_a_lock += p.cancelled_holding_a_lock;
+            total.deadline_mid_read += p.deadline_mid_read;
+            total.stitched += p.stitched;
+            total.completed += p.completed;
+        }
+        let t = &total;
+        for (what, count) in [
+            ("sealed", t.sealed),
+            ("rejected", t.rejected),
+            ("cancelled holding a lock", t.cancelled_holding_a_lock),
+            ("deadline mid-read", t.deadline_mid_read),
+            ("stitched from two owners", t.stitched),
+            ("completed", t.completed),
+        ] {
+            assert!(count > 0, "no run {what}: {t:?}");
+        }
+    }
+
+    /// A corrupted block at a known position: everything before it is kept,
+    /// it is rejected, nothing after it is kept, and the lock is released.
+    #[test]
+    fn a_corrupted_block_is_rejected_and_nothing_after_it_kept() {
+        let cfg = MachineConfig {
+            me: NodeAddr("me:1".into()),
+            family: family(),
+            block_bytes: 4 * SEG,
+            part_blocks: 2,
+            reads_in_flight: 2,
+            owners_max: 4,
+        };
+        let owner = NodeAddr("owner:1".into());
+        let (mut m, a) = FetchMachine::start(cfg, (0..6).map(hash).collect(), 0);
+        assert_eq!(a, vec![Action::QueryOwners { from: 0 }]);
+        let a = m.step(Event::Owners(Ok(vec![(owner.clone(), 6)])));
+        assert_eq!(a, vec![Action::Handshake { owner: owner.clone() }]);
+        let a = m.step(Event::Handshake(Ok(())));
+        assert_eq!(a, vec![Action::Lock { owner: owner.clone(), blocks: 0..6 }]);
+        let grant = LockGrant { session: "s".into(), blocks: (0..6).map(|i| info(i, SEG)).collect() };
+        assert_eq!(m.step(Event::Locked(Ok(grant))), vec![Action::Alloc { blocks: 6 }]);
+        let a = m.step(Event::Allocated(6));
+        assert_eq!(a, vec![Action::Read { part: 0, blocks: 0..2 }, Action::Read { part: 1, blocks: 2..4 }]);
+        // Part 1 completes first; block 3 (second of part 1) arrives corrupted.
+        let a = m.step(Event::ReadDone { part: 1, results: vec![Ok(()), Ok(())] });
+        assert_eq!(
+            a,
+            vec![
+                Action::Verify { part: 1, blocks: 2..4, read_ok: vec![true, true] },
+                Action::Read { part: 2, blocks: 4..6 }
+            ]
+        );
+        let bad: Arc<[u32]> = Arc::from(vec![0u32, 0]);
+        let a = m.step(Event::Verified { part: 1, sums: vec![Some(sums(2)), Some(bad)] });
+        assert_eq!(a, vec![Action::Rejected { block: 3, hash: 3 }], "nothing sealed before part 0 is judged");
+        let a = m.step(Event::ReadDone { part: 0, results: vec![Ok(()), Ok(())] });
+        assert_eq!(a, vec![Action::Verify { part: 0, blocks: 0..2, read_ok: vec![true, true] }]);
+        let a = m.step(Event::Verified { part: 0, sums: vec![Some(sums(0)), Some(sums(1))] });
+        assert_eq!(
+            a,
+            vec![
+                Action::Seal { blocks: 0..2, hashes: 0..2, sums: vec![sums(0), sums(1)] },
+                Action::Seal { blocks: 2..3, hashes: 2..3, sums: vec![sums(2)] },
+                Action::Free { blocks: 3..4 },
+            ]
+        );
+        // Part 2 was in flight: it comes back and is freed, then the release.
+        let a = m.step(Event::ReadDone { part: 2, results: vec![Ok(()), Ok(())] });
+        assert_eq!(a, vec![Action::Free { blocks: 4..6 }, Action::Release { owner, session: "s".into() }]);
+        // The rest is asked of another owner; the MetaServer names only the
+        // one already tried: the fetch ends, keeping why that owner stopped.
+        assert_eq!(m.step(Event::Released), vec![Action::QueryOwners { from: 3 }]);
+        assert_eq!(m.step(Event::Owners(Ok(vec![(NodeAddr("owner:1".into()), 3)]))), vec![Action::Done]);
+        assert_eq!(m.report().available, 3);
+        assert_eq!(m.report().stopped, Some(FetchError::Checksum));
+    }
+}

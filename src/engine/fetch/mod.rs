@@ -1,0 +1,854 @@
+//! Decode-side fetch (design.md §5, contracts C8–C11, C14).
+//!
+//! `MetaServer.QueryPrefixBlocks` → choose an owner (never self; the
+//! MetaServer's order — longest prefix, then node — is the deterministic
+//! tie-break) → handshake once per peer (single-flight; a failure leaves no
+//! state, so the next attempt starts clean) → `QueryBlocksForTransfer` →
+//! READ into freshly allocated pool slots, in parts (up to
+//! `EngineConfig::fetch_reads_in_flight` parts in flight, each part spread
+//! over the transport's connections) → verify each slot's CRC-32C (a part
+//! is checksummed while the next ones are read) → seal each verified part
+//! in prefix order and register it as owned here (one synchronous step, so
+//! no eviction can slip between them) → release the transfer lock. When an owner delivers only part of what it advertised,
+//! the next owner is asked for the rest (stitching one prefix from several
+//! owners, C14), at most one transfer query per owner per fetch and at most
+//! `FETCH_OWNERS_MAX` owners. Every step runs under the fetch's deadline.
+//!
+//! The result is "k of n": `available` counts the verified contiguous prefix
+//! now resident here; the caller recomputes the rest (C9).
+//!
+//! Every decision above is made by the sans-io [`FetchMachine`]
+//! (`machine.rs`, property-tested through every outcome and cancellation);
+//! this file is its async driver: it performs the machine's actions (RPCs,
+//! allocation, reads, CRC passes, seal + register, release), feeds back
+//! what happened, charges the wall time to phases ([`FetchPhases`]) and, for
+//! [`Engine::fetch_into`], starts each sealed part's load into the caller's
+//! blocks at once so the device copy runs behind the next reads.
+
+mod machine;
+
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
+use tokio::sync::OnceCell;
+use tokio::time::Instant;
+use tonic::transport::Channel;
+
+pub use machine::{Action, Event, FetchMachine, LockGrant, MachineConfig};
+
+use super::cache::CachedBlock;
+use super::layout::{Layout, LayoutFamily};
+use super::pool::Extent;
+use super::{Engine, EngineError, LoadError, LoadReport, slot_checksums};
+use crate::proto::engine_client::EngineClient;
+use crate::proto::{
+    QueryBlocksForTransferRequest, RdmaHandshakeRequest, ReleaseTransferLockRequest, TransferBlockInfo,
+};
+use crate::rt::timeout_at;
+use crate::transport::{HandshakeMetadata, ReadCompletion, ReadOp, Transport, TransportError};
+use crate::types::{BlockHash, NodeAddr};
+
+/// Per-peer state: its gRPC client and the single-flight handshake.
+pub(crate) struct PeerState {
+    grpc: EngineClient<Channel>,
+    handshake: OnceCell<()>,
+}
+
+/// Peers this engine fetches from.
+#[derive(Default)]
+pub(crate) struct PeerTable {
+    peers: Mutex<HashMap<NodeAddr, Arc<PeerState>>>,
+}
+
+impl PeerTable {
+    fn get(&self, peer: &NodeAddr, timeout: Duration) -> Result<Arc<PeerState>, FetchError> {
+        let mut map = self.peers.lock().expect("peers lock");
+        if let Some(p) = map.get(peer) {
+            return Ok(p.clone());
+        }
+        let ch = crate::rt::channel(&peer.0, timeout).map_err(|e| FetchError::Peer(e.to_string()))?;
+        let grpc = EngineClient::new(ch)
+            .max_decoding_message_size(crate::limits::GRPC_MESSAGE_BYTES_MAX)
+            .max_encoding_message_size(crate::limits::GRPC_MESSAGE_BYTES_MAX);
+        let p = Arc::new(PeerState { grpc, handshake: OnceCell::new() });
+        map.insert(peer.clone(), p.clone());
+        Ok(p)
+    }
+
+    /// Forgets a peer (after a transport failure) if `p` is still its entry.
+    fn invalidate(&self, peer: &NodeAddr, p: &Arc<PeerState>) {
+        let mut map = self.peers.lock().expect("peers lock");
+        if map.get(peer).is_some_and(|cur| Arc::ptr_eq(cur, p)) {
+            map.remove(peer);
+        }
+    }
+
+    /// Peers with a completed handshake.
+    pub(crate) fn handshaken(&self) -> usize {
+        self.peers.lock().expect("peers lock").values().filter(|p| p.handshake.initialized()).count()
+    }
+}
+
+/// Why a fetch stopped short of `n`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FetchError {
+    /// The MetaServer query failed (down, partitioned, stalled).
+    #[error("metaserver query failed: {0}")]
+    MetaServer(String),
+    /// No owner (other than us) holds the next block.
+    #[error("no remote owner for the next block")]
+    NoOwner,
+    /// A peer RPC failed.
+    #[error("peer rpc failed: {0}")]
+    Peer(String),
+    /// The handshake failed.
+    #[error("handshake failed: {0}")]
+    Handshake(String),
+    /// The owner no longer has the block (stale index entry).
+    #[error("owner no longer holds the next block")]
+    Stale,
+    /// The read failed.
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    /// A slot's checksum did not match (C10).
+    #[error("checksum mismatch in a fetched block")]
+    Checksum,
+    /// The peer described a block that does not fit our layout.
+    #[error("peer block shape does not match the local layout: {0}")]
+    Shape(String),
+    /// No room in the local pool.
+    #[error("local pool has no room")]
+    NoSpace,
+    /// The namespace has no local layout.
+    #[error("namespace has no local layout")]
+    UnknownNamespace,
+    /// The fetch deadline passed.
+    #[error("fetch deadline passed")]
+    Deadline,
+    /// `FETCH_OWNERS_MAX` owners were tried.
+    #[error("owner budget exhausted")]
+    OwnersExhausted,
+    /// No transport is installed.
+    #[error("no transport installed")]
+    NoTransport,
+}
+
+/// Outcome of [`Engine::fetch`]: "k of n".
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FetchReport {
+    /// `n`: hashes asked for.
+    pub requested: usize,
+    /// `k`: the verified contiguous prefix now resident here (local hits
+    /// included). The caller recomputes `requested - available` blocks.
+    pub available: usize,
+    /// Blocks that were already resident before the fetch.
+    pub local_hits: usize,
+    /// Blocks read from peers, verified and sealed here.
+    pub fetched: usize,
+    /// Bytes read for them.
+    pub bytes: u64,
+    /// Owners asked, in order.
+    pub owners: Vec<NodeAddr>,
+    /// Why it stopped short (None when `available == requested`).
+    pub stopped: Option<FetchError>,
+    /// Where the fetch's wall time went.
+    pub phases: FetchPhases,
+}
+
+/// Where a fetch's wall time went, phase by phase (issue 17's handoff
+/// split). The driver attributes every interval between two events to the
+/// one phase that was blocking it: a read in flight counts as `read` even
+/// while a CRC pass runs beside it, a CRC pass alone as `verify`, and so on;
+/// `seal` is the synchronous work (slot allocation, seal + register, frees).
+/// The phases therefore add up to the fetch's wall time.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FetchPhases {
+    /// MetaServer `QueryPrefixBlocks`.
+    pub query: Duration,
+    /// Handshake with an owner (zero once the peer is known).
+    pub handshake: Duration,
+    /// `QueryBlocksForTransfer` (the transfer lock).
+    pub lock: Duration,
+    /// Data-plane reads in flight.
+    pub read: Duration,
+    /// CRC-32C passes not hidden behind a read.
+    pub verify: Duration,
+    /// Slot allocation, seal and register, frees.
+    pub seal: Duration,
+    /// `ReleaseTransferLock`.
+    pub release: Duration,
+    /// [`Engine::fetch_into`] only: waiting, after the fetch ended, for the
+    /// loads of the last parts (loads of earlier parts run behind reads).
+    pub load_tail: Duration,
+}
+
+impl FetchPhases {
+    /// Sum of all phases (the fetch's wall time, up to rounding).
+    pub fn total(&self) -> Duration {
+        self.query + self.handshake + self.lock + self.read + self.verify + self.seal + self.release + self.load_tail
+    }
+
+    /// `(name, duration)` for each phase, in handoff order.
+    pub fn named(&self) -> [(&'static str, Duration); 8] {
+        [
+            ("query", self.query),
+            ("handshake", self.handshake),
+            ("lock", self.lock),
+            ("read", self.read),
+            ("verify", self.verify),
+            ("seal", self.seal),
+            ("release", self.release),
+            ("load_tail", self.load_tail),
+        ]
+    }
+}
+
+/// The RPC a fetch is waiting on (at most one at a time).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Rpc {
+    Query,
+    Handshake,
+    Lock,
+    Release,
+}
+
+/// What a pending driver operation ended with: a machine event, plus the
+/// slots a read or a CRC pass had taken out of the slot table.
+enum Outcome {
+    Rpc(Event),
+    Read { part: usize, first: usize, done: ReadCompletion },
+    Verified { part: usize, first: usize, local: Vec<Extent>, sums: Vec<Option<Arc<[u32]>>> },
+}
+
+type Pending<'a> = FuturesUnordered<Pin<Box<dyn Future<Output = Outcome> + Send + 'a>>>;
+
+/// Performs a [`FetchMachine`]'s actions for one [`Engine::fetch`]: the only
+/// async part of a fetch. Dropping it (the fetch was cancelled) releases a
+/// held transfer lock on a spawned task ([`FetchMachine::abandon`]); every
+/// slot it holds goes back to the pool with it.
+struct Driver<'a> {
+    engine: &'a Engine,
+    namespace: &'a str,
+    hashes: &'a [BlockHash],
+    ns: Arc<str>,
+    layout: Arc<Layout>,
+    transport: Arc<dyn Transport>,
+    deadline: Instant,
+    m: FetchMachine,
+    /// Pool slots of the current plan, by plan index (`None`: not allocated,
+    /// in flight, sealed or freed).
+    slots: Vec<Option<Extent>>,
+    /// The current owner's peer entry (to forget exactly it after a failure).
+    peer: Option<(NodeAddr, Arc<PeerState>)>,
+    reads: usize,
+    verifies: usize,
+    rpc: Option<Rpc>,
+    phases: FetchPhases,
+    /// `fetch_into`: the caller's block indices, and each block's load
+    /// result as its load finishes.
+    load: Option<LoadPipe<'a>>,
+}
+
+/// The loads of a [`Engine::fetch_into`], started part by part as blocks
+/// are sealed (or found resident), so the device copies run behind the
+/// network reads of the next parts.
+struct LoadPipe<'a> {
+    blocks: &'a [(BlockHash, u64)],
+    results: Vec<Option<Result<(), LoadError>>>,
+    error: Option<EngineError>,
+    running: Loads<'a>,
+}
+
+type Loads<'a> = FuturesUnordered<Pin<Box<dyn Future<Output = (usize, Result<LoadReport, EngineError>)> + Send + 'a>>>;
+
+impl<'a> LoadPipe<'a> {
+    fn start(&mut self, engine: &'a Engine, namespace: &'a str, range: std::ops::Range<usize>) {
+        if range.is_empty() {
+            return;
+        }
+        let at = range.start;
+        let blocks = &self.blocks[range];
+        self.running.push(Box::pin(async move { (at, engine.load(namespace, blocks).await) }));
+    }
+
+    fn finished(&mut self, (at, res): (usize, Result<LoadReport, EngineError>)) {
+        match res {
+            Ok(r) => {
+                for (i, r) in r.results.into_iter().enumerate() {
+                    self.results[at + i] = Some(r);
+                }
+            }
+            Err(e) => {
+                self.error.get_or_insert(e);
+            }
+        }
+    }
+}
+
+impl Engine {
+    /// Fetches the missing part of `hashes` (a chained prefix) from peers.
+    /// Never fails and never hangs: it ends by the engine's fetch deadline
+    /// with "k of n" (C9). See the module doc.
+    pub async fn fetch(&self, namespace: &str, hashes: &[BlockHash]) -> FetchReport {
+        self.fetch_inner(namespace, hashes, None).await.0
+    }
+
+    /// [`Engine::fetch`]; with `load`, also loads each block into the
+    /// caller's index as soon as it is resident (see [`Engine::fetch_into`]):
+    /// returns the per-block load results of the available prefix.
+    pub(crate) async fn fetch_inner<'a>(
+        &'a self,
+        namespace: &'a str,
+        hashes: &'a [BlockHash],
+        load: Option<&'a [(BlockHash, u64)]>,
+    ) -> (FetchReport, Option<Result<LoadReport, EngineError>>) {
+        self.inner.metrics.fetches.fetch_add(1, Ordering::Relaxed);
+        let started = Instant::now();
+        let deadline = started + self.inner.cfg.fetch_deadline;
+        let local = self.query_prefix(namespace, hashes);
+        let mut pipe = load.map(|blocks| LoadPipe {
+            blocks,
+            results: vec![None; blocks.len()],
+            error: None,
+            running: FuturesUnordered::new(),
+        });
+        if let Some(p) = &mut pipe {
+            p.start(self, namespace, 0..local);
+        }
+        let mut rep =
+            FetchReport { requested: hashes.len(), available: local, local_hits: local, ..Default::default() };
+        let setup = match (self.layout(namespace), self.transport()) {
+            _ if local == hashes.len() => None,
+            (Err(_), _) => {
+                rep.stopped = Some(FetchError::UnknownNamespace);
+                None
+            }
+            (_, None) => {
+                rep.stopped = Some(FetchError::NoTransport);
+                None
+            }
+            (Ok((ns, layout)), Some(t)) => Some((ns, layout, t.clone())),
+        };
+        if let Some((ns, layout, transport)) = setup {
+            let block_bytes = layout.block_bytes().max(1);
+            let cfg = MachineConfig {
+                me: self.node().clone(),
+                family: layout.family(),
+                block_bytes,
+                part_blocks: usize::try_from(self.inner.cfg.fetch_read_part_bytes / block_bytes)
+                    .unwrap_or(usize::MAX)
+                    .max(1),
+                reads_in_flight: self.inner.cfg.fetch_reads_in_flight.max(1),
+                owners_max: crate::limits::FETCH_OWNERS_MAX,
+            };
+            let (m, first) = FetchMachine::start(cfg, hashes.to_vec(), local);
+            let mut d = Driver {
+                engine: self,
+                namespace,
+                hashes,
+                ns,
+                layout,
+                transport,
+                deadline,
+                m,
+                slots: Vec::new(),
+                peer: None,
+                reads: 0,
+                verifies: 0,
+                rpc: None,
+                phases: FetchPhases::default(),
+                load: pipe.take(),
+            };
+            d.run(first).await;
+            rep = d.m.report().clone();
+            rep.phases = d.phases;
+            pipe = d.load.take();
+        }
+        let Some(mut p) = pipe else { return (rep, None) };
+        // The loads still running after the last part.
+        let tail = Instant::now();
+        while let Some(done) = p.running.next().await {
+            p.finished(done);
+        }
+        rep.phases.load_tail = tail.elapsed();
+        if let Some(e) = p.error {
+            return (rep, Some(Err(e)));
+        }
+        let results =
+            p.results[..rep.available].iter().map(|r| r.clone().unwrap_or(Err(LoadError::NotResident))).collect();
+        (rep, Some(Ok(LoadReport { results })))
+    }
+
+    async fn handshake(&self, owner: &NodeAddr, p: &PeerState, deadline: Instant) -> Result<(), FetchError> {
+        let transport = self.transport().ok_or(FetchError::NoTransport)?.clone();
+        p.handshake
+            .get_or_try_init(|| async {
+                let req = RdmaHandshakeRequest {
+                    requester_id: self.node().0.clone(),
+                    handshake_metadata: transport.local_metadata().encode().into(),
+                };
+                let mut grpc = p.grpc.clone();
+                let resp = timeout_at(deadline, grpc.rdma_handshake(req))
+                    .await
+                    .map_err(|_| FetchError::Deadline)?
+                    .map_err(|s| FetchError::Handshake(s.to_string()))?
+                    .into_inner();
+                if !resp.status.as_ref().is_some_and(|s| s.ok) {
+                    let msg = resp.status.map(|s| s.message).unwrap_or_default();
+                    return Err(FetchError::Handshake(msg));
+                }
+                let meta = HandshakeMetadata::decode(&resp.handshake_metadata)
+                    .map_err(|e| FetchError::Handshake(e.to_string()))?;
+                transport.connect(owner, &meta, deadline).await.map_err(|e| FetchError::Handshake(e.to_string()))
+            })
+            .await
+            .map(|_| ())
+    }
+}
+
+impl<'a> Driver<'a> {
+    /// Performs actions and feeds outcomes back until the machine is done.
+    async fn run(&mut self, first: Vec<Action>) {
+        let mut queue: VecDeque<Action> = first.into();
+        let mut pending: Pending<'a> = FuturesUnordered::new();
+        let mut deadline_fed = false;
+        let mut stuck = false;
+        loop {
+            while let Some(action) = queue.pop_front() {
+                if action == Action::Done {
+                    return;
+                }
+                let t0 = Instant::now();
+                if let Some(ev) = self.perform(action, &mut pending) {
+                    queue.extend(self.m.step(ev));
+                }
+                self.phases.seal += t0.elapsed();
+            }
+            let t0 = Instant::now();
+            let mut loads = self.load.as_mut().map(|p| std::mem::take(&mut p.running)).unwrap_or_default();
+            let outcome = tokio::select! {
+                biased;
+                Some(o) = pending.next() => Some(o),
+                Some(done) = loads.next(), if !loads.is_empty() => {
+                    if let Some(p) = &mut self.load {
+                        p.finished(done);
+                    }
+                    None
+                }
+                () = tokio::time::sleep_until(self.deadline), if !deadline_fed => {
+                    deadline_fed = true;
+                    Some(Outcome::Rpc(Event::Deadline))
+                }
+                else => {
+                    stuck = true;
+                    None
+                }
+            };
+            if let Some(p) = &mut self.load {
+                p.running = loads;
+            }
+            if stuck {
+                // Nothing in flight and no event to come: a machine bug.
+                debug_assert!(false, "fetch machine waits with nothing in flight");
+                return;
+            }
+            let waited = t0.elapsed();
+            *self.blocking_phase() += waited;
+            let Some(outcome) = outcome else { continue };
+            let ev = self.absorb(outcome);
+            queue.extend(self.m.step(ev));
+        }
+    }
+
+    /// The phase the last wait is charged to.
+    fn blocking_phase(&mut self) -> &mut Duration {
+        let p = &mut self.phases;
+        if self.reads > 0 {
+            return &mut p.read;
+        }
+        if self.verifies > 0 {
+            return &mut p.verify;
+        }
+        match self.rpc {
+            Some(Rpc::Query) => &mut p.query,
+            Some(Rpc::Handshake) => &mut p.handshake,
+            Some(Rpc::Lock) => &mut p.lock,
+            Some(Rpc::Release) | None => &mut p.release,
+        }
+    }
+
+    /// Puts slots back into the table and turns an outcome into an event.
+    fn absorb(&mut self, outcome: Outcome) -> Event {
+        match outcome {
+            Outcome::Rpc(ev) => {
+                if !matches!(ev, Event::Deadline) {
+                    self.rpc = None;
+                }
+                ev
+            }
+            Outcome::Read { part, first, done } => {
+                self.reads -= 1;
+                self.put_back(first, done.local);
+                Event::ReadDone { part, results: done.results }
+            }
+            Outcome::Verified { part, first, local, sums } => {
+                self.verifies -= 1;
+                self.put_back(first, local);
+                Event::Verified { part, sums }
+            }
+        }
+    }
+
+    fn put_back(&mut self, first: usize, local: Vec<Extent>) {
+        for (i, e) in local.into_iter().enumerate() {
+            if let Some(slot) = self.slots.get_mut(first + i) {
+                *slot = Some(e);
+            }
+        }
+    }
+
+    fn take(&mut self, blocks: &std::ops::Range<usize>) -> Vec<Extent> {
+        self.slots[blocks.clone()].iter_mut().filter_map(Option::take).collect()
+    }
+
+    /// Performs one action: synchronous ones return their event at once,
+    /// async ones join `pending`.
+    fn perform(&mut self, action: Action, pending: &mut Pending<'a>) -> Option<Event> {
+        let engine = self.engine;
+        match action {
+            Action::QueryOwners { from } => {
+                let left = self.deadline.saturating_duration_since(Instant::now());
+                let (ns, rest) = (self.namespace, &self.hashes[from..]);
+                self.rpc = Some(Rpc::Query);
+                pending.push(Box::pin(async move {
+                    let res = engine.client().query_prefix(ns, rest, left).await.map_err(|e| e.to_string());
+                    Outcome::Rpc(Event::Owners(res))
+                }));
+                None
+            }
+            Action::Handshake { owner } => {
+                let p = match engine.inner.peers.get(&owner, engine.inner.cfg.peer_rpc_timeout) {
+                    Ok(p) => p,
+                    Err(e) => return Some(Event::Handshake(Err(e))),
+                };
+                self.peer = Some((owner.clone(), p.clone()));
+                let deadline = self.deadline;
+                self.rpc = Some(Rpc::Handshake);
+                pending.push(Box::pin(async move {
+                    Outcome::Rpc(Event::Handshake(engine.handshake(&owner, &p, deadline).await))
+                }));
+                None
+            }
+            Action::Lock { owner, blocks } => {
+                let Some(mut grpc) = self.grpc(&owner) else {
+                    return Some(Event::Locked(Err(FetchError::Peer("no client for the owner".into()))));
+                };
+                let req = QueryBlocksForTransferRequest {
+                    namespace: self.namespace.to_string(),
+                    block_hashes: self.hashes[blocks].iter().map(|h| h.0.clone()).collect(),
+                    requester_id: engine.node().0.clone(),
+                };
+                self.rpc = Some(Rpc::Lock);
+                pending.push(Box::pin(async move {
+                    let res = match grpc.query_blocks_for_transfer(req).await {
+                        Err(s) => Err(FetchError::Peer(s.to_string())),
+                        Ok(r) => {
+                            let r = r.into_inner();
+                            if r.transfer_session_id.is_empty() {
+                                Err(FetchError::Stale)
+                            } else {
+                                Ok(LockGrant { session: r.transfer_session_id, blocks: r.blocks })
+                            }
+                        }
+                    };
+                    Outcome::Rpc(Event::Locked(res))
+                }));
+                None
+            }
+            Action::Alloc { blocks } => {
+                let bytes = self.layout.block_bytes();
+                self.slots = (0..blocks).map_while(|_| engine.alloc(bytes).ok().map(Some)).collect();
+                Some(Event::Allocated(self.slots.len()))
+            }
+            Action::Read { part, blocks } => {
+                let Some((owner, session)) = self.m.transfer_session() else {
+                    let results = vec![Err(TransportError::NotConnected("no transfer session".into())); blocks.len()];
+                    return Some(Event::ReadDone { part, results });
+                };
+                let (owner, session) = (owner.clone(), session.to_string());
+                let plan: Vec<&TransferBlockInfo> = self.m.plan()[blocks.clone()].iter().collect();
+                let ops = read_ops(&self.layout, &plan);
+                let local = self.take(&blocks);
+                let (transport, deadline) = (self.transport.clone(), self.deadline);
+                self.reads += 1;
+                pending.push(Box::pin(async move {
+                    let done = transport.read(&owner, &session, ops, local, deadline).await;
+                    Outcome::Read { part, first: blocks.start, done }
+                }));
+                None
+            }
+            Action::Verify { part, blocks, read_ok } => {
+                let local = self.take(&blocks);
+                let layout = self.layout.clone();
+                let task_bytes_min = engine.inner.cfg.fetch_verify_task_bytes_min;
+                self.verifies += 1;
+                pending.push(Box::pin(async move {
+                    let (local, sums) = verify_slots(&layout, local, read_ok, task_bytes_min).await;
+                    Outcome::Verified { part, first: blocks.start, local, sums }
+                }));
+                None
+            }
+            Action::Seal { blocks, hashes, sums } => {
+                let mut bytes = 0;
+                for ((i, h), sums) in blocks.clone().zip(hashes.clone()).zip(sums) {
+                    let Some(ext) = self.slots[i].take() else { continue };
+                    bytes += ext.len();
+                    let block = CachedBlock { extent: ext.seal(), checksums: sums };
+                    engine.insert_sealed(&self.ns, self.hashes[h].clone(), block);
+                }
+                // Registered in the same synchronous step that sealed them
+                // (as `save` does): deferring it let an eviction in between
+                // enqueue the removal before the insert, leaving a stale
+                // owner entry; a cancel there left resident blocks never
+                // registered (found by the simulator).
+                engine.advertise(&self.ns, &self.hashes[hashes.clone()]);
+                if let Some(p) = &mut self.load {
+                    p.start(engine, self.namespace, hashes);
+                }
+                let m = &engine.inner.metrics;
+                m.fetched_blocks.fetch_add(blocks.len() as u64, Ordering::Relaxed);
+                m.fetched_bytes.fetch_add(bytes, Ordering::Relaxed);
+                None
+            }
+            Action::Free { blocks } => {
+                drop(self.take(&blocks));
+                None
+            }
+            Action::Rejected { hash, .. } => {
+                engine.inner.metrics.checksum_failures.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    target: FETCH_REJECT_TRACE_TARGET,
+                    block = ?self.hashes[hash],
+                    "fetched block rejected: its checksums differ from the owner's (C10)"
+                );
+                None
+            }
+            Action::ForgetPeer { owner, disconnect } => {
+                if let Some((addr, p)) = &self.peer {
+                    if *addr == owner {
+                        engine.inner.peers.invalidate(&owner, p);
+                    }
+                }
+                if disconnect {
+                    self.transport.disconnect(&owner);
+                }
+                None
+            }
+            Action::Release { owner, session } => {
+                // Deliberately broken build (C8 canary): locks taken by a
+                // fetch that stopped short are never released.
+                if cfg!(feature = "broken-release") && self.m.report().stopped.is_some() {
+                    return Some(Event::Released);
+                }
+                let Some(grpc) = self.grpc(&owner) else { return Some(Event::Released) };
+                self.rpc = Some(Rpc::Release);
+                let timeout = engine.inner.cfg.peer_rpc_timeout;
+                // To completion even if this fetch is dropped meanwhile.
+                let release = crate::rt::run_to_completion(release_lock(grpc, session, timeout));
+                pending.push(Box::pin(async move {
+                    let _ = release.await;
+                    Outcome::Rpc(Event::Released)
+                }));
+                None
+            }
+            Action::Done => None,
+        }
+    }
+
+    /// The gRPC client of `owner` (the current peer entry, else the table's).
+    fn grpc(&self, owner: &NodeAddr) -> Option<EngineClient<Channel>> {
+        match &self.peer {
+            Some((addr, p)) if addr == owner => Some(p.grpc.clone()),
+            _ => {
+                self.engine.inner.peers.get(owner, self.engine.inner.cfg.peer_rpc_timeout).ok().map(|p| p.grpc.clone())
+            }
+        }
+    }
+}
+
+impl Drop for Driver<'_> {
+    fn drop(&mut self) {
+        // A fetch dropped half way (cancelled, or unwinding): release what
+        // the machine still holds (C8). Slots go back to the pool with
+        // `self.slots`; slots inside a read in flight come back through the
+        // transport when that read completes (C11).
+        for action in self.m.abandon() {
+            let Action::Release { owner, session } = action else { continue };
+            if cfg!(feature = "broken-release") {
+                continue;
+            }
+            let Some(grpc) = self.grpc(&owner) else { continue };
+            let timeout = self.engine.inner.cfg.peer_rpc_timeout;
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                rt.spawn(release_lock(grpc, session, timeout));
+            }
+        }
+    }
+}
+
+/// `ReleaseTransferLock(session)`, bounded by `timeout`; the outcome is not
+/// needed (release is idempotent and an unreleased lock expires, C8).
+async fn release_lock(mut grpc: EngineClient<Channel>, session: String, timeout: Duration) {
+    let req = ReleaseTransferLockRequest { transfer_session_id: session };
+    let _ = tokio::time::timeout(timeout, grpc.release_transfer_lock(req)).await;
+}
+
+/// The `tracing` target of the event logged when a fetched block is
+/// rejected for a checksum mismatch (C10); the simulator counts them.
+pub const FETCH_REJECT_TRACE_TARGET: &str = "kvferry::fetch::reject";
+
+/// The CRC-32C of each slot of each extent whose read succeeded (`None` for
+/// the others), with the extents handed back in order.
+///
+/// The CRC pass reads every fetched byte once more, from memory rather than
+/// cache (a part is far larger than any cache by the time it completes): at
+/// ~10 GB/s a core that is 15-25 % of a large loopback fetch (T4). Large
+/// parts are therefore split into contiguous pieces of at least
+/// `task_bytes_min` ([`super::EngineConfig::fetch_verify_task_bytes_min`]), one task each (at most one per core and
+/// `FETCH_VERIFY_TASKS_MAX`), which run on otherwise idle workers. The
+/// result is shorter than `local` only if the runtime shut down under a
+/// task (its extents went back to the pool with it).
+async fn verify_slots(
+    layout: &Arc<Layout>,
+    local: Vec<Extent>,
+    read_ok: Vec<bool>,
+    task_bytes_min: u64,
+) -> (Vec<Extent>, Vec<Option<Arc<[u32]>>>) {
+    fn check(layout: &Layout, part: Vec<(Extent, bool)>) -> Vec<(Extent, Option<Arc<[u32]>>)> {
+        part.into_iter()
+            .map(|(e, ok)| {
+                let sums = ok.then(|| slot_checksums(layout, e.as_slice()));
+                (e, sums)
+            })
+            .collect()
+    }
+    let bytes: u64 = local.iter().zip(&read_ok).filter(|(_, ok)| **ok).map(|(e, _)| e.len()).sum();
+    let by_size = usize::try_from(bytes / task_bytes_min.max(1)).unwrap_or(usize::MAX);
+    let tasks =
+        crate::rt::cpu_parallelism().min(crate::limits::FETCH_VERIFY_TASKS_MAX).min(by_size).min(local.len()).max(1);
+    let mut items: Vec<(Extent, bool)> = local.into_iter().zip(read_ok).collect();
+    let checked = if tasks == 1 {
+        check(layout, items)
+    } else {
+        let per = items.len().div_ceil(tasks);
+        let mut handles = Vec::with_capacity(tasks);
+        while !items.is_empty() {
+            let rest = items.split_off(per.min(items.len()));
+            let part = std::mem::replace(&mut items, rest);
+            let layout = layout.clone();
+            handles.push(tokio::spawn(async move { check(&layout, part) }));
+        }
+        let mut out = Vec::new();
+        for h in handles {
+            match h.await {
+                Ok(part) => out.extend(part),
+                // Only a runtime shutdown cancels the task (the closure cannot
+                // panic short of a bug); the verified list ends here.
+                Err(e) if e.is_panic() => panic!("checksum task panicked: {e}"),
+                Err(_) => break,
+            }
+        }
+        out
+    };
+    checked.into_iter().unzip()
+}
+
+/// The read ops that fill `blocks[i]` into local extent `i` (slot by slot,
+/// coalesced where contiguous on both sides).
+fn read_ops(layout: &super::layout::Layout, blocks: &[&TransferBlockInfo]) -> Vec<ReadOp> {
+    let mut ops: Vec<ReadOp> = Vec::new();
+    for (i, b) in blocks.iter().enumerate() {
+        for (l, s) in b.slots.iter().enumerate() {
+            let base = layout.slot_offset(l);
+            push_coalesced(
+                &mut ops,
+                ReadOp { region: 0, remote_offset: s.k_ptr, len: s.k_size, local_extent: i, local_offset: base },
+            );
+            if s.v_size > 0 {
+                push_coalesced(
+                    &mut ops,
+                    ReadOp {
+                        region: 0,
+                        remote_offset: s.v_ptr,
+                        len: s.v_size,
+                        local_extent: i,
+                        local_offset: base + s.k_size,
+                    },
+                );
+            }
+        }
+    }
+    ops
+}
+
+/// Appends `op`, merging it into the previous one when both sides are
+/// contiguous (fused layouts collapse to one read per block).
+fn push_coalesced(ops: &mut Vec<ReadOp>, op: ReadOp) {
+    if let Some(last) = ops.last_mut() {
+        if last.local_extent == op.local_extent
+            && last.region == op.region
+            && last.remote_offset.checked_add(last.len) == Some(op.remote_offset)
+            && last.local_offset + last.len == op.local_offset
+            && last.len + op.len <= crate::limits::TCP_READ_BYTES_MAX
+        {
+            last.len += op.len;
+            return;
+        }
+    }
+    ops.push(op);
+}
+
+/// Checks a peer's block description against the local layout's family:
+/// the two must be of one [`LayoutFamily`] (per layer the segment count and
+/// bytes), whatever buffers each side registered (C15).
+pub(crate) fn check_shape_family(local: &LayoutFamily, b: &TransferBlockInfo) -> Result<(), String> {
+    let peer = LayoutFamily { slots: b.slots.iter().map(|s| (if s.v_size == 0 { 1 } else { 2 }, s.k_size)).collect() };
+    let split_unequal = b.slots.iter().position(|s| s.v_size != 0 && s.v_size != s.k_size);
+    if peer != *local || split_unequal.is_some() {
+        return Err(format!(
+            "the owner's blocks are {peer}, this node's layout is {local}: the namespace names two different KV \
+             layouts (a namespace must name one layout family, see kvferry::hash::KvFamily)"
+        ));
+    }
+    Ok(())
+}
+
+/// Builds the slot descriptors of a locked block for `QueryBlocksForTransfer`.
+pub fn transfer_block_info(layout: &super::layout::Layout, hash: &BlockHash, block: &CachedBlock) -> TransferBlockInfo {
+    let base = block.extent.offset();
+    let slots = layout
+        .layers()
+        .iter()
+        .enumerate()
+        .map(|(l, ly)| {
+            let k_ptr = base + layout.slot_offset(l);
+            let seg = ly.bytes_per_block;
+            let split = ly.v.is_some();
+            crate::proto::TransferSlotInfo {
+                k_ptr,
+                k_size: seg,
+                v_ptr: if split { k_ptr + seg } else { 0 },
+                v_size: if split { seg } else { 0 },
+                numa_node: 0,
+                crc32c: block.checksums[l],
+            }
+        })
+        .collect();
+    TransferBlockInfo { block_hash: hash.0.clone(), slots }
+}
