@@ -52,6 +52,10 @@ pub struct TcpHooks {
     /// Flip one payload byte in each of the next N served reads (test hook:
     /// corruption on the wire must be caught by the fetcher's checksums).
     pub corrupt_next_reads: AtomicU64,
+    /// Reads served with the flipped byte of `corrupt_next_reads`, counted
+    /// once the corrupted payload was written and flushed to the reader
+    /// (what reached the wire, not what was armed).
+    pub corrupt_sent: AtomicU64,
     /// Reads served OK.
     pub reads_served: AtomicU64,
     /// Payload bytes served.
@@ -455,6 +459,9 @@ async fn serve_read(
     // A no-op on real sockets; madsim's simulated stream sends buffered
     // bytes only on flush.
     stream.flush().await?;
+    if corrupt {
+        hooks.corrupt_sent.fetch_add(1, Ordering::SeqCst);
+    }
     hooks.reads_served.fetch_add(1, Ordering::Relaxed);
     hooks.bytes_served.fetch_add(rr.len, Ordering::Relaxed);
     Ok(())
@@ -698,6 +705,11 @@ impl Transport for TcpTransport {
         let n = local.len();
         let fail_all =
             |local: Vec<Extent>, e: TransportError| ReadCompletion { results: vec![Err(e); local.len()], local };
+        let deadline = if crate::canary::active(crate::canary::Canary::C9ReadPastDeadline) {
+            deadline + std::time::Duration::from_secs(5) // C9 canary: the deadline is not honoured
+        } else {
+            deadline
+        };
         if let Err(e) = validate_local(&ops, &local) {
             return fail_all(local, e);
         }
