@@ -36,7 +36,8 @@ pub enum Canary {
     C8ReleaseForgotten,
     /// C9: a transport read ignores its deadline (waits up to 5 s more).
     C9ReadPastDeadline,
-    /// C10: seal-time slot checksums cover only each slot's first 64 bytes.
+    /// C10: host-computed slot checksums cover none of the slot's bytes, so
+    /// a fetcher accepts a corrupted payload.
     C10WeakChecksum,
     /// C11: eviction ignores holders (leased, locked, in-flight blocks are
     /// freed and their memory reused).
