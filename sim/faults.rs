@@ -225,6 +225,17 @@ pub enum Density {
     Dense,
 }
 
+thread_local! {
+    static FORCE_DENSITY: std::cell::Cell<Option<Density>> = const { std::cell::Cell::new(None) };
+}
+
+/// Overrides the drawn density for runs on this thread (`None`: draw it).
+/// The regression seeds pin [`Density::Normal`]: their plan and workload are
+/// then exactly the ones they drew when they were found, before densities.
+pub fn force_density(d: Option<Density>) {
+    FORCE_DENSITY.with(|f| f.set(d));
+}
+
 impl Density {
     /// Draws a density: sparse 1/4, normal 1/2, dense 1/4.
     pub fn draw(rng: &mut StdRng) -> Density {
@@ -245,7 +256,8 @@ impl Plan {
     /// density drawn from `swarm` thins or thickens it).
     pub fn draw(rng: &mut StdRng, swarm: &mut StdRng) -> Plan {
         let mut plan = Plan::draw_base(rng);
-        plan.density = Density::draw(swarm);
+        let drawn = Density::draw(swarm);
+        plan.density = FORCE_DENSITY.with(|f| f.get()).unwrap_or(drawn);
         plan.apply_density(swarm);
         plan
     }

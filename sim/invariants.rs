@@ -47,11 +47,18 @@
 //!   `offered_inserts <= saved_blocks + fetched_blocks` (equality at the
 //!   end). These identities are kept by the code they check, so they catch
 //!   miscounting, not a lost command.
-//! - `inv_index_matches_engine` (C4), what was delivered: after the liveness
-//!   phase, the MetaServer's entries for each live node equal what that
-//!   node's engine holds (resident, so not removed); a difference no larger
-//!   than the registrations the node counted dropped is counted as
+//! - `inv_index_matches_engine` (C4), what was delivered: once every fault
+//!   is healed and every node flushed, before any repair, the MetaServer's
+//!   entries for each live node equal what that node's engine holds
+//!   (resident, so not removed); a difference no larger than the
+//!   registrations the node counted dropped is counted as
 //!   `inv_index_matches_engine.explained_by_drops`, a larger one fails.
+//!   Skipped (counted per reason) after a MetaServer restart (its store
+//!   starts empty; C6's backfill is checked by `inv_index_converges`) and
+//!   for restarted nodes (earlier incarnations' drops are not in their
+//!   counters) or nodes whose heartbeats failed or that backfilled (their
+//!   session may have lapsed at the store, hiding or sweeping entries that
+//!   only a backfill restores).
 //! - `inv_fetch_integrity` (C9/C10): every block a fetch reports in its
 //!   verified prefix (local hits included) is leased, loaded to the device
 //!   (slots poisoned first) and compared byte by byte with `fill_kv`
@@ -88,8 +95,8 @@
 //!   `cancel_probe.inconclusive` counts runs where none did) leaves none
 //!   either.
 //! - `inv_no_early_free_*` (C11), each its own name: `_pool`, on every live
-//!   node at every tick, the allocator's own invariants and `pool used bytes
-//!   >= resident blocks × block bytes`; `_lease`, with lease pressure on, a
+//!   node at every tick, the allocator's own invariants and
+//!   `pool used bytes >= resident blocks × block bytes`; `_lease`, with lease pressure on, a
 //!   leased block survives `evict(everything)`; `_load`, a leased block
 //!   loads; `_checksum`, every checksum rejection in the run is explained
 //!   by a corrupted payload sent (`rejected <= corrupt_sent`); `_resident`

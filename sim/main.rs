@@ -16,10 +16,16 @@
 //! CARGO_TARGET_DIR=target-sim cargo test --test sim -- main_scenario --exact`.
 //!
 //! Tiers in this target: `main_scenario` (the seed sweep), `regression_*`
-//! (seeds that once found a bug, plain `#[test]`s on their own runtime) and,
-//! only in the deliberately broken builds (`--features broken-flush` /
-//! `broken-release` / `broken-session-ids`), `broken_*_is_caught`, which pass only if the checker
-//! catches the broken contract within 20 seeds.
+//! (seeds that once found a bug, plain `#[test]`s on their own runtime, the
+//! swarm density pinned to `Normal`) and, only in the `--features canaries`
+//! build, one `broken_<canary>_is_caught` test per canary (`src/canary.rs`,
+//! one deliberate breakage per starred contract): it switches its canary on
+//! for its thread, runs seeds `0..50` in process and passes only if an
+//! invariant named for that contract fired, printing `CANARY <contract>
+//! <canary> caught by seed <n> (<invariant>)`; `SIM_CANARY_SEED=<n>`
+//! replays one seed. The legacy `--features broken-release` build (C8
+//! release, until `engine::fetch` consults the seam) has
+//! `broken_c8releaseforgotten_is_caught`.
 //!
 //! In a normal (non-madsim) build this target compiles to nothing.
 #![cfg(madsim)]
@@ -52,14 +58,29 @@ fn run_seed(seed: u64) -> Result<scenario::Summary, scenario::Failure> {
 /// fix. A harness change that alters what a seed draws invalidates that
 /// claim, so re-find seeds (revert the fix, sweep) when the plan or the
 /// workload generator changes.
+///
+/// The swarm densities (faults.rs) came after every seed below was found;
+/// a regression seed runs with the density pinned to `Normal`
+/// ([`faults::force_density`]), which reproduces the plan and workload it
+/// drew when it was found. The liveness phase changed after they were found
+/// (more checks after the index converges; the cancel probe retries), the
+/// safety phase did not.
 macro_rules! regression {
     ($name:ident, $seed:expr, $why:literal) => {
         #[doc = $why]
         #[test]
         #[cfg_attr(feature = "broken-release", ignore)]
         fn $name() {
-            if let Err(f) = run_seed($seed) {
-                panic!("regression seed {} failed: {}", f.seed, f.violations[0]);
+            faults::force_density(Some(faults::Density::Normal));
+            let r = run_seed($seed);
+            faults::force_density(None);
+            if let Err(f) = r {
+                panic!(
+                    "regression seed {} failed: {} (replay: RUSTFLAGS=\"--cfg madsim\" CARGO_TARGET_DIR=target-sim cargo test --test sim -- {} --exact --nocapture)",
+                    f.seed,
+                    f.violations[0],
+                    stringify!($name)
+                );
             }
         }
     };
