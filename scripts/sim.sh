@@ -117,7 +117,7 @@ awk '
         if (kv[1] == "faults" || kv[1] == "checks") {
             n = split(kv[2], items, ",")
             for (j = 1; j <= n; j++) { m = split(items[j], p, ":"); if (m >= 2) sum[kv[1] " " p[1]] += p[2] }
-        } else if (kv[1] == "done" || kv[1] == "lost" || kv[1] == "reused" || kv[1] == "saved" || kv[1] == "fetched" || kv[1] == "verified" || kv[1] == "recomputed") {
+        } else if (kv[1] == "done" || kv[1] == "lost" || kv[1] == "reused" || kv[1] == "saved" || kv[1] == "fetched" || kv[1] == "verified" || kv[1] == "recomputed" || kv[1] ~ /^corrupt_/ || kv[1] == "checksum_rejected" || kv[1] == "poisoned_frees") {
             tot[kv[1]] += kv[2]
         } else if (kv[1] == "repair_restart" && kv[2] == "true") { tot["repair_restart"]++ }
         else if (kv[1] == "probe" && kv[2] == "true") { tot["probe_conclusive"]++ }
