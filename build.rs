@@ -12,5 +12,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         &["proto"],
     )?;
     println!("cargo:rerun-if-changed=proto");
+    // `RUSTFLAGS="--cfg madsim"` reaches rustc but not rustdoc, which
+    // compiles this crate again for its doc-tests (and then fails against
+    // dependencies built for the simulator). A cfg emitted here reaches
+    // both, so the madsim convention `RUSTFLAGS="--cfg madsim" cargo test`
+    // runs the doc-tests too, without RUSTDOCFLAGS.
+    if std::env::var_os("CARGO_CFG_MADSIM").is_some() {
+        println!("cargo:rustc-cfg=madsim");
+    }
     Ok(())
 }

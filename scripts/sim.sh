@@ -13,10 +13,17 @@
 # 3. determinism sample: DET_SEEDS seeds (default 6) under
 #    MADSIM_TEST_CHECK_DETERMINISM=1 (madsim checks one seed per run), and
 #    each run twice more with byte-identical output required;
-# 4. broken builds (skip with SIM_BROKEN=0): with `--features broken-flush`,
-#    `broken-release` and `broken-session-ids` the suite must FAIL (the tests
-#    broken_*_is_caught run 20 seeds in-process and pass only if the named
-#    invariant fired).
+# 4. every starred contract (C1 C2 C4 C6 C8 C9 C10 C11 C15 C16) has
+#    invariants that checked at least one case over the sweep (the per-seed
+#    `checks=` counts, summed); a starred invariant that checked nothing
+#    fails the sweep, so the suite cannot pass vacuously;
+# 5. canaries (skip with SIM_BROKEN=0): the `--features canaries` build is
+#    built once and every `broken_<canary>_is_caught` test runs (each switches
+#    one deliberate breakage of one contract on, src/canary.rs, sweeps at
+#    most 50 seeds in-process and passes only if an invariant named for that
+#    contract fired); then the legacy `--features broken-release` build (C8
+#    release; moves behind `canaries` once engine::fetch consults the seam).
+#    Prints the canary table: contract, canary, first catching seed.
 #
 # Env: SIM_SEED_START (default 0), DET_SEEDS, SIM_BROKEN, SIM_SEED_TIMEOUT_S
 # (wall-clock limit per seed process, default 120).
@@ -110,7 +117,7 @@ awk '
         if (kv[1] == "faults" || kv[1] == "checks") {
             n = split(kv[2], items, ",")
             for (j = 1; j <= n; j++) { m = split(items[j], p, ":"); if (m >= 2) sum[kv[1] " " p[1]] += p[2] }
-        } else if (kv[1] == "done" || kv[1] == "lost" || kv[1] == "reused" || kv[1] == "saved" || kv[1] == "fetched" || kv[1] == "verified" || kv[1] == "recomputed") {
+        } else if (kv[1] == "done" || kv[1] == "lost" || kv[1] == "reused" || kv[1] == "saved" || kv[1] == "fetched" || kv[1] == "verified" || kv[1] == "recomputed" || kv[1] ~ /^corrupt_/ || kv[1] == "checksum_rejected" || kv[1] == "poisoned_frees") {
             tot[kv[1]] += kv[2]
         } else if (kv[1] == "repair_restart" && kv[2] == "true") { tot["repair_restart"]++ }
         else if (kv[1] == "probe" && kv[2] == "true") { tot["probe_conclusive"]++ }
@@ -118,7 +125,25 @@ awk '
     END {
         printf "totals:"; for (k in tot) printf " %s=%d", k, tot[k]; printf "\n"
         for (k in sum) printf "  %-60s %d\n", k, sum[k]
-    }' "$SUMMARY" | sort
+    }' "$SUMMARY" | sort | tee "$LOGS/totals.txt"
+# Starred contracts and the invariants named for them: each must have
+# checked at least one case over the sweep.
+STARRED="C1:inv_flush_visibility C2:inv_flush_terminates C4:inv_accounting C4:inv_index_matches_engine
+C6:inv_index_converges C8:inv_pins_exact C8:inv_no_lock_leak_eventual C8:inv_no_lock_leak_prompt
+C9:inv_degrade_bounded C9:inv_fetch_progress C10:inv_corruption_rejected C10:inv_fetch_integrity
+C11:inv_no_early_free_pool C11:inv_no_early_free_lease C11:inv_no_early_free_load
+C11:inv_no_early_free_checksum C11:inv_no_early_free_resident C15:inv_embedder_memory
+C16:inv_session_ids_unique"
+if [ "$passed" -gt 0 ]; then
+    for ci in $STARRED; do
+        inv=${ci#*:}
+        n=$(awk -v k="$inv" '$1 == "checks" && $2 == k { print $3 }' "$LOGS/totals.txt")
+        if [ -z "$n" ] || [ "$n" -eq 0 ]; then
+            echo "FAIL: ${ci%%:*} invariant $inv checked 0 cases over the sweep (vacuous pass)"
+            FAIL=1
+        fi
+    done
+fi
 if [ -s "$LOGS/failed.txt" ]; then
     FAIL=1
     echo "FAILED seeds (logs in $LOGS/):"
@@ -149,19 +174,30 @@ for s in $det_seeds; do
 done
 
 if [ "${SIM_BROKEN:-1}" != 0 ]; then
-    for b in flush release session-ids; do
-        say "broken build: --features broken-$b must be caught"
-        BB=$(build "broken-$b")
-        t=broken_${b//-/_}_is_caught
-        require_tests "$BB" "$t"
-        if "$BB" "$t" --exact --nocapture >"$LOGS/broken-$b.log" 2>&1 \
-            && grep -q "^test result: ok. 1 passed" "$LOGS/broken-$b.log"; then
-            grep -m1 "caught by seed" "$LOGS/broken-$b.log"
-        else
-            echo "FAIL: broken-$b was NOT caught (log: $LOGS/broken-$b.log)"
-            FAIL=1
-        fi
-    done
+    say "canaries: --features canaries, every broken_*_is_caught test"
+    CB=$(build canaries)
+    canaries=$("$CB" --list 2>/dev/null | grep -o '^broken_[a-z0-9]*_is_caught' || true)
+    require_tests "$CB" $canaries
+    n_canaries=$(printf '%s\n' $canaries | grep -c . || true)
+    if [ "$n_canaries" -lt 10 ]; then
+        echo "FAIL: the canary build lists $n_canaries canary tests, expected one per starred contract"
+        FAIL=1
+    fi
+    if ! "$CB" broken_ --test-threads="$JOBS" --nocapture >"$LOGS/canaries.log" 2>&1; then
+        grep -E '^test .*FAILED|NOT caught|panicked' "$LOGS/canaries.log" || true
+        echo "FAIL: a canary was NOT caught (log: $LOGS/canaries.log)"
+        FAIL=1
+    fi
+    say "legacy broken build: --features broken-release must be caught"
+    BB=$(build broken-release)
+    require_tests "$BB" broken_c8releaseforgotten_is_caught
+    if ! "$BB" broken_c8releaseforgotten_is_caught --exact --nocapture >"$LOGS/broken-release.log" 2>&1; then
+        echo "FAIL: broken-release was NOT caught (log: $LOGS/broken-release.log)"
+        FAIL=1
+    fi
+    say "canary table (contract, canary, first catching seed, invariant)"
+    cat "$LOGS/canaries.log" "$LOGS/broken-release.log" | grep '^CANARY' \
+        | awk '{ printf "  %-4s %-22s seed %-3s %s\n", $2, $3, $7, $8 }' | sort -V
 fi
 
 if [ "$FAIL" != 0 ]; then

@@ -14,9 +14,10 @@
 #   1b. feature builds: `cuda` (no CUDA needed to build), the library
 #      without default features (an embedder's build), `rdma` (its
 #      device-free tests; scripts/hw-rdma.sh runs the device tests).
-#   2. madsim build: library unit tests under --cfg madsim, then the
-#      simulation sweep (scripts/sim.sh): SIM_SEEDS seeds of the main
-#      scenario, the determinism sample, the broken-build checks.
+#   2. madsim build: library unit tests and doc-tests under --cfg madsim
+#      (build.rs passes the cfg on to rustdoc), then the simulation sweep
+#      (scripts/sim.sh): SIM_SEEDS seeds of the main scenario, the
+#      determinism sample, every canary (one per starred contract).
 #   3. fuzz smoke (scripts/fuzz.sh smoke): each coverage-guided target briefly.
 #   4. clippy in both cfgs (warnings are errors).
 #   5. the Python package (scripts/python-test.sh): the wheel into a venv,
@@ -44,6 +45,7 @@ cargo test --features rdma --lib transport::verbs
 
 step "tier 2a: library unit tests under --cfg madsim"
 RUSTFLAGS="--cfg madsim ${RUSTFLAGS:-}" CARGO_TARGET_DIR=target-sim cargo test --lib
+RUSTFLAGS="--cfg madsim ${RUSTFLAGS:-}" CARGO_TARGET_DIR=target-sim cargo test --doc
 
 step "tier 2b: simulation sweep ($SIM_SEEDS seeds)"
 scripts/sim.sh "$SIM_SEEDS"
@@ -54,6 +56,7 @@ scripts/fuzz.sh smoke "$FUZZ_SECS"
 step "tier 4: clippy (tokio and madsim)"
 cargo clippy --all-targets -- -D warnings
 RUSTFLAGS="--cfg madsim ${RUSTFLAGS:-}" CARGO_TARGET_DIR=target-sim cargo clippy --lib --test sim -- -D warnings
+RUSTFLAGS="--cfg madsim ${RUSTFLAGS:-}" CARGO_TARGET_DIR=target-sim cargo clippy --lib --test sim --features canaries -- -D warnings
 
 step "tier 5: python package (wheel into a venv, pytest)"
 cargo fmt --manifest-path python/Cargo.toml -- --check

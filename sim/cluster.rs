@@ -150,6 +150,31 @@ pub struct Retired {
     pub checksum_failures: u64,
     /// Registration commands dropped (any reason) by clients.
     pub registrations_dropped: u64,
+    /// Corrupted payloads their servers sent (C10).
+    pub corrupt_sent: u64,
+    /// Corruptions armed on a server that died before sending them.
+    pub corrupt_lost: u64,
+    /// Extents poisoned on free (C11).
+    pub poisoned_frees: u64,
+}
+
+impl Shared {
+    /// `(corrupted payloads sent, corruptions lost with their server,
+    /// checksum rejections, extents poisoned on free)` over the whole run,
+    /// dead incarnations included.
+    pub fn corruption_totals(&self) -> (u64, u64, u64, u64) {
+        let r = *self.retired.lock().expect("retired");
+        let (mut sent, lost, mut rejected, mut poisoned) =
+            (r.corrupt_sent, r.corrupt_lost, r.checksum_failures, r.poisoned_frees);
+        for i in 0..self.nodes.len() {
+            if let Some(n) = self.node(i) {
+                sent += n.transport.hooks.corrupt_sent.load(Ordering::SeqCst);
+                rejected += n.engine.metrics().checksum_failures.load(Ordering::SeqCst);
+                poisoned += n.engine.pool().poisoned_frees();
+            }
+        }
+        (sent, lost, rejected, poisoned)
+    }
 }
 
 /// State shared by the supervisor, the fault injector and workload tasks
@@ -177,6 +202,10 @@ pub struct Shared {
     pub rng: Mutex<StdRng>,
     /// Fetches cancelled by the `fetch_cancel` fault.
     pub cancelled_fetches: AtomicU64,
+    /// Payload corruptions armed by the `corruption` fault (C10).
+    pub corrupt_armed: AtomicU64,
+    /// Armed corruptions still unsent when the liveness phase healed them.
+    pub corrupt_disarmed: AtomicU64,
     /// Per node: held by a prefill when prefills are serial.
     pub prefill_serial: Vec<Arc<tokio::sync::Mutex<()>>>,
 }
@@ -317,6 +346,8 @@ impl Cluster {
             retired: Mutex::new(Retired::default()),
             rng,
             cancelled_fetches: AtomicU64::new(0),
+            corrupt_armed: AtomicU64::new(0),
+            corrupt_disarmed: AtomicU64::new(0),
             prefill_serial: (0..NODES).map(|_| Arc::new(tokio::sync::Mutex::new(()))).collect(),
             checker,
         });
@@ -369,6 +400,9 @@ impl Cluster {
             let mut r = self.shared.retired.lock().expect("retired");
             r.checksum_failures += m.checksum_failures.load(Ordering::SeqCst);
             r.registrations_dropped += workload::registrations_dropped(&slot);
+            r.corrupt_sent += slot.transport.hooks.corrupt_sent.load(Ordering::SeqCst);
+            r.corrupt_lost += slot.transport.hooks.corrupt_next_reads.load(Ordering::SeqCst);
+            r.poisoned_frees += slot.engine.pool().poisoned_frees();
         }
         true
     }
@@ -534,6 +568,9 @@ async fn boot_node(i: usize, incarnation: u64, p: &Params) -> (NodeSlot, node::N
         seed: Some(p.seed ^ ((i as u64 + 1) << 40) ^ (incarnation << 56)),
     };
     let h = node::start(cfg, gpu.clone() as Arc<dyn Gpu>).await.expect("node start");
+    // C11: freed pool memory is poisoned, so a read of freed (or freed and
+    // reused) memory yields the poison pattern, never a block's old bytes.
+    h.engine.pool().set_poison_freed(true);
     h.engine.register_layout(workload::NAMESPACE, layers.clone()).expect("sim layout");
     let slot = NodeSlot {
         engine: h.engine.clone(),

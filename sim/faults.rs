@@ -25,6 +25,13 @@
 //! | `eviction_storm` | a node evicts every unpinned block at once |
 //! | `fetch_cancel` | not timed: each fetch is cancelled (its future dropped) with probability 1/4 after 1..300 ms |
 //!
+//! Swarm: each kind is on with p = 1/2 (1..=3 events each), then a density
+//! drawn from a second RNG stream ([`Density`]) thins the plan (sparse:
+//! each kind kept with p = 2/5, one event each), leaves it (normal) or
+//! thickens it (dense: up to 3 extra events per event, 3x the reads hit by
+//! read errors and corruption), so some seeds run few faults and some many.
+//! The density is printed with the plan.
+//!
 //! Besides the faults, the seed draws four knobs: a small pool (eviction
 //! pressure), the device layout (layer-first or fused), lease pressure
 //! (evict-all while a lease is held, C11) and serial prefill (one prefill
@@ -198,6 +205,46 @@ pub struct Plan {
     /// One prefill at a time per node (each flush window then holds only
     /// that request's commands, so its report speaks for them).
     pub serial_prefill: bool,
+    /// The swarm density this seed drew.
+    pub density: Density,
+}
+
+/// How many faults a seed runs (the swarm's second draw, from its own RNG
+/// stream so that a `Normal` seed's plan and workload are exactly what
+/// they were before densities existed).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Density {
+    /// Each enabled kind stays on with p = 2/5, with one event at most: few
+    /// faults, so long fault-free stretches and clean flushes.
+    Sparse,
+    /// The base draw: each kind on with p = 1/2, 1..=3 events each.
+    Normal,
+    /// Each enabled kind gets 1..=3 more events (later, so overlapping
+    /// more), and counted faults (read errors, corruptions) hit 3x as
+    /// many reads: many faults at once.
+    Dense,
+}
+
+thread_local! {
+    static FORCE_DENSITY: std::cell::Cell<Option<Density>> = const { std::cell::Cell::new(None) };
+}
+
+/// Overrides the drawn density for runs on this thread (`None`: draw it).
+/// The regression seeds pin [`Density::Normal`]: their plan and workload are
+/// then exactly the ones they drew when they were found, before densities.
+pub fn force_density(d: Option<Density>) {
+    FORCE_DENSITY.with(|f| f.set(d));
+}
+
+impl Density {
+    /// Draws a density: sparse 1/4, normal 1/2, dense 1/4.
+    pub fn draw(rng: &mut StdRng) -> Density {
+        match rng.random_range(0..4) {
+            0 => Density::Sparse,
+            3 => Density::Dense,
+            _ => Density::Normal,
+        }
+    }
 }
 
 fn target(rng: &mut StdRng) -> Target {
@@ -205,8 +252,56 @@ fn target(rng: &mut StdRng) -> Target {
 }
 
 impl Plan {
-    /// Draws the plan (swarm: each kind on with probability 1/2).
-    pub fn draw(rng: &mut StdRng) -> Plan {
+    /// Draws the plan (swarm: each kind on with probability 1/2, then the
+    /// density drawn from `swarm` thins or thickens it).
+    pub fn draw(rng: &mut StdRng, swarm: &mut StdRng) -> Plan {
+        let mut plan = Plan::draw_base(rng);
+        let drawn = Density::draw(swarm);
+        plan.density = FORCE_DENSITY.with(|f| f.get()).unwrap_or(drawn);
+        plan.apply_density(swarm);
+        plan
+    }
+
+    fn apply_density(&mut self, swarm: &mut StdRng) {
+        match self.density {
+            Density::Normal => {}
+            Density::Sparse => {
+                self.enabled.retain(|_| swarm.random_bool(0.4));
+                let mut seen = Vec::new();
+                self.events.retain(|e| {
+                    let k = e.action.kind();
+                    let keep = self.enabled.contains(&k) && !seen.contains(&k);
+                    if keep {
+                        seen.push(k);
+                    }
+                    keep
+                });
+            }
+            Density::Dense => {
+                let mut more = Vec::new();
+                for e in &self.events {
+                    if swarm.random_bool(0.5) {
+                        continue;
+                    }
+                    for _ in 0..swarm.random_range(1..=3) {
+                        let mut x = e.clone();
+                        x.at_ms = swarm.random_range(e.at_ms..FAULTS_UNTIL_MS);
+                        more.push(x);
+                    }
+                }
+                self.events.extend(more);
+                for e in &mut self.events {
+                    match &mut e.action {
+                        Action::ReadErrors(_, k) | Action::Corruption(_, k) => *k *= 3,
+                        _ => {}
+                    }
+                }
+                self.events.sort_by_key(|e| e.at_ms);
+            }
+        }
+    }
+
+    fn draw_base(rng: &mut StdRng) -> Plan {
         let enabled: Vec<Kind> = KINDS.iter().copied().filter(|_| rng.random_bool(0.5)).collect();
         let mut events = Vec::new();
         for &k in enabled.iter().filter(|&&k| k != Kind::FetchCancel) {
@@ -253,6 +348,7 @@ impl Plan {
             layer_first: rng.random_bool(0.5),
             lease_pressure: rng.random_bool(0.5),
             serial_prefill: rng.random_bool(0.5),
+            density: Density::Normal,
         }
     }
 
@@ -265,7 +361,13 @@ impl Plan {
 impl fmt::Display for Plan {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let on: Vec<&str> = self.enabled.iter().map(|k| k.name()).collect();
-        writeln!(f, "fault kinds on: [{}]", on.join(", "))?;
+        writeln!(
+            f,
+            "fault kinds on: [{}] (swarm density {:?}, {} timed events)",
+            on.join(", "),
+            self.density,
+            self.events.len()
+        )?;
         if self.has(Kind::FetchCancel) {
             writeln!(f, "  fetch_cancel: each fetch cancelled with p=1/4 after 1..300 ms")?;
         }
@@ -387,6 +489,7 @@ async fn apply(c: &Cluster, e: &Event) -> bool {
         Action::Corruption(i, k) => {
             let Some(n) = s.node(*i) else { return false };
             sim::corrupt_next_reads(&n.transport, *k);
+            s.corrupt_armed.fetch_add(*k, Ordering::SeqCst);
         }
         Action::EvictionStorm(i) => {
             let Some(n) = s.node(*i) else { return false };
@@ -413,7 +516,9 @@ pub async fn heal(c: &Cluster, injectors: Vec<madsim::task::JoinHandle<()>>) {
         c.restart_node(i).await;
         if let Some(n) = s.node(i) {
             n.transport.hooks.fail_next_reads.store(0, Ordering::SeqCst);
-            n.transport.hooks.corrupt_next_reads.store(0, Ordering::SeqCst);
+            // Heal disarms what was armed and never sent: counted, not lost.
+            let unsent = n.transport.hooks.corrupt_next_reads.swap(0, Ordering::SeqCst);
+            s.corrupt_disarmed.fetch_add(unsent, Ordering::SeqCst);
             sim::set_read_delay(&n.transport, Duration::ZERO);
         }
     }

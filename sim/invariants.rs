@@ -5,46 +5,74 @@
 //! exercised, not just that nothing failed) and keeps every violation.
 //!
 //! # What is checked
-//! - `inv_flush_terminates` (C2): every `flush_saves_and_registrations(d)`
-//!   returns within `d + FLUSH_SLACK`; every plain `client.flush()` returns
-//!   within [`plain_flush_bound`] (20 MetaServer RPC deadlines: a flush
-//!   waits for at most the batch in flight and its own batch, each a
-//!   heartbeat, a backfill RPC and up to three RPCs per chunk). Holds with
-//!   the MetaServer down, stalled, partitioned or dropping writes.
+//! Every name below is counted separately (passes and failures) and printed
+//! in the run's `SIM-SUMMARY ... checks=` field; `scripts/sim.sh` sums them
+//! over the sweep and fails when an invariant of a starred contract checked
+//! zero cases.
+//! - `inv_flush_terminates` (C2), per flush: every
+//!   `flush_saves_and_registrations(d)` returns within `d + FLUSH_SLACK`;
+//!   every plain `client.flush()` within [`plain_flush_bound`] of *that*
+//!   flush: one MetaServer RPC deadline per RPC it can wait on (two driver
+//!   turns, each a heartbeat plus the backfill's RPCs for the blocks
+//!   resident at the flush, plus three RPCs per chunk of the commands
+//!   pending at the flush). Holds with the MetaServer down, stalled,
+//!   partitioned or dropping writes.
 //! - `inv_flush_visibility` (C1): right after a flush whose report says
 //!   nothing timed out and nothing was dropped, every block the save made
 //!   newly resident *and still resident* is visible at the MetaServer store
 //!   (read directly, no RPC) with this node as an owner, and the node's
-//!   session is the one the store knows. Skipped (and counted per reason)
-//!   when, with overlapping prefills, the node's client dropped any command
-//!   in the window (a report covers its own flush window, so with
-//!   concurrent flushers on one node a caller's drops may be credited to
-//!   another caller's report; with serial prefills the report is exact), when
-//!   the MetaServer restarted or was down in the window, a
-//!   drop-registration fault was open in the window, a registration was
-//!   dropped at the queue door, the node evicted anything in the window (an
-//!   evicted block may be back with an insert the flush does not cover), or
-//!   the node's session record is stale at check time (C5 hides stale
-//!   owners by design).
+//!   session is the one the store knows. Skipped (and counted per reason,
+//!   `inv_flush_visibility.skip.*`) when, with overlapping prefills, the
+//!   node's client dropped any command in the window (a report covers its
+//!   own flush window, so with concurrent flushers on one node a caller's
+//!   drops may be credited to another caller's report), when the MetaServer
+//!   restarted or was down in the window, a drop-registration fault was
+//!   open in the window, a registration was dropped at the queue door, the
+//!   node evicted anything in the window, or the node's session record is
+//!   stale at check time (C5 hides stale owners by design).
 //! - `inv_session_ids_unique` (C16): every transfer-session id any engine
 //!   granted in the run (every node, every incarnation; seen through the
-//!   trace event `kvferry::transfer_session` that
-//!   [`kvferry::engine::Engine::lock_for_transfer`] emits, collected by
-//!   [`SessionGrants`]) is granted once. Checked once per run, counting the
-//!   grants it saw; it does not check unpredictability (a seed fixes every
-//!   id by design) — the real-runtime tests in `tests/fetch.rs` do.
-//! - `inv_accounting` (C4): on every live node at every checker tick, the
-//!   queue identity `offered == delivered + dropped + pending`, the engine
-//!   identity `evicted == removals_enqueued + removals_dropped_at_enqueue`,
-//!   `offered_removes == evicted`, `dropped_queue_full_removes ==
-//!   removals_dropped_at_enqueue` and `offered_inserts <= saved_blocks +
-//!   fetched_blocks`; at the end (no work in flight) the last one must be an
-//!   equality: every newly resident block was offered exactly once, cancels
-//!   included.
+//!   trace event `kvferry::transfer_session`, collected by
+//!   [`SessionGrants`]) is granted once; one case per grant. Not
+//!   unpredictability (a seed fixes every id) — `tests/fetch.rs` does that.
+//! - `inv_pins_exact` (C8), one case per grant: on the owner, the blocks the
+//!   lock table pins for a `QueryBlocksForTransfer` session are exactly the
+//!   requested blocks it found resident (trace event
+//!   `kvferry::transfer_pins`: requested, found, and the lock table's
+//!   content right after the grant).
+//! - `inv_accounting` (C4), counters: on every live node at every tick,
+//!   `offered == delivered + dropped + pending`, `evicted ==
+//!   removals_enqueued + removals_dropped_at_enqueue`, `offered_removes ==
+//!   evicted`, `dropped_queue_full_removes == removals_dropped_at_enqueue`,
+//!   `offered_inserts <= saved_blocks + fetched_blocks` (equality at the
+//!   end). These identities are kept by the code they check, so they catch
+//!   miscounting, not a lost command.
+//! - `inv_index_matches_engine` (C4), what was delivered: once every fault
+//!   is healed and every node flushed, before any repair, the MetaServer's
+//!   entries for each live node equal what that node's engine holds
+//!   (resident, so not removed); a difference no larger than the
+//!   registrations the node counted dropped is counted as
+//!   `inv_index_matches_engine.explained_by_drops`, a larger one fails.
+//!   Skipped (counted per reason) after a MetaServer restart (its store
+//!   starts empty; C6's backfill is checked by `inv_index_converges`) and
+//!   for restarted nodes (earlier incarnations' drops are not in their
+//!   counters) or nodes whose heartbeats failed or that backfilled (their
+//!   session may have lapsed at the store, hiding or sweeping entries that
+//!   only a backfill restores).
 //! - `inv_fetch_integrity` (C9/C10): every block a fetch reports in its
 //!   verified prefix (local hits included) is leased, loaded to the device
 //!   (slots poisoned first) and compared byte by byte with `fill_kv`
 //!   recomputation.
+//! - `inv_corruption_rejected` (C10): every corrupted payload a server sent
+//!   (counted server side once written and flushed, `TcpHooks::corrupt_sent`;
+//!   armed corruptions the heal disarmed unsent, or that died with their
+//!   server, are counted apart as `corrupt_disarmed` / `corrupt_lost`) was
+//!   rejected by the fetcher that got it: at the end every block resident on
+//!   every live node is loaded and compared with recomputation, so an
+//!   accepted corruption is found whether or not the workload loaded it (one
+//!   case per block checked, in runs that sent corruption; in runs that did
+//!   not, the same check is `inv_no_early_free_resident`, C11). The
+//!   fetcher's rejections (`checksum_rejected`) are printed beside the sends.
 //! - `inv_degrade_bounded` (C9): every fetch returns within
 //!   [`fetch_bound`]; its report is coherent (`available <= requested`,
 //!   `available == local_hits + fetched`, `stopped` set iff short); when no
@@ -55,23 +83,30 @@
 //!   the converged index lists at a live peer brings that prefix (two
 //!   attempts: connections pooled before a peer restarted die on first
 //!   use). Guards against a suite that passes because nothing is fetched.
-//! - `inv_no_lock_leak` (C8), two halves. *Eventual*: after healing, every
-//!   live node's `active_transfer_locks` reaches 0 within `lock_timeout +
-//!   gc_interval + LOCK_SLACK` (requesters that died or were cut off are
-//!   covered by expiry + the engine's own GC). *Prompt*: in the fault-free
-//!   liveness phase a fetch cancelled mid-read (the cancel probe: slow reads,
-//!   then the future is dropped) leaves no lock behind after
-//!   `RELEASE_GRACE`, far below the lock timeout: the requester released on
-//!   the cancel path.
-//! - `inv_no_early_free` (C11): (a) on every live node at every tick, the
-//!   pool allocator's own invariants hold and `pool used bytes >= resident
-//!   blocks × block bytes` (a cached block's memory is allocated); (b) with
-//!   lease pressure on, a block leased by a prefill/decode survives
-//!   `evict(everything)` (still resident, its bytes still verify after
-//!   other tasks ran and allocated); (c) with wire corruption off, no fetch
-//!   in the whole run (dead incarnations included) sees a checksum
-//!   mismatch: a transfer-locked block whose memory was freed and reused
-//!   under a reader would show up there.
+//! - `inv_no_lock_leak_eventual` (C8): after healing, every live node's
+//!   `active_transfer_locks` reaches 0 within `lock_timeout + gc_interval +
+//!   LOCK_SLACK` (requesters that died or were cut off are covered by expiry
+//!   + the engine's own GC).
+//! - `inv_no_lock_leak_prompt` (C8), in the fault-free liveness phase, with
+//!   the real fetch and its real transfer guard: a completed fetch leaves no
+//!   lock behind after `RELEASE_GRACE`, far below the lock timeout; and a
+//!   fetch cancelled mid-read while holding a lock (the cancel probe tries
+//!   up to four cancel points until one lands with a lock held;
+//!   `cancel_probe.inconclusive` counts runs where none did) leaves none
+//!   either.
+//! - `inv_no_early_free_*` (C11), each its own name: `_pool`, on every live
+//!   node at every tick, the allocator's own invariants and
+//!   `pool used bytes >= resident blocks × block bytes`; `_lease`, with lease pressure on, a
+//!   leased block survives `evict(everything)`; `_load`, a leased block
+//!   loads; `_checksum`, every checksum rejection in the run is explained
+//!   by a corrupted payload sent (`rejected <= corrupt_sent`); `_resident`
+//!   (above). Freed pool memory is poisoned in the simulator
+//!   (`Pool::set_poison_freed`, a run-time switch the harness turns on), so
+//!   a read or copy of freed or freed-and-reused memory yields the poison
+//!   pattern and fails a checksum or a byte comparison.
+//! - `inv_embedder_memory` (C15): at the end, on every live node, the engine
+//!   refuses to unregister the device buffer the sim layout names, and the
+//!   buffer is still readable.
 //! - `inv_index_converges` (C6): after liveness, the MetaServer's visible
 //!   entries equal the union of the live nodes' resident blocks. When the
 //!   run lost registrations (fire-and-forget drops are allowed by C1/C3),
@@ -128,9 +163,20 @@ pub fn fetch_bound(p: &Params) -> Duration {
     p.fetch_deadline + p.peer_rpc_timeout + FETCH_SLACK
 }
 
-/// Bound of a plain `client.flush()` (see the module doc).
-pub fn plain_flush_bound(p: &Params) -> Duration {
-    p.metaserver_rpc_timeout * 20
+/// Bound of one plain `client.flush()` that starts with `pending` commands
+/// queued or in flight and `resident` blocks a backfill would re-advertise
+/// (see the module doc): one MetaServer RPC deadline per RPC the flush can
+/// wait on, i.e. for each of the two driver turns it may span (the batch in
+/// flight, then its own), a heartbeat and the backfill's RPCs, plus up to
+/// three RPCs (a chunk and its two bisection halves) per chunk of the
+/// pending commands, each (namespace, op) group of each batch a chunk of
+/// its own.
+pub fn plain_flush_bound(p: &Params, pending: u64, resident: u64) -> Duration {
+    let per = kvferry::limits::HASHES_PER_REQUEST_MAX as u64;
+    let backfill = resident.div_ceil(per);
+    let chunks = pending.div_ceil(per) + 2 * 2;
+    let rpcs = 2 * (1 + backfill) + 3 * chunks;
+    p.metaserver_rpc_timeout * rpcs as u32 + FLUSH_SLACK
 }
 
 /// One broken invariant.
@@ -478,14 +524,22 @@ pub fn inv_fetch_progress(node: usize, req: usize, listed: usize, r: Option<&Fet
     }
 }
 
-/// C8: no transfer lock on any live node (`what` names the half).
-pub fn inv_no_lock_leak(shared: &Shared, what: &str, locks: &[(usize, u64)]) -> Result<(), Violation> {
+/// C8: no transfer lock on any live node. `name` is the half
+/// (`inv_no_lock_leak_eventual` or `inv_no_lock_leak_prompt`), `what` says
+/// which case was checked.
+pub fn inv_no_lock_leak(
+    shared: &Shared,
+    name: &'static str,
+    what: &str,
+    locks: &[(usize, u64)],
+) -> Result<(), Violation> {
     let held: Vec<String> =
         locks.iter().filter(|(_, n)| *n > 0).map(|(i, n)| format!("node{}: {n} session(s)", i + 1)).collect();
     if held.is_empty() {
-        return ok!(shared, "inv_no_lock_leak");
+        shared.checker.count(name, false);
+        return Ok(());
     }
-    Err(violation("inv_no_lock_leak", format!("{what}: transfer locks still held: {}", held.join(", "))))
+    Err(violation(name, format!("{what}: transfer locks still held: {}", held.join(", "))))
 }
 
 /// C11 (a): allocator consistency and cache memory allocated, on one node.
@@ -495,7 +549,7 @@ pub fn inv_no_early_free_pool(shared: &Shared, node: usize, n: &NodeSlot) -> Res
     let block = shared.params.block_bytes().next_multiple_of(n.engine.pool().align());
     if g.pool_used_bytes < g.resident_blocks * block {
         return Err(violation(
-            "inv_no_early_free",
+            "inv_no_early_free_pool",
             format!(
                 "node{}: pool used {} B < {} resident blocks × {block} B: cached memory was freed",
                 node + 1,
@@ -504,7 +558,7 @@ pub fn inv_no_early_free_pool(shared: &Shared, node: usize, n: &NodeSlot) -> Res
             ),
         ));
     }
-    ok!(shared, "inv_no_early_free")
+    ok!(shared, "inv_no_early_free_pool")
 }
 
 /// C11 (b): leased blocks survived eviction pressure.
@@ -518,26 +572,113 @@ pub fn inv_no_early_free_lease(
 ) -> Result<(), Violation> {
     if resident < leased || pool_used < leased as u64 * block_bytes {
         return Err(violation(
-            "inv_no_early_free",
+            "inv_no_early_free_lease",
             format!(
                 "node{} request {req}: {leased} leased blocks, {resident} still resident after evict(all), pool used {pool_used} B",
                 node + 1
             ),
         ));
     }
-    COUNT.with(|c| c.borrow_mut().push("inv_no_early_free"));
+    COUNT.with(|c| c.borrow_mut().push("inv_no_early_free_lease"));
     Ok(())
 }
 
-/// C10/C11 (c): no checksum failure without injected corruption.
-pub fn inv_no_checksum_failures(shared: &Shared, corruption_on: bool, failures: u64) -> Result<(), Violation> {
-    if corruption_on || failures == 0 {
-        return ok!(shared, "inv_no_early_free");
+/// C11 (c): every checksum rejection in the run (dead incarnations
+/// included) is explained by a corrupted payload a server actually sent:
+/// `rejected <= corrupt_sent`. A rejection beyond that means a block's
+/// bytes changed under a reader (its memory freed and reused, or poisoned
+/// on free) or a seal recorded the wrong checksums.
+pub fn inv_no_early_free_checksum(shared: &Shared, corrupt_sent: u64, rejected: u64) -> Result<(), Violation> {
+    if rejected <= corrupt_sent {
+        return ok!(shared, "inv_no_early_free_checksum");
     }
     Err(violation(
-        "inv_no_early_free",
+        "inv_no_early_free_checksum",
         format!(
-            "{failures} checksum failure(s) with wire corruption off: a locked block's memory changed under a reader"
+            "{rejected} checksum rejection(s) but only {corrupt_sent} corrupted payload(s) sent: a locked block's memory changed under a reader"
+        ),
+    ))
+}
+
+/// C10: no block whose bytes differ from recomputation is resident on any
+/// live node at the end of the run (checked block by block; counted once per
+/// block checked) — so every corrupted payload that reached a fetcher was
+/// rejected, whether or not the workload later loaded that block. `bad`
+/// names the blocks that failed; `corrupt_sent` is how many corrupted
+/// payloads servers sent in the run. Without any, a bad block is a C11
+/// failure (memory freed or reused under a cached block), named
+/// `inv_no_early_free_resident`.
+pub fn inv_corruption_rejected(
+    shared: &Shared,
+    corrupt_sent: u64,
+    checked: u64,
+    bad: &[String],
+) -> Result<(), Violation> {
+    if bad.is_empty() {
+        let name = if corrupt_sent > 0 { "inv_corruption_rejected" } else { "inv_no_early_free_resident" };
+        for _ in 0..checked {
+            shared.checker.count(name, false);
+        }
+        return Ok(());
+    }
+    let (name, why) = if corrupt_sent > 0 {
+        ("inv_corruption_rejected", format!("{corrupt_sent} corrupted payload(s) were sent"))
+    } else {
+        ("inv_no_early_free_resident", "no corrupted payload was sent".to_string())
+    };
+    Err(violation(
+        name,
+        format!("{} of {checked} resident block(s) differ from recomputation ({why}): {}", bad.len(), bad.join(", ")),
+    ))
+}
+
+/// C4 (index vs engine): after liveness, the MetaServer's entries for a live
+/// node equal what that node's engine holds and has not removed, unless the
+/// difference is explained by registrations the node counted as dropped
+/// (`dropped`: its client's drops plus its door drops this incarnation).
+pub fn inv_index_matches_engine(
+    shared: &Shared,
+    node: usize,
+    at_store: &BTreeSet<BlockHash>,
+    resident: &BTreeSet<BlockHash>,
+    dropped: u64,
+) -> Result<(), Violation> {
+    let missing = resident.difference(at_store).count() as u64;
+    let extra = at_store.difference(resident).count() as u64;
+    if missing == 0 && extra == 0 {
+        return ok!(shared, "inv_index_matches_engine");
+    }
+    if missing + extra <= dropped {
+        return ok!(shared, "inv_index_matches_engine.explained_by_drops");
+    }
+    let short = |h: &BlockHash| hex::encode(&h.as_bytes()[..12]);
+    Err(violation(
+        "inv_index_matches_engine",
+        format!(
+            "node{}: {missing} resident block(s) not at the store, {extra} store entr(ies) not resident (e.g. {:?} / {:?}), only {dropped} registration(s) counted dropped",
+            node + 1,
+            resident.difference(at_store).next().map(short),
+            at_store.difference(resident).next().map(short),
+        ),
+    ))
+}
+
+/// C15: the engine refuses to unregister the device buffer the sim layout
+/// names (the embedder's memory stays registered and readable).
+pub fn inv_embedder_memory(shared: &Shared, node: usize, n: &NodeSlot) -> Result<(), Violation> {
+    use kvferry::gpu::Gpu as _;
+    let refused = matches!(n.engine.unregister_buffer(n.buffer), Err(kvferry::engine::EngineError::BufferInUse { .. }));
+    let mut probe = [0u8; 1];
+    let readable = n.gpu.read(n.buffer, 0, &mut probe).is_ok();
+    if refused && readable {
+        return ok!(shared, "inv_embedder_memory");
+    }
+    Err(violation(
+        "inv_embedder_memory",
+        format!(
+            "node{}: unregistering the device buffer a layout names was {} (buffer still readable: {readable})",
+            node + 1,
+            if refused { "refused" } else { "NOT refused" }
         ),
     ))
 }
@@ -610,10 +751,21 @@ pub fn tick(shared: &Shared, quiescent: bool) {
     shared.checker.drain_passes();
 }
 
-/// Every transfer-session id granted in a run, collected from the engines'
-/// trace events (a `tracing` layer installed for the run's thread).
+/// What the engines' trace events told about the run's transfer sessions:
+/// every id granted (C16) and, per grant, what was requested, found and
+/// pinned (C8).
+#[derive(Default)]
+struct Grants {
+    ids: BTreeSet<String>,
+    reused: Vec<String>,
+    pins_checked: u64,
+    pins_bad: Vec<String>,
+}
+
+/// Every transfer-session grant in a run, collected from the engines' trace
+/// events (a `tracing` layer installed for the run's thread).
 #[derive(Clone, Default)]
-pub struct SessionGrants(Arc<Mutex<(BTreeSet<String>, Vec<String>)>>);
+pub struct SessionGrants(Arc<Mutex<Grants>>);
 
 impl SessionGrants {
     /// The `tracing` layer that records grants into `self`.
@@ -625,6 +777,7 @@ impl SessionGrants {
         let grants = self.clone();
         GrantLayer(grants).with_filter(tracing_subscriber::filter::filter_fn(|m| {
             m.target() == kvferry::engine::TRANSFER_SESSION_TRACE_TARGET
+                || m.target() == kvferry::engine::TRANSFER_PINS_TRACE_TARGET
         }))
     }
 }
@@ -633,36 +786,89 @@ struct GrantLayer(SessionGrants);
 
 impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for GrantLayer {
     fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
-        struct Field(Option<String>);
-        impl tracing::field::Visit for Field {
+        #[derive(Default)]
+        struct Fields(BTreeMap<&'static str, String>);
+        impl tracing::field::Visit for Fields {
             fn record_debug(&mut self, f: &tracing::field::Field, v: &dyn std::fmt::Debug) {
-                if f.name() == "session" {
-                    self.0 = Some(format!("{v:?}"));
-                }
+                self.0.insert(f.name(), format!("{v:?}"));
+            }
+            fn record_str(&mut self, f: &tracing::field::Field, v: &str) {
+                self.0.insert(f.name(), v.to_string());
             }
         }
-        let mut field = Field(None);
-        event.record(&mut field);
-        if let Some(id) = field.0 {
-            let mut g = (self.0).0.lock().expect("grants");
-            if !g.0.insert(id.clone()) {
-                g.1.push(id);
+        let mut fields = Fields::default();
+        event.record(&mut fields);
+        let mut g = (self.0).0.lock().expect("grants");
+        if event.metadata().target() == kvferry::engine::TRANSFER_PINS_TRACE_TARGET {
+            let list = |k: &str| -> Vec<String> {
+                fields
+                    .0
+                    .get(k)
+                    .map(|v| v.split(',').filter(|x| !x.is_empty()).map(str::to_string).collect())
+                    .unwrap_or_default()
+            };
+            let (requested, found, pinned) = (list("requested"), list("found"), list("pinned"));
+            g.pins_checked += 1;
+            if let Some(bad) = pins_mismatch(&requested, &found, &pinned) {
+                let session = fields.0.get("session").cloned().unwrap_or_default();
+                g.pins_bad.push(format!("session {session}: {bad}"));
+            }
+            return;
+        }
+        if let Some(id) = fields.0.remove("session") {
+            if !g.ids.insert(id.clone()) {
+                g.reused.push(id);
             }
         }
     }
 }
 
+/// Why a grant's pins are not exactly its found blocks (None when they
+/// are): the found blocks must be requested blocks in request order, and the
+/// lock table must pin each found block exactly once and nothing else.
+fn pins_mismatch(requested: &[String], found: &[String], pinned: &[String]) -> Option<String> {
+    let mut rest = requested.iter();
+    if !found.iter().all(|f| rest.any(|r| r == f)) {
+        return Some(format!("found {found:?} is not a subsequence of requested {requested:?}"));
+    }
+    let (mut f, mut p) = (found.to_vec(), pinned.to_vec());
+    f.sort();
+    p.sort();
+    (f != p).then(|| format!("pinned {pinned:?} but found {found:?}"))
+}
+
 /// C16: no transfer-session id was granted twice in the run (module doc).
 pub fn inv_session_ids_unique(shared: &Shared, grants: &SessionGrants) -> Result<(), Violation> {
     let g = grants.0.lock().expect("grants");
-    if let Some(id) = g.1.first() {
+    if let Some(id) = g.reused.first() {
         return Err(violation(
             "inv_session_ids_unique",
-            format!("{} of {} grants reused an id, first {id}", g.1.len(), g.0.len() + g.1.len()),
+            format!("{} of {} grants reused an id, first {id}", g.reused.len(), g.ids.len() + g.reused.len()),
         ));
     }
-    for _ in 0..g.0.len() {
+    for _ in 0..g.ids.len() {
         shared.checker.count("inv_session_ids_unique", false);
+    }
+    Ok(())
+}
+
+/// C8: every `QueryBlocksForTransfer` grant in the run pinned exactly the
+/// blocks it found (owner side: the request's hashes, the resident ones
+/// among them, and what the lock table then held for the session).
+pub fn inv_pins_exact(shared: &Shared, grants: &SessionGrants) -> Result<(), Violation> {
+    let g = grants.0.lock().expect("grants");
+    if let Some(first) = g.pins_bad.first() {
+        return Err(violation(
+            "inv_pins_exact",
+            format!(
+                "{} of {} grants did not pin exactly the found blocks; first: {first}",
+                g.pins_bad.len(),
+                g.pins_checked
+            ),
+        ));
+    }
+    for _ in 0..g.pins_checked {
+        shared.checker.count("inv_pins_exact", false);
     }
     Ok(())
 }

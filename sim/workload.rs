@@ -260,10 +260,11 @@ async fn verify_resident(shared: &Shared, n: &NodeSlot, node: usize, req: &Reque
         let hash = &req.hashes[i];
         match r {
             Err(e) => shared.checker.record(Err(invariants::violation(
-                "inv_no_early_free",
+                "inv_no_early_free_load",
                 format!("node{} request {} block {i}: leased block failed to load {when}: {e}", node + 1, req.id),
             ))),
             Ok(()) => {
+                shared.checker.count("inv_no_early_free_load", false);
                 let good = device_block_ok(n, req.slot_base() + i as u64, hash);
                 shared.checker.record(invariants::inv_fetch_integrity(node, req.id, i, good, when));
                 ok += usize::from(good);
@@ -351,7 +352,8 @@ pub async fn decode(
     }
     // C2 for the plain flush (no deadline of its own): bounded by the
     // per-RPC deadlines.
-    let bound = invariants::plain_flush_bound(&shared.params);
+    let pending = n.engine.client().counters().pending;
+    let bound = invariants::plain_flush_bound(&shared.params, pending, resident_count(&n));
     let t0 = Instant::now();
     let _ = tokio::time::timeout(bound * 2, n.engine.client().flush()).await;
     shared.checker.record(invariants::inv_flush_terminates(node, "client.flush", t0.elapsed(), bound));
@@ -362,4 +364,38 @@ pub async fn decode(
 /// plus door drops).
 pub fn registrations_dropped(n: &NodeSlot) -> u64 {
     n.engine.client().counters().dropped() + n.engine.metrics().registrations_dropped_at_enqueue.load(Ordering::SeqCst)
+}
+
+/// Blocks resident on a node (all namespaces).
+pub fn resident_count(n: &NodeSlot) -> u64 {
+    n.engine.resident_blocks().iter().map(|(_, h)| h.len() as u64).sum()
+}
+
+/// Loads every block resident on node `n` (leased, in groups of a request's
+/// worth, into the device slots no request uses) and compares its bytes with
+/// recomputation. Returns `(blocks checked, blocks that differ)`.
+pub async fn verify_all_resident(n: &NodeSlot) -> (u64, Vec<String>) {
+    let base = (REQUESTS_MAX * BLOCKS_PER_REQUEST_MAX) as u64;
+    let hashes: Vec<BlockHash> =
+        n.engine.resident_blocks().into_iter().filter(|(ns, _)| ns == NAMESPACE).flat_map(|(_, h)| h).collect();
+    let (mut checked, mut bad) = (0u64, Vec::new());
+    for group in hashes.chunks(BLOCKS_PER_REQUEST_MAX) {
+        let leases: Vec<_> = group.iter().map(|h| (h, n.engine.lease(NAMESPACE, std::slice::from_ref(h)))).collect();
+        let held: Vec<BlockHash> = leases.iter().filter(|(_, l)| l.len() == 1).map(|(h, _)| (*h).clone()).collect();
+        let blocks: Vec<(BlockHash, u64)> = held.iter().cloned().zip(base..).collect();
+        for (_, slot) in &blocks {
+            poison_block(n, *slot);
+        }
+        let Ok(load) = n.engine.load(NAMESPACE, &blocks).await else { continue };
+        for ((hash, slot), r) in blocks.iter().zip(&load.results) {
+            if r.is_ok() {
+                checked += 1;
+                if !device_block_ok(n, *slot, hash) {
+                    bad.push(hex::encode(&hash.as_bytes()[..12]));
+                }
+            }
+        }
+        drop(leases);
+    }
+    (checked, bad)
 }

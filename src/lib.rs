@@ -39,6 +39,7 @@
 
 #[cfg(all(feature = "cli", not(madsim)))]
 pub mod bench;
+pub mod canary;
 pub mod client;
 pub mod engine;
 #[cfg(all(feature = "cli", not(madsim)))]

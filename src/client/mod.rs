@@ -25,6 +25,7 @@ use tonic::transport::Channel;
 use queue::{Chunk, ChunkOutcome, RegistrationQueue, TicketId};
 pub use queue::{DropReason, FlushReport, Op, QueueConfig, QueueCounters};
 
+use crate::canary::Canary;
 use crate::limits;
 use crate::proto::meta_server_client::MetaServerClient as GrpcMetaClient;
 use crate::proto::*;
@@ -283,15 +284,15 @@ impl MetaServerClient {
             }
         };
         self.inner.wake.notify_one();
-        #[cfg(feature = "broken-flush")]
-        {
-            // Deliberately broken build: ack before the batch is sent, so the
-            // simulator's `inv_flush_visibility` must catch it.
-            let _ = rx;
+        if crate::canary::active(Canary::C1FlushAcksEarly) {
+            // Ack before the batch is sent: `inv_flush_visibility` must catch it.
             self.inner.core.lock().expect("core lock").waiters.remove(&id);
             return FlushReport::default();
         }
-        #[allow(unreachable_code)]
+        if let Some(d) = deadline.filter(|_| crate::canary::active(Canary::C2FlushUnbounded)) {
+            // Overrun the deadline: `inv_flush_terminates` must catch it.
+            tokio::time::sleep(d * 3).await;
+        }
         match deadline {
             None => rx.await.unwrap_or(FlushReport { delivered: 0, dropped: 0, timed_out: true }),
             Some(d) => match tokio::time::timeout(d, rx).await {
@@ -478,7 +479,11 @@ async fn backfill(inner: &Inner) {
     };
     inner.needs_backfill.store(false, Ordering::Relaxed);
     let mut sent = 0u64;
-    for (namespace, hashes) in source.resident_blocks() {
+    let mut resident = source.resident_blocks();
+    if crate::canary::active(Canary::C6NoBackfill) {
+        resident.clear(); // C6 canary: nothing re-advertised, success reported
+    }
+    for (namespace, hashes) in resident {
         for part in hashes.chunks(limits::HASHES_PER_REQUEST_MAX) {
             let req = InsertBlockHashesRequest {
                 namespace: namespace.clone(),

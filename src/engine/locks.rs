@@ -117,6 +117,11 @@ impl LockTable {
         self.sessions.len()
     }
 
+    /// Hashes session `id` pins (empty for an unknown id), in pin order.
+    pub fn pinned(&self, id: &str) -> Vec<BlockHash> {
+        self.sessions.get(id).map(|s| s.blocks.iter().map(|(h, _)| h.clone()).collect()).unwrap_or_default()
+    }
+
     /// Blocks pinned across all sessions.
     pub fn pinned_blocks(&self) -> usize {
         self.sessions.values().map(|s| s.blocks.len()).sum()
@@ -144,10 +149,9 @@ impl LockTable {
         if self.sessions.contains_key(&id) || self.check_issuer(&id).is_err() {
             return Err(LockError::Duplicate);
         }
-        // Deliberately broken build (C16 canary): the sequence never
-        // advances, so the engine's next id repeats once this one is gone.
-        #[cfg(not(feature = "broken-session-ids"))]
-        {
+        // C16 canary: the sequence never advances, so the engine's next id
+        // repeats once this one is gone.
+        if !crate::canary::active(crate::canary::Canary::C16SessionIdsRepeat) {
             self.issued += 1;
         }
         blocks.sort_by_key(|(_, b)| b.extent.offset());

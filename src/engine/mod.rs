@@ -21,6 +21,7 @@ use rand::{RngCore, SeedableRng};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+use crate::canary::{self, Canary};
 use crate::client::{FlushReport, MetaServerClient, OwnershipSource};
 use crate::gpu::{ChecksumRange, CopyBatch, CopyOp, Direction, Gpu, GpuError, HostBuf};
 use crate::limits;
@@ -503,7 +504,12 @@ impl Engine {
         // Held across the backend call so no layout naming the buffer can
         // be registered meanwhile.
         let layouts = self.inner.layouts.read().expect("layouts lock");
-        if let Some((ns, _)) = layouts.live.iter().find(|(_, l)| l.names_buffer(buffer)) {
+        if let Some((ns, _)) = layouts
+            .live
+            .iter()
+            .find(|(_, l)| l.names_buffer(buffer))
+            .filter(|_| !canary::active(Canary::C15UnregisterInUse))
+        {
             return Err(EngineError::BufferInUse { buffer, namespace: ns.to_string() });
         }
         Ok(self.inner.gpu.unregister(buffer)?)
@@ -618,7 +624,10 @@ impl Engine {
     pub fn evict(&self, bytes: u64) -> usize {
         let victims = self.inner.cache.lock().expect("cache lock").evict(bytes, limits::EVICTION_SCAN_MAX);
         let m = &self.inner.metrics;
-        for (ns, hash) in &victims {
+        for (i, (ns, hash)) in victims.iter().enumerate() {
+            if i + 1 == victims.len() && canary::active(Canary::C4RemovalLost) {
+                continue; // C4 canary: neither counted nor offered
+            }
             m.evicted.fetch_add(1, Ordering::Relaxed);
             if self.inner.client.try_unregister(ns, std::slice::from_ref(hash)) == 1 {
                 m.removals_enqueued.fetch_add(1, Ordering::Relaxed);
@@ -1001,21 +1010,39 @@ impl Engine {
             self.inner.rng.lock().expect("rng lock").fill_bytes(&mut b);
             u128::from_le_bytes(b)
         };
-        // Deliberately broken build (C16 canary): no secret either.
-        #[cfg(feature = "broken-session-ids")]
-        let secret = secret & 0;
+        // C16 canary: no secret either.
+        let secret = if canary::active(Canary::C16SessionIdsRepeat) { 0 } else { secret };
         let now = self.now_ms();
         let timeout_ms = u64::from(self.inner.cfg.lock_timeout_secs) * 1000;
         let id = {
             let mut locks = self.inner.locks.lock().expect("locks lock");
             let id = locks.next_id(secret);
-            locks.create(id.clone(), found.clone(), now, timeout_ms)?;
+            let mut pin = found.clone();
+            if pin.len() > 1 && canary::active(Canary::C8PinsTooFew) {
+                pin.pop(); // C8 canary: the last found block is not pinned
+            }
+            locks.create(id.clone(), pin, now, timeout_ms)?;
             id
         };
         self.inner.metrics.transfer_locks_created.fetch_add(1, Ordering::Relaxed);
         // The simulator collects these events to check that no id is ever
         // granted twice in a run (C16).
         tracing::trace!(target: TRANSFER_SESSION_TRACE_TARGET, session = %id, blocks = found.len(), "granted");
+        // The simulator compares what the lock table pinned with what was
+        // requested and found (C8 "pins exactly the found blocks").
+        if tracing::enabled!(target: TRANSFER_PINS_TRACE_TARGET, tracing::Level::TRACE) {
+            let short = |h: &BlockHash| hex::encode(&h.as_bytes()[..8]);
+            let join = |v: &mut dyn Iterator<Item = String>| v.collect::<Vec<_>>().join(",");
+            let pinned = self.inner.locks.lock().expect("locks lock").pinned(&id);
+            tracing::trace!(
+                target: TRANSFER_PINS_TRACE_TARGET,
+                session = %id,
+                requested = %join(&mut hashes.iter().map(short)),
+                found = %join(&mut found.iter().map(|(h, _)| short(h))),
+                pinned = %join(&mut pinned.iter().map(short)),
+                "pinned"
+            );
+        }
         Ok((Some(id), found))
     }
 
@@ -1049,6 +1076,13 @@ impl Engine {
 /// `tracing` target of the trace-level event each granted transfer session
 /// emits (field `session`): how the simulator sees every id granted in a run.
 pub const TRANSFER_SESSION_TRACE_TARGET: &str = "kvferry::transfer_session";
+
+/// `tracing` target of the trace-level event each granted transfer session
+/// emits with the short hashes it was asked for (`requested`), found
+/// resident (`found`) and the lock table then held pinned (`pinned`), comma
+/// separated: how the simulator checks that a lock pins exactly the found
+/// blocks (C8). Computed only while a subscriber listens at trace level.
+pub const TRANSFER_PINS_TRACE_TARGET: &str = "kvferry::transfer_pins";
 
 /// What [`Engine::copy_and_seal`] did.
 struct Sealed {
@@ -1118,7 +1152,10 @@ pub fn slot_checksums(layout: &Layout, block: &[u8]) -> Arc<[u32]> {
     (0..layout.layers().len())
         .map(|l| {
             let off = layout.slot_offset(l) as usize;
-            let len = layout.slot_bytes(l) as usize;
+            let mut len = layout.slot_bytes(l) as usize;
+            if canary::active(Canary::C10WeakChecksum) {
+                len = 0; // C10 canary: the checksum covers none of the slot
+            }
             crc32c::crc32c(&block[off..off + len])
         })
         .collect()

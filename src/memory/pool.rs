@@ -61,6 +61,7 @@ use std::alloc::{self, Layout as AllocLayout};
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Alignment of the arena's base address (bytes). A page, so the arena can be
@@ -334,7 +335,18 @@ struct PoolInner {
     capacity: u64,
     align: u64,
     allocator: Mutex<ExtentAllocator>,
+    /// Fill every extent with [`POISON_BYTE`] when it is freed (a run-time
+    /// switch for simulation and tests: [`Pool::set_poison_freed`]).
+    poison_freed: AtomicBool,
+    /// Extents poisoned on free so far.
+    poisoned: AtomicU64,
 }
+
+/// The byte a freed extent is filled with while [`Pool::set_poison_freed`]
+/// is on: a read or copy of memory after its free (before or after reuse)
+/// yields this pattern, not the block's bytes, so checksums and byte
+/// comparisons catch it (C11).
+pub const POISON_BYTE: u8 = 0xDB;
 
 // SAFETY: `PoolInner` owns its arena (a plain heap allocation with no thread
 // affinity). The allocator state is behind a `Mutex`. The arena bytes are
@@ -439,8 +451,24 @@ impl Pool {
                 capacity,
                 align,
                 allocator: Mutex::new(allocator),
+                poison_freed: AtomicBool::new(false),
+                poisoned: AtomicU64::new(0),
             }),
         })
+    }
+
+    /// Turns poisoning of freed extents on or off (off by default). On, every
+    /// extent is filled with [`POISON_BYTE`] as it is freed, so a read of
+    /// freed (or freed and reused) memory cannot return a block's old bytes:
+    /// the simulator turns it on for every node (C11). Costs one memset per
+    /// free; production leaves it off.
+    pub fn set_poison_freed(&self, on: bool) {
+        self.inner.poison_freed.store(on, Ordering::Relaxed);
+    }
+
+    /// Extents poisoned on free so far (see [`set_poison_freed`](Self::set_poison_freed)).
+    pub fn poisoned_frees(&self) -> u64 {
+        self.inner.poisoned.load(Ordering::Relaxed)
     }
 
     /// Allocates a writable extent of `len` bytes (occupying `len` rounded up
@@ -553,6 +581,14 @@ impl Slot {
 
 impl Drop for Slot {
     fn drop(&mut self) {
+        if self.pool.poison_freed.load(Ordering::Relaxed) {
+            // SAFETY: this slot is being dropped, so no `Extent` or
+            // `SealedExtent` borrows its range any more (they own the slot),
+            // and the range is still allocated (freed just below), hence
+            // disjoint from every other live slot; it lies inside the arena.
+            unsafe { std::ptr::write_bytes(self.ptr(), POISON_BYTE, self.len as usize) };
+            self.pool.poisoned.fetch_add(1, Ordering::Relaxed);
+        }
         let result = self.pool.lock().free(self.offset, self.len);
         // Unreachable through the safe API: a slot is created once per
         // allocation and dropped once. Panic (outside the lock) rather than
@@ -692,6 +728,25 @@ mod tests {
     use proptest::prelude::*;
 
     const A: u64 = 256;
+
+    #[test]
+    fn freed_extents_are_poisoned_only_when_switched_on() {
+        let pool = Pool::new(A, A).unwrap();
+        let mut e = pool.alloc(A).unwrap();
+        e.as_mut_slice().fill(7);
+        drop(e);
+        assert!(pool.alloc(A).unwrap().as_slice().iter().all(|&b| b == 7), "off: bytes left as they were");
+        pool.set_poison_freed(true);
+        let mut e = pool.alloc(A).unwrap();
+        e.as_mut_slice().fill(7);
+        let sealed = e.seal();
+        let reader = sealed.clone();
+        drop(sealed);
+        assert_eq!(pool.poisoned_frees(), 0, "a holder left: not freed, not poisoned");
+        drop(reader);
+        assert_eq!(pool.poisoned_frees(), 1);
+        assert!(pool.alloc(A).unwrap().as_slice().iter().all(|&b| b == POISON_BYTE), "on: freed bytes poisoned");
+    }
 
     #[test]
     fn alloc_free_coalesce() {

@@ -19,14 +19,13 @@
 //!   names (C13) through a [`DataSource`]; anything else is an error reply
 //!   and the server stays healthy.
 //!
-//! Backends: [`tcp`] (embedded default, real sockets), `sim` (the simulator:
-//! the TCP backend over madsim's network with fault injection; `--cfg
-//! madsim` only) and [`verbs`] (RDMA READ over RC queue pairs; its device
+//! Backends: [`tcp`] (embedded default, real sockets), [`sim`] (the simulator:
+//! the TCP backend over madsim's network, with typed handles on its fault
+//! seam) and [`verbs`] (RDMA READ over RC queue pairs; its device
 //! code is behind the `rdma` feature).
 
 pub mod frame;
 pub mod handshake;
-#[cfg(madsim)]
 pub mod sim;
 pub mod tcp;
 pub mod verbs;

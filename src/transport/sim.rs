@@ -1,6 +1,8 @@
 //! The `sim` transport backend: the [`tcp`](super::tcp) transport running over
-//! madsim's simulated network, plus client-side fault injection. Compiled only
-//! under `--cfg madsim`.
+//! madsim's simulated network, plus typed handles on the fault seam
+//! ([`TcpHooks`]). Compiled in every build (it holds no simulator-only
+//! code: the switches are plain atomics the TCP transport consults through
+//! two `TcpHooks` methods, one per side); only the simulator uses it.
 //!
 //! Why not a separate implementation: under `--cfg madsim`, `tokio::net`
 //! *is* madsim's simulated `TcpStream`/`TcpListener`, so the production

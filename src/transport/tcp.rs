@@ -52,6 +52,10 @@ pub struct TcpHooks {
     /// Flip one payload byte in each of the next N served reads (test hook:
     /// corruption on the wire must be caught by the fetcher's checksums).
     pub corrupt_next_reads: AtomicU64,
+    /// Reads served with the flipped byte of `corrupt_next_reads`, counted
+    /// once the corrupted payload was written and flushed to the reader
+    /// (what reached the wire, not what was armed).
+    pub corrupt_sent: AtomicU64,
     /// Reads served OK.
     pub reads_served: AtomicU64,
     /// Payload bytes served.
@@ -439,22 +443,18 @@ async fn serve_read(
     let mut hdr = Vec::with_capacity(frame::RESPONSE_HEADER_BYTES);
     frame::encode_response_header(&ResponseHeader { req_id: rr.req_id, status: Status::Ok, len: rr.len }, &mut hdr)
         .map_err(std::io::Error::other)?;
-    let corrupt =
-        hooks.corrupt_next_reads.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok();
+    let corrupted = hooks.on_serve(payload);
+    let sent = corrupted.as_deref().unwrap_or(payload);
     // Header and payload leave in one vectored write (one syscall, and with
     // TCP_NODELAY no lone header segment for the reader to wake up for);
     // where vectored writes are not supported this writes them in turn.
-    if corrupt {
-        let mut copy = payload.to_vec();
-        let mid = copy.len() / 2;
-        copy[mid] ^= 0x5A;
-        stream.write_all_buf(&mut bytes::Buf::chain(&hdr[..], &copy[..])).await?;
-    } else {
-        stream.write_all_buf(&mut bytes::Buf::chain(&hdr[..], payload)).await?;
-    }
+    stream.write_all_buf(&mut bytes::Buf::chain(&hdr[..], sent)).await?;
     // A no-op on real sockets; madsim's simulated stream sends buffered
     // bytes only on flush.
     stream.flush().await?;
+    if corrupted.is_some() {
+        hooks.corrupt_sent.fetch_add(1, Ordering::SeqCst);
+    }
     hooks.reads_served.fetch_add(1, Ordering::Relaxed);
     hooks.bytes_served.fetch_add(rr.len, Ordering::Relaxed);
     Ok(())
@@ -539,7 +539,7 @@ async fn run_conn(
                     result = Err(TransportError::Io("connection lost earlier in the batch".into()));
                     continue;
                 }
-                if let Err(fatal) = injected_fault(hooks, deadline).await {
+                if let Err(fatal) = hooks.before_read_op(deadline).await {
                     healthy = false;
                     result = Err(fatal);
                     continue;
@@ -566,20 +566,37 @@ async fn run_conn(
     ConnOutcome { out, stream: (healthy && w.is_ok()).then_some(stream), dead_before_any_response }
 }
 
-/// Applies the client-side test hooks before one read op: the configured
-/// delay (bounded by `deadline`), then an injected connection failure.
-async fn injected_fault(hooks: &TcpHooks, deadline: Instant) -> Result<(), TransportError> {
-    let delay_ms = hooks.read_delay_ms.load(Ordering::Relaxed);
-    if delay_ms > 0
-        && timeout_at(deadline, tokio::time::sleep(std::time::Duration::from_millis(delay_ms))).await.is_err()
-    {
-        return Err(TransportError::Timeout);
+impl TcpHooks {
+    /// The fault seam, server side: called once per read about to be
+    /// served with its payload; returns the bytes to send instead when a
+    /// corruption is armed (`corrupt_next_reads`: one byte flipped), `None`
+    /// to send the payload as it is (always, unless a test armed one).
+    fn on_serve(&self, payload: &[u8]) -> Option<Vec<u8>> {
+        self.corrupt_next_reads.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).ok()?;
+        let mut copy = payload.to_vec();
+        let mid = copy.len() / 2;
+        if let Some(b) = copy.get_mut(mid) {
+            *b ^= 0x5A;
+        }
+        Some(copy)
     }
-    if hooks.fail_next_reads.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok() {
-        hooks.injected_read_errors.fetch_add(1, Ordering::Relaxed);
-        return Err(TransportError::Io("injected read error (test hook)".into()));
+
+    /// The fault seam, client side: called before each read op; applies the
+    /// configured delay (bounded by `deadline`), then an armed connection
+    /// failure. `Ok(())` at once unless a test set one.
+    async fn before_read_op(&self, deadline: Instant) -> Result<(), TransportError> {
+        let delay_ms = self.read_delay_ms.load(Ordering::Relaxed);
+        if delay_ms > 0
+            && timeout_at(deadline, tokio::time::sleep(std::time::Duration::from_millis(delay_ms))).await.is_err()
+        {
+            return Err(TransportError::Timeout);
+        }
+        if self.fail_next_reads.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok() {
+            self.injected_read_errors.fetch_add(1, Ordering::Relaxed);
+            return Err(TransportError::Io("injected read error (test hook)".into()));
+        }
+        Ok(())
     }
-    Ok(())
 }
 
 /// Reads one response. `Ok(Err(_))`: the peer refused this read, the stream
@@ -698,6 +715,11 @@ impl Transport for TcpTransport {
         let n = local.len();
         let fail_all =
             |local: Vec<Extent>, e: TransportError| ReadCompletion { results: vec![Err(e); local.len()], local };
+        let deadline = if crate::canary::active(crate::canary::Canary::C9ReadPastDeadline) {
+            deadline + std::time::Duration::from_secs(5) // C9 canary: the deadline is not honoured
+        } else {
+            deadline
+        };
         if let Err(e) = validate_local(&ops, &local) {
             return fail_all(local, e);
         }
