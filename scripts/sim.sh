@@ -21,9 +21,7 @@
 #    built once and every `broken_<canary>_is_caught` test runs (each switches
 #    one deliberate breakage of one contract on, src/canary.rs, sweeps at
 #    most 50 seeds in-process and passes only if an invariant named for that
-#    contract fired); then the legacy `--features broken-release` build (C8
-#    release; moves behind `canaries` once engine::fetch consults the seam).
-#    Prints the canary table: contract, canary, first catching seed.
+#    contract fired). Prints the canary table: contract, canary, first catching seed.
 #
 # Env: SIM_SEED_START (default 0), DET_SEEDS, SIM_BROKEN, SIM_SEED_TIMEOUT_S
 # (wall-clock limit per seed process, default 120).
@@ -188,15 +186,8 @@ if [ "${SIM_BROKEN:-1}" != 0 ]; then
         echo "FAIL: a canary was NOT caught (log: $LOGS/canaries.log)"
         FAIL=1
     fi
-    say "legacy broken build: --features broken-release must be caught"
-    BB=$(build broken-release)
-    require_tests "$BB" broken_c8releaseforgotten_is_caught
-    if ! "$BB" broken_c8releaseforgotten_is_caught --exact --nocapture >"$LOGS/broken-release.log" 2>&1; then
-        echo "FAIL: broken-release was NOT caught (log: $LOGS/broken-release.log)"
-        FAIL=1
-    fi
     say "canary table (contract, canary, first catching seed, invariant)"
-    cat "$LOGS/canaries.log" "$LOGS/broken-release.log" | grep '^CANARY' \
+    grep '^CANARY' "$LOGS/canaries.log" \
         | awk '{ printf "  %-4s %-22s seed %-3s %s\n", $2, $3, $7, $8 }' | sort -V
 fi
 

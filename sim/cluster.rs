@@ -565,6 +565,11 @@ async fn boot_node(i: usize, incarnation: u64, p: &Params) -> (NodeSlot, node::N
         // Fetches of more than 4 blocks read in parts (each checksummed
         // while the next is read), so faults also land mid multi-part fetch.
         fetch_read_part_bytes: 4 * p.block_bytes(),
+        // One to three parts in flight (from the seed and the node, no RNG
+        // draw spent), and checksum tasks of two blocks: the simulator
+        // takes production's pipelined, spread-over-tasks verify path.
+        fetch_reads_in_flight: 1 + ((p.seed / 2).wrapping_add(i as u64) % 3) as usize,
+        fetch_verify_task_bytes_min: 2 * p.block_bytes(),
         seed: Some(p.seed ^ ((i as u64 + 1) << 40) ^ (incarnation << 56)),
     };
     let h = node::start(cfg, gpu.clone() as Arc<dyn Gpu>).await.expect("node start");

@@ -23,9 +23,7 @@
 //! for its thread, runs seeds `0..50` in process and passes only if an
 //! invariant named for that contract fired, printing `CANARY <contract>
 //! <canary> caught by seed <n> (<invariant>)`; `SIM_CANARY_SEED=<n>`
-//! replays one seed. The legacy `--features broken-release` build (C8
-//! release, until `engine::fetch` consults the seam) has
-//! `broken_c8releaseforgotten_is_caught`.
+//! replays one seed.
 //!
 //! In a normal (non-madsim) build this target compiles to nothing.
 #![cfg(madsim)]
@@ -40,7 +38,6 @@ mod workload;
 /// there). Ignored in the deliberately broken builds, where it is expected
 /// to fail (replay a seed there with `--include-ignored`).
 #[madsim::test]
-#[cfg_attr(feature = "broken-release", ignore)]
 async fn main_scenario() {
     if let Err(f) = scenario::run().await {
         panic!("seed {} violated {} invariant check(s); first: {}", f.seed, f.violations.len(), f.violations[0]);
@@ -76,8 +73,7 @@ macro_rules! regression {
     ($name:ident, $seed:expr, $density:ident, $why:literal) => {
         #[doc = $why]
         #[test]
-        #[cfg_attr(feature = "broken-release", ignore)]
-        fn $name() {
+                fn $name() {
             faults::force_density(Some(faults::Density::$density));
             let r = run_seed($seed);
             faults::force_density(None);
@@ -153,7 +149,6 @@ regression!(regression_connection_wait_bounded_329, 329, "Same bug as seed 91.")
 /// RNG, seeded with a process-global counter. Fix: `biased;` in the
 /// client driver and the TCP transport's accept/serve loops.
 #[test]
-#[cfg_attr(feature = "broken-release", ignore)]
 fn regression_determinism_select_biased() {
     for seed in [1, 7] {
         if let Err(f) = madsim::runtime::Runtime::check_determinism(seed, madsim::Config::default(), scenario::run) {
@@ -163,12 +158,12 @@ fn regression_determinism_select_biased() {
 }
 
 /// Seeds each canary may take to be caught (the bound).
-#[cfg(any(feature = "canaries", feature = "broken-release"))]
+#[cfg(feature = "canaries")]
 const CANARY_SEEDS: u64 = 50;
 
 /// Runs seeds `0..n` in process and returns the first one that violated one
 /// of `names`, with its violation.
-#[cfg(any(feature = "canaries", feature = "broken-release"))]
+#[cfg(feature = "canaries")]
 fn first_violation(names: &[&str], n: u64) -> Option<(u64, invariants::Violation)> {
     // SIM_CANARY_SEED=<seed> replays one seed of the sweep.
     let seeds = match std::env::var("SIM_CANARY_SEED").ok().and_then(|s| s.parse::<u64>().ok()) {
@@ -265,6 +260,12 @@ canary!(
     "C8: a transfer lock that pins all found blocks but the last."
 );
 canary!(
+    broken_c8releaseforgotten_is_caught,
+    C8ReleaseForgotten,
+    ["inv_no_lock_leak_prompt", "inv_no_lock_leak_eventual"],
+    "C8: a fetch that forgets its transfer lock on the error and cancel paths."
+);
+canary!(
     broken_c9readpastdeadline_is_caught,
     C9ReadPastDeadline,
     ["inv_degrade_bounded"],
@@ -294,16 +295,3 @@ canary!(
     ["inv_session_ids_unique"],
     "C16: session ids that stop advancing and carry no secret, so a released id is granted again."
 );
-
-/// C8, legacy switch: with `--features broken-release` (the transfer guard
-/// forgets its lock on the cancel path) a `inv_no_lock_leak_*` half must
-/// fire. Moves to `canary!` once `engine::fetch` consults
-/// `Canary::C8ReleaseForgotten`.
-#[cfg(feature = "broken-release")]
-#[test]
-fn broken_c8releaseforgotten_is_caught() {
-    match first_violation(&["inv_no_lock_leak_prompt", "inv_no_lock_leak_eventual"], CANARY_SEEDS) {
-        Some((seed, v)) => println!("CANARY C8 C8ReleaseForgotten caught by seed {seed} ({})\n  {v}", v.invariant),
-        None => panic!("broken-release NOT caught by inv_no_lock_leak_* in {CANARY_SEEDS} seeds"),
-    }
-}

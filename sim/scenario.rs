@@ -82,10 +82,7 @@ impl tracing_subscriber::fmt::time::FormatTime for SimTime {
 /// Feature flags of this build, for the replay command.
 fn features() -> String {
     let on: Vec<&str> =
-        [("canaries", cfg!(feature = "canaries")), ("broken-release", cfg!(feature = "broken-release"))]
-            .into_iter()
-            .filter_map(|(name, on)| on.then_some(name))
-            .collect();
+        [("canaries", cfg!(feature = "canaries"))].into_iter().filter_map(|(name, on)| on.then_some(name)).collect();
     if on.is_empty() { String::new() } else { format!(" --features {}", on.join(",")) }
 }
 
@@ -100,9 +97,8 @@ pub fn replay_command(seed: u64) -> String {
             features()
         );
     }
-    let ignored = if cfg!(feature = "broken-release") { " --include-ignored" } else { "" };
     format!(
-        "MADSIM_TEST_SEED={seed} RUSTFLAGS=\"--cfg madsim\" CARGO_TARGET_DIR=target-sim cargo test --test sim{} -- main_scenario --exact --nocapture{ignored}",
+        "MADSIM_TEST_SEED={seed} RUSTFLAGS=\"--cfg madsim\" CARGO_TARGET_DIR=target-sim cargo test --test sim{} -- main_scenario --exact --nocapture",
         features()
     )
 }

@@ -31,8 +31,8 @@ pub enum Canary {
     C6NoBackfill,
     /// C8: a transfer lock pins every found block but the last one.
     C8PinsTooFew,
-    /// C8: the transfer guard forgets its lock on the error and cancel
-    /// paths (the hook sits in `engine::fetch`'s `TransferGuard::drop`).
+    /// C8: a fetch forgets its transfer lock on the error and cancel paths
+    /// (the hook sits in `engine::fetch`'s driver).
     C8ReleaseForgotten,
     /// C9: a transport read ignores its deadline (waits up to 5 s more).
     C9ReadPastDeadline,

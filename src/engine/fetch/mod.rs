@@ -651,9 +651,10 @@ impl<'a> Driver<'a> {
                 None
             }
             Action::Release { owner, session } => {
-                // Deliberately broken build (C8 canary): locks taken by a
-                // fetch that stopped short are never released.
-                if cfg!(feature = "broken-release") && self.m.report().stopped.is_some() {
+                // C8 canary: locks taken by a fetch that stopped short are
+                // never released.
+                if crate::canary::active(crate::canary::Canary::C8ReleaseForgotten) && self.m.report().stopped.is_some()
+                {
                     return Some(Event::Released);
                 }
                 let Some(grpc) = self.grpc(&owner) else { return Some(Event::Released) };
@@ -690,7 +691,7 @@ impl Drop for Driver<'_> {
         // transport when that read completes (C11).
         for action in self.m.abandon() {
             let Action::Release { owner, session } = action else { continue };
-            if cfg!(feature = "broken-release") {
+            if crate::canary::active(crate::canary::Canary::C8ReleaseForgotten) {
                 continue;
             }
             let Some(grpc) = self.grpc(&owner) else { continue };
