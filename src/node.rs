@@ -306,7 +306,6 @@ pub async fn start(cfg: NodeConfig, gpu: Arc<dyn Gpu>) -> Result<NodeHandle, Nod
 /// Listeners an embedder bound itself for [`start_on`] (bind-first
 /// serving: a taken port fails at the embedder's own bind, before any
 /// kvferry state exists).
-#[cfg(not(madsim))]
 pub struct NodeListeners {
     /// The P2P transfer gRPC listener; its port is the node's advertise
     /// port.
@@ -322,7 +321,6 @@ pub struct NodeListeners {
 ///
 /// # Errors
 /// As [`start`], without the bind errors.
-#[cfg(not(madsim))]
 pub async fn start_on(cfg: NodeConfig, gpu: Arc<dyn Gpu>, listeners: NodeListeners) -> Result<NodeHandle, NodeError> {
     preflight(&cfg)?;
     let addr = listeners.grpc.local_addr().map_err(|source| NodeError::BindGrpc { addr: cfg.grpc_addr, source })?;

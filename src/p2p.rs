@@ -44,7 +44,6 @@ impl P2pTransferService {
     /// # Errors
     /// [`ServeError::Bind`] if the listener's address cannot be read,
     /// [`ServeError::Transport`] when serving fails.
-    #[cfg(not(madsim))]
     pub async fn serve_with_incoming(
         self,
         listener: tokio::net::TcpListener,

@@ -40,15 +40,24 @@ pub async fn bind(addr: SocketAddr) -> std::io::Result<BoundListener> {
     }
 }
 
-#[cfg(not(madsim))]
 impl BoundListener {
     /// Wraps a listener the embedder already bound (bind-first serving).
+    /// Under the simulator the listener only names the address: it is
+    /// closed here and madsim-tonic binds the address when serving starts.
     ///
     /// # Errors
     /// When the listener's local address cannot be read.
     pub fn from_listener(listener: tokio::net::TcpListener) -> std::io::Result<Self> {
         let local_addr = listener.local_addr()?;
-        Ok(Self { local_addr, listener })
+        #[cfg(not(madsim))]
+        {
+            Ok(Self { local_addr, listener })
+        }
+        #[cfg(madsim)]
+        {
+            drop(listener);
+            Ok(Self { local_addr })
+        }
     }
 }
 
