@@ -74,6 +74,39 @@ fn small_replay_verifies_every_block_and_stays_under_the_oracle() {
     assert!(num(&r, "oracle_hit_rate") > 0.0);
 }
 
+/// T8's figures: the raw loopback rate, T8 p50/p99 over the requests
+/// fetching at least 1 MiB, the aggregate fetch rate, and the handoff
+/// phases, whose means add up to the mean handoff (they tile it). Values
+/// are checked for sanity, not speed.
+#[test]
+fn replay_reports_t8_and_the_handoff_phases() {
+    let r = run_json(&["--requests", "12", "--concurrency", "1", "--max-blocks", "32"]);
+    assert_eq!(num(&r, "concurrency"), 1.0);
+    assert!(num(&r, "raw_gbps") > 0.0, "{r}");
+    assert!(num(&r, "raw_connections") >= 1.0);
+    assert!(num(&r, "raw_copy_bytes") >= (8 << 20) as f64);
+    assert!(num(&r, "fetch_gbps_aggregate") > 0.0);
+    assert_eq!(num(&r, "fetch_gbps_aggregate"), num(&r, "transport_gbps"));
+    assert!(num(&r, "t8_requests") > 0.0, "no request fetched >= 1 MiB: {r}");
+    let (p50, p99) = (num(&r, "t8_p50"), num(&r, "t8_p99"));
+    assert!(p50 > 0.0 && p50.is_finite() && p99 >= p50, "t8 {p50} {p99}");
+    let phases = r["handoff_phases_ms"].as_object().expect("handoff_phases_ms object");
+    let total = &phases["total"];
+    let mut sum = 0.0;
+    for name in ["save_barrier", "registration_barrier", "decode_wait", "fetch", "load"] {
+        let p = &phases[name];
+        let (p50, p99, mean) = (num(p, "p50"), num(p, "p99"), num(p, "mean"));
+        assert!(p50 >= 0.0 && p99 >= p50 && mean >= 0.0, "{name}: {p}");
+        assert!(p99 <= num(total, "p99") + 1e-6, "{name} p99 above the handoff's: {phases:?}");
+        sum += mean;
+    }
+    assert!(num(&phases["fetch"], "p50") > 0.0, "a fetch of >= 1 MiB takes time");
+    let mean = num(total, "mean");
+    assert!(sum <= mean * (1.0 + 1e-9) + 1e-9, "phases ({sum} ms) exceed the handoff ({mean} ms)");
+    assert!(sum >= mean * (1.0 - 1e-6), "phases ({sum} ms) do not tile the handoff ({mean} ms)");
+    assert!(r["fetch_phases_ms"].is_object(), "fetch sub-phases (empty until the fetch reports them)");
+}
+
 #[test]
 fn replay_with_faults_still_verifies_everything_and_recomputes() {
     let r = run_json(&["--requests", "300", "--kill-metaserver-at", "0.5", "--drop-registrations", "0.1"]);
