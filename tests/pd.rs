@@ -10,22 +10,21 @@ fn kvferry() -> Command {
     Command::new(env!("CARGO_BIN_EXE_kvferry"))
 }
 
+/// The small replay's shape: tiny model, 64-token blocks (64 KiB), 12 blocks
+/// a request at most, 64 MiB pools.
+const SMALL: [&str; 8] = ["--model", "tiny", "--block-tokens", "64", "--max-blocks", "12", "--pool-size", "64MiB"];
+
 fn run_json(args: &[&str]) -> serde_json::Value {
+    run_json_shaped(&SMALL, args)
+}
+
+/// `kvferry pd --quiet` with `shape` and `args`, returning its JSON report.
+fn run_json_shaped(shape: &[&str], args: &[&str]) -> serde_json::Value {
     let dir = tempfile::tempdir().expect("tempdir");
     let json = dir.path().join("report.json");
     let out = kvferry()
-        .args([
-            "pd",
-            "--quiet",
-            "--model",
-            "tiny",
-            "--block-tokens",
-            "64",
-            "--max-blocks",
-            "12",
-            "--pool-size",
-            "64MiB",
-        ])
+        .args(["pd", "--quiet"])
+        .args(shape)
         .args(args)
         .arg("--json")
         .arg(&json)
@@ -80,7 +79,9 @@ fn small_replay_verifies_every_block_and_stays_under_the_oracle() {
 /// are checked for sanity, not speed.
 #[test]
 fn replay_reports_t8_and_the_handoff_phases() {
-    let r = run_json(&["--requests", "12", "--concurrency", "1", "--max-blocks", "32"]);
+    // 512-token blocks of 512 KiB, up to 12 a request: most fetches move >= 1 MiB.
+    let shape = ["--model", "tiny", "--block-tokens", "512", "--max-blocks", "12", "--pool-size", "128MiB"];
+    let r = run_json_shaped(&shape, &["--requests", "12", "--concurrency", "1"]);
     assert_eq!(num(&r, "concurrency"), 1.0);
     assert!(num(&r, "raw_gbps") > 0.0, "{r}");
     assert!(num(&r, "raw_connections") >= 1.0);
