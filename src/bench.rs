@@ -19,7 +19,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::client::{ClientConfig, MetaServerClient};
 use crate::engine::layout::{DeviceBufferId, buffer_bytes_needed, contiguous};
@@ -126,61 +125,10 @@ async fn client_shutdown(engine: &Engine) {
     engine.client().abort();
 }
 
-/// Raw loopback socket copy of `total` bytes over `conns` connections
-/// (seconds). `whole`: every byte comes from and lands in its own place of
-/// `total`-byte buffers, like a fetch from one pool into another; otherwise
-/// the sender repeats a 1 MiB buffer and the receiver reuses an 8 MiB one
-/// (both stay in cache). Buffers are allocated and touched before timing.
+/// [`crate::transport::tcp::raw_socket_copy`] in seconds.
 async fn raw_socket_copy(total: u64, conns: usize, whole: bool) -> Result<f64, String> {
-    const CHUNK: u64 = 8 << 20;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.map_err(|e| e.to_string())?;
-    let addr = listener.local_addr().map_err(|e| e.to_string())?;
-    let per = total / conns as u64;
-    let (send_len, recv_len) = if whole { (per as usize, per as usize) } else { (1 << 20, CHUNK as usize) };
-    let sends: Vec<Vec<u8>> = (0..conns).map(|_| vec![7u8; send_len]).collect();
-    let recvs: Vec<Vec<u8>> = (0..conns).map(|_| vec![1u8; recv_len]).collect();
-    let server = tokio::spawn(async move {
-        let mut hs = Vec::new();
-        for buf in sends {
-            let (mut s, _) = listener.accept().await?;
-            hs.push(tokio::spawn(async move {
-                let mut sent = 0u64;
-                while sent < per {
-                    let n = (per - sent).min(CHUNK).min(buf.len() as u64) as usize;
-                    let at = if whole { sent as usize } else { 0 };
-                    s.write_all(&buf[at..at + n]).await?;
-                    sent += n as u64;
-                }
-                Ok::<_, std::io::Error>(())
-            }));
-        }
-        for h in hs {
-            h.await.map_err(std::io::Error::other)??;
-        }
-        Ok::<_, std::io::Error>(())
-    });
-    let t = Instant::now();
-    let mut readers = Vec::new();
-    for mut buf in recvs {
-        let mut s = tokio::net::TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
-        s.set_nodelay(true).map_err(|e| e.to_string())?;
-        readers.push(tokio::spawn(async move {
-            let mut got = 0u64;
-            while got < per {
-                let n = (per - got).min(CHUNK).min(buf.len() as u64) as usize;
-                let at = if whole { got as usize } else { 0 };
-                s.read_exact(&mut buf[at..at + n]).await?;
-                got += n as u64;
-            }
-            Ok::<_, std::io::Error>(())
-        }));
-    }
-    for r in readers {
-        r.await.map_err(|e| e.to_string())?.map_err(|e| e.to_string())?;
-    }
-    let secs = t.elapsed().as_secs_f64();
-    server.await.map_err(|e| e.to_string())?.map_err(|e| e.to_string())?;
-    Ok(secs)
+    let took = crate::transport::tcp::raw_socket_copy(total, conns, whole).await.map_err(|e| e.to_string())?;
+    Ok(took.as_secs_f64())
 }
 
 /// `bench transport` (T4): returns the JSON it printed.

@@ -348,6 +348,52 @@ fn report_text(r: &pd::PdReport) -> String {
         gib, r.transport_gbps, r.fetch_busy_s
     );
     println!("  handoff (flush+query+fetch) p50 {:.2} ms, p99 {:.2} ms", r.handoff_p50_ms, r.handoff_p99_ms);
+    match r.raw_gbps {
+        Some(raw) => {
+            println!(
+                "  raw loopback copy      {raw:>8.2} GB/s   ({} connections, {:.1} MiB between buffers of that size, at start-up)",
+                r.raw_connections,
+                r.raw_copy_bytes as f64 / (1u64 << 20) as f64
+            );
+            println!(
+                "  fetch aggregate        {:>8.2} GB/s = {:.3} x raw   (all fetched bytes / union of fetch intervals)",
+                r.fetch_gbps_aggregate,
+                if raw > 0.0 { r.fetch_gbps_aggregate / raw } else { 0.0 }
+            );
+        }
+        None => println!("  raw loopback copy             -   (not measured: the nodes do not use the TCP transport)"),
+    }
+    let note = if r.concurrency == 1 {
+        String::new()
+    } else {
+        format!("; meaningful at --concurrency 1, this run {}", r.concurrency)
+    };
+    match (r.t8_p50, r.t8_p99) {
+        (Some(p50), Some(p99)) => println!(
+            "  T8 handoff / wire time p50 {p50:.2}, p99 {p99:.2}   (target p50 <= 1.5, p99 <= 3; {} requests fetching >= 1 MiB{note})",
+            r.t8_requests
+        ),
+        _ => println!("  T8 handoff / wire time  -   ({} requests fetching >= 1 MiB{note})", r.t8_requests),
+    }
+    if !r.handoff_phases_ms.is_empty() {
+        println!(
+            "  handoff phases (ms)         p50       p99      mean   (barrier call to load end; the {} requests above)",
+            r.t8_requests
+        );
+        let names = pd::HANDOFF_PHASES.iter().chain(std::iter::once(&"total"));
+        for name in names {
+            if let Some(p) = r.handoff_phases_ms.get(*name) {
+                println!("    {:<20} {:>9.2} {:>9.2} {:>9.2}", name.replace('_', " "), p.p50, p.p99, p.mean);
+            }
+            if *name == "fetch" {
+                for sub in pd::FetchPhases::NAMES {
+                    if let Some(p) = r.fetch_phases_ms.get(sub) {
+                        println!("      {:<18} {:>9.2} {:>9.2} {:>9.2}", sub, p.p50, p.p99, p.mean);
+                    }
+                }
+            }
+        }
+    }
     println!(
         "  prefill registry cmds  {} delivered, {} dropped (block inserts + eviction removals, at the handoff barriers)",
         r.registrations_delivered, r.registrations_dropped

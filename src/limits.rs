@@ -124,6 +124,41 @@ pub const COPY_BATCH_BYTES_FIRST: u64 = 32 << 20;
 /// Most bytes in one copy batch (a single larger block is one batch).
 pub const COPY_BATCH_BYTES_MAX: u64 = 1 << 30;
 
+/// Bytes of copies below which the `host` GPU backend runs a batch on the
+/// calling thread alone; larger batches are split by host extent over up to
+/// [`HOST_COPY_THREADS_MAX`] OS threads (outside the simulator), each
+/// getting at least this many bytes. A thread costs tens of µs to start;
+/// 8 MiB of copies take ~1 ms on one core.
+pub const HOST_COPY_BYTES_PER_THREAD_MIN: u64 = 8 << 20;
+
+/// Most OS threads one `host` backend batch is split over (count).
+pub const HOST_COPY_THREADS_MAX: usize = 8;
+
+/// Bytes the `host` backend copies before checksumming them, when a save
+/// asks for slot checksums: the piece is checksummed right after its copy,
+/// while it is still in the core's cache (64 KiB fits L2 with room to
+/// spare), so the pool bytes are not read back from memory.
+pub const HOST_COPY_CHECKSUM_PIECE_BYTES: u64 = 64 << 10;
+
+/// Largest raw loopback socket copy `kvferry pd` times at start-up as T8's
+/// baseline (bytes): the copy moves a fetch's bytes (the longest request's
+/// blocks) between buffers of that size, so it allocates twice this much
+/// for a moment.
+pub const PD_RAW_COPY_BYTES_MAX: u64 = 1 << 30;
+
+/// Smallest raw loopback copy `kvferry pd` times (bytes): below this the
+/// copy is mostly connection set-up, not throughput.
+pub const PD_RAW_COPY_BYTES_MIN: u64 = 8 << 20;
+
+/// Raw loopback copies `kvferry pd` times at start-up (count); the
+/// fastest is T8's baseline, which makes T8 conservative.
+pub const PD_RAW_COPY_REPS: usize = 3;
+
+/// Fewest bytes a request's decode-side fetch must move for `kvferry pd` to
+/// compute its T8 (bytes): smaller handoffs are dominated by fixed costs
+/// (barriers, RPCs), not by the wire.
+pub const PD_T8_FETCH_BYTES_MIN: u64 = 1 << 20;
+
 /// Largest data-plane read (bytes) one TCP frame may ask for. A 16-token
 /// Qwen3-8B block is 2.25 MiB; 64 MiB leaves room for 512-token blocks of
 /// small models while bounding the server's per-request buffer.

@@ -10,22 +10,21 @@ fn kvferry() -> Command {
     Command::new(env!("CARGO_BIN_EXE_kvferry"))
 }
 
+/// The small replay's shape: tiny model, 64-token blocks (64 KiB), 12 blocks
+/// a request at most, 64 MiB pools.
+const SMALL: [&str; 8] = ["--model", "tiny", "--block-tokens", "64", "--max-blocks", "12", "--pool-size", "64MiB"];
+
 fn run_json(args: &[&str]) -> serde_json::Value {
+    run_json_shaped(&SMALL, args)
+}
+
+/// `kvferry pd --quiet` with `shape` and `args`, returning its JSON report.
+fn run_json_shaped(shape: &[&str], args: &[&str]) -> serde_json::Value {
     let dir = tempfile::tempdir().expect("tempdir");
     let json = dir.path().join("report.json");
     let out = kvferry()
-        .args([
-            "pd",
-            "--quiet",
-            "--model",
-            "tiny",
-            "--block-tokens",
-            "64",
-            "--max-blocks",
-            "12",
-            "--pool-size",
-            "64MiB",
-        ])
+        .args(["pd", "--quiet"])
+        .args(shape)
         .args(args)
         .arg("--json")
         .arg(&json)
@@ -72,6 +71,41 @@ fn small_replay_verifies_every_block_and_stays_under_the_oracle() {
         "hit rate above the infinite-cache oracle: {r}"
     );
     assert!(num(&r, "oracle_hit_rate") > 0.0);
+}
+
+/// T8's figures: the raw loopback rate, T8 p50/p99 over the requests
+/// fetching at least 1 MiB, the aggregate fetch rate, and the handoff
+/// phases, whose means add up to the mean handoff (they tile it). Values
+/// are checked for sanity, not speed.
+#[test]
+fn replay_reports_t8_and_the_handoff_phases() {
+    // 512-token blocks of 512 KiB, up to 12 a request: most fetches move >= 1 MiB.
+    let shape = ["--model", "tiny", "--block-tokens", "512", "--max-blocks", "12", "--pool-size", "128MiB"];
+    let r = run_json_shaped(&shape, &["--requests", "12", "--concurrency", "1"]);
+    assert_eq!(num(&r, "concurrency"), 1.0);
+    assert!(num(&r, "raw_gbps") > 0.0, "{r}");
+    assert!(num(&r, "raw_connections") >= 1.0);
+    assert!(num(&r, "raw_copy_bytes") >= (8 << 20) as f64);
+    assert!(num(&r, "fetch_gbps_aggregate") > 0.0);
+    assert_eq!(num(&r, "fetch_gbps_aggregate"), num(&r, "transport_gbps"));
+    assert!(num(&r, "t8_requests") > 0.0, "no request fetched >= 1 MiB: {r}");
+    let (p50, p99) = (num(&r, "t8_p50"), num(&r, "t8_p99"));
+    assert!(p50 > 0.0 && p50.is_finite() && p99 >= p50, "t8 {p50} {p99}");
+    let phases = r["handoff_phases_ms"].as_object().expect("handoff_phases_ms object");
+    let total = &phases["total"];
+    let mut sum = 0.0;
+    for name in ["save_barrier", "registration_barrier", "decode_wait", "fetch", "load"] {
+        let p = &phases[name];
+        let (p50, p99, mean) = (num(p, "p50"), num(p, "p99"), num(p, "mean"));
+        assert!(p50 >= 0.0 && p99 >= p50 && mean >= 0.0, "{name}: {p}");
+        assert!(p99 <= num(total, "p99") + 1e-6, "{name} p99 above the handoff's: {phases:?}");
+        sum += mean;
+    }
+    assert!(num(&phases["fetch"], "p50") > 0.0, "a fetch of >= 1 MiB takes time");
+    let mean = num(total, "mean");
+    assert!(sum <= mean * (1.0 + 1e-9) + 1e-9, "phases ({sum} ms) exceed the handoff ({mean} ms)");
+    assert!(sum >= mean * (1.0 - 1e-6), "phases ({sum} ms) do not tile the handoff ({mean} ms)");
+    assert!(r["fetch_phases_ms"].is_object(), "fetch sub-phases (empty until the fetch reports them)");
 }
 
 #[test]

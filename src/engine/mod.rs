@@ -858,12 +858,21 @@ impl Engine {
     /// "KV ready": every delivered registration is visible to a query (C1),
     /// and the report says how many were dropped (C3).
     pub async fn flush_saves_and_registrations(&self, deadline: Duration) -> FlushReport {
+        self.flush_saves_and_registrations_timed(deadline).await.0
+    }
+
+    /// [`Engine::flush_saves_and_registrations`], also returning how long
+    /// its first half, the save barrier ([`Engine::flush_saves`]), took
+    /// (runtime clock; the whole `deadline` when it timed out there). The
+    /// rest of the call's time is the registration barrier.
+    pub async fn flush_saves_and_registrations_timed(&self, deadline: Duration) -> (FlushReport, Duration) {
         let start = Instant::now();
         if tokio::time::timeout(deadline, self.flush_saves()).await.is_err() {
-            return FlushReport { delivered: 0, dropped: 0, timed_out: true };
+            return (FlushReport { delivered: 0, dropped: 0, timed_out: true }, start.elapsed());
         }
-        let left = deadline.saturating_sub(start.elapsed());
-        self.inner.client.flush_with_deadline(left).await
+        let saves = start.elapsed();
+        let left = deadline.saturating_sub(saves);
+        (self.inner.client.flush_with_deadline(left).await, saves)
     }
 
     /// How many hashes, from the first, are resident here (a gap ends it).

@@ -36,6 +36,7 @@ pub mod crc;
 #[cfg(all(feature = "cuda", not(madsim)))]
 pub mod cuda;
 pub mod host;
+pub mod par;
 
 pub use crc::ChecksumRange;
 
@@ -105,7 +106,7 @@ pub struct CopyBatch {
     /// Host ranges (of a save's destinations) whose standard CRC-32C the
     /// backend may compute from the bytes it moves, returned in
     /// [`Completed::checksums`] in this order. Empty for loads. A backend
-    /// that does not checksum (the host backend) ignores it.
+    /// that does not checksum ignores it.
     pub checksums: Vec<ChecksumRange>,
 }
 
@@ -123,8 +124,8 @@ pub struct Completed {
     /// `Ok` when every copy landed.
     pub result: Result<(), GpuError>,
     /// CRC-32C of each of the batch's [`CopyBatch::checksums`] ranges, in
-    /// order, when the backend computed them from the source bytes (so the
-    /// caller need not read the destination again); `None` otherwise, and
+    /// order, when the backend computed them from the bytes it moved (so
+    /// the caller need not read the destination again); `None` otherwise, and
     /// always `None` when `result` is an error.
     pub checksums: Option<Vec<u32>>,
 }

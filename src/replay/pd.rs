@@ -12,6 +12,7 @@
 //! fetches, loads, verifies every byte against recomputation and recomputes
 //! what it could not fetch.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -24,9 +25,11 @@ use serde::Serialize;
 use tokio::time::Instant;
 
 use super::trace::{self, ModelPreset, TraceError, TraceRequest, fill_kv, verify_kv};
+use crate::engine::fetch::FetchReport;
 use crate::engine::layout::{DeviceBufferId, LayerLayout};
 use crate::engine::{Engine, EngineConfig};
 use crate::gpu::{Gpu, KvMemory};
+use crate::limits;
 use crate::metaserver::{self, MetaServerConfig, MetaServerHandle};
 use crate::node::{self, NodeConfig, NodeHandle, TransportChoice};
 use crate::types::BlockHash;
@@ -85,6 +88,84 @@ pub struct NodeStat {
     pub load_bytes: u64,
     /// Load copy rate (GB/s).
     pub load_gbps: f64,
+}
+
+/// The phases of one P/D handoff, in order. They tile it: from the prefill
+/// node's barrier call to the end of the decode node's load, each phase
+/// starts where the previous one ended, so per request they add up to the
+/// handoff exactly.
+///
+/// - `save_barrier`: [`Engine::flush_saves`] on the prefill node (the
+///   request's own save was awaited before, so this is the wait for other
+///   saves in flight);
+/// - `registration_barrier`: the MetaServer flush of the prefill node's
+///   registration queue (C1);
+/// - `decode_wait`: waiting for the decode node's device (another request
+///   holds it; 0 at `--concurrency 1`);
+/// - `fetch`: the decode node's local lookup and [`Engine::fetch`]
+///   (MetaServer query, transfer lock, read, verify, seal, release; split in
+///   [`FetchPhases`] once the fetch reports them);
+/// - `load`: [`Engine::load`] of the fetched and local blocks to the device.
+pub const HANDOFF_PHASES: [&str; 5] = ["save_barrier", "registration_barrier", "decode_wait", "fetch", "load"];
+
+/// One phase's distribution over the T8 requests (ms).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct PhaseMs {
+    /// Median (ms).
+    pub p50: f64,
+    /// 99th percentile (ms).
+    pub p99: f64,
+    /// Mean (ms): the means of [`HANDOFF_PHASES`] add up to the mean
+    /// handoff, which percentiles do not.
+    pub mean: f64,
+}
+
+/// The sub-phases of one decode-side fetch, in order (a local mirror of
+/// the fetch's own per-phase timings, so the report code does not depend
+/// on the fetch's internals).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FetchPhases {
+    /// MetaServer prefix query.
+    pub query: Duration,
+    /// `QueryBlocksForTransfer` on the owner(s).
+    pub lock: Duration,
+    /// Transport reads.
+    pub read: Duration,
+    /// Checksum verification (C10).
+    pub verify: Duration,
+    /// Sealing into the local cache.
+    pub seal: Duration,
+    /// `ReleaseTransferLock`.
+    pub release: Duration,
+}
+
+impl FetchPhases {
+    /// Sub-phase names, in order (the keys of
+    /// [`PdReport::fetch_phases_ms`]).
+    pub const NAMES: [&'static str; 6] = ["query", "lock", "read", "verify", "seal", "release"];
+
+    /// The sub-phases a fetch reported, `None` while [`FetchReport`] does
+    /// not time them. This is the one place that reads them: once the
+    /// report carries per-phase `Duration`s, return
+    /// `Some(FetchPhases { query: r.phases.query, … })` here and the report
+    /// prints and writes them.
+    pub fn of(r: &FetchReport) -> Option<Self> {
+        let _ = r;
+        None
+    }
+
+    /// `(name, duration)` per sub-phase, in [`FetchPhases::NAMES`] order.
+    pub fn list(&self) -> [(&'static str, Duration); 6] {
+        let n = Self::NAMES;
+        [
+            (n[0], self.query),
+            (n[1], self.lock),
+            (n[2], self.read),
+            (n[3], self.verify),
+            (n[4], self.seal),
+            (n[5], self.release),
+        ]
+    }
 }
 
 /// Replay settings (the `kvferry pd` flags).
@@ -208,6 +289,40 @@ pub struct PdReport {
     pub handoff_p50_ms: f64,
     /// 99th percentile.
     pub handoff_p99_ms: f64,
+    /// Requests in flight at once (`--concurrency`): T8 is defined at 1.
+    pub concurrency: usize,
+    /// Raw loopback socket copy rate measured at start-up (GB/s, 1e9 B/s):
+    /// [`crate::transport::tcp::raw_socket_copy`] of `raw_copy_bytes` over
+    /// `raw_connections` connections between buffers of that size, the
+    /// fastest of [`crate::limits::PD_RAW_COPY_REPS`]. `None` when the
+    /// nodes do not use the TCP transport.
+    pub raw_gbps: Option<f64>,
+    /// Bytes of the raw copy: the longest request's blocks, within
+    /// [`crate::limits::PD_RAW_COPY_BYTES_MIN`]..=[`crate::limits::PD_RAW_COPY_BYTES_MAX`].
+    pub raw_copy_bytes: u64,
+    /// Connections of the raw copy: the transport's per peer.
+    pub raw_connections: usize,
+    /// Aggregate fetch throughput: all fetched bytes ÷ the union of the
+    /// fetch intervals (GB/s; the same figure as `transport_gbps`), to be
+    /// read next to `raw_gbps`.
+    pub fetch_gbps_aggregate: f64,
+    /// Requests whose decode-side fetch moved at least
+    /// [`crate::limits::PD_T8_FETCH_BYTES_MIN`] bytes: the ones T8 and the
+    /// phase split cover.
+    pub t8_requests: u64,
+    /// T8 median: per request, handoff time (barriers through load, the
+    /// sum of [`HANDOFF_PHASES`]) ÷ (decode bytes fetched ÷ raw rate).
+    /// Meaningful at `--concurrency 1`. `None` without a raw rate or a T8
+    /// request.
+    pub t8_p50: Option<f64>,
+    /// T8 99th percentile.
+    pub t8_p99: Option<f64>,
+    /// Per phase of [`HANDOFF_PHASES`], and `total` (the whole handoff, as
+    /// T8 times it): p50, p99 and mean over the T8 requests (ms).
+    pub handoff_phases_ms: BTreeMap<String, PhaseMs>,
+    /// The `fetch` phase split into [`FetchPhases::NAMES`] (ms), over the
+    /// same requests; empty while the fetch does not report them.
+    pub fetch_phases_ms: BTreeMap<String, PhaseMs>,
     /// Registry commands dropped, from the prefill nodes' flush reports at
     /// the handoff barriers: inserts of saved blocks and the removals that
     /// pool eviction queued (so more than the blocks saved is possible).
@@ -461,6 +576,14 @@ struct ReqOutcome {
     /// (start, end) of each fetch this request ran (prefill and decode).
     fetch_intervals: Vec<(Instant, Instant)>,
     handoff: Duration,
+    /// Bytes the decode node's fetch moved.
+    decode_fetch_bytes: u64,
+    /// Barrier call to load end: the sum of `phases`.
+    handoff_total: Duration,
+    /// Per [`HANDOFF_PHASES`].
+    phases: [Duration; 5],
+    /// The decode fetch's sub-phases, when it reports them.
+    fetch_phases: Option<FetchPhases>,
     delivered: u64,
     dropped: u64,
 }
@@ -517,6 +640,15 @@ pub async fn run_with_observer(
         seg: model.segment_bytes(cfg.block_tokens),
         device_blocks: max_blocks,
     });
+
+    // T8's baseline, before any node runs: a raw loopback copy of the
+    // longest request's bytes over the transport's connections.
+    let raw_connections = NodeConfig::loopback("http://127.0.0.1:1").tcp_connections_per_peer;
+    let raw_copy_bytes = device_bytes.clamp(limits::PD_RAW_COPY_BYTES_MIN, limits::PD_RAW_COPY_BYTES_MAX);
+    let raw_gbps = match cfg.transport {
+        TransportChoice::Tcp => Some(raw_copy_gbps(raw_copy_bytes, raw_connections).await?),
+        _ => None,
+    };
 
     let mut faults = Vec::new();
     let mut ms: Option<MetaServerHandle> = None;
@@ -652,6 +784,10 @@ pub async fn run_with_observer(
     let mut rep = PdReport {
         requests: started as u64,
         interrupted,
+        concurrency: cfg.concurrency,
+        raw_gbps,
+        raw_copy_bytes,
+        raw_connections,
         model: model.name.to_string(),
         transport: cfg.transport.to_string(),
         block_tokens: cfg.block_tokens,
@@ -687,6 +823,8 @@ pub async fn run_with_observer(
     handoffs.sort_by(|a, b| a.total_cmp(b));
     rep.handoff_p50_ms = percentile(&handoffs, 0.50);
     rep.handoff_p99_ms = percentile(&handoffs, 0.99);
+    rep.fetch_gbps_aggregate = rep.transport_gbps;
+    t8_figures(&mut rep, &outcomes);
     rep.checksum_failures = nodes.iter().map(|n| n.engine.metrics().checksum_failures.load(Ordering::Relaxed)).sum();
     let rate = |b: u64, ns: u64| if ns == 0 { 0.0 } else { b as f64 / ns as f64 };
     rep.nodes = nodes
@@ -764,6 +902,62 @@ async fn stop_cluster(nodes: &[Arc<PdNode>], ms: Option<MetaServerHandle>) {
     }
     if let Some(h) = ms {
         let _ = h.shutdown().await;
+    }
+}
+
+/// [`crate::transport::tcp::raw_socket_copy`] of `bytes` over `conns`
+/// connections between buffers of that size, the fastest of
+/// [`limits::PD_RAW_COPY_REPS`] (GB/s).
+async fn raw_copy_gbps(bytes: u64, conns: usize) -> Result<f64, PdError> {
+    let mut best = Duration::MAX;
+    for _ in 0..limits::PD_RAW_COPY_REPS {
+        let took = crate::transport::tcp::raw_socket_copy(bytes, conns, true)
+            .await
+            .map_err(|e| PdError::Start(format!("raw loopback copy (T8 baseline): {e}")))?;
+        best = best.min(took);
+    }
+    let moved = bytes / conns.max(1) as u64 * conns.max(1) as u64;
+    Ok(moved as f64 / best.as_secs_f64().max(1e-9) / 1e9)
+}
+
+/// p50, p99 and mean of `values` (ms; sorted in place).
+fn phase_ms(values: &mut [f64]) -> PhaseMs {
+    values.sort_by(f64::total_cmp);
+    let mean = if values.is_empty() { 0.0 } else { values.iter().sum::<f64>() / values.len() as f64 };
+    PhaseMs { p50: percentile(values, 0.50), p99: percentile(values, 0.99), mean }
+}
+
+/// Fills T8 and the handoff phase split from the requests whose decode
+/// fetch moved at least [`limits::PD_T8_FETCH_BYTES_MIN`] bytes.
+fn t8_figures(rep: &mut PdReport, outcomes: &[ReqOutcome]) {
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let covered: Vec<&ReqOutcome> =
+        outcomes.iter().filter(|o| o.decode_fetch_bytes >= limits::PD_T8_FETCH_BYTES_MIN).collect();
+    rep.t8_requests = covered.len() as u64;
+    if covered.is_empty() {
+        return;
+    }
+    if let Some(raw) = rep.raw_gbps.filter(|r| *r > 0.0) {
+        let mut t8: Vec<f64> = covered
+            .iter()
+            .map(|o| o.handoff_total.as_secs_f64() / (o.decode_fetch_bytes as f64 / (raw * 1e9)))
+            .collect();
+        t8.sort_by(f64::total_cmp);
+        rep.t8_p50 = Some(percentile(&t8, 0.50));
+        rep.t8_p99 = Some(percentile(&t8, 0.99));
+    }
+    for (i, name) in HANDOFF_PHASES.iter().enumerate() {
+        let mut v: Vec<f64> = covered.iter().map(|o| ms(o.phases[i])).collect();
+        rep.handoff_phases_ms.insert((*name).to_string(), phase_ms(&mut v));
+    }
+    let mut total: Vec<f64> = covered.iter().map(|o| ms(o.handoff_total)).collect();
+    rep.handoff_phases_ms.insert("total".into(), phase_ms(&mut total));
+    let split: Vec<FetchPhases> = covered.iter().filter_map(|o| o.fetch_phases).collect();
+    if split.len() == covered.len() {
+        for (i, name) in FetchPhases::NAMES.iter().enumerate() {
+            let mut v: Vec<f64> = split.iter().map(|f| ms(f.list()[i].1)).collect();
+            rep.fetch_phases_ms.insert((*name).to_string(), phase_ms(&mut v));
+        }
     }
 }
 
@@ -851,6 +1045,7 @@ async fn serve_request(
     let gpu = pe.gpu().clone();
     // Prefill: reuse the longest cached prefix (local, else fetched), compute the rest, save.
     let handoff_start;
+    let save_barrier;
     {
         let _dev = p.device.lock().await;
         let local = pe.query_prefix(&shape.ns, &hashes);
@@ -882,14 +1077,17 @@ async fn serve_request(
         let to_save: Vec<(BlockHash, u64)> = hashes.iter().cloned().zip(0u64..).collect();
         pe.save(&shape.ns, &to_save).await.map_err(|e| PdError::Device(e.to_string()))?;
         handoff_start = Instant::now();
-        let fr = pe.flush_saves_and_registrations(flush_deadline).await;
+        let (fr, saves) = pe.flush_saves_and_registrations_timed(flush_deadline).await;
+        save_barrier = saves;
         o.delivered += fr.delivered;
         o.dropped += fr.dropped;
     }
+    let barriers_done = Instant::now();
     // Decode: query + fetch, load, verify every byte, recompute the rest.
     let de = &d.engine;
     let dgpu = de.gpu().clone();
     let _dev = d.device.lock().await;
+    let waited = Instant::now();
     let local = de.query_prefix(&shape.ns, &hashes);
     let t = Instant::now();
     let fetched = de.fetch(&shape.ns, &hashes).await;
@@ -897,6 +1095,8 @@ async fn serve_request(
     o.fetch_intervals.push((t, fetch_end));
     o.handoff = fetch_end - handoff_start;
     o.bytes += fetched.bytes;
+    o.decode_fetch_bytes = fetched.bytes;
+    o.fetch_phases = FetchPhases::of(&fetched);
     let have = fetched.available.max(local);
     let mut loaded = vec![false; n];
     if have > 0 {
@@ -906,6 +1106,16 @@ async fn serve_request(
             loaded[j] = r.is_ok();
         }
     }
+    let load_end = Instant::now();
+    o.handoff_total = load_end - handoff_start;
+    let barriers = barriers_done - handoff_start;
+    o.phases = [
+        save_barrier.min(barriers),
+        barriers.saturating_sub(save_barrier),
+        waited - barriers_done,
+        fetch_end - waited,
+        load_end - fetch_end,
+    ];
     // A block evicted between the fetch and the load counts as recomputed.
     o.decode_local = loaded[..local].iter().filter(|l| **l).count() as u64;
     o.decode_fetched = loaded[local..].iter().filter(|l| **l).count() as u64;

@@ -787,6 +787,80 @@ impl Transport for TcpTransport {
     }
 }
 
+/// Chunk of one `write_all` / `read_exact` in [`raw_socket_copy`] (bytes).
+const RAW_COPY_CHUNK_BYTES: u64 = 8 << 20;
+
+/// The loopback ceiling a fetch is compared with: a raw copy of `total`
+/// bytes from a fresh listener on 127.0.0.1 to `conns` connections (the
+/// transport's count, e.g. [`limits::TCP_CONNECTIONS_PER_PEER_DEFAULT`]),
+/// `total / conns` bytes each (the remainder is not sent), no framing, no
+/// checksums. Returns the time from the first connect until every byte was
+/// received (runtime clock).
+///
+/// `whole`: every byte comes from and lands in its own place of buffers of
+/// `total` bytes in all, like a fetch from one pool into another (T4's and
+/// T8's baseline); otherwise the sender repeats a 1 MiB buffer and the
+/// receiver reuses an 8 MiB one (both stay in cache: the loopback
+/// ceiling). Buffers are allocated and touched before the clock starts.
+/// Used by `kvferry bench transport` and at the start of `kvferry pd`.
+///
+/// # Errors
+/// A socket error (bind, connect, read, write) or a copy task that ended
+/// without a result.
+pub async fn raw_socket_copy(total: u64, conns: usize, whole: bool) -> std::io::Result<std::time::Duration> {
+    let conns = conns.max(1);
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let per = total / conns as u64;
+    let (send_len, recv_len) =
+        if whole { (per as usize, per as usize) } else { (1 << 20, RAW_COPY_CHUNK_BYTES as usize) };
+    let sends: Vec<Vec<u8>> = (0..conns).map(|_| vec![7u8; send_len]).collect();
+    let recvs: Vec<Vec<u8>> = (0..conns).map(|_| vec![1u8; recv_len]).collect();
+    let task = |e: tokio::task::JoinError| std::io::Error::other(e.to_string());
+    let server = tokio::spawn(async move {
+        let mut hs = Vec::new();
+        for buf in sends {
+            let (mut s, _) = listener.accept().await?;
+            hs.push(tokio::spawn(async move {
+                let mut sent = 0u64;
+                while sent < per {
+                    let n = (per - sent).min(RAW_COPY_CHUNK_BYTES).min(buf.len() as u64) as usize;
+                    let at = if whole { sent as usize } else { 0 };
+                    s.write_all(&buf[at..at + n]).await?;
+                    sent += n as u64;
+                }
+                Ok::<_, std::io::Error>(())
+            }));
+        }
+        for h in hs {
+            h.await.map_err(task)??;
+        }
+        Ok::<_, std::io::Error>(())
+    });
+    let t = Instant::now();
+    let mut readers = Vec::new();
+    for mut buf in recvs {
+        let mut s = TcpStream::connect(addr).await?;
+        s.set_nodelay(true)?;
+        readers.push(tokio::spawn(async move {
+            let mut got = 0u64;
+            while got < per {
+                let n = (per - got).min(RAW_COPY_CHUNK_BYTES).min(buf.len() as u64) as usize;
+                let at = if whole { got as usize } else { 0 };
+                s.read_exact(&mut buf[at..at + n]).await?;
+                got += n as u64;
+            }
+            Ok::<_, std::io::Error>(())
+        }));
+    }
+    for r in readers {
+        r.await.map_err(task)??;
+    }
+    let took = t.elapsed();
+    server.await.map_err(task)??;
+    Ok(took)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
