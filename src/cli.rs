@@ -386,7 +386,7 @@ fn report_text(r: &pd::PdReport) -> String {
                 println!("    {:<20} {:>9.2} {:>9.2} {:>9.2}", name.replace('_', " "), p.p50, p.p99, p.mean);
             }
             if *name == "fetch" {
-                for sub in pd::FetchPhases::NAMES {
+                for (sub, _) in kvferry::engine::fetch::FetchPhases::default().named() {
                     if let Some(p) = r.fetch_phases_ms.get(sub) {
                         println!("      {:<18} {:>9.2} {:>9.2} {:>9.2}", sub, p.p50, p.p99, p.mean);
                     }

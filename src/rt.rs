@@ -129,25 +129,35 @@ pub fn cpu_parallelism() -> usize {
 /// [`cpu_parallelism`] under the simulator.
 pub const SIM_CPU_PARALLELISM: usize = 4;
 
-/// `f` over every item, in order, the items split into at most `parts`
-/// contiguous chunks run side by side: on OS threads (scoped, joined before
-/// returning) on real builds; one chunk after the other under the
-/// simulator, where OS threads are not allowed (same chunks, same results).
+/// `f` over every part, results in the parts' order: the parts after the
+/// first on scoped OS threads (joined before returning) while the calling
+/// thread runs the first, on real builds; one part after the other on the
+/// calling thread under the simulator, where OS threads are not allowed
+/// (same parts, same results). The one place kvferry starts OS threads for
+/// CPU-bound work.
 ///
 /// # Panics
-/// If `f` panics (the panic is propagated).
-pub fn map_chunks<T: Sync, R: Send>(items: &[T], parts: usize, f: impl Fn(&T) -> R + Sync) -> Vec<R> {
-    let per = items.len().div_ceil(parts.max(1)).max(1);
+/// Re-raises a panic of `f` on any part.
+pub fn map_parts<T: Send, R: Send>(parts: Vec<T>, f: impl Fn(T) -> R + Sync) -> Vec<R> {
     #[cfg(not(madsim))]
-    if items.len() > per {
+    if parts.len() > 1 {
         let f = &f;
         return std::thread::scope(|s| {
-            let handles: Vec<_> =
-                items.chunks(per).map(|c| s.spawn(move || c.iter().map(f).collect::<Vec<R>>())).collect();
-            handles.into_iter().flat_map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
+            let mut parts = parts.into_iter();
+            let first = parts.next();
+            let handles: Vec<_> = parts.map(|p| s.spawn(move || f(p))).collect();
+            let mut out = Vec::with_capacity(handles.len() + 1);
+            out.extend(first.map(f));
+            for h in handles {
+                match h.join() {
+                    Ok(r) => out.push(r),
+                    Err(panic) => std::panic::resume_unwind(panic),
+                }
+            }
+            out
         });
     }
-    items.chunks(per).flat_map(|c| c.iter().map(&f).collect::<Vec<R>>()).collect()
+    parts.into_iter().map(f).collect()
 }
 
 /// Milliseconds since `origin` on the runtime clock (simulated under madsim).

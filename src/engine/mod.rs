@@ -1149,11 +1149,16 @@ pub(crate) fn push_block_ops(layout: &Layout, idx: u64, extent: usize, ops: &mut
 const PARALLEL_CHECKSUM_BYTES_MIN: u64 = 16 << 20;
 
 /// Seal-time checksums of many blocks, in order; spread over up to 16
-/// threads for large batches ([`crate::rt::map_chunks`]).
+/// threads for large batches ([`crate::rt::map_parts`]).
 pub fn checksum_blocks(layout: &Layout, blocks: &[Extent]) -> Vec<Arc<[u32]>> {
     let total: u64 = blocks.iter().map(|e| e.len()).sum();
-    let parts = if total >= PARALLEL_CHECKSUM_BYTES_MIN { crate::rt::cpu_parallelism().min(16) } else { 1 };
-    crate::rt::map_chunks(blocks, parts, |e| slot_checksums(layout, e.as_slice()))
+    let threads = if total >= PARALLEL_CHECKSUM_BYTES_MIN { crate::rt::cpu_parallelism().min(16) } else { 1 };
+    let per = blocks.len().div_ceil(threads.max(1)).max(1);
+    let parts: Vec<&[Extent]> = blocks.chunks(per).collect();
+    crate::rt::map_parts(parts, |c| c.iter().map(|e| slot_checksums(layout, e.as_slice())).collect::<Vec<_>>())
+        .into_iter()
+        .flatten()
+        .collect()
 }
 
 /// CRC-32C of each slot (layer) of a block laid out per `layout`.

@@ -135,7 +135,7 @@ impl HostGpu {
         let sums = index.as_ref().map(|i| (i, &checksums[..]));
         let parts = split_parts(ops, &dev, host);
         let ranges = checksums.len();
-        let done = par::map_parts(parts, |part| copy_part(part, direction, sums, ranges));
+        let done = crate::rt::map_parts(parts, |part| copy_part(part, direction, sums, ranges));
         let mut folds: Option<Vec<(u64, u32)>> = sums.map(|_| vec![(0, 0); ranges]);
         for part in done {
             let part = part?;

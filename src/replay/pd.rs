@@ -25,7 +25,7 @@ use serde::Serialize;
 use tokio::time::Instant;
 
 use super::trace::{self, ModelPreset, TraceError, TraceRequest, fill_kv, verify_kv};
-use crate::engine::fetch::FetchReport;
+use crate::engine::fetch::FetchPhases;
 use crate::engine::layout::{DeviceBufferId, LayerLayout};
 use crate::engine::{Engine, EngineConfig};
 use crate::gpu::{Gpu, KvMemory};
@@ -102,10 +102,12 @@ pub struct NodeStat {
 ///   registration queue (C1);
 /// - `decode_wait`: waiting for the decode node's device (another request
 ///   holds it; 0 at `--concurrency 1`);
-/// - `fetch`: the decode node's local lookup and [`Engine::fetch`]
-///   (MetaServer query, transfer lock, read, verify, seal, release; split in
-///   [`FetchPhases`] once the fetch reports them);
-/// - `load`: [`Engine::load`] of the fetched and local blocks to the device.
+/// - `fetch`: the decode node's local lookup and [`Engine::fetch_into`] up
+///   to its last read part (MetaServer query, handshake, transfer lock,
+///   read, verify, seal, release: split in [`FetchPhases`]); the loads of
+///   all parts but the last run inside it, behind the reads;
+/// - `load`: the load of the last part, after the fetch ended
+///   ([`FetchPhases::load_tail`]).
 pub const HANDOFF_PHASES: [&str; 5] = ["save_barrier", "registration_barrier", "decode_wait", "fetch", "load"];
 
 /// One phase's distribution over the T8 requests (ms).
@@ -118,54 +120,6 @@ pub struct PhaseMs {
     /// Mean (ms): the means of [`HANDOFF_PHASES`] add up to the mean
     /// handoff, which percentiles do not.
     pub mean: f64,
-}
-
-/// The sub-phases of one decode-side fetch, in order (a local mirror of
-/// the fetch's own per-phase timings, so the report code does not depend
-/// on the fetch's internals).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct FetchPhases {
-    /// MetaServer prefix query.
-    pub query: Duration,
-    /// `QueryBlocksForTransfer` on the owner(s).
-    pub lock: Duration,
-    /// Transport reads.
-    pub read: Duration,
-    /// Checksum verification (C10).
-    pub verify: Duration,
-    /// Sealing into the local cache.
-    pub seal: Duration,
-    /// `ReleaseTransferLock`.
-    pub release: Duration,
-}
-
-impl FetchPhases {
-    /// Sub-phase names, in order (the keys of
-    /// [`PdReport::fetch_phases_ms`]).
-    pub const NAMES: [&'static str; 6] = ["query", "lock", "read", "verify", "seal", "release"];
-
-    /// The sub-phases a fetch reported, `None` while [`FetchReport`] does
-    /// not time them. This is the one place that reads them: once the
-    /// report carries per-phase `Duration`s, return
-    /// `Some(FetchPhases { query: r.phases.query, … })` here and the report
-    /// prints and writes them.
-    pub fn of(r: &FetchReport) -> Option<Self> {
-        let _ = r;
-        None
-    }
-
-    /// `(name, duration)` per sub-phase, in [`FetchPhases::NAMES`] order.
-    pub fn list(&self) -> [(&'static str, Duration); 6] {
-        let n = Self::NAMES;
-        [
-            (n[0], self.query),
-            (n[1], self.lock),
-            (n[2], self.read),
-            (n[3], self.verify),
-            (n[4], self.seal),
-            (n[5], self.release),
-        ]
-    }
 }
 
 /// Replay settings (the `kvferry pd` flags).
@@ -320,7 +274,7 @@ pub struct PdReport {
     /// Per phase of [`HANDOFF_PHASES`], and `total` (the whole handoff, as
     /// T8 times it): p50, p99 and mean over the T8 requests (ms).
     pub handoff_phases_ms: BTreeMap<String, PhaseMs>,
-    /// The `fetch` phase split into [`FetchPhases::NAMES`] (ms), over the
+    /// The `fetch` phase split into [`FetchPhases::named`] (ms), over the
     /// same requests; empty while the fetch does not report them.
     pub fetch_phases_ms: BTreeMap<String, PhaseMs>,
     /// Registry commands dropped, from the prefill nodes' flush reports at
@@ -953,9 +907,10 @@ fn t8_figures(rep: &mut PdReport, outcomes: &[ReqOutcome]) {
     let mut total: Vec<f64> = covered.iter().map(|o| ms(o.handoff_total)).collect();
     rep.handoff_phases_ms.insert("total".into(), phase_ms(&mut total));
     let split: Vec<FetchPhases> = covered.iter().filter_map(|o| o.fetch_phases).collect();
+    let names = FetchPhases::default().named().map(|(n, _)| n);
     if split.len() == covered.len() {
-        for (i, name) in FetchPhases::NAMES.iter().enumerate() {
-            let mut v: Vec<f64> = split.iter().map(|f| ms(f.list()[i].1)).collect();
+        for (i, name) in names.iter().enumerate() {
+            let mut v: Vec<f64> = split.iter().map(|f| ms(f.named()[i].1)).collect();
             rep.fetch_phases_ms.insert((*name).to_string(), phase_ms(&mut v));
         }
     }
@@ -1090,23 +1045,22 @@ async fn serve_request(
     let waited = Instant::now();
     let local = de.query_prefix(&shape.ns, &hashes);
     let t = Instant::now();
-    let fetched = de.fetch(&shape.ns, &hashes).await;
-    let fetch_end = Instant::now();
+    // fetch_into: each fetched part is loaded while the next is read; only
+    // the last part's load (`load_tail`) follows the fetch.
+    let wanted: Vec<(BlockHash, u64)> = hashes.iter().cloned().zip(0u64..).collect();
+    let got = de.fetch_into(&shape.ns, &wanted).await.map_err(|e| PdError::Device(e.to_string()))?;
+    let load_end = Instant::now();
+    let fetched = &got.fetch;
+    let fetch_end = load_end - fetched.phases.load_tail.min(load_end - t);
     o.fetch_intervals.push((t, fetch_end));
     o.handoff = fetch_end - handoff_start;
     o.bytes += fetched.bytes;
     o.decode_fetch_bytes = fetched.bytes;
-    o.fetch_phases = FetchPhases::of(&fetched);
-    let have = fetched.available.max(local);
+    o.fetch_phases = Some(fetched.phases);
     let mut loaded = vec![false; n];
-    if have > 0 {
-        let blocks: Vec<(BlockHash, u64)> = hashes[..have].iter().cloned().zip(0u64..).collect();
-        let rep = de.load(&shape.ns, &blocks).await.map_err(|e| PdError::Device(e.to_string()))?;
-        for (j, r) in rep.results.iter().enumerate() {
-            loaded[j] = r.is_ok();
-        }
+    for (j, r) in got.load.results.iter().enumerate() {
+        loaded[j] = r.is_ok();
     }
-    let load_end = Instant::now();
     o.handoff_total = load_end - handoff_start;
     let barriers = barriers_done - handoff_start;
     o.phases = [
