@@ -52,6 +52,10 @@ enum Cmd {
         /// rehash pause under the store lock, below it. 0: grow on demand.
         #[arg(long, default_value_t = 0)]
         capacity: u64,
+        /// Store shards, each with its own lock: requests of many clients run on as many cores
+        /// (1 to 4096).
+        #[arg(long, default_value_t = kvferry::limits::METASERVER_SHARDS_DEFAULT)]
+        shards: usize,
     },
     /// Replay a request trace across an embedded P/D cluster (the main job).
     Pd(Box<PdArgs>),
@@ -586,9 +590,11 @@ async fn run_metaserver(
     sweep_interval_secs: u64,
     http_addr: Option<SocketAddr>,
     capacity_hashes: u64,
+    shards: usize,
 ) -> Result<ExitCode, String> {
     let addr = resolve_listen_addr(addr).await?;
-    let cfg = MetaServerConfig { addr, stale_after_secs, ttl_secs, sweep_interval_secs, seed: 0, capacity_hashes };
+    let cfg =
+        MetaServerConfig { addr, stale_after_secs, ttl_secs, sweep_interval_secs, seed: 0, capacity_hashes, shards };
     let mut h = metaserver::start(cfg).await.map_err(|e| metaserver_error_text(&e))?;
     if let Some(http) = http_addr {
         let local = kvferry::exporter::serve(http, kvferry::exporter::metaserver_samples(&h))?;
@@ -617,8 +623,9 @@ pub fn main() -> ExitCode {
     };
     let result = rt.block_on(async move {
         match cli.cmd {
-            Cmd::Metaserver { addr, stale_after_secs, ttl_secs, sweep_interval_secs, http_addr, capacity } => {
-                run_metaserver(&addr, stale_after_secs, ttl_secs, sweep_interval_secs, http_addr, capacity).await
+            Cmd::Metaserver { addr, stale_after_secs, ttl_secs, sweep_interval_secs, http_addr, capacity, shards } => {
+                run_metaserver(&addr, stale_after_secs, ttl_secs, sweep_interval_secs, http_addr, capacity, shards)
+                    .await
             }
             Cmd::Pd(a) => run_pd(*a).await,
             Cmd::Bench { which, json } => {
@@ -751,6 +758,8 @@ mod tests {
         assert_eq!(metaserver_error_text(&e), "--sweep-interval-secs must be at least 1 (s)");
         let e = StartError::Config(ConfigError::CapacityTooLarge { value: 1 << 40, max: 1 << 28 });
         assert_eq!(metaserver_error_text(&e), format!("--capacity ({}) must be at most {}", 1u64 << 40, 1u64 << 28));
+        let e = StartError::Config(ConfigError::Shards { value: 0, max: 4096 });
+        assert_eq!(metaserver_error_text(&e), "--shards (0) must be 1 to 4096");
     }
 
     #[test]
