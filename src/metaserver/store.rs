@@ -468,7 +468,8 @@ impl Shard {
     }
 
     /// Records node `idx` (of `nodes`) as an owner of each `(position,
-    /// hash)` of `items`, all of this shard; pushes the request positions
+    /// hash)` of `items`, all of this shard, counting other owners visible
+    /// at `now_ms` (stale after `stale_after_ms`); pushes the request positions
     /// of reclaimable hashes (first occurrence only) to `reclaim`. Returns
     /// how many are newly owned.
     fn insert<'h>(
@@ -476,9 +477,7 @@ impl Shard {
         namespace: &str,
         items: impl Iterator<Item = (usize, &'h BlockHash)>,
         idx: u32,
-        nodes: &Nodes,
-        now_ms: u64,
-        stale_after_ms: u64,
+        (nodes, now_ms, stale_after_ms): (&Nodes, u64, u64),
         reclaim: &mut Vec<usize>,
     ) -> u64 {
         let ns_id = self.intern_namespace(namespace);
@@ -937,7 +936,7 @@ impl MetaStore {
         let mut reclaim = Vec::new();
         for (s, group) in self.group_by_shard(hashes) {
             let items = group.into_iter().map(|p| (p, &hashes[p]));
-            out.inserted += self.shard(s).insert(namespace, items, idx, &nodes, now_ms, stale_after, &mut reclaim);
+            out.inserted += self.shard(s).insert(namespace, items, idx, (&nodes, now_ms, stale_after), &mut reclaim);
         }
         reclaim.sort_unstable();
         out.reclaimable = reclaim.into_iter().map(|p| hashes[p].clone()).collect();
@@ -2139,7 +2138,8 @@ mod tests {
         }
         let (lo, hi) = (counts.iter().min().unwrap(), counts.iter().max().unwrap());
         assert!(*lo > 850 && *hi < 1150, "{lo}..{hi}");
-        assert_eq!(shard_index(h(7).as_bytes(), 64), shard_index(&h(7).as_bytes().to_vec(), 64));
+        let copy: [u8; 32] = h(7).as_bytes().try_into().unwrap();
+        assert_eq!(shard_index(h(7).as_bytes(), 64), shard_index(&copy, 64));
         assert_eq!(shard_index(h(7).as_bytes(), 1), 0);
         let same = keys.windows(2).filter(|w| shard_index(w[0].as_bytes(), 8) == shard_index(w[1].as_bytes(), 8));
         assert!(same.count() < keys.len() / 4);
