@@ -40,6 +40,9 @@ pub struct MetaServerConfig {
     /// [`limits::METASERVER_SHARDS_MAX`]; default
     /// [`limits::METASERVER_SHARDS_DEFAULT`].
     pub shards: usize,
+    /// Serve TLS with this certificate and key (needs the `tls` feature;
+    /// see [`crate::tls`]). `None`: plain text.
+    pub tls: Option<crate::tls::TlsIdentity>,
 }
 
 impl MetaServerConfig {
@@ -53,6 +56,7 @@ impl MetaServerConfig {
             seed: 0,
             capacity_hashes: 0,
             shards: limits::METASERVER_SHARDS_DEFAULT,
+            tls: None,
         }
     }
 }
@@ -445,6 +449,10 @@ pub enum StartError {
     /// A setting is out of range.
     #[error("bad configuration: {0}")]
     Config(#[from] ConfigError),
+    /// TLS was asked for and cannot be set up (not built in, or a
+    /// certificate or key refused).
+    #[error("metaserver TLS: {0}")]
+    Tls(#[from] crate::tls::TlsError),
 }
 
 /// A [`MetaServerConfig`] duration setting, named in [`ConfigError`] so a
@@ -583,14 +591,35 @@ impl MetaServerConfig {
     }
 }
 
+/// The server builder, with TLS when `tls` is given.
+#[cfg(all(feature = "tls", not(madsim)))]
+fn tls_server_builder(tls: Option<&crate::tls::TlsIdentity>) -> Result<tonic::transport::Server, StartError> {
+    let builder = crate::rt::server_builder();
+    Ok(match tls {
+        Some(id) => crate::tls::server(builder, id)?,
+        None => builder,
+    })
+}
+
+/// The server builder; asking for TLS in a build without it is an error.
+#[cfg(not(all(feature = "tls", not(madsim))))]
+fn tls_server_builder(tls: Option<&crate::tls::TlsIdentity>) -> Result<tonic::transport::Server, StartError> {
+    match tls {
+        Some(_) => Err(StartError::Tls(crate::tls::TlsError::NotBuilt)),
+        None => Ok(crate::rt::server_builder()),
+    }
+}
+
 /// Binds, then serves the MetaServer and runs its TTL sweep. Returns once the
 /// port is bound, so a taken port is an error before anything is served.
 ///
 /// # Errors
 /// [`StartError::Bind`] for a taken or invalid address, [`StartError::Config`]
-/// for zero/inconsistent durations (see [`MetaServerConfig::validate`]).
+/// for zero/inconsistent durations (see [`MetaServerConfig::validate`]),
+/// [`StartError::Tls`] when TLS is asked for and cannot be set up.
 pub async fn start(config: MetaServerConfig) -> Result<MetaServerHandle, StartError> {
     config.validate()?;
+    let mut builder = tls_server_builder(config.tls.as_ref())?;
     let bound = crate::rt::bind(config.addr).await.map_err(|source| StartError::Bind { addr: config.addr, source })?;
     let local_addr = bound.local_addr;
     let store = MetaStore::with_shards(
@@ -615,7 +644,7 @@ pub async fn start(config: MetaServerConfig) -> Result<MetaServerHandle, StartEr
         .max_encoding_message_size(limits::GRPC_MESSAGE_BYTES_MAX);
     #[cfg(not(madsim))]
     let server = crate::status::LimitAsResourceExhausted(server);
-    let router = crate::rt::server_builder().add_service(server);
+    let router = builder.add_service(server);
     let serve = tokio::spawn(crate::rt::serve(router, bound, async move {
         let _ = rx.wait_for(|v| *v).await;
     }));
