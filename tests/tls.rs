@@ -11,7 +11,7 @@ use std::time::Duration;
 use kvferry::client::{ClientConfig, ClientError, MetaServerClient};
 use kvferry::metaserver::{self, MetaServerConfig};
 use kvferry::tls::{TlsError, TlsIdentity, TlsTrust};
-use kvferry::types::{BlockHash, NodeAddr, SessionId};
+use kvferry::types::{NodeAddr, SessionId};
 
 fn data(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/tls").join(name)
@@ -37,6 +37,8 @@ fn client(addr: String, tls: Option<TlsTrust>, i: u32) -> Result<MetaServerClien
 
 #[cfg(feature = "tls")]
 mod with_tls {
+    use kvferry::types::BlockHash;
+
     use super::*;
 
     /// The full path over TLS: a client trusting the CA registers a block
@@ -96,7 +98,7 @@ async fn without_the_feature_tls_is_refused_at_start() {
     assert!(matches!(e, metaserver::service::StartError::Tls(TlsError::NotBuilt)), "{e}");
     assert!(e.to_string().contains("--features tls"), "{e}");
     let trust = TlsTrust::from_file(&data("ca.pem")).unwrap();
-    let e = client("127.0.0.1:9".into(), Some(trust), 4).err().expect("client refused");
+    let e = client("127.0.0.1:9".into(), Some(trust), 4).expect_err("client refused");
     assert!(matches!(e, ClientError::Tls(TlsError::NotBuilt)), "{e}");
 }
 
