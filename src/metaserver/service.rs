@@ -164,10 +164,11 @@ fn guarded<T>(
     })
 }
 
-/// Runs a read-only `op` (the exporter's, an embedder's) on the store,
-/// recovering it and retrying once if a fault left it poisoned; `None` if
-/// it panics again.
-pub(crate) fn read_store<T>(store: &MetaStore, metrics: &MetaServerMetrics, op: impl Fn(&MetaStore) -> T) -> Option<T> {
+/// Runs a read-only `op` (the exporter's, an embedder's: `stats`,
+/// `visible_entries`, …) on `store`, recovering it ([`MetaStore::recover`],
+/// counted in `metrics`) and retrying once if a fault left it poisoned.
+/// `None` if `op` panics again.
+pub fn read_store<T>(store: &MetaStore, metrics: &MetaServerMetrics, op: impl Fn(&MetaStore) -> T) -> Option<T> {
     for _ in 0..2 {
         match std::panic::catch_unwind(AssertUnwindSafe(|| op(store))) {
             Ok(v) => return Some(v),
