@@ -3,7 +3,8 @@
 # below it (or its own). Fails, naming the file and line, when an import
 # runs upward. Comments and doc links are not imports.
 #
-#   0  types, limits, proto, rt, canary  ids, bounds, generated messages, runtime glue, the canary seam
+#   0  types, limits, proto, rt,       ids, bounds, generated messages, runtime glue,
+#      canary, tls                     the canary seam, TLS settings
 #   1  memory                            the pinned pool, the device-buffer registry
 #   2  gpu, transport, hash              the two doors and their backends; the block hash
 #   3  client, metaserver                the registration queue and the index
@@ -29,7 +30,7 @@ forbid() {
 above_1=(gpu transport hash client metaserver engine p2p node replay bench exporter logging)
 above_2=(client metaserver engine p2p node replay bench exporter logging)
 above_4=(p2p node replay bench exporter logging)
-forbid src/types.rs src/limits.rs src/canary.rs -- memory "${above_1[@]}"
+forbid src/types.rs src/limits.rs src/canary.rs src/tls.rs -- memory "${above_1[@]}"
 forbid src/memory -- "${above_1[@]}"
 forbid src/gpu src/transport src/hash.rs -- "${above_2[@]}"
 forbid src/client src/metaserver -- engine "${above_4[@]}"

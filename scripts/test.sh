@@ -41,6 +41,7 @@ step "tier 1b: feature builds (cuda needs no CUDA to build; rdma's device-free t
 cargo build --features cuda
 # What an embedder builds: the library without the binary's dependencies.
 cargo build --lib --no-default-features
+cargo test --features tls --test tls
 cargo test --features rdma --lib transport::verbs
 
 step "tier 2a: library unit tests under --cfg madsim"

@@ -229,7 +229,7 @@ fn insert_latencies_ms(
     node: &NodeAddr,
     session: &SessionId,
 ) -> Result<Vec<f64>, String> {
-    let mut st = MetaStore::with_capacity(StoreConfig { stale_after_ms: 30_000, ttl_ms: 120_000 }, capacity_hashes);
+    let st = MetaStore::with_capacity(StoreConfig { stale_after_ms: 30_000, ttl_ms: 120_000 }, capacity_hashes);
     st.heartbeat(node, session, 0).map_err(|e| e.to_string())?;
     let mut lat = Vec::with_capacity(keys.len() / crate::limits::HASHES_PER_REQUEST_MAX + 1);
     for chunk in keys.chunks(crate::limits::HASHES_PER_REQUEST_MAX) {
@@ -274,7 +274,7 @@ pub async fn store(keys_n: u64) -> Result<serde_json::Value, String> {
         }
         base_s = base_s.min(t.elapsed().as_secs_f64());
         std::hint::black_box(&base);
-        let mut st = MetaStore::new(cfg);
+        let st = MetaStore::new(cfg);
         st.heartbeat(&a, &sa, 0).map_err(|e| e.to_string())?;
         st.heartbeat(&b, &sb, 0).map_err(|e| e.to_string())?;
         let t = Instant::now();

@@ -13,6 +13,7 @@ use kvferry::metaserver::service::{ConfigField, StartError};
 use kvferry::metaserver::{self, MetaServerConfig};
 use kvferry::node::TransportChoice;
 use kvferry::replay::pd::{self, PdConfig, PdError, Routing};
+use kvferry::tls::TlsIdentity;
 use kvferry::transport::verbs::VerbsConfig;
 
 #[derive(Parser)]
@@ -52,6 +53,17 @@ enum Cmd {
         /// rehash pause under the store lock, below it. 0: grow on demand.
         #[arg(long, default_value_t = 0)]
         capacity: u64,
+        /// Store shards, each with its own lock: requests of many clients run on as many cores
+        /// (1 to 4096).
+        #[arg(long, default_value_t = kvferry::limits::METASERVER_SHARDS_DEFAULT)]
+        shards: usize,
+        /// Serve TLS with this certificate chain (PEM; with --tls-key). Needs a build with
+        /// `--features tls`. Clients then need the CA that signed it.
+        #[arg(long, requires = "tls_key")]
+        tls_cert: Option<PathBuf>,
+        /// The private key (PEM) of --tls-cert.
+        #[arg(long, requires = "tls_cert")]
+        tls_key: Option<PathBuf>,
     },
     /// Replay a request trace across an embedded P/D cluster (the main job).
     Pd(Box<PdArgs>),
@@ -622,6 +634,7 @@ fn metaserver_error_text(e: &StartError) -> String {
     match e {
         StartError::Config(c) => c.render(metaserver_flag),
         StartError::Bind { addr, source } => format!("cannot bind --addr {addr}: {source}"),
+        StartError::Tls(e) => format!("--tls-cert/--tls-key: {e}"),
     }
 }
 
@@ -631,10 +644,26 @@ async fn run_metaserver(
     ttl_secs: u64,
     sweep_interval_secs: u64,
     http_addr: Option<SocketAddr>,
-    capacity_hashes: u64,
+    (capacity_hashes, shards): (u64, usize),
+    tls: Option<(PathBuf, PathBuf)>,
 ) -> Result<ExitCode, String> {
     let addr = resolve_listen_addr(addr).await?;
-    let cfg = MetaServerConfig { addr, stale_after_secs, ttl_secs, sweep_interval_secs, seed: 0, capacity_hashes };
+    let tls = match tls {
+        Some((cert, key)) => {
+            Some(TlsIdentity::from_files(&cert, &key).map_err(|e| format!("--tls-cert/--tls-key: {e}"))?)
+        }
+        None => None,
+    };
+    let cfg = MetaServerConfig {
+        addr,
+        stale_after_secs,
+        ttl_secs,
+        sweep_interval_secs,
+        seed: 0,
+        capacity_hashes,
+        shards,
+        tls,
+    };
     let mut h = metaserver::start(cfg).await.map_err(|e| metaserver_error_text(&e))?;
     if let Some(http) = http_addr {
         let local = kvferry::exporter::serve(http, kvferry::exporter::metaserver_samples(&h))?;
@@ -663,8 +692,20 @@ pub fn main() -> ExitCode {
     };
     let result = rt.block_on(async move {
         match cli.cmd {
-            Cmd::Metaserver { addr, stale_after_secs, ttl_secs, sweep_interval_secs, http_addr, capacity } => {
-                run_metaserver(&addr, stale_after_secs, ttl_secs, sweep_interval_secs, http_addr, capacity).await
+            Cmd::Metaserver {
+                addr,
+                stale_after_secs,
+                ttl_secs,
+                sweep_interval_secs,
+                http_addr,
+                capacity,
+                shards,
+                tls_cert,
+                tls_key,
+            } => {
+                let tls = tls_cert.zip(tls_key);
+                let sizes = (capacity, shards);
+                run_metaserver(&addr, stale_after_secs, ttl_secs, sweep_interval_secs, http_addr, sizes, tls).await
             }
             Cmd::Pd(a) => run_pd(*a).await,
             Cmd::Bench { which, json } => {
@@ -797,6 +838,8 @@ mod tests {
         assert_eq!(metaserver_error_text(&e), "--sweep-interval-secs must be at least 1 (s)");
         let e = StartError::Config(ConfigError::CapacityTooLarge { value: 1 << 40, max: 1 << 28 });
         assert_eq!(metaserver_error_text(&e), format!("--capacity ({}) must be at most {}", 1u64 << 40, 1u64 << 28));
+        let e = StartError::Config(ConfigError::Shards { value: 0, max: 4096 });
+        assert_eq!(metaserver_error_text(&e), "--shards (0) must be 1 to 4096");
     }
 
     #[test]

@@ -108,11 +108,11 @@ pub fn serve(addr: SocketAddr, collect: Collect) -> Result<SocketAddr, String> {
 
 /// Samples of a MetaServer.
 pub fn metaserver_samples(h: &crate::metaserver::MetaServerHandle) -> Collect {
-    let store = h.store.clone();
+    let store = h.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
     let m = h.metrics.clone();
     let hooks = h.hooks.clone();
     Arc::new(move || {
-        let st = crate::metaserver::service::lock_store(&store, &m).stats();
+        let st = crate::metaserver::service::read_store(&store, &m, |st| st.stats()).unwrap_or_default();
         let l = Vec::new;
         let c = |name, help, v: &AtomicU64| Sample {
             name,

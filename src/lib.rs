@@ -56,6 +56,7 @@ pub mod p2p;
 pub mod replay;
 pub mod rt;
 pub mod status;
+pub mod tls;
 pub mod transport;
 pub mod types;
 

@@ -240,6 +240,19 @@ pub const METASERVER_DURATION_SECS_MAX: u64 = 7 * 24 * 3600;
 /// write.
 pub const METASERVER_CAPACITY_HASHES_MAX: u64 = 1 << 28;
 
+/// Default number of MetaServer store shards (`--shards`). Each shard has
+/// its own lock, so requests of many clients run on as many cores; 64 is
+/// four times the 16 cores of the H200 host, so two writers rarely meet on
+/// one shard, while a 16,384-hash insert still puts ~256 hashes in each
+/// shard it locks (one lock per shard per request, not per hash).
+pub const METASERVER_SHARDS_DEFAULT: usize = 64;
+
+/// Most MetaServer store shards (`--shards`): beyond this a bulk drop
+/// (unregister, takeover) pays more for visiting shards than for the
+/// blocks it drops, and a large insert locks each shard for a handful of
+/// hashes.
+pub const METASERVER_SHARDS_MAX: usize = 4_096;
+
 /// Most prompt tokens one trace request may claim (the replay sizes device
 /// buffers from it): 4 × the longest request of the bundled trace.
 pub const TRACE_INPUT_TOKENS_MAX: u64 = 1 << 19;

@@ -87,6 +87,9 @@ pub struct NodeConfig {
     pub tcp_connections_per_peer: usize,
     /// The data-plane backend.
     pub transport: TransportChoice,
+    /// Talk TLS to the MetaServer, trusting these CA certificates (feature
+    /// `tls`; see [`crate::tls`]). `None`: plain text.
+    pub metaserver_tls: Option<crate::tls::TlsTrust>,
 }
 
 impl NodeConfig {
@@ -102,6 +105,7 @@ impl NodeConfig {
             metaserver_rpc_timeout: Duration::from_millis(crate::limits::METASERVER_RPC_TIMEOUT_MS_DEFAULT),
             tcp_connections_per_peer: crate::limits::TCP_CONNECTIONS_PER_PEER_DEFAULT,
             transport: TransportChoice::Tcp,
+            metaserver_tls: None,
         }
     }
 }
@@ -343,6 +347,7 @@ async fn start_bound(
     let mut ccfg = ClientConfig::new(cfg.metaserver.clone(), node.clone(), session);
     ccfg.queue = cfg.queue;
     ccfg.rpc_timeout = cfg.metaserver_rpc_timeout;
+    ccfg.tls = cfg.metaserver_tls.clone();
     let client = MetaServerClient::start(ccfg)?;
     // A start that fails from here on must stop the client: its driver would
     // otherwise heartbeat forever for a node that never became ready, keeping

@@ -1145,10 +1145,13 @@ async fn fault_panic_in_a_request_answers_internal_and_service_keeps_serving() {
     assert_eq!(srv.visible().len(), 8);
 }
 
-/// The store lock poisoned by a panic elsewhere (an embedder or exporter
-/// that held it) is recovered by the next RPC, which is served; counted.
+/// A panic elsewhere while holding the handle's `store` mutex (an embedder
+/// or exporter) does not reach the service: the index locks itself, so the
+/// next RPC is served with nothing to recover. (A poisoned lock *inside*
+/// the index is recovered by the service: unit tests in
+/// `metaserver::service`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn fault_poisoned_store_lock_is_recovered() {
+async fn fault_poisoned_handle_mutex_does_not_stop_serving() {
     let srv = spawn_server().await;
     let mut g = raw(srv.addr()).await;
     let (n, s) = (node(1), session("s"));
@@ -1162,8 +1165,8 @@ async fn fault_poisoned_store_lock_is_recovered() {
     .join();
     assert!(srv.handle.store.is_poisoned());
     g.insert_block_hashes(insert_req(&n, &s, &hs(4..6))).await.unwrap();
-    assert!(!srv.handle.store.is_poisoned());
-    assert_eq!(srv.handle.metrics.poison_recoveries.load(Ordering::Relaxed), 1);
+    assert_eq!(srv.handle.metrics.poison_recoveries.load(Ordering::Relaxed), 0);
     assert_eq!(srv.handle.metrics.store_resets.load(Ordering::Relaxed), 0);
-    assert_eq!(srv.visible().len(), 6);
+    let index = srv.handle.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+    assert_eq!(index.visible_entries(0).len(), 6);
 }

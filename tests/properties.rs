@@ -208,7 +208,7 @@ proptest! {
         query in prop::collection::vec(0..STORE_HASHES + 2, 0..12),
     ) {
         const NOW_MS: u64 = 150;
-        let mut st = MetaStore::new(StoreConfig { stale_after_ms: STALE_AFTER_MS, ttl_ms: 10_000 });
+        let st = MetaStore::new(StoreConfig { stale_after_ms: STALE_AFTER_MS, ttl_ms: 10_000 });
         let session = SessionId("s-1".to_string());
         let mut model: Vec<BTreeSet<u64>> = vec![BTreeSet::new(); nodes];
         for i in 0..nodes {

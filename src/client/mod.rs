@@ -51,6 +51,9 @@ pub struct ClientConfig {
     pub rpc_timeout: Duration,
     /// Queue bounds.
     pub queue: QueueConfig,
+    /// Talk TLS to the MetaServer, trusting these CA certificates (needs
+    /// the `tls` feature; see [`crate::tls`]). `None`: plain text.
+    pub tls: Option<crate::tls::TlsTrust>,
 }
 
 impl ClientConfig {
@@ -62,6 +65,7 @@ impl ClientConfig {
             session,
             rpc_timeout: Duration::from_millis(limits::METASERVER_RPC_TIMEOUT_MS_DEFAULT),
             queue: QueueConfig::default(),
+            tls: None,
         }
     }
 }
@@ -77,6 +81,9 @@ pub enum ClientError {
         /// Parse error.
         source: tonic::transport::Error,
     },
+    /// TLS was asked for and cannot be set up.
+    #[error("metaserver TLS: {0}")]
+    Tls(#[from] crate::tls::TlsError),
     /// The RPC failed or missed its deadline.
     #[error("metaserver rpc failed: {}", status_text(.0))]
     Rpc(#[from] tonic::Status),
@@ -175,10 +182,17 @@ impl MetaServerClient {
     /// once). Must be called inside a runtime.
     ///
     /// # Errors
-    /// [`ClientError::Address`] for a malformed MetaServer address.
+    /// [`ClientError::Address`] for a malformed MetaServer address,
+    /// [`ClientError::Tls`] when TLS is asked for and cannot be set up.
     pub fn start(cfg: ClientConfig) -> Result<Self, ClientError> {
-        let channel = crate::rt::channel(&cfg.metaserver, cfg.rpc_timeout)
-            .map_err(|source| ClientError::Address { addr: cfg.metaserver.clone(), source })?;
+        let channel = match &cfg.tls {
+            None => crate::rt::channel(&cfg.metaserver, cfg.rpc_timeout)
+                .map_err(|source| ClientError::Address { addr: cfg.metaserver.clone(), source })?,
+            #[cfg(all(feature = "tls", not(madsim)))]
+            Some(trust) => crate::tls::channel(&cfg.metaserver, cfg.rpc_timeout, trust)?,
+            #[cfg(not(all(feature = "tls", not(madsim))))]
+            Some(_) => return Err(crate::tls::TlsError::NotBuilt.into()),
+        };
         let grpc = GrpcMetaClient::new(channel)
             .max_decoding_message_size(limits::GRPC_MESSAGE_BYTES_MAX)
             .max_encoding_message_size(limits::GRPC_MESSAGE_BYTES_MAX);

@@ -4,7 +4,7 @@
 use std::net::SocketAddr;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use rand::{Rng, SeedableRng};
@@ -36,6 +36,13 @@ pub struct MetaServerConfig {
     /// (see [`MetaStore::with_capacity`]; at most
     /// [`limits::METASERVER_CAPACITY_HASHES_MAX`]). 0: grow on demand.
     pub capacity_hashes: u64,
+    /// Store shards, each with its own lock (see [`MetaStore`]): 1 to
+    /// [`limits::METASERVER_SHARDS_MAX`]; default
+    /// [`limits::METASERVER_SHARDS_DEFAULT`].
+    pub shards: usize,
+    /// Serve TLS with this certificate and key (needs the `tls` feature;
+    /// see [`crate::tls`]). `None`: plain text.
+    pub tls: Option<crate::tls::TlsIdentity>,
 }
 
 impl MetaServerConfig {
@@ -48,6 +55,8 @@ impl MetaServerConfig {
             sweep_interval_secs: limits::SWEEP_INTERVAL_SECS_DEFAULT,
             seed: 0,
             capacity_hashes: 0,
+            shards: limits::METASERVER_SHARDS_DEFAULT,
+            tls: None,
         }
     }
 }
@@ -69,7 +78,7 @@ pub struct MetaServerHooks {
     /// Writes dropped by `drop_writes_ppm`.
     pub dropped_writes: AtomicU64,
     /// The next this-many store operations (any RPC, or the sweep) panic
-    /// while holding the store lock, before touching the store: a fault
+    /// before touching the store: a fault
     /// injected to prove one failed request does not take the service down
     /// (the request answers `INTERNAL`, the service keeps serving).
     pub panic_store_ops: AtomicU32,
@@ -93,8 +102,8 @@ pub struct MetaServerMetrics {
     /// Store operations that panicked (a request answered `INTERNAL`, or a
     /// sweep skipped); the service kept serving.
     pub store_panics: AtomicU64,
-    /// Times the store lock was found poisoned (a panic elsewhere while it
-    /// was held) and recovered.
+    /// Times recovery found a store lock poisoned (a panic while it was
+    /// held) and cleared it.
     pub poison_recoveries: AtomicU64,
     /// Times a fault left the store inconsistent and it was reset to empty
     /// (clients then re-heartbeat and backfill, as after a restart: C6).
@@ -104,7 +113,7 @@ pub struct MetaServerMetrics {
 /// The tonic service. Cheap to clone.
 #[derive(Clone)]
 pub struct MetaServerService {
-    store: Arc<Mutex<MetaStore>>,
+    store: MetaStore,
     origin: Instant,
     stale_after_secs: u64,
     hooks: Arc<MetaServerHooks>,
@@ -112,73 +121,67 @@ pub struct MetaServerService {
     rng: Arc<Mutex<rand::rngs::SmallRng>>,
 }
 
-/// Takes the store lock, surviving a poisoned one: a panic while another
-/// holder had it (the exporter, an embedder, a test) leaves the lock
-/// poisoned, and `expect` there would turn one fault into every later
-/// request panicking. The guard is recovered with
-/// [`PoisonError::into_inner`], the store is checked
-/// ([`MetaStore::check_consistency`]) and, if the fault left it
-/// half-updated, reset to empty (see [`recover_store`]); the poison flag is
-/// cleared and the recovery counted.
-pub(crate) fn lock_store<'a>(store: &'a Mutex<MetaStore>, metrics: &MetaServerMetrics) -> MutexGuard<'a, MetaStore> {
-    match store.lock() {
-        Ok(g) => g,
-        Err(poisoned) => {
-            let mut g = poisoned.into_inner();
-            store.clear_poison();
-            metrics.poison_recoveries.fetch_add(1, Ordering::Relaxed);
-            recover_store(&mut g, metrics);
-            g
-        }
+/// After a fault (a caught panic in a store call): [`MetaStore::recover`]
+/// clears any poison and keeps the store if its indices agree, else resets
+/// it to empty — a state the system already recovers from (clients
+/// re-heartbeat and backfill, C6). Counted in
+/// [`MetaServerMetrics::poison_recoveries`] and
+/// [`MetaServerMetrics::store_resets`].
+fn recover_store(store: &MetaStore, metrics: &MetaServerMetrics) {
+    let r = store.recover();
+    if r.poisoned {
+        metrics.poison_recoveries.fetch_add(1, Ordering::Relaxed);
     }
-}
-
-/// After a fault while the store was held: keeps it if its indices agree,
-/// else replaces it with an empty store of the same configuration (counted
-/// in [`MetaServerMetrics::store_resets`]). An empty store is a state the
-/// system already recovers from — a MetaServer restart: writes of unknown
-/// nodes answer `FAILED_PRECONDITION`, clients re-heartbeat, learn their
-/// session is new and backfill their resident blocks (C6) — whereas a
-/// half-updated index could answer owners that do not hold a block.
-fn recover_store(store: &mut MetaStore, metrics: &MetaServerMetrics) {
-    if let Err(e) = store.check_consistency() {
+    if let Some(e) = r.reset {
         tracing::error!(error = %e, "resetting the metaserver store to empty after a fault");
-        *store = MetaStore::with_capacity(store.config(), store.capacity_hashes());
         metrics.store_resets.fetch_add(1, Ordering::Relaxed);
     }
 }
 
-/// Runs `op` on the store under its lock; a panic inside it (a bug, or the
-/// [`MetaServerHooks::panic_store_ops`] fault) is caught while the lock is
-/// still held, so the lock is never poisoned: the store is checked (and
-/// reset if inconsistent, see [`recover_store`]), the panic counted in
+/// Runs `op` on the store; a panic inside it (a bug, the
+/// [`MetaServerHooks::panic_store_ops`] fault, or a lock another request
+/// left poisoned, see [`crate::metaserver::store::POISONED`]) is caught:
+/// the store is recovered ([`recover_store`]), the panic counted in
 /// [`MetaServerMetrics::store_panics`], and `Err(())` returned for the
-/// caller to refuse just that request.
+/// caller to refuse just that request. Later requests are served as usual.
 fn guarded<T>(
-    store: &Mutex<MetaStore>,
+    store: &MetaStore,
     hooks: &MetaServerHooks,
     metrics: &MetaServerMetrics,
-    op: impl FnOnce(&mut MetaStore) -> T,
+    op: impl FnOnce(&MetaStore) -> T,
 ) -> Result<T, ()> {
-    let mut g = lock_store(store, metrics);
     let res = std::panic::catch_unwind(AssertUnwindSafe(|| {
         let injected =
             hooks.panic_store_ops.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1)).is_ok();
         if injected {
             panic!("injected store fault (MetaServerHooks::panic_store_ops)");
         }
-        op(&mut g)
+        op(store)
     }));
     res.map_err(|_| {
         metrics.store_panics.fetch_add(1, Ordering::Relaxed);
-        recover_store(&mut g, metrics);
+        recover_store(store, metrics);
     })
+}
+
+/// Runs a read-only `op` (the exporter's, an embedder's: `stats`,
+/// `visible_entries`, …) on `store`, recovering it ([`MetaStore::recover`],
+/// counted in `metrics`) and retrying once if a fault left it poisoned.
+/// `None` if `op` panics again.
+pub fn read_store<T>(store: &MetaStore, metrics: &MetaServerMetrics, op: impl Fn(&MetaStore) -> T) -> Option<T> {
+    for _ in 0..2 {
+        match std::panic::catch_unwind(AssertUnwindSafe(|| op(store))) {
+            Ok(v) => return Some(v),
+            Err(_) => recover_store(store, metrics),
+        }
+    }
+    None
 }
 
 impl MetaServerService {
     /// [`guarded`] on this service's store: a panicking operation answers
     /// `INTERNAL` (counted as rejected too) and the service keeps serving.
-    fn with_store<T>(&self, op: impl FnOnce(&mut MetaStore) -> T) -> Result<T, Status> {
+    fn with_store<T>(&self, op: impl FnOnce(&MetaStore) -> T) -> Result<T, Status> {
         guarded(&self.store, &self.hooks, &self.metrics, op).or_else(|()| {
             self.reject(Status::internal("the metaserver failed on this request (store fault); it keeps serving"))
         })
@@ -233,7 +236,7 @@ impl MetaServerService {
         hashes: Vec<bytes::Bytes>,
         node: &str,
         node_id: &str,
-        op: impl FnOnce(&mut MetaStore, &str, &[BlockHash], &NodeAddr, &SessionId, u64) -> Result<T, StoreError>,
+        op: impl FnOnce(&MetaStore, &str, &[BlockHash], &NodeAddr, &SessionId, u64) -> Result<T, StoreError>,
     ) -> Result<T, Status> {
         let (node, session, hashes) = match self.check_write(namespace, hashes, node, node_id) {
             Ok(v) => v,
@@ -394,6 +397,9 @@ pub struct MetaServerHandle {
     /// The bound gRPC address.
     pub local_addr: SocketAddr,
     /// The store (read by the simulator's invariants and the exporter).
+    /// [`MetaStore`] is a handle that locks itself; the `Mutex` guards only
+    /// this copy of the handle (kept so the simulator's checker, which
+    /// locks it, builds unchanged) — lock it just to clone the handle out.
     pub store: Arc<Mutex<MetaStore>>,
     /// Fault switches.
     pub hooks: Arc<MetaServerHooks>,
@@ -444,6 +450,10 @@ pub enum StartError {
     /// A setting is out of range.
     #[error("bad configuration: {0}")]
     Config(#[from] ConfigError),
+    /// TLS was asked for and cannot be set up (not built in, or a
+    /// certificate or key refused).
+    #[error("metaserver TLS: {0}")]
+    Tls(#[from] crate::tls::TlsError),
 }
 
 /// A [`MetaServerConfig`] duration setting, named in [`ConfigError`] so a
@@ -459,6 +469,8 @@ pub enum ConfigField {
     SweepIntervalSecs,
     /// [`MetaServerConfig::capacity_hashes`].
     CapacityHashes,
+    /// [`MetaServerConfig::shards`].
+    Shards,
 }
 
 impl ConfigField {
@@ -469,6 +481,7 @@ impl ConfigField {
             ConfigField::TtlSecs => "ttl_secs",
             ConfigField::SweepIntervalSecs => "sweep_interval_secs",
             ConfigField::CapacityHashes => "capacity_hashes",
+            ConfigField::Shards => "shards",
         }
     }
 }
@@ -496,6 +509,15 @@ pub enum ConfigError {
         value: u64,
         /// The bound (hashes).
         max: u64,
+    },
+    /// [`MetaServerConfig::shards`] is 0 or exceeds
+    /// [`limits::METASERVER_SHARDS_MAX`].
+    #[error("shards ({value}) must be 1 to {max}")]
+    Shards {
+        /// The shard count asked for.
+        value: usize,
+        /// The bound.
+        max: usize,
     },
     /// The setting exceeds [`limits::METASERVER_DURATION_SECS_MAX`].
     #[error("{} ({value}) must be at most {max} (s)", field.name())]
@@ -525,14 +547,15 @@ impl ConfigError {
             ConfigError::CapacityTooLarge { value, max } => {
                 format!("{} ({value}) must be at most {max}", name(ConfigField::CapacityHashes))
             }
+            ConfigError::Shards { value, max } => format!("{} ({value}) must be 1 to {max}", name(ConfigField::Shards)),
         }
     }
 }
 
 impl MetaServerConfig {
-    /// Checks the duration settings: each at least 1 s and at most
-    /// [`limits::METASERVER_DURATION_SECS_MAX`], and `ttl_secs >=
-    /// stale_after_secs`.
+    /// Checks the settings: each duration at least 1 s and at most
+    /// [`limits::METASERVER_DURATION_SECS_MAX`], the capacity and the shard
+    /// count within their limits, and `ttl_secs >= stale_after_secs`.
     ///
     /// # Errors
     /// The first [`ConfigError`] found.
@@ -556,6 +579,9 @@ impl MetaServerConfig {
                 max: limits::METASERVER_CAPACITY_HASHES_MAX,
             });
         }
+        if !(1..=limits::METASERVER_SHARDS_MAX).contains(&self.shards) {
+            return Err(ConfigError::Shards { value: self.shards, max: limits::METASERVER_SHARDS_MAX });
+        }
         if self.ttl_secs < self.stale_after_secs {
             return Err(ConfigError::TtlBelowStaleAfter {
                 ttl_secs: self.ttl_secs,
@@ -566,20 +592,42 @@ impl MetaServerConfig {
     }
 }
 
+/// The server builder, with TLS when `tls` is given.
+#[cfg(all(feature = "tls", not(madsim)))]
+fn tls_server_builder(tls: Option<&crate::tls::TlsIdentity>) -> Result<tonic::transport::Server, StartError> {
+    let builder = crate::rt::server_builder();
+    Ok(match tls {
+        Some(id) => crate::tls::server(builder, id)?,
+        None => builder,
+    })
+}
+
+/// The server builder; asking for TLS in a build without it is an error.
+#[cfg(not(all(feature = "tls", not(madsim))))]
+fn tls_server_builder(tls: Option<&crate::tls::TlsIdentity>) -> Result<tonic::transport::Server, StartError> {
+    match tls {
+        Some(_) => Err(StartError::Tls(crate::tls::TlsError::NotBuilt)),
+        None => Ok(crate::rt::server_builder()),
+    }
+}
+
 /// Binds, then serves the MetaServer and runs its TTL sweep. Returns once the
 /// port is bound, so a taken port is an error before anything is served.
 ///
 /// # Errors
 /// [`StartError::Bind`] for a taken or invalid address, [`StartError::Config`]
-/// for zero/inconsistent durations (see [`MetaServerConfig::validate`]).
+/// for zero/inconsistent durations (see [`MetaServerConfig::validate`]),
+/// [`StartError::Tls`] when TLS is asked for and cannot be set up.
 pub async fn start(config: MetaServerConfig) -> Result<MetaServerHandle, StartError> {
     config.validate()?;
+    let mut builder = tls_server_builder(config.tls.as_ref())?;
     let bound = crate::rt::bind(config.addr).await.map_err(|source| StartError::Bind { addr: config.addr, source })?;
     let local_addr = bound.local_addr;
-    let store = Arc::new(Mutex::new(MetaStore::with_capacity(
+    let store = MetaStore::with_shards(
         StoreConfig { stale_after_ms: config.stale_after_secs * 1000, ttl_ms: config.ttl_secs * 1000 },
         config.capacity_hashes as usize,
-    )));
+        config.shards,
+    );
     let hooks = Arc::new(MetaServerHooks::default());
     let metrics = Arc::new(MetaServerMetrics::default());
     let origin = Instant::now();
@@ -597,7 +645,7 @@ pub async fn start(config: MetaServerConfig) -> Result<MetaServerHandle, StartEr
         .max_encoding_message_size(limits::GRPC_MESSAGE_BYTES_MAX);
     #[cfg(not(madsim))]
     let server = crate::status::LimitAsResourceExhausted(server);
-    let router = crate::rt::server_builder().add_service(server);
+    let router = builder.add_service(server);
     let serve = tokio::spawn(crate::rt::serve(router, bound, async move {
         let _ = rx.wait_for(|v| *v).await;
     }));
@@ -620,6 +668,7 @@ pub async fn start(config: MetaServerConfig) -> Result<MetaServerHandle, StartEr
         }
     });
     tracing::info!(%local_addr, "metaserver listening");
+    let store = Arc::new(Mutex::new(store));
     Ok(MetaServerHandle { local_addr, store, hooks, metrics, shutdown: tx, serve, sweep })
 }
 
@@ -628,12 +677,12 @@ mod tests {
     use super::*;
     use crate::types::{BlockHash, NodeAddr, SessionId};
 
-    fn store_with_one_block() -> Mutex<MetaStore> {
-        let mut st = MetaStore::new(StoreConfig { stale_after_ms: 1_000, ttl_ms: 5_000 });
+    fn store_with_one_block() -> MetaStore {
+        let st = MetaStore::with_shards(StoreConfig { stale_after_ms: 1_000, ttl_ms: 5_000 }, 0, 4);
         let (n, s) = (NodeAddr("10.0.0.1:7000".into()), SessionId("s1".into()));
         st.heartbeat(&n, &s, 0).unwrap();
         st.insert("ns", &[BlockHash::from_u64(1)], &n, &s, 0).unwrap();
-        Mutex::new(st)
+        st
     }
 
     /// A panic that leaves the store half-updated is caught, and the store
@@ -649,10 +698,8 @@ mod tests {
         assert_eq!(r, Err(()));
         assert_eq!(metrics.store_panics.load(Ordering::Relaxed), 1);
         assert_eq!(metrics.store_resets.load(Ordering::Relaxed), 1);
-        assert!(!store.is_poisoned());
-        let st = lock_store(&store, &metrics);
-        assert_eq!(st.stats().nodes, 0, "reset to empty");
-        assert_eq!(st.check_consistency(), Ok(()));
+        assert_eq!(guarded(&store, &hooks, &metrics, |st| st.stats().nodes), Ok(0), "reset to empty");
+        assert_eq!(store.check_consistency(), Ok(()));
     }
 
     /// A panic before any change keeps the store as it was.
@@ -667,21 +714,44 @@ mod tests {
         assert_eq!(metrics.store_resets.load(Ordering::Relaxed), 0);
     }
 
-    /// A lock poisoned elsewhere over a corrupted store: recovered, checked,
-    /// reset; the poison flag is cleared.
+    /// Locks poisoned elsewhere over a corrupted store: the first request
+    /// that meets the poison is refused, the store recovered (checked,
+    /// reset, poison cleared), and the next request served.
     #[test]
     fn a_poisoned_lock_over_a_corrupted_store_is_recovered_and_reset() {
         let store = store_with_one_block();
-        let metrics = MetaServerMetrics::default();
-        let _ = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            let mut g = store.lock().unwrap();
-            g.corrupt_for_test();
-            panic!("injected: a holder corrupts the store and panics");
-        }));
-        assert!(store.is_poisoned());
-        assert!(lock_store(&store, &metrics).check_consistency().is_ok());
-        assert!(!store.is_poisoned());
+        let (hooks, metrics) = (MetaServerHooks::default(), MetaServerMetrics::default());
+        store.poison_for_test(true);
+        assert_eq!(guarded(&store, &hooks, &metrics, |st| st.stats().nodes), Err(()));
+        assert_eq!(guarded(&store, &hooks, &metrics, |st| st.stats().nodes), Ok(0));
         assert_eq!(metrics.poison_recoveries.load(Ordering::Relaxed), 1);
         assert_eq!(metrics.store_resets.load(Ordering::Relaxed), 1);
+        assert_eq!(store.check_consistency(), Ok(()));
+    }
+
+    /// The exporter's read path recovers a poisoned (consistent) store and
+    /// answers on its retry.
+    #[test]
+    fn read_store_recovers_a_poisoned_store_and_answers() {
+        let store = store_with_one_block();
+        let metrics = MetaServerMetrics::default();
+        store.poison_for_test(false);
+        assert_eq!(read_store(&store, &metrics, |st| st.stats().hashes), Some(1));
+        assert_eq!(metrics.poison_recoveries.load(Ordering::Relaxed), 1);
+        assert_eq!(metrics.store_resets.load(Ordering::Relaxed), 0);
+    }
+
+    /// A shard count outside 1..=METASERVER_SHARDS_MAX is refused.
+    #[test]
+    fn shards_setting_is_validated() {
+        let mut cfg = MetaServerConfig::new("127.0.0.1:0".parse().unwrap());
+        assert_eq!(cfg.validate(), Ok(()));
+        cfg.shards = 0;
+        let max = limits::METASERVER_SHARDS_MAX;
+        assert_eq!(cfg.validate(), Err(ConfigError::Shards { value: 0, max }));
+        cfg.shards = max + 1;
+        assert_eq!(cfg.validate().unwrap_err().to_string(), format!("shards ({}) must be 1 to {max}", max + 1));
+        cfg.shards = 1;
+        assert_eq!(cfg.validate(), Ok(()));
     }
 }

@@ -10,15 +10,22 @@
 //! The store is pure: no clock, no I/O, no async. Every call takes the
 //! caller's `now_ms` (milliseconds on any monotonic clock the caller picks).
 //!
-//! Layout, chosen for insert speed and for bounded per-call work:
-//! - namespaces and nodes are interned to `u32` indices (both recycled once
-//!   empty/removed, so memory follows the live set);
-//! - each namespace keeps `hash → slot id` plus a slab of slots, and a slot
-//!   holds the hash and a small inline vector of owners `(node index, session
-//!   generation, back-pointer)`;
-//! - each node record keeps a reverse index, a vector of `(namespace, slot)`
-//!   it owns; owners and reverse entries point at each other, so removing one
-//!   ownership is O(1) and dropping a node is O(blocks it owns).
+//! Layout, chosen for insert speed, for bounded per-call work and for
+//! requests of many clients running on many cores (see [`MetaStore`] for
+//! the locks and the consistency they give):
+//! - hashes are spread over shards by a fixed mix of their bytes; each
+//!   shard has its own lock, its own namespaces and its own part of every
+//!   node's reverse index;
+//! - nodes are interned to `u32` indices in one node table (recycled once
+//!   removed, so memory follows the live set); namespaces are interned per
+//!   shard (recycled once empty there);
+//! - each namespace of a shard keeps `hash → slot id` plus a slab of slots,
+//!   and a slot holds the hash and a small inline vector of owners `(node
+//!   index, session generation, back-pointer)`;
+//! - each shard keeps, per node, a vector of the `(namespace, slot)` of that
+//!   shard the node owns; owners and reverse entries point at each other, so
+//!   removing one ownership is O(1) and dropping a node is O(shards + blocks
+//!   it owns).
 //!
 //! Invariant: every owner entry in the index belongs to the *current* session
 //! of an existing node record. Takeover, unregister and sweep drop the old
@@ -34,6 +41,8 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use std::fmt;
 use std::hash::{Hash, Hasher};
 use std::mem;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::limits;
 use crate::types::{BlockHash, NodeAddr, SessionId};
@@ -203,12 +212,12 @@ impl Hash for HKey {
 /// One owner entry of a slot.
 #[derive(Clone, Copy, Default, Debug)]
 struct Owner {
-    /// Index into `MetaStore::nodes`.
+    /// Index into the node table.
     node: u32,
     /// The node slot's session generation when the entry was written.
     generation: u32,
-    /// Position of the matching `(namespace, slot)` in the node's
-    /// `NodeRec::owned`.
+    /// Position of the matching `(namespace, slot)` in the node's reverse
+    /// list of this shard (`Shard::owned`).
     rev: u32,
 }
 
@@ -295,12 +304,11 @@ impl Namespace {
     }
 }
 
-/// A node's record.
+/// A node's record. The heartbeat time is atomic so that a refresh (the
+/// common heartbeat) needs only the node table's read lock.
 struct NodeRec {
     session: SessionId,
-    last_hb_ms: u64,
-    /// Reverse index: every `(namespace, slot)` this session owns.
-    owned: Vec<(u32, u32)>,
+    last_hb_ms: AtomicU64,
 }
 
 /// An interned node address and its record (`None` while the slot sits on
@@ -313,155 +321,177 @@ struct NodeSlot {
     rec: Option<NodeRec>,
 }
 
-fn is_fresh(rec: &NodeRec, now_ms: u64, stale_after_ms: u64) -> bool {
-    now_ms.saturating_sub(rec.last_hb_ms) <= stale_after_ms
+/// The node table: interned addresses and their records.
+#[derive(Default)]
+struct Nodes {
+    ids: HashMap<NodeAddr, u32>,
+    slots: Vec<NodeSlot>,
+    free: Vec<u32>,
 }
 
-fn owner_visible(nodes: &[NodeSlot], o: &Owner, now_ms: u64, stale_after_ms: u64) -> bool {
-    let slot = &nodes[o.node as usize];
-    slot.generation == o.generation && slot.rec.as_ref().is_some_and(|r| is_fresh(r, now_ms, stale_after_ms))
+impl Nodes {
+    fn rec(&self, idx: u32) -> &NodeRec {
+        self.slots[idx as usize].rec.as_ref().expect("interned node has a record")
+    }
+
+    fn owner_visible(&self, o: &Owner, now_ms: u64, stale_after_ms: u64) -> bool {
+        let slot = &self.slots[o.node as usize];
+        slot.generation == o.generation && slot.rec.as_ref().is_some_and(|r| is_fresh(r, now_ms, stale_after_ms))
+    }
+
+    fn register(&mut self, node: &NodeAddr, session: &SessionId, now_ms: u64) {
+        let rec = NodeRec { session: session.clone(), last_hb_ms: AtomicU64::new(now_ms) };
+        let idx = match self.free.pop() {
+            Some(idx) => {
+                let slot = &mut self.slots[idx as usize];
+                slot.addr = node.clone();
+                slot.generation = slot.generation.wrapping_add(1);
+                slot.rec = Some(rec);
+                idx
+            }
+            None => {
+                self.slots.push(NodeSlot { addr: node.clone(), generation: 0, rec: Some(rec) });
+                to_u32(self.slots.len() - 1)
+            }
+        };
+        self.ids.insert(node.clone(), idx);
+    }
+
+    /// Deletes the record of node `idx` (its ownerships must be gone).
+    fn release(&mut self, idx: u32) {
+        let slot = &mut self.slots[idx as usize];
+        slot.rec = None;
+        self.ids.remove(&slot.addr);
+        self.free.push(idx);
+    }
+}
+
+fn is_fresh(rec: &NodeRec, now_ms: u64, stale_after_ms: u64) -> bool {
+    now_ms.saturating_sub(rec.last_hb_ms.load(Ordering::Relaxed)) <= stale_after_ms
 }
 
 fn to_u32(n: usize) -> u32 {
     u32::try_from(n).expect("MetaStore index exceeds u32")
 }
 
-/// The MetaServer's index: `(namespace, block hash) → owners`, plus node
-/// records that fence writes by session (contracts C5, C7).
-///
-/// Costs: `insert`, `remove` and `query_prefix` are O(hashes in the call)
-/// (times the owners per hash, a small number); `unregister` and a takeover
-/// are O(blocks the node owns); `sweep` is O(nodes + blocks the expired
-/// nodes own); `visible_entries` is O(everything) and meant for tests.
-pub struct MetaStore {
-    cfg: StoreConfig,
-    node_ids: HashMap<NodeAddr, u32>,
-    nodes: Vec<NodeSlot>,
-    free_nodes: Vec<u32>,
+/// The shard a hash lives in, out of `shards`: a fixed mix of its bytes
+/// (no per-process seed, so a run is reproducible). Every namespace's copy
+/// of a hash lives in the same shard.
+fn shard_index(key: &[u8], shards: usize) -> usize {
+    if shards == 1 {
+        return 0;
+    }
+    let mut h = key.len() as u64;
+    for chunk in key.chunks(8) {
+        let mut w = [0u8; 8];
+        w[..chunk.len()].copy_from_slice(chunk);
+        h = (h ^ u64::from_le_bytes(w)).wrapping_mul(0x9e37_79b9_7f4a_7c15).rotate_left(31);
+    }
+    h ^= h >> 30;
+    h = h.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    h ^= h >> 27;
+    h = h.wrapping_mul(0x94d0_49bb_1331_11eb);
+    h ^= h >> 31;
+    ((u128::from(h) * shards as u128) >> 64) as usize
+}
+
+/// Hashes one shard's part of a namespace is sized for when the whole
+/// namespace is sized for `capacity` over `shards` shards: the even share
+/// plus a margin of four standard deviations (+64) for the unevenness of a
+/// uniform spread, at most `capacity`. 0 stays 0 (grow on demand).
+fn shard_capacity(capacity: usize, shards: usize) -> usize {
+    if capacity == 0 {
+        return 0;
+    }
+    let share = capacity.div_ceil(shards);
+    let margin = 4 * (share as f64).sqrt().ceil() as usize + 64;
+    (share + margin).min(capacity)
+}
+
+/// One shard: the namespaces' `hash → owners` entries of the hashes that
+/// [`shard_index`] puts here, and this shard's part of every node's reverse
+/// index. Owner back-pointers (`Owner::rev`) index this shard's lists only,
+/// so a shard is consistent on its own.
+struct Shard {
     ns_ids: HashMap<String, u32>,
     namespaces: Vec<Namespace>,
     free_namespaces: Vec<u32>,
-    drop_work: u64,
-    /// Hashes each namespace's index is sized for when the namespace is
-    /// created (see [`MetaStore::with_capacity`]).
-    capacity_hashes: usize,
+    /// By node index: every `(namespace, slot)` of this shard that the
+    /// node's current session owns.
+    owned: Vec<Vec<(u32, u32)>>,
+    /// Hashes each namespace of this shard is sized for when created.
+    capacity: usize,
 }
 
-impl fmt::Debug for MetaStore {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("MetaStore").field("config", &self.cfg).field("stats", &self.stats()).finish()
-    }
-}
-
-impl MetaStore {
-    /// An empty store with the given timing knobs; namespaces grow on
-    /// demand.
-    pub fn new(cfg: StoreConfig) -> Self {
-        Self::with_capacity(cfg, 0)
-    }
-
-    /// An empty store whose namespaces are each sized, when created, for
-    /// `capacity_hashes` distinct hashes (hash index and slot table). An
-    /// index that grows on demand doubles, and each doubling rehashes every
-    /// key while the store lock is held: with millions of hashes one insert
-    /// RPC then waits tens of milliseconds (the insert p99 spikes). Sized up
-    /// front it never grows below the capacity. Costs roughly 150 bytes per
-    /// hash of capacity per namespace (hash index plus slot table),
-    /// allocated when the namespace is first written. 0: grow on demand.
-    pub fn with_capacity(cfg: StoreConfig, capacity_hashes: usize) -> Self {
+impl Shard {
+    fn new(capacity: usize) -> Self {
         Self {
-            capacity_hashes,
-            cfg,
-            node_ids: HashMap::new(),
-            nodes: Vec::new(),
-            free_nodes: Vec::new(),
             ns_ids: HashMap::new(),
             namespaces: Vec::new(),
             free_namespaces: Vec::new(),
-            drop_work: 0,
+            owned: Vec::new(),
+            capacity,
         }
     }
 
-    /// The timing knobs this store was built with.
-    pub fn config(&self) -> StoreConfig {
-        self.cfg
-    }
-
-    /// The per-namespace capacity this store was built with
-    /// ([`MetaStore::with_capacity`]).
-    pub fn capacity_hashes(&self) -> usize {
-        self.capacity_hashes
-    }
-
-    /// Registers or refreshes `node` under `session` at `now_ms`.
-    ///
-    /// - no record: creates one ([`HeartbeatOutcome::Registered`]);
-    /// - same session: sets the heartbeat time to `max(previous, now_ms)`
-    ///   ([`HeartbeatOutcome::Refreshed`]);
-    /// - another session that is stale: replaces it and drops all its
-    ///   ownerships, O(blocks it owned) ([`HeartbeatOutcome::TookOver`]).
-    ///
-    /// # Errors
-    /// [`StoreError::LiveSessionConflict`] when another session of `node` is
-    /// still fresh; nothing changes.
-    pub fn heartbeat(
-        &mut self,
-        node: &NodeAddr,
-        session: &SessionId,
-        now_ms: u64,
-    ) -> Result<HeartbeatOutcome, StoreError> {
-        let Some(&idx) = self.node_ids.get(node) else {
-            self.register(node, session, now_ms);
-            return Ok(HeartbeatOutcome::Registered);
+    fn intern_namespace(&mut self, name: &str) -> u32 {
+        if let Some(&id) = self.ns_ids.get(name) {
+            return id;
+        }
+        let id = match self.free_namespaces.pop() {
+            Some(id) => {
+                self.namespaces[id as usize].name = name.to_string();
+                id
+            }
+            None => {
+                self.namespaces.push(Namespace::new(name.to_string()));
+                to_u32(self.namespaces.len() - 1)
+            }
         };
-        let rec = self.nodes[idx as usize].rec.as_mut().expect("interned node has a record");
-        if rec.session == *session {
-            rec.last_hb_ms = rec.last_hb_ms.max(now_ms);
-            return Ok(HeartbeatOutcome::Refreshed);
-        }
-        if is_fresh(rec, now_ms, self.cfg.stale_after_ms) {
-            return Err(StoreError::LiveSessionConflict { node: node.clone(), live_session: rec.session.clone() });
-        }
-        self.drop_ownerships(idx);
-        let slot = &mut self.nodes[idx as usize];
-        slot.generation = slot.generation.wrapping_add(1);
-        let rec = slot.rec.as_mut().expect("interned node has a record");
-        rec.session = session.clone();
-        rec.last_hb_ms = now_ms;
-        Ok(HeartbeatOutcome::TookOver)
+        self.ns_ids.insert(name.to_string(), id);
+        let ns = &mut self.namespaces[id as usize];
+        ns.map.reserve(self.capacity);
+        ns.slots.reserve(self.capacity);
+        id
     }
 
-    /// Records that `node` (session `session`) holds `hashes` in `namespace`
-    /// (upsert; duplicates within the request are fine).
-    ///
-    /// Returns how many hashes are newly owned and which ones are
-    /// reclaimable (see [`InsertOutcome`]). O(`hashes.len()`).
-    ///
-    /// # Errors
-    /// [`StoreError::UnknownNode`] when `node` has no record;
-    /// [`StoreError::StaleSession`] when its record carries another session
-    /// or is stale. On error nothing changes.
-    pub fn insert(
+    /// The owner entries of `key` in `namespace` (empty when unknown).
+    fn owners_of(&self, namespace: &str, key: &[u8]) -> &[Owner] {
+        let Some(&ns_id) = self.ns_ids.get(namespace) else {
+            return &[];
+        };
+        let ns = &self.namespaces[ns_id as usize];
+        match ns.map.get(&HKey::new(key)) {
+            Some(&slot_id) => ns.slots[slot_id as usize].owners.as_slice(),
+            None => &[],
+        }
+    }
+
+    /// Records node `idx` (of `nodes`) as an owner of each `(position,
+    /// hash)` of `items`, all of this shard, counting other owners visible
+    /// at `now_ms` (stale after `stale_after_ms`); pushes the request positions
+    /// of reclaimable hashes (first occurrence only) to `reclaim`. Returns
+    /// how many are newly owned.
+    fn insert<'h>(
         &mut self,
         namespace: &str,
-        hashes: &[BlockHash],
-        node: &NodeAddr,
-        session: &SessionId,
-        now_ms: u64,
-    ) -> Result<InsertOutcome, StoreError> {
-        let idx = self.fence(node, session, now_ms)?;
-        let mut out = InsertOutcome::default();
-        if hashes.is_empty() {
-            return Ok(out);
-        }
+        items: impl Iterator<Item = (usize, &'h BlockHash)>,
+        idx: u32,
+        (nodes, now_ms, stale_after_ms): (&Nodes, u64, u64),
+        reclaim: &mut Vec<usize>,
+    ) -> u64 {
         let ns_id = self.intern_namespace(namespace);
-        let stale_after = self.cfg.stale_after_ms;
-        let generation = self.nodes[idx as usize].generation;
-        let Self { namespaces, nodes, .. } = self;
+        let generation = nodes.slots[idx as usize].generation;
+        if self.owned.len() <= idx as usize {
+            self.owned.resize_with(idx as usize + 1, Vec::new);
+        }
+        let Self { namespaces, owned, .. } = self;
+        let owned = &mut owned[idx as usize];
         let Namespace { map, slots, free_slots, .. } = &mut namespaces[ns_id as usize];
         // Slots already reported as reclaimable; only built when needed.
         let mut reported: Option<HashSet<u32>> = None;
-        for h in hashes {
+        let mut inserted = 0;
+        for (pos, h) in items {
             let slot_id = match map.entry(HKey::new(h.as_bytes())) {
                 Entry::Occupied(e) => *e.get(),
                 Entry::Vacant(e) => {
@@ -486,40 +516,27 @@ impl MetaStore {
             for o in slot.owners.as_slice() {
                 if o.node == idx {
                     mine = true;
-                } else if owner_visible(nodes, o, now_ms, stale_after) {
+                } else if nodes.owner_visible(o, now_ms, stale_after_ms) {
                     others_visible += 1;
                 }
             }
             if !mine {
-                let owned = &mut nodes[idx as usize].rec.as_mut().expect("fenced node has a record").owned;
                 slot.owners.push(Owner { node: idx, generation, rev: to_u32(owned.len()) });
                 owned.push((ns_id, slot_id));
-                out.inserted += 1;
+                inserted += 1;
             }
             if others_visible >= 2 && reported.get_or_insert_default().insert(slot_id) {
-                out.reclaimable.push(h.clone());
+                reclaim.push(pos);
             }
         }
-        Ok(out)
+        inserted
     }
 
-    /// Removes `node`'s (session `session`) ownership of `hashes` in
-    /// `namespace`; other owners are untouched. Returns how many ownerships
-    /// were removed (hashes it did not own count 0). O(`hashes.len()`).
-    ///
-    /// # Errors
-    /// As [`MetaStore::insert`]; on error nothing changes.
-    pub fn remove(
-        &mut self,
-        namespace: &str,
-        hashes: &[BlockHash],
-        node: &NodeAddr,
-        session: &SessionId,
-        now_ms: u64,
-    ) -> Result<u64, StoreError> {
-        let idx = self.fence(node, session, now_ms)?;
+    /// Removes node `idx`'s ownership of each of `hashes` (all of this
+    /// shard) in `namespace`. Returns how many were removed.
+    fn remove<'h>(&mut self, namespace: &str, hashes: impl Iterator<Item = &'h BlockHash>, idx: u32) -> u64 {
         let Some(&ns_id) = self.ns_ids.get(namespace) else {
-            return Ok(0);
+            return 0;
         };
         let mut removed = 0;
         for h in hashes {
@@ -535,232 +552,17 @@ impl MetaStore {
             self.remove_owner(ns_id, slot_id, pos);
             removed += 1;
         }
-        Ok(removed)
+        removed
     }
 
-    /// Deletes `node`'s record and all its ownerships, but only when the
-    /// record carries `session`. Returns the number of owner entries removed;
-    /// a late call from an older session, or for an unknown node, is a no-op
-    /// returning 0. O(blocks the node owns).
-    pub fn unregister(&mut self, node: &NodeAddr, session: &SessionId) -> u64 {
-        let Some(&idx) = self.node_ids.get(node) else {
-            return 0;
-        };
-        let matches = self.nodes[idx as usize].rec.as_ref().is_some_and(|r| r.session == *session);
-        if !matches {
-            return 0;
-        }
-        let n = self.drop_ownerships(idx);
-        self.release_node(idx);
-        n
-    }
-
-    /// The visible owners that hold a prefix of `hashes` in `namespace`, as
-    /// `(node, prefix_len)` where `prefix_len` counts the consecutive hashes
-    /// from the first that the node visibly owns.
-    ///
-    /// The walk stops at the first hash with no visible owner at all. Only
-    /// owners with `prefix_len >= 1` are returned, ordered by `prefix_len`
-    /// descending, then node ascending. O(`hashes.len()`).
-    pub fn query_prefix(&self, namespace: &str, hashes: &[BlockHash], now_ms: u64) -> Vec<(NodeAddr, u32)> {
-        let Some(&ns_id) = self.ns_ids.get(namespace) else {
-            return Vec::new();
-        };
-        let ns = &self.namespaces[ns_id as usize];
-        let stale_after = self.cfg.stale_after_ms;
-        // (node index, prefix length so far): only owners of the first hash
-        // can have a prefix at all.
-        let mut cands: Vec<(u32, u32)> = Vec::new();
-        for (i, h) in hashes.iter().enumerate() {
-            let Some(&slot_id) = ns.map.get(&HKey::new(h.as_bytes())) else {
-                break;
-            };
-            let mut grew = false;
-            for o in ns.slots[slot_id as usize].owners.as_slice() {
-                if !owner_visible(&self.nodes, o, now_ms, stale_after) {
-                    continue;
-                }
-                if i == 0 {
-                    cands.push((o.node, 1));
-                    grew = true;
-                } else if let Some(c) = cands.iter_mut().find(|c| c.0 == o.node && c.1 as usize == i) {
-                    c.1 += 1;
-                    grew = true;
-                }
-            }
-            // No candidate extended its prefix: either this hash has no
-            // visible owner (the stop rule) or no later hash can change the
-            // answer.
-            if !grew {
-                break;
-            }
-        }
-        let mut out: Vec<(NodeAddr, u32)> =
-            cands.into_iter().map(|(n, len)| (self.nodes[n as usize].addr.clone(), len)).collect();
-        out.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
-        out
-    }
-
-    /// Deletes every node record whose last heartbeat is more than `ttl_ms`
-    /// before `now_ms`, with all its ownerships (through the reverse index).
-    ///
-    /// Owner entries of superseded sessions never survive a takeover or an
-    /// unregister, so no further scan is needed. O(nodes + blocks the expired
-    /// nodes own).
-    pub fn sweep(&mut self, now_ms: u64) -> SweepReport {
-        let mut report = SweepReport::default();
-        for idx in 0..self.nodes.len() {
-            let expired =
-                self.nodes[idx].rec.as_ref().is_some_and(|r| now_ms.saturating_sub(r.last_hb_ms) > self.cfg.ttl_ms);
-            if expired {
-                let idx = to_u32(idx);
-                report.owners_removed += self.drop_ownerships(idx);
-                self.release_node(idx);
-                report.nodes_removed += 1;
-            }
-        }
-        report
-    }
-
-    /// The visible owners of `hash` in `namespace`, sorted ascending.
-    pub fn owners(&self, namespace: &str, hash: &BlockHash, now_ms: u64) -> Vec<NodeAddr> {
-        let Some(&ns_id) = self.ns_ids.get(namespace) else {
-            return Vec::new();
-        };
-        let ns = &self.namespaces[ns_id as usize];
-        let Some(&slot_id) = ns.map.get(&HKey::new(hash.as_bytes())) else {
-            return Vec::new();
-        };
-        let mut out: Vec<NodeAddr> = ns.slots[slot_id as usize]
-            .owners
-            .as_slice()
-            .iter()
-            .filter(|o| owner_visible(&self.nodes, o, now_ms, self.cfg.stale_after_ms))
-            .map(|o| self.nodes[o.node as usize].addr.clone())
-            .collect();
-        out.sort();
-        out
-    }
-
-    /// Every visible ownership as `(namespace, hash, node)`. O(everything):
-    /// for the simulator's convergence invariant and tests, not for serving.
-    pub fn visible_entries(&self, now_ms: u64) -> BTreeSet<(String, BlockHash, NodeAddr)> {
-        let mut out = BTreeSet::new();
-        for (name, &ns_id) in &self.ns_ids {
-            let ns = &self.namespaces[ns_id as usize];
-            for &slot_id in ns.map.values() {
-                let slot = &ns.slots[slot_id as usize];
-                for o in slot.owners.as_slice() {
-                    if owner_visible(&self.nodes, o, now_ms, self.cfg.stale_after_ms) {
-                        out.insert((name.clone(), slot.key.to_block_hash(), self.nodes[o.node as usize].addr.clone()));
-                    }
-                }
-            }
-        }
-        out
-    }
-
-    /// Current sizes. O(nodes + namespaces).
-    pub fn stats(&self) -> StoreStats {
-        let hashes = self.ns_ids.values().map(|&i| self.namespaces[i as usize].map.len() as u64).sum();
-        let owner_entries = self
-            .node_ids
-            .values()
-            .filter_map(|&i| self.nodes[i as usize].rec.as_ref())
-            .map(|r| r.owned.len() as u64)
-            .sum();
-        StoreStats { nodes: self.node_ids.len() as u64, namespaces: self.ns_ids.len() as u64, hashes, owner_entries }
-    }
-
-    /// `node`'s record as `(session, last heartbeat in ms)`, fresh or stale;
-    /// `None` when it has none.
-    pub fn node_session(&self, node: &NodeAddr) -> Option<(SessionId, u64)> {
-        let &idx = self.node_ids.get(node)?;
-        let rec = self.nodes[idx as usize].rec.as_ref()?;
-        Some((rec.session.clone(), rec.last_hb_ms))
-    }
-
-    /// Owner entries visited by bulk drops (unregister, takeover, sweep)
-    /// since the store was created: a cost probe showing those are
-    /// O(blocks the node owned), for tests and metrics.
-    pub fn drop_work(&self) -> u64 {
-        self.drop_work
-    }
-
-    /// Checks the write fence; returns the node index.
-    fn fence(&self, node: &NodeAddr, session: &SessionId, now_ms: u64) -> Result<u32, StoreError> {
-        let Some(&idx) = self.node_ids.get(node) else {
-            return Err(StoreError::UnknownNode { node: node.clone() });
-        };
-        let rec = self.nodes[idx as usize].rec.as_ref().expect("interned node has a record");
-        let fresh = is_fresh(rec, now_ms, self.cfg.stale_after_ms);
-        if rec.session != *session || !fresh {
-            return Err(StoreError::StaleSession {
-                node: node.clone(),
-                expected: fresh.then(|| rec.session.clone()),
-                got: session.clone(),
-            });
-        }
-        Ok(idx)
-    }
-
-    fn register(&mut self, node: &NodeAddr, session: &SessionId, now_ms: u64) {
-        let rec = NodeRec { session: session.clone(), last_hb_ms: now_ms, owned: Vec::new() };
-        let idx = match self.free_nodes.pop() {
-            Some(idx) => {
-                let slot = &mut self.nodes[idx as usize];
-                slot.addr = node.clone();
-                slot.generation = slot.generation.wrapping_add(1);
-                slot.rec = Some(rec);
-                idx
-            }
-            None => {
-                self.nodes.push(NodeSlot { addr: node.clone(), generation: 0, rec: Some(rec) });
-                to_u32(self.nodes.len() - 1)
-            }
-        };
-        self.node_ids.insert(node.clone(), idx);
-    }
-
-    /// Deletes the record of node `idx` (its ownerships must be gone).
-    fn release_node(&mut self, idx: u32) {
-        let slot = &mut self.nodes[idx as usize];
-        debug_assert!(slot.rec.as_ref().is_none_or(|r| r.owned.is_empty()));
-        slot.rec = None;
-        self.node_ids.remove(&slot.addr);
-        self.free_nodes.push(idx);
-    }
-
-    fn intern_namespace(&mut self, name: &str) -> u32 {
-        if let Some(&id) = self.ns_ids.get(name) {
-            return id;
-        }
-        let id = match self.free_namespaces.pop() {
-            Some(id) => {
-                self.namespaces[id as usize].name = name.to_string();
-                id
-            }
-            None => {
-                self.namespaces.push(Namespace::new(name.to_string()));
-                to_u32(self.namespaces.len() - 1)
-            }
-        };
-        self.ns_ids.insert(name.to_string(), id);
-        let ns = &mut self.namespaces[id as usize];
-        ns.map.reserve(self.capacity_hashes);
-        ns.slots.reserve(self.capacity_hashes);
-        id
-    }
-
-    /// Drops every ownership of node `idx` through its reverse index; the
-    /// record stays. Returns how many were dropped.
-    fn drop_ownerships(&mut self, idx: u32) -> u64 {
-        let owned = match self.nodes[idx as usize].rec.as_mut() {
-            Some(r) => mem::take(&mut r.owned),
+    /// Drops every ownership of node `idx` in this shard through its
+    /// reverse list. Returns how many were dropped.
+    fn drop_node(&mut self, idx: u32) -> u64 {
+        let owned = match self.owned.get_mut(idx as usize) {
+            Some(list) => mem::take(list),
             None => return 0,
         };
         let n = owned.len() as u64;
-        self.drop_work += n;
         for (ns_id, slot_id) in owned {
             let owners = &mut self.namespaces[ns_id as usize].slots[slot_id as usize].owners;
             let pos = owners.position(idx).expect("reverse index points at an owner entry");
@@ -777,7 +579,7 @@ impl MetaStore {
     /// back-pointers consistent. O(owners of one hash).
     fn remove_owner(&mut self, ns_id: u32, slot_id: u32, pos: usize) {
         let o = self.namespaces[ns_id as usize].slots[slot_id as usize].owners.swap_remove(pos);
-        let owned = &mut self.nodes[o.node as usize].rec.as_mut().expect("owner's node has a record").owned;
+        let owned = &mut self.owned[o.node as usize];
         let rev = o.rev as usize;
         owned.swap_remove(rev);
         if let Some(&(mns, mslot)) = owned.get(rev) {
@@ -807,6 +609,595 @@ impl MetaStore {
         }
     }
 
+    fn owner_entries(&self) -> u64 {
+        self.owned.iter().map(|l| l.len() as u64).sum()
+    }
+
+    /// Checks this shard (number `me` of `shards`) against `nodes`: forward
+    /// and reverse entries agree exactly and every hash is in its shard.
+    /// Returns the number of owner entries.
+    fn check(&self, me: usize, shards: usize, nodes: &Nodes) -> Result<u64, Inconsistency> {
+        fn ensure(ok: bool, what: impl FnOnce() -> String) -> Result<(), Inconsistency> {
+            if ok { Ok(()) } else { Err(Inconsistency(what())) }
+        }
+        let mut entries = 0u64;
+        for (name, &ns_id) in &self.ns_ids {
+            let ns = self
+                .namespaces
+                .get(ns_id as usize)
+                .ok_or_else(|| Inconsistency(format!("shard {me}: namespace id {ns_id} of {name} out of range")))?;
+            ensure(&ns.name == name, || format!("shard {me}: namespace {name} interned as {}", ns.name))?;
+            ensure(!ns.map.is_empty(), || format!("shard {me}: interned namespace {name} is empty"))?;
+            for (key, &slot_id) in &ns.map {
+                let slot = ns
+                    .slots
+                    .get(slot_id as usize)
+                    .ok_or_else(|| Inconsistency(format!("shard {me}: slot {slot_id} of {name} out of range")))?;
+                ensure(slot.key == *key, || format!("shard {me}: slot {slot_id} of {name}: key mismatch"))?;
+                ensure(shard_index(key.as_slice(), shards) == me, || {
+                    format!("shard {me}: slot {slot_id} of {name} holds a hash of another shard")
+                })?;
+                ensure(!slot.owners.is_empty(), || format!("shard {me}: ownerless slot {slot_id} in {name}"))?;
+                for o in slot.owners.as_slice() {
+                    let node = nodes
+                        .slots
+                        .get(o.node as usize)
+                        .ok_or_else(|| Inconsistency(format!("owner node {} out of range", o.node)))?;
+                    ensure(node.generation == o.generation, || {
+                        format!("superseded owner {} kept in {name}", node.addr)
+                    })?;
+                    ensure(node.rec.is_some(), || format!("owner {} of {name} is a released node", node.addr))?;
+                    let back = self.owned.get(o.node as usize).and_then(|l| l.get(o.rev as usize));
+                    ensure(back == Some(&(ns_id, slot_id)), || {
+                        format!(
+                            "shard {me}: reverse entry {} of {} does not point back to {name}/{slot_id}",
+                            o.rev, node.addr
+                        )
+                    })?;
+                    let dups = slot.owners.as_slice().iter().filter(|x| x.node == o.node).count();
+                    ensure(dups == 1, || format!("node {} owns slot {slot_id} of {name} {dups} times", node.addr))?;
+                    entries += 1;
+                }
+            }
+        }
+        let reverse = self.owner_entries();
+        ensure(entries == reverse, || {
+            format!("shard {me}: forward index has {entries} owner entries, reverse index {reverse}")
+        })?;
+        Ok(entries)
+    }
+}
+
+/// What [`MetaStore::recover`] found and did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Recovery {
+    /// A lock of the store was poisoned (a panic while it was held); the
+    /// poison is cleared.
+    pub poisoned: bool,
+    /// The store's indices disagreed, so it was reset to empty: what was
+    /// found. `None`: kept as it was.
+    pub reset: Option<Inconsistency>,
+}
+
+/// The panic message of a store operation that meets a lock poisoned by an
+/// earlier fault: it refuses to read a possibly half-updated index (the
+/// caller runs [`MetaStore::recover`]).
+pub const POISONED: &str = "metaserver store lock poisoned by an earlier fault; recover() first";
+
+#[cold]
+fn poisoned() -> ! {
+    panic!("{POISONED}")
+}
+
+struct Inner {
+    cfg: StoreConfig,
+    capacity_hashes: usize,
+    shard_capacity: usize,
+    nodes: RwLock<Nodes>,
+    shards: Box<[Mutex<Shard>]>,
+    drop_work: AtomicU64,
+}
+
+/// The MetaServer's index: `(namespace, block hash) → owners`, plus node
+/// records that fence writes by session (contracts C5, C7). A handle:
+/// clones share one index, and every method takes `&self` (the index locks
+/// itself), so requests from many clients run on many cores.
+///
+/// # Sharding and locks
+/// Hashes are spread over `shards` shards by [`shard_index`] of their bytes
+/// (a fixed mix, the same for every namespace); each shard has its own
+/// mutex, its own namespaces and its own part of every node's reverse
+/// index. The node table (addresses, sessions, heartbeat times,
+/// generations) has a read-write lock, always taken *before* any shard
+/// lock; shard locks are taken one at a time (a bulk drop walks them in
+/// ascending order), so there is no lock-order cycle.
+///
+/// - `insert`/`remove` hold the node table's read lock (the fence stays
+///   true for the whole call) and take each touched shard's lock once, in
+///   ascending shard order, for that shard's part of the request;
+/// - `query_prefix`/`owners` hold the read lock and take one shard lock per
+///   hash, one at a time;
+/// - a heartbeat that refreshes (or is refused) needs only the read lock;
+///   register, takeover, `unregister` and `sweep` take the write lock, so
+///   they are atomic to every other call.
+///
+/// # Consistency
+/// Every call is linearizable on its own *per hash*, and node events are
+/// atomic: a query never sees part of an unregister, takeover or sweep, and
+/// no write of a superseded session lands after its takeover. A write that
+/// spans several shards is applied shard by shard, so a query running at
+/// the same time may see some shards' part of it and not others' — the
+/// answer is one the store would give had that write been sent as several
+/// smaller requests (which a client may do anyway). Calls made one after
+/// another give exactly the answers of one unsharded index, whatever the
+/// shard count (property-tested against a reference model), so C7's order
+/// (prefix length descending, then node) is unchanged.
+///
+/// # Faults
+/// A panic while a lock is held poisons it; a later call that meets the
+/// poison panics with [`POISONED`] instead of reading a possibly
+/// half-updated index, until [`MetaStore::recover`] (run by the service
+/// after any caught panic) checks the indices, resets the store if they
+/// disagree and clears the poison.
+///
+/// Costs: `insert`, `remove` and `query_prefix` are O(hashes in the call)
+/// (times the owners per hash, a small number); `unregister` and a takeover
+/// are O(shards + blocks the node owns); `sweep` is O(nodes) when nothing
+/// expired; `visible_entries` is O(everything) and meant for tests.
+#[derive(Clone)]
+pub struct MetaStore {
+    inner: Arc<Inner>,
+}
+
+impl fmt::Debug for MetaStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MetaStore")
+            .field("config", &self.inner.cfg)
+            .field("shards", &self.inner.shards.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl MetaStore {
+    /// An empty store with the given timing knobs and
+    /// [`limits::METASERVER_SHARDS_DEFAULT`] shards; namespaces grow on
+    /// demand.
+    pub fn new(cfg: StoreConfig) -> Self {
+        Self::with_capacity(cfg, 0)
+    }
+
+    /// An empty store whose namespaces are each sized, when created, for
+    /// `capacity_hashes` distinct hashes (hash index and slot table), with
+    /// [`limits::METASERVER_SHARDS_DEFAULT`] shards. See
+    /// [`MetaStore::with_shards`].
+    pub fn with_capacity(cfg: StoreConfig, capacity_hashes: usize) -> Self {
+        Self::with_shards(cfg, capacity_hashes, limits::METASERVER_SHARDS_DEFAULT)
+    }
+
+    /// An empty store of `shards` shards whose namespaces are each sized
+    /// for `capacity_hashes` distinct hashes: each shard's part of a
+    /// namespace is sized, when first written, for its share plus a margin
+    /// for uneven spread ([`shard_capacity`]). An index that grows on
+    /// demand doubles, rehashing every key of that shard while the shard is
+    /// locked; sized up front it practically never grows below the
+    /// capacity. Costs roughly 150 bytes per hash of capacity per
+    /// namespace. `capacity_hashes` 0: grow on demand.
+    ///
+    /// # Panics
+    /// When `shards` is 0 or above [`limits::METASERVER_SHARDS_MAX`] (the
+    /// service validates its setting before).
+    pub fn with_shards(cfg: StoreConfig, capacity_hashes: usize, shards: usize) -> Self {
+        assert!(
+            (1..=limits::METASERVER_SHARDS_MAX).contains(&shards),
+            "MetaStore shards must be 1..={}, got {shards}",
+            limits::METASERVER_SHARDS_MAX
+        );
+        let shard_capacity = shard_capacity(capacity_hashes, shards);
+        Self {
+            inner: Arc::new(Inner {
+                cfg,
+                capacity_hashes,
+                shard_capacity,
+                nodes: RwLock::new(Nodes::default()),
+                shards: (0..shards).map(|_| Mutex::new(Shard::new(shard_capacity))).collect(),
+                drop_work: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    /// The timing knobs this store was built with.
+    pub fn config(&self) -> StoreConfig {
+        self.inner.cfg
+    }
+
+    /// The per-namespace capacity this store was built with
+    /// ([`MetaStore::with_capacity`]).
+    pub fn capacity_hashes(&self) -> usize {
+        self.inner.capacity_hashes
+    }
+
+    /// The number of shards.
+    pub fn shards(&self) -> usize {
+        self.inner.shards.len()
+    }
+
+    fn read_nodes(&self) -> RwLockReadGuard<'_, Nodes> {
+        self.inner.nodes.read().unwrap_or_else(|_| poisoned())
+    }
+
+    fn write_nodes(&self) -> RwLockWriteGuard<'_, Nodes> {
+        self.inner.nodes.write().unwrap_or_else(|_| poisoned())
+    }
+
+    fn shard(&self, i: usize) -> MutexGuard<'_, Shard> {
+        self.inner.shards[i].lock().unwrap_or_else(|_| poisoned())
+    }
+
+    fn shard_of(&self, key: &[u8]) -> usize {
+        shard_index(key, self.inner.shards.len())
+    }
+
+    /// Request positions of `hashes` grouped by shard: `(shard, positions
+    /// in request order)`, shards ascending, empty shards left out.
+    fn group_by_shard(&self, hashes: &[BlockHash]) -> Vec<(usize, Vec<usize>)> {
+        let n = self.inner.shards.len();
+        if n == 1 {
+            return vec![(0, (0..hashes.len()).collect())];
+        }
+        let mut groups: Vec<Vec<usize>> = vec![Vec::new(); n];
+        for (pos, h) in hashes.iter().enumerate() {
+            groups[shard_index(h.as_bytes(), n)].push(pos);
+        }
+        groups.into_iter().enumerate().filter(|(_, g)| !g.is_empty()).collect()
+    }
+
+    /// Registers or refreshes `node` under `session` at `now_ms`.
+    ///
+    /// - no record: creates one ([`HeartbeatOutcome::Registered`]);
+    /// - same session: sets the heartbeat time to `max(previous, now_ms)`
+    ///   ([`HeartbeatOutcome::Refreshed`]);
+    /// - another session that is stale: replaces it and drops all its
+    ///   ownerships, O(shards + blocks it owned)
+    ///   ([`HeartbeatOutcome::TookOver`]).
+    ///
+    /// # Errors
+    /// [`StoreError::LiveSessionConflict`] when another session of `node` is
+    /// still fresh; nothing changes.
+    pub fn heartbeat(&self, node: &NodeAddr, session: &SessionId, now_ms: u64) -> Result<HeartbeatOutcome, StoreError> {
+        if let Some(done) = self.heartbeat_shared(&self.read_nodes(), node, session, now_ms) {
+            return done;
+        }
+        let mut nodes = self.write_nodes();
+        // Decided again: the table may have changed between the locks.
+        if let Some(done) = self.heartbeat_shared(&nodes, node, session, now_ms) {
+            return done;
+        }
+        let Some(&idx) = nodes.ids.get(node) else {
+            nodes.register(node, session, now_ms);
+            return Ok(HeartbeatOutcome::Registered);
+        };
+        self.drop_ownerships(&mut nodes, idx);
+        let slot = &mut nodes.slots[idx as usize];
+        slot.generation = slot.generation.wrapping_add(1);
+        slot.rec = Some(NodeRec { session: session.clone(), last_hb_ms: AtomicU64::new(now_ms) });
+        Ok(HeartbeatOutcome::TookOver)
+    }
+
+    /// The heartbeat outcomes that change no table entry (refresh, live
+    /// conflict), decided under any lock of the node table; `None` when the
+    /// heartbeat registers or takes over (write lock needed).
+    fn heartbeat_shared(
+        &self,
+        nodes: &Nodes,
+        node: &NodeAddr,
+        session: &SessionId,
+        now_ms: u64,
+    ) -> Option<Result<HeartbeatOutcome, StoreError>> {
+        let &idx = nodes.ids.get(node)?;
+        let rec = nodes.rec(idx);
+        if rec.session == *session {
+            rec.last_hb_ms.fetch_max(now_ms, Ordering::Relaxed);
+            return Some(Ok(HeartbeatOutcome::Refreshed));
+        }
+        if is_fresh(rec, now_ms, self.inner.cfg.stale_after_ms) {
+            return Some(Err(StoreError::LiveSessionConflict {
+                node: node.clone(),
+                live_session: rec.session.clone(),
+            }));
+        }
+        None
+    }
+
+    /// Records that `node` (session `session`) holds `hashes` in `namespace`
+    /// (upsert; duplicates within the request are fine).
+    ///
+    /// Returns how many hashes are newly owned and which ones are
+    /// reclaimable (see [`InsertOutcome`]). O(`hashes.len()`).
+    ///
+    /// # Errors
+    /// [`StoreError::UnknownNode`] when `node` has no record;
+    /// [`StoreError::StaleSession`] when its record carries another session
+    /// or is stale. On error nothing changes.
+    pub fn insert(
+        &self,
+        namespace: &str,
+        hashes: &[BlockHash],
+        node: &NodeAddr,
+        session: &SessionId,
+        now_ms: u64,
+    ) -> Result<InsertOutcome, StoreError> {
+        let nodes = self.read_nodes();
+        let idx = self.fence(&nodes, node, session, now_ms)?;
+        let mut out = InsertOutcome::default();
+        if hashes.is_empty() {
+            return Ok(out);
+        }
+        let stale_after = self.inner.cfg.stale_after_ms;
+        let mut reclaim = Vec::new();
+        for (s, group) in self.group_by_shard(hashes) {
+            let items = group.into_iter().map(|p| (p, &hashes[p]));
+            out.inserted += self.shard(s).insert(namespace, items, idx, (&nodes, now_ms, stale_after), &mut reclaim);
+        }
+        reclaim.sort_unstable();
+        out.reclaimable = reclaim.into_iter().map(|p| hashes[p].clone()).collect();
+        Ok(out)
+    }
+
+    /// Removes `node`'s (session `session`) ownership of `hashes` in
+    /// `namespace`; other owners are untouched. Returns how many ownerships
+    /// were removed (hashes it did not own count 0). O(`hashes.len()`).
+    ///
+    /// # Errors
+    /// As [`MetaStore::insert`]; on error nothing changes.
+    pub fn remove(
+        &self,
+        namespace: &str,
+        hashes: &[BlockHash],
+        node: &NodeAddr,
+        session: &SessionId,
+        now_ms: u64,
+    ) -> Result<u64, StoreError> {
+        let nodes = self.read_nodes();
+        let idx = self.fence(&nodes, node, session, now_ms)?;
+        let mut removed = 0;
+        for (s, group) in self.group_by_shard(hashes) {
+            removed += self.shard(s).remove(namespace, group.into_iter().map(|p| &hashes[p]), idx);
+        }
+        Ok(removed)
+    }
+
+    /// Deletes `node`'s record and all its ownerships, but only when the
+    /// record carries `session`. Returns the number of owner entries removed;
+    /// a late call from an older session, or for an unknown node, is a no-op
+    /// returning 0. O(shards + blocks the node owns).
+    pub fn unregister(&self, node: &NodeAddr, session: &SessionId) -> u64 {
+        let mut nodes = self.write_nodes();
+        let Some(&idx) = nodes.ids.get(node) else {
+            return 0;
+        };
+        if nodes.rec(idx).session != *session {
+            return 0;
+        }
+        let n = self.drop_ownerships(&mut nodes, idx);
+        nodes.release(idx);
+        n
+    }
+
+    /// The visible owners that hold a prefix of `hashes` in `namespace`, as
+    /// `(node, prefix_len)` where `prefix_len` counts the consecutive hashes
+    /// from the first that the node visibly owns.
+    ///
+    /// The walk stops at the first hash with no visible owner at all. Only
+    /// owners with `prefix_len >= 1` are returned, ordered by `prefix_len`
+    /// descending, then node ascending. O(`hashes.len()`). Each hash's
+    /// owners are read under its shard's lock (see the type's docs for what
+    /// a concurrent write may show).
+    pub fn query_prefix(&self, namespace: &str, hashes: &[BlockHash], now_ms: u64) -> Vec<(NodeAddr, u32)> {
+        let nodes = self.read_nodes();
+        let stale_after = self.inner.cfg.stale_after_ms;
+        // (node index, prefix length so far): only owners of the first hash
+        // can have a prefix at all.
+        let mut cands: Vec<(u32, u32)> = Vec::new();
+        for (i, h) in hashes.iter().enumerate() {
+            let shard = self.shard(self.shard_of(h.as_bytes()));
+            let mut grew = false;
+            for o in shard.owners_of(namespace, h.as_bytes()) {
+                if !nodes.owner_visible(o, now_ms, stale_after) {
+                    continue;
+                }
+                if i == 0 {
+                    cands.push((o.node, 1));
+                    grew = true;
+                } else if let Some(c) = cands.iter_mut().find(|c| c.0 == o.node && c.1 as usize == i) {
+                    c.1 += 1;
+                    grew = true;
+                }
+            }
+            // No candidate extended its prefix: either this hash has no
+            // visible owner (the stop rule) or no later hash can change the
+            // answer.
+            if !grew {
+                break;
+            }
+        }
+        let mut out: Vec<(NodeAddr, u32)> =
+            cands.into_iter().map(|(n, len)| (nodes.slots[n as usize].addr.clone(), len)).collect();
+        out.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        out
+    }
+
+    /// Deletes every node record whose last heartbeat is more than `ttl_ms`
+    /// before `now_ms`, with all its ownerships (through the reverse index).
+    ///
+    /// Owner entries of superseded sessions never survive a takeover or an
+    /// unregister, so no further scan is needed. O(nodes) under the read
+    /// lock when nothing expired; else O(nodes + shards × expired nodes +
+    /// blocks they own) under the write lock.
+    pub fn sweep(&self, now_ms: u64) -> SweepReport {
+        let ttl = self.inner.cfg.ttl_ms;
+        let expired = |r: &NodeRec| now_ms.saturating_sub(r.last_hb_ms.load(Ordering::Relaxed)) > ttl;
+        if !self.read_nodes().slots.iter().filter_map(|s| s.rec.as_ref()).any(expired) {
+            return SweepReport::default();
+        }
+        let mut report = SweepReport::default();
+        let mut nodes = self.write_nodes();
+        for idx in 0..nodes.slots.len() {
+            if nodes.slots[idx].rec.as_ref().is_some_and(expired) {
+                let idx = to_u32(idx);
+                report.owners_removed += self.drop_ownerships(&mut nodes, idx);
+                nodes.release(idx);
+                report.nodes_removed += 1;
+            }
+        }
+        report
+    }
+
+    /// The visible owners of `hash` in `namespace`, sorted ascending.
+    pub fn owners(&self, namespace: &str, hash: &BlockHash, now_ms: u64) -> Vec<NodeAddr> {
+        let nodes = self.read_nodes();
+        let shard = self.shard(self.shard_of(hash.as_bytes()));
+        let mut out: Vec<NodeAddr> = shard
+            .owners_of(namespace, hash.as_bytes())
+            .iter()
+            .filter(|o| nodes.owner_visible(o, now_ms, self.inner.cfg.stale_after_ms))
+            .map(|o| nodes.slots[o.node as usize].addr.clone())
+            .collect();
+        out.sort();
+        out
+    }
+
+    /// Every visible ownership as `(namespace, hash, node)`. O(everything):
+    /// for the simulator's convergence invariant and tests, not for serving.
+    pub fn visible_entries(&self, now_ms: u64) -> BTreeSet<(String, BlockHash, NodeAddr)> {
+        let nodes = self.read_nodes();
+        let mut out = BTreeSet::new();
+        for i in 0..self.inner.shards.len() {
+            let shard = self.shard(i);
+            for (name, &ns_id) in &shard.ns_ids {
+                let ns = &shard.namespaces[ns_id as usize];
+                for &slot_id in ns.map.values() {
+                    let slot = &ns.slots[slot_id as usize];
+                    for o in slot.owners.as_slice() {
+                        if nodes.owner_visible(o, now_ms, self.inner.cfg.stale_after_ms) {
+                            let addr = nodes.slots[o.node as usize].addr.clone();
+                            out.insert((name.clone(), slot.key.to_block_hash(), addr));
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// Current sizes. O(nodes + shards × namespaces). Shards are read one
+    /// at a time, so under concurrent writes the figures are of nearby
+    /// moments, not one.
+    pub fn stats(&self) -> StoreStats {
+        let nodes = self.read_nodes();
+        let (mut hashes, mut owner_entries) = (0u64, 0u64);
+        let mut names: HashSet<String> = HashSet::new();
+        for i in 0..self.inner.shards.len() {
+            let shard = self.shard(i);
+            hashes += shard.ns_ids.values().map(|&id| shard.namespaces[id as usize].map.len() as u64).sum::<u64>();
+            owner_entries += shard.owner_entries();
+            for name in shard.ns_ids.keys() {
+                if !names.contains(name) {
+                    names.insert(name.clone());
+                }
+            }
+        }
+        StoreStats { nodes: nodes.ids.len() as u64, namespaces: names.len() as u64, hashes, owner_entries }
+    }
+
+    /// `node`'s record as `(session, last heartbeat in ms)`, fresh or stale;
+    /// `None` when it has none.
+    pub fn node_session(&self, node: &NodeAddr) -> Option<(SessionId, u64)> {
+        let nodes = self.read_nodes();
+        let &idx = nodes.ids.get(node)?;
+        let rec = nodes.slots[idx as usize].rec.as_ref()?;
+        Some((rec.session.clone(), rec.last_hb_ms.load(Ordering::Relaxed)))
+    }
+
+    /// Owner entries visited by bulk drops (unregister, takeover, sweep)
+    /// since the store was created: a cost probe showing those are
+    /// O(blocks the node owned), for tests and metrics.
+    pub fn drop_work(&self) -> u64 {
+        self.inner.drop_work.load(Ordering::Relaxed)
+    }
+
+    /// Checks the write fence; returns the node index.
+    fn fence(&self, nodes: &Nodes, node: &NodeAddr, session: &SessionId, now_ms: u64) -> Result<u32, StoreError> {
+        let Some(&idx) = nodes.ids.get(node) else {
+            return Err(StoreError::UnknownNode { node: node.clone() });
+        };
+        let rec = nodes.rec(idx);
+        let fresh = is_fresh(rec, now_ms, self.inner.cfg.stale_after_ms);
+        if rec.session != *session || !fresh {
+            return Err(StoreError::StaleSession {
+                node: node.clone(),
+                expected: fresh.then(|| rec.session.clone()),
+                got: session.clone(),
+            });
+        }
+        Ok(idx)
+    }
+
+    /// Drops every ownership of node `idx` through its reverse index, shard
+    /// by shard in ascending order; the record stays. The node table's write
+    /// guard (`_held`) proves no insert, remove or query is running. Returns
+    /// how many were dropped.
+    fn drop_ownerships(&self, _held: &mut Nodes, idx: u32) -> u64 {
+        let n: u64 = (0..self.inner.shards.len()).map(|s| self.shard(s).drop_node(idx)).sum();
+        self.inner.drop_work.fetch_add(n, Ordering::Relaxed);
+        n
+    }
+
+    /// Takes every lock (node table first, then the shards in order),
+    /// tolerating poison: exclusive access for checks and recovery. Returns
+    /// the guards and whether any lock was poisoned (the flags are cleared).
+    fn lock_all(&self) -> (RwLockWriteGuard<'_, Nodes>, Vec<MutexGuard<'_, Shard>>, bool) {
+        let inner = &self.inner;
+        let mut poisoned = inner.nodes.is_poisoned();
+        let nodes = inner.nodes.write().unwrap_or_else(PoisonError::into_inner);
+        inner.nodes.clear_poison();
+        let shards = inner
+            .shards
+            .iter()
+            .map(|m| {
+                let g = m.lock().unwrap_or_else(|e| {
+                    poisoned = true;
+                    e.into_inner()
+                });
+                m.clear_poison();
+                g
+            })
+            .collect();
+        (nodes, shards, poisoned)
+    }
+
+    fn check_locked(nodes: &Nodes, shards: &[MutexGuard<'_, Shard>]) -> Result<(), Inconsistency> {
+        fn ensure(ok: bool, what: impl FnOnce() -> String) -> Result<(), Inconsistency> {
+            if ok { Ok(()) } else { Err(Inconsistency(what())) }
+        }
+        for (s, shard) in shards.iter().enumerate() {
+            shard.check(s, shards.len(), nodes)?;
+            for (idx, list) in shard.owned.iter().enumerate() {
+                let live = nodes.slots.get(idx).is_some_and(|n| n.rec.is_some());
+                ensure(live || list.is_empty(), || format!("shard {s}: released node {idx} still owns entries"))?;
+            }
+        }
+        for (addr, &idx) in &nodes.ids {
+            let slot = nodes
+                .slots
+                .get(idx as usize)
+                .ok_or_else(|| Inconsistency(format!("node id {idx} of {addr} out of range")))?;
+            ensure(&slot.addr == addr, || format!("node {addr} interned as {}", slot.addr))?;
+            ensure(slot.rec.is_some(), || format!("interned node {addr} has no record"))?;
+        }
+        let live = nodes.slots.iter().filter(|n| n.rec.is_some()).count();
+        ensure(live == nodes.ids.len(), || format!("{live} node records but {} interned addresses", nodes.ids.len()))
+    }
+
     /// Panics unless the forward and reverse indices agree exactly.
     #[cfg(any(test, fuzzing))]
     fn assert_consistent(&self) {
@@ -815,69 +1206,42 @@ impl MetaStore {
         }
     }
 
-    /// Checks that the forward index (namespace → hash → owners) and the
-    /// reverse index (node → owned slots) agree exactly, without panicking
-    /// on any state. The MetaServer runs it after a request panicked while
-    /// holding the store (or left its lock poisoned), to decide whether the
-    /// store can keep serving. O(everything): a fault path, not a hot one.
+    /// Checks that the forward index (shard → namespace → hash → owners),
+    /// the reverse index (shard → node → owned slots) and the node table
+    /// agree exactly, and that every hash sits in its shard, without
+    /// panicking on any state (a poisoned lock is read through). Takes
+    /// every lock: O(everything), a fault path, not a hot one.
     ///
     /// # Errors
     /// [`Inconsistency`] naming the first disagreement found.
     pub fn check_consistency(&self) -> Result<(), Inconsistency> {
-        fn ensure(ok: bool, what: impl FnOnce() -> String) -> Result<(), Inconsistency> {
-            if ok { Ok(()) } else { Err(Inconsistency(what())) }
-        }
-        let mut entries = 0usize;
-        for (name, &ns_id) in &self.ns_ids {
-            let ns = self
-                .namespaces
-                .get(ns_id as usize)
-                .ok_or_else(|| Inconsistency(format!("namespace id {ns_id} of {name} out of range")))?;
-            ensure(&ns.name == name, || format!("namespace {name} interned as {}", ns.name))?;
-            ensure(!ns.map.is_empty(), || format!("interned namespace {name} is empty"))?;
-            for (key, &slot_id) in &ns.map {
-                let slot = ns
-                    .slots
-                    .get(slot_id as usize)
-                    .ok_or_else(|| Inconsistency(format!("slot {slot_id} of {name} out of range")))?;
-                ensure(slot.key == *key, || format!("slot {slot_id} of {name}: key mismatch"))?;
-                ensure(!slot.owners.is_empty(), || format!("ownerless slot {slot_id} in {name}"))?;
-                for o in slot.owners.as_slice() {
-                    let node = self
-                        .nodes
-                        .get(o.node as usize)
-                        .ok_or_else(|| Inconsistency(format!("owner node {} out of range", o.node)))?;
-                    ensure(node.generation == o.generation, || {
-                        format!("superseded owner {} kept in {name}", node.addr)
-                    })?;
-                    let rec = node
-                        .rec
-                        .as_ref()
-                        .ok_or_else(|| Inconsistency(format!("owner {} of {name} is a released node", node.addr)))?;
-                    ensure(rec.owned.get(o.rev as usize) == Some(&(ns_id, slot_id)), || {
-                        format!("reverse entry {} of {} does not point back to {name}/{slot_id}", o.rev, node.addr)
-                    })?;
-                    let dups = slot.owners.as_slice().iter().filter(|x| x.node == o.node).count();
-                    ensure(dups == 1, || format!("node {} owns slot {slot_id} of {name} {dups} times", node.addr))?;
-                    entries += 1;
+        let inner = &self.inner;
+        let nodes = inner.nodes.write().unwrap_or_else(PoisonError::into_inner);
+        let shards: Vec<_> = inner.shards.iter().map(|m| m.lock().unwrap_or_else(PoisonError::into_inner)).collect();
+        Self::check_locked(&nodes, &shards)
+    }
+
+    /// After a fault (a caught panic in a store call, or a poisoned lock):
+    /// takes every lock, clears any poison, and checks the indices; if they
+    /// disagree, resets the store to empty with the same configuration. An
+    /// empty store is a state the system already recovers from — a
+    /// MetaServer restart: writes of unknown nodes answer
+    /// `FAILED_PRECONDITION`, clients re-heartbeat and backfill (C6) —
+    /// whereas a half-updated index could answer owners that do not hold a
+    /// block. O(everything).
+    pub fn recover(&self) -> Recovery {
+        let (mut nodes, mut shards, poisoned) = self.lock_all();
+        let reset = match Self::check_locked(&nodes, &shards) {
+            Ok(()) => None,
+            Err(e) => {
+                *nodes = Nodes::default();
+                for g in &mut shards {
+                    **g = Shard::new(self.inner.shard_capacity);
                 }
+                Some(e)
             }
-        }
-        let mut reverse = 0usize;
-        for (addr, &idx) in &self.node_ids {
-            let slot = self
-                .nodes
-                .get(idx as usize)
-                .ok_or_else(|| Inconsistency(format!("node id {idx} of {addr} out of range")))?;
-            ensure(&slot.addr == addr, || format!("node {addr} interned as {}", slot.addr))?;
-            let rec = slot.rec.as_ref().ok_or_else(|| Inconsistency(format!("interned node {addr} has no record")))?;
-            reverse += rec.owned.len();
-        }
-        ensure(entries == reverse, || format!("forward index has {entries} owner entries, reverse index {reverse}"))?;
-        let live = self.nodes.iter().filter(|n| n.rec.is_some()).count();
-        ensure(live == self.node_ids.len(), || {
-            format!("{live} node records but {} interned addresses", self.node_ids.len())
-        })
+        };
+        Recovery { poisoned, reset }
     }
 
     /// Test-only: breaks the reverse index of the first node that owns
@@ -885,12 +1249,55 @@ impl MetaStore {
     /// service's fault recovery can be tested against a store a panic left
     /// half-updated.
     #[cfg(test)]
-    pub(crate) fn corrupt_for_test(&mut self) {
-        if let Some(rec) = self.nodes.iter_mut().filter_map(|n| n.rec.as_mut()).find(|r| !r.owned.is_empty()) {
-            rec.owned.pop();
-        } else {
-            self.node_ids.insert(NodeAddr("10.255.255.255:1".into()), u32::MAX);
+    pub(crate) fn corrupt_for_test(&self) {
+        let (mut nodes, mut shards, _) = self.lock_all();
+        Self::corrupt_locked(&mut nodes, &mut shards);
+    }
+
+    #[cfg(test)]
+    fn corrupt_locked(nodes: &mut Nodes, shards: &mut [MutexGuard<'_, Shard>]) {
+        for shard in shards.iter_mut() {
+            if let Some(list) = shard.owned.iter_mut().find(|l| !l.is_empty()) {
+                list.pop();
+                return;
+            }
         }
+        nodes.ids.insert(NodeAddr("10.255.255.255:1".into()), u32::MAX);
+    }
+
+    /// Test-only: per shard, `(hashes, hash index capacity, slot table
+    /// capacity)` of `namespace` there (`None` where the shard has none).
+    #[cfg(test)]
+    fn ns_sizes_for_test(&self, namespace: &str) -> Vec<Option<(usize, usize, usize)>> {
+        (0..self.shards())
+            .map(|i| {
+                let shard = self.shard(i);
+                let &id = shard.ns_ids.get(namespace)?;
+                let ns = &shard.namespaces[id as usize];
+                Some((ns.map.len(), ns.map.capacity(), ns.slots.capacity()))
+            })
+            .collect()
+    }
+
+    /// Test-only: (node slots allocated, most namespace slots allocated in
+    /// any shard), to show recycling.
+    #[cfg(test)]
+    fn table_sizes_for_test(&self) -> (usize, usize) {
+        let ns = (0..self.shards()).map(|i| self.shard(i).namespaces.len()).max().unwrap_or(0);
+        (self.read_nodes().slots.len(), ns)
+    }
+
+    /// Test-only: a holder of every lock corrupts the store (when `corrupt`)
+    /// and panics, leaving the locks poisoned.
+    #[cfg(test)]
+    pub(crate) fn poison_for_test(&self, corrupt: bool) {
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let (mut nodes, mut shards, _) = self.lock_all();
+            if corrupt {
+                Self::corrupt_locked(&mut nodes, &mut shards);
+            }
+            panic!("injected: a holder of the store's locks panics");
+        }));
     }
 }
 
@@ -1268,11 +1675,12 @@ mod model {
         }
     }
 
-    /// Replays `ops` against a [`MetaStore`] and the [`Model`]; panics on the
-    /// first difference in a result or in the observable state.
-    pub(super) fn run_ops(cfg: StoreConfig, ops: &[Op]) {
+    /// Replays `ops` against a [`MetaStore`] of `shards` shards and the
+    /// [`Model`]; panics on the first difference in a result or in the
+    /// observable state.
+    pub(super) fn run_ops(cfg: StoreConfig, shards: usize, ops: &[Op]) {
         let u = Universe::new();
-        let mut store = MetaStore::new(cfg);
+        let store = MetaStore::with_shards(cfg, 0, shards);
         let mut model = Model::new(cfg);
         let mut now: u64 = 1_000;
         for (step, op) in ops.iter().enumerate() {
@@ -1336,8 +1744,9 @@ mod model {
     }
 }
 
-/// Fuzz body: decodes a timing config and up to 256 ops from `data` and
-/// replays them against [`MetaStore`] and an independent reference model
+/// Fuzz body: decodes a timing config, a shard count (1 to 4) and up to
+/// 256 ops from `data` and replays them against [`MetaStore`] and an
+/// independent reference model
 /// (4 nodes × 3 sessions, 2 namespaces, 16 hashes), checking every result
 /// and the whole observable state after each op.
 ///
@@ -1351,6 +1760,7 @@ pub fn fuzz_store(data: &[u8]) {
         stale_after_ms: u.int_in_range(20..=200).unwrap_or(100),
         ttl_ms: u.int_in_range(0..=600).unwrap_or(300),
     };
+    let shards = u.int_in_range(1..=4).unwrap_or(1);
     let mut ops = Vec::new();
     while ops.len() < 256 && !u.is_empty() {
         match model::decode_op(&mut u) {
@@ -1358,7 +1768,7 @@ pub fn fuzz_store(data: &[u8]) {
             Err(_) => break,
         }
     }
-    model::run_ops(cfg, &ops);
+    model::run_ops(cfg, shards, &ops);
 }
 
 #[cfg(test)]
@@ -1387,7 +1797,7 @@ mod tests {
 
     #[test]
     fn heartbeat_registers_refreshes_takes_over_and_rejects_live_conflict() {
-        let mut st = MetaStore::new(CFG);
+        let st = MetaStore::new(CFG);
         let a = n("a");
         assert_eq!(st.heartbeat(&a, &s("s1"), 0), Ok(HeartbeatOutcome::Registered));
         assert_eq!(st.heartbeat(&a, &s("s1"), 50), Ok(HeartbeatOutcome::Refreshed));
@@ -1407,7 +1817,7 @@ mod tests {
 
     #[test]
     fn writes_are_fenced_unknown_old_session_and_stale() {
-        let mut st = MetaStore::new(CFG);
+        let st = MetaStore::new(CFG);
         let a = n("a");
         assert_eq!(st.insert("ns", &hs(&[1]), &a, &s("s1"), 0), Err(StoreError::UnknownNode { node: a.clone() }));
         st.heartbeat(&a, &s("s1"), 0).unwrap();
@@ -1427,7 +1837,7 @@ mod tests {
 
     #[test]
     fn failed_write_changes_nothing() {
-        let mut st = MetaStore::new(CFG);
+        let st = MetaStore::new(CFG);
         let (a, b) = (n("a"), n("b"));
         st.heartbeat(&a, &s("s1"), 0).unwrap();
         st.heartbeat(&b, &s("t1"), 0).unwrap();
@@ -1445,7 +1855,7 @@ mod tests {
 
     #[test]
     fn insert_is_idempotent_and_remove_touches_only_own_ownership() {
-        let mut st = MetaStore::new(CFG);
+        let st = MetaStore::new(CFG);
         let (a, b) = (n("a"), n("b"));
         st.heartbeat(&a, &s("s1"), 0).unwrap();
         st.heartbeat(&b, &s("t1"), 0).unwrap();
@@ -1462,7 +1872,7 @@ mod tests {
 
     #[test]
     fn late_unregister_of_old_session_is_noop() {
-        let mut st = MetaStore::new(CFG);
+        let st = MetaStore::new(CFG);
         let a = n("a");
         st.heartbeat(&a, &s("s1"), 0).unwrap();
         st.insert("ns", &hs(&[1]), &a, &s("s1"), 0).unwrap();
@@ -1479,7 +1889,7 @@ mod tests {
 
     #[test]
     fn superseded_owners_invisible_at_once_after_takeover() {
-        let mut st = MetaStore::new(CFG);
+        let st = MetaStore::new(CFG);
         let a = n("a");
         st.heartbeat(&a, &s("s1"), 0).unwrap();
         st.insert("ns", &hs(&[1, 2]), &a, &s("s1"), 0).unwrap();
@@ -1494,7 +1904,7 @@ mod tests {
 
     #[test]
     fn prefix_stops_at_first_hash_without_visible_owner() {
-        let mut st = MetaStore::new(CFG);
+        let st = MetaStore::new(CFG);
         let (a, b) = (n("a"), n("b"));
         st.heartbeat(&a, &s("s"), 0).unwrap();
         st.heartbeat(&b, &s("t"), 0).unwrap();
@@ -1515,7 +1925,7 @@ mod tests {
 
     #[test]
     fn prefix_example_a_b() {
-        let mut st = MetaStore::new(CFG);
+        let st = MetaStore::new(CFG);
         let (a, b) = (n("A"), n("B"));
         st.heartbeat(&a, &s("s"), 0).unwrap();
         st.heartbeat(&b, &s("t"), 0).unwrap();
@@ -1531,7 +1941,7 @@ mod tests {
 
     #[test]
     fn prefix_order_is_deterministic_with_ties_broken_by_node() {
-        let mut st = MetaStore::new(CFG);
+        let st = MetaStore::new(CFG);
         let nodes = [n("d"), n("b"), n("c"), n("a")];
         for (i, node) in nodes.iter().enumerate() {
             st.heartbeat(node, &s("s"), 0).unwrap();
@@ -1546,7 +1956,7 @@ mod tests {
 
     #[test]
     fn reclaimable_only_for_third_or_later_live_owner() {
-        let mut st = MetaStore::new(CFG);
+        let st = MetaStore::new(CFG);
         let (a, b, c, d) = (n("a"), n("b"), n("c"), n("d"));
         for x in [&a, &b, &c, &d] {
             st.heartbeat(x, &s("s"), 0).unwrap();
@@ -1568,7 +1978,7 @@ mod tests {
 
     #[test]
     fn stale_node_invisible_then_visible_after_refresh() {
-        let mut st = MetaStore::new(CFG);
+        let st = MetaStore::new(CFG);
         let a = n("a");
         st.heartbeat(&a, &s("s"), 0).unwrap();
         st.insert("ns", &hs(&[1, 2]), &a, &s("s"), 0).unwrap();
@@ -1582,42 +1992,185 @@ mod tests {
         assert_eq!(st.visible_entries(500).len(), 2);
     }
 
-    /// A namespace of a store built `with_capacity(n)` is sized for n hashes
-    /// when created and does not grow (no rehash) while it holds up to n;
-    /// a recycled namespace is sized again; capacity 0 grows on demand.
+    /// Each shard's part of a namespace of a store built `with_capacity(n)`
+    /// is sized for its share of n (plus a margin) when created and does not
+    /// grow (no rehash) while the namespace holds n spread hashes; a
+    /// recycled namespace is sized again; capacity 0 grows on demand.
     #[test]
     fn capacity_presizes_each_namespace_so_it_never_grows_below_it() {
-        let cap = 10_000usize;
-        let mut st = MetaStore::with_capacity(CFG, cap);
+        let (cap, shards) = (10_000usize, 16);
+        let st = MetaStore::with_shards(CFG, cap, shards);
         let a = n("a");
         st.heartbeat(&a, &s("s1"), 0).unwrap();
-        st.insert("ns", &hs(&[0]), &a, &s("s1"), 0).unwrap();
-        let ns = &st.namespaces[st.ns_ids["ns"] as usize];
-        let (map_cap, slots_cap) = (ns.map.capacity(), ns.slots.capacity());
-        assert!(map_cap >= cap && slots_cap >= cap, "{map_cap} {slots_cap}");
         let all: Vec<u64> = (0..cap as u64).collect();
-        for part in all.chunks(997) {
+        let mut chunks = all.chunks(997);
+        st.insert("ns", &hs(chunks.next().unwrap()), &a, &s("s1"), 0).unwrap();
+        let first = st.ns_sizes_for_test("ns");
+        let share = shard_capacity(cap, shards);
+        assert!(share >= cap / shards && share < cap / 4, "{share}");
+        for sz in &first {
+            let (_, map_cap, slots_cap) = sz.expect("997 spread hashes touch every shard");
+            assert!(map_cap >= share && slots_cap >= share, "{map_cap} {slots_cap}");
+        }
+        for part in chunks {
             st.insert("ns", &hs(part), &a, &s("s1"), 0).unwrap();
         }
-        let ns = &st.namespaces[st.ns_ids["ns"] as usize];
-        assert_eq!(ns.map.len(), cap);
-        assert_eq!((ns.map.capacity(), ns.slots.capacity()), (map_cap, slots_cap), "grew below its capacity");
+        let full = st.ns_sizes_for_test("ns");
+        assert_eq!(full.iter().map(|sz| sz.unwrap().0).sum::<usize>(), cap);
+        for (f, g) in first.iter().zip(&full) {
+            let ((_, m0, s0), (_, m1, s1)) = (f.unwrap(), g.unwrap());
+            assert_eq!((m0, s0), (m1, s1), "a shard grew below its capacity");
+        }
         // Emptied and recycled: the next namespace is sized again.
         st.remove("ns", &hs(&all), &a, &s("s1"), 0).unwrap();
+        assert!(st.ns_sizes_for_test("ns").iter().all(Option::is_none));
         st.insert("other", &hs(&[1]), &a, &s("s1"), 0).unwrap();
-        let other = &st.namespaces[st.ns_ids["other"] as usize];
-        assert!(other.map.capacity() >= cap && other.slots.capacity() >= cap);
+        let other = st.ns_sizes_for_test("other").into_iter().flatten().next().unwrap();
+        assert!(other.1 >= share && other.2 >= share);
         // Without a capacity a namespace starts small.
-        let mut small = MetaStore::new(CFG);
+        let small = MetaStore::with_shards(CFG, 0, shards);
         small.heartbeat(&a, &s("s1"), 0).unwrap();
         small.insert("ns", &hs(&[0]), &a, &s("s1"), 0).unwrap();
-        assert!(small.namespaces[0].map.capacity() < cap);
+        assert!(small.ns_sizes_for_test("ns").into_iter().flatten().all(|(_, m, _)| m < share));
         assert_eq!(small.capacity_hashes(), 0);
+    }
+
+    /// Concurrent writers (one node each, 8 shards) and readers: during the
+    /// run every query about a chain nobody else's writes can touch gives
+    /// its full answer in C7's order; afterwards the store is consistent and
+    /// equal to the same writes made one after another on an unsharded
+    /// store (writes of different nodes commute).
+    #[test]
+    fn concurrent_writers_and_readers_keep_stable_answers_and_end_as_sequential() {
+        let st = MetaStore::with_shards(CFG, 0, 8);
+        let stable = n("stable");
+        let chain = hs(&(0..64).collect::<Vec<_>>());
+        let writers: Vec<NodeAddr> = (0..3).map(|i| n(&format!("w{i}"))).collect();
+        // Each writer's ops, in its order: (insert?, hashes).
+        let ops = |i: usize| -> Vec<(bool, Vec<BlockHash>)> {
+            let mut v = Vec::new();
+            for round in 0..150u64 {
+                let mine: Vec<u64> = (0..32).map(|k| 1000 * (i as u64 + 1) + (round * 7 + k) % 100).collect();
+                v.push((true, hs(&mine)));
+                v.push((true, chain[..16 + (round % 48) as usize].to_vec()));
+                v.push((false, chain[..(round % 64) as usize].to_vec()));
+                v.push((false, hs(&mine[..16])));
+            }
+            v
+        };
+        let setup = |st: &MetaStore| {
+            st.heartbeat(&stable, &s("s"), 0).unwrap();
+            st.insert("ns", &chain, &stable, &s("s"), 0).unwrap();
+            for w in &writers {
+                st.heartbeat(w, &s("s"), 0).unwrap();
+            }
+        };
+        let apply = |st: &MetaStore, w: &NodeAddr, (insert, hashes): &(bool, Vec<BlockHash>)| {
+            if *insert {
+                st.insert("ns", hashes, w, &s("s"), 0).unwrap();
+            } else {
+                st.remove("ns", hashes, w, &s("s"), 0).unwrap();
+            }
+        };
+        setup(&st);
+        std::thread::scope(|sc| {
+            for (i, w) in writers.iter().enumerate() {
+                let (st, ops) = (st.clone(), ops(i));
+                sc.spawn(move || ops.iter().for_each(|op| apply(&st, w, op)));
+            }
+            for _ in 0..2 {
+                sc.spawn(|| {
+                    for _ in 0..300 {
+                        let got = st.query_prefix("ns", &chain, 0);
+                        assert_eq!(got.first(), Some(&(stable.clone(), 64)), "{got:?}");
+                        assert!(got.windows(2).all(|p| p[0].1 > p[1].1 || (p[0].1 == p[1].1 && p[0].0 < p[1].0)));
+                    }
+                });
+            }
+        });
+        st.assert_consistent();
+        let seq = MetaStore::with_shards(CFG, 0, 1);
+        setup(&seq);
+        for (i, w) in writers.iter().enumerate() {
+            ops(i).iter().for_each(|op| apply(&seq, w, op));
+        }
+        assert_eq!(st.visible_entries(0), seq.visible_entries(0));
+        assert_eq!(st.stats(), seq.stats());
+        assert_eq!(st.query_prefix("ns", &chain, 0), seq.query_prefix("ns", &chain, 0));
+    }
+
+    /// Node events are atomic to queries: while 100 nodes, each owning a
+    /// 64-hash chain spread over every shard, are unregistered one by one,
+    /// every answer lists each node with its whole chain or not at all.
+    #[test]
+    fn a_query_never_sees_part_of_an_unregister() {
+        let st = MetaStore::with_shards(CFG, 0, 8);
+        let chain = hs(&(0..64).collect::<Vec<_>>());
+        let nodes: Vec<NodeAddr> = (0..100).map(|i| n(&format!("u{i:03}"))).collect();
+        for x in &nodes {
+            st.heartbeat(x, &s("s"), 0).unwrap();
+            st.insert("ns", &chain, x, &s("s"), 0).unwrap();
+        }
+        let done = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|sc| {
+            sc.spawn(|| {
+                while !done.load(Ordering::Relaxed) {
+                    let got = st.query_prefix("ns", &chain, 0);
+                    assert!(got.iter().all(|(_, len)| *len == 64), "part of an unregister seen: {got:?}");
+                }
+            });
+            for x in &nodes {
+                assert_eq!(st.unregister(x, &s("s")), 64);
+            }
+            done.store(true, Ordering::Relaxed);
+        });
+        assert_eq!(st.stats(), StoreStats::default());
+    }
+
+    /// The shard of a hash depends on its bytes only, spreads hashes evenly,
+    /// and puts consecutive hashes of a chain in different shards.
+    #[test]
+    fn shard_index_is_fixed_and_even() {
+        let keys: Vec<BlockHash> = (0..64_000).map(h).collect();
+        let mut counts = [0usize; 64];
+        for k in &keys {
+            counts[shard_index(k.as_bytes(), 64)] += 1;
+        }
+        let (lo, hi) = (counts.iter().min().unwrap(), counts.iter().max().unwrap());
+        assert!(*lo > 850 && *hi < 1150, "{lo}..{hi}");
+        let copy: [u8; 32] = h(7).as_bytes().try_into().unwrap();
+        assert_eq!(shard_index(h(7).as_bytes(), 64), shard_index(&copy, 64));
+        assert_eq!(shard_index(h(7).as_bytes(), 1), 0);
+        let same = keys.windows(2).filter(|w| shard_index(w[0].as_bytes(), 8) == shard_index(w[1].as_bytes(), 8));
+        assert!(same.count() < keys.len() / 4);
+        assert!(shard_index(&[0xab; 5], 3) < 3 && shard_index(&[0xcd; 64], 3) < 3);
+    }
+
+    /// A store that met a panicking holder: calls refuse (panic with
+    /// [`POISONED`]) until `recover`, which keeps a consistent store and
+    /// resets a corrupted one.
+    #[test]
+    fn poison_refuses_until_recover_keeps_or_resets() {
+        let st = MetaStore::with_shards(CFG, 0, 4);
+        let a = n("a");
+        st.heartbeat(&a, &s("s"), 0).unwrap();
+        st.insert("ns", &hs(&[1, 2, 3]), &a, &s("s"), 0).unwrap();
+        st.poison_for_test(false);
+        let err = std::panic::catch_unwind(|| st.owners("ns", &h(1), 0)).unwrap_err();
+        assert_eq!(err.downcast_ref::<String>().map(String::as_str), Some(POISONED));
+        assert_eq!(st.recover(), Recovery { poisoned: true, reset: None });
+        assert_eq!(st.owners("ns", &h(1), 0), vec![a.clone()]);
+        st.poison_for_test(true);
+        let r = st.recover();
+        assert!(r.poisoned && r.reset.is_some(), "{r:?}");
+        assert_eq!(st.stats(), StoreStats::default());
+        assert_eq!(st.recover(), Recovery { poisoned: false, reset: None });
+        assert_eq!(st.heartbeat(&a, &s("s"), 0), Ok(HeartbeatOutcome::Registered));
     }
 
     #[test]
     fn sweep_removes_after_ttl() {
-        let mut st = MetaStore::new(CFG);
+        let st = MetaStore::new(CFG);
         let (a, b) = (n("a"), n("b"));
         st.heartbeat(&a, &s("s"), 0).unwrap();
         st.heartbeat(&b, &s("t"), 0).unwrap();
@@ -1636,7 +2189,7 @@ mod tests {
 
     #[test]
     fn unregister_cost_touches_only_owned_keys() {
-        let mut st = MetaStore::new(CFG);
+        let st = MetaStore::new(CFG);
         let (a, big) = (n("a"), n("big"));
         st.heartbeat(&a, &s("s"), 0).unwrap();
         st.heartbeat(&big, &s("t"), 0).unwrap();
@@ -1654,7 +2207,7 @@ mod tests {
 
     #[test]
     fn empty_namespaces_and_nodes_are_recycled() {
-        let mut st = MetaStore::new(CFG);
+        let st = MetaStore::new(CFG);
         for round in 0..3u64 {
             let a = n(&format!("a{round}"));
             st.heartbeat(&a, &s("s"), 0).unwrap();
@@ -1662,13 +2215,12 @@ mod tests {
             assert_eq!(st.unregister(&a, &s("s")), 2);
             assert_eq!(st.stats(), StoreStats::default());
         }
-        assert_eq!(st.namespaces.len(), 1);
-        assert_eq!(st.nodes.len(), 1);
+        assert_eq!(st.table_sizes_for_test(), (1, 1));
     }
 
     #[test]
     fn odd_length_hashes_round_trip() {
-        let mut st = MetaStore::new(CFG);
+        let st = MetaStore::new(CFG);
         let a = n("a");
         st.heartbeat(&a, &s("s"), 0).unwrap();
         let odd = vec![BlockHash::new(vec![7u8; 5]), BlockHash::new(vec![9u8; 64])];
@@ -1712,12 +2264,17 @@ mod tests {
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(256))]
         #[test]
+        /// Whatever the shard count (1: the unsharded index; 2, 3: the
+        /// 16 hashes of the universe spread so that consecutive hashes of
+        /// a chain sit in different shards; 64: the default), calls made
+        /// one after another give the reference model's answers.
         fn matches_reference_model(
             stale in 20u64..200,
             ttl in 0u64..600,
+            shards in prop_oneof![Just(1usize), Just(2), Just(3), Just(limits::METASERVER_SHARDS_DEFAULT)],
             ops in prop::collection::vec(op_strategy(), 1..120),
         ) {
-            model::run_ops(StoreConfig { stale_after_ms: stale, ttl_ms: ttl }, &ops);
+            model::run_ops(StoreConfig { stale_after_ms: stale, ttl_ms: ttl }, shards, &ops);
         }
     }
 
