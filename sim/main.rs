@@ -275,7 +275,7 @@ canary!(
     broken_c10weakchecksum_is_caught,
     C10WeakChecksum,
     ["inv_corruption_rejected", "inv_fetch_integrity"],
-    "C10: host-computed slot checksums that cover no byte, so a flipped payload byte is accepted."
+    "C10: a fetcher that trusts the owner's checksums instead of computing them, so a flipped payload byte is accepted."
 );
 canary!(
     broken_c11evictheld_is_caught,

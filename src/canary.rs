@@ -36,8 +36,9 @@ pub enum Canary {
     C8ReleaseForgotten,
     /// C9: a transport read ignores its deadline (waits up to 5 s more).
     C9ReadPastDeadline,
-    /// C10: host-computed slot checksums cover none of the slot's bytes, so
-    /// a fetcher accepts a corrupted payload.
+    /// C10: the fetcher takes the owner's advertised checksums for what it
+    /// read instead of computing them (the hook sits in `engine::fetch`'s
+    /// driver), so a corrupted payload is accepted.
     C10WeakChecksum,
     /// C11: eviction ignores holders (leased, locked, in-flight blocks are
     /// freed and their memory reused).

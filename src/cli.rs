@@ -142,6 +142,12 @@ struct PdArgs {
     /// Routing of requests to prefill nodes.
     #[arg(long, value_enum, default_value = "round-robin")]
     routing: Routing,
+    /// Read parts a decode fetch keeps in flight (each spread over the transport's connections).
+    #[arg(long, default_value_t = kvferry::limits::FETCH_READS_IN_FLIGHT, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=64))]
+    reads_in_flight: usize,
+    /// Bytes of blocks per read part of a decode fetch, e.g. 64MiB.
+    #[arg(long, default_value = "64MiB", value_parser = parse_size)]
+    read_part_size: u64,
     /// Requests in flight at once.
     #[arg(long, default_value_t = 4)]
     concurrency: usize,
@@ -526,6 +532,8 @@ async fn run_pd(a: PdArgs) -> Result<ExitCode, String> {
         prefill: a.prefill,
         decode: a.decode,
         pool_bytes: a.pool_size,
+        fetch_reads_in_flight: a.reads_in_flight,
+        fetch_read_part_bytes: a.read_part_size,
         routing: a.routing,
         seed: a.seed,
         metaserver: a.metaserver,

@@ -203,9 +203,12 @@ pub const TCP_SERVER_REFUSAL_WRITE_MS: u64 = 200;
 /// pipeline refill per connection (≈ 0.1 ms on loopback against ≈ 12 ms
 /// for 64 MiB at 5 GB/s).
 pub const FETCH_READ_PART_BYTES: u64 = 64 << 20;
-/// Read parts a fetch keeps in flight by default (`EngineConfig::fetch_reads_in_flight`):
-/// one part read while the previous one is checksummed.
-pub const FETCH_READS_IN_FLIGHT: usize = 1;
+/// Read parts a fetch keeps in flight by default
+/// (`EngineConfig::fetch_reads_in_flight`), each spread over the transport's
+/// connections, while completed parts are checksummed. On the H200 host
+/// (`kvferry pd --gpu cuda --model qwen3-8b --concurrency 1`, docs/BENCHMARKS.md)
+/// 4 in flight took T8 p50 from 2.02 (1 in flight) to 1.51.
+pub const FETCH_READS_IN_FLIGHT: usize = 4;
 
 /// Smallest share of a fetched batch (bytes) worth its own checksum task:
 /// below this the task hand-off costs more than the CRC-32C it moves (a

@@ -1166,10 +1166,7 @@ pub fn slot_checksums(layout: &Layout, block: &[u8]) -> Arc<[u32]> {
     (0..layout.layers().len())
         .map(|l| {
             let off = layout.slot_offset(l) as usize;
-            let mut len = layout.slot_bytes(l) as usize;
-            if canary::active(Canary::C10WeakChecksum) {
-                len = 0; // C10 canary: the checksum covers none of the slot
-            }
+            let len = layout.slot_bytes(l) as usize;
             crc32c::crc32c(&block[off..off + len])
         })
         .collect()

@@ -143,6 +143,11 @@ pub struct PdConfig {
     pub decode: usize,
     /// Pinned pool per node (bytes).
     pub pool_bytes: u64,
+    /// Read parts a decode fetch keeps in flight
+    /// (`EngineConfig::fetch_reads_in_flight`).
+    pub fetch_reads_in_flight: usize,
+    /// Bytes of blocks per read part (`EngineConfig::fetch_read_part_bytes`).
+    pub fetch_read_part_bytes: u64,
     /// Routing policy.
     pub routing: Routing,
     /// Seed (node RNGs, fault hooks).
@@ -188,6 +193,8 @@ impl Default for PdConfig {
             prefill: 2,
             decode: 2,
             pool_bytes: 1 << 30,
+            fetch_reads_in_flight: limits::FETCH_READS_IN_FLIGHT,
+            fetch_read_part_bytes: limits::FETCH_READ_PART_BYTES,
             routing: Routing::RoundRobin,
             seed: 0,
             metaserver: None,
@@ -818,6 +825,8 @@ async fn start_node(
     ncfg.engine = EngineConfig {
         pool_bytes: cfg.pool_bytes,
         fetch_deadline: cfg.fetch_deadline,
+        fetch_reads_in_flight: cfg.fetch_reads_in_flight.max(1),
+        fetch_read_part_bytes: cfg.fetch_read_part_bytes.max(1),
         lock_timeout_secs: 10,
         ..EngineConfig::default()
     };

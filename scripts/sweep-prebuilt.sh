@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# A seed sweep of a prebuilt simulation binary (no Rust toolchain needed:
+# for a many-core machine such as the H200 host). Build and copy it first:
+#   RUSTFLAGS="--cfg madsim" CARGO_TARGET_DIR=target-sim cargo test --test sim --no-run
+#   cp target-sim/debug/deps/sim-<hash> .bin/sim && strip .bin/sim
+# then: scripts/sweep-prebuilt.sh BIN FIRST_SEED COUNT JOBS OUT_DIR
+# Writes OUT_DIR/summary.txt (one SIM-SUMMARY line per passing seed),
+# OUT_DIR/failed.txt (failing seeds, their first violation) and prints the
+# per-invariant check totals (the same sums scripts/sim.sh prints).
+set -uo pipefail
+BIN=$1 START=$2 COUNT=$3 JOBS=$4 OUT=$5
+mkdir -p "$OUT"
+: >"$OUT/summary.txt"
+: >"$OUT/failed.txt"
+export BIN OUT
+t0=$(date +%s)
+seq "$START" $((START + COUNT - 1)) | xargs -P "$JOBS" -I{} sh -c '
+    out=$(MADSIM_TEST_SEED={} timeout 120 "$BIN" main_scenario --exact --nocapture 2>&1)
+    if printf "%s\n" "$out" | grep -q "^test result: ok. 1 passed"; then
+        printf "%s\n" "$out" | grep "^SIM-SUMMARY" >>"$OUT/summary.txt"
+    else
+        echo "{} $(printf "%s\n" "$out" | grep -m1 -E "VIOLATION|panicked")" >>"$OUT/failed.txt"
+    fi
+'
+echo "seeds $START..$((START + COUNT - 1)): $(wc -l <"$OUT/summary.txt") passed, $(wc -l <"$OUT/failed.txt") failed, $(($(date +%s) - t0)) s wall, $JOBS jobs"
+awk '{ for (i = 1; i <= NF; i++) { split($i, kv, "=")
+        if (kv[1] == "checks") { n = split(kv[2], items, ","); for (j = 1; j <= n; j++) { m = split(items[j], p, ":"); if (m >= 2) sum[p[1]] += p[2] } }
+        else if (kv[1] ~ /^(corrupt_|checksum_rejected|poisoned_frees|done|fetched|verified)/) tot[kv[1]] += kv[2] } }
+     END { for (k in sum) printf "  %-58s %d\n", k, sum[k]; printf "totals:"; for (k in tot) printf " %s=%d", k, tot[k]; printf "\n" }' "$OUT/summary.txt" | sort
+head -20 "$OUT/failed.txt"
