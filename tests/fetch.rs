@@ -1035,6 +1035,7 @@ async fn fetch_reads_in_parts_and_a_bad_part_ends_it() {
         let mut dcfg = node_cfg(ms.local_addr, 4 * MIB);
         dcfg.tcp_connections_per_peer = 1; // the owner serves the reads in order
         dcfg.engine.fetch_read_part_bytes = 2 * BLOCK;
+        dcfg.engine.fetch_reads_in_flight = 1; // one part read while the previous one is checked
         let (d, _) = start_node_cfg(dcfg).await;
         let kp = register_default(&p.engine, 40);
         let kd = register_default(&d.engine, 40);
