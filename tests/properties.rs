@@ -25,11 +25,12 @@
 //!   the blocks' memory ([`SealedExtent::holders`]) fall back exactly when the
 //!   session ends.
 //!
-//! What is not checked here: the real `TransferGuard` of
-//! `src/engine/fetch.rs` (private, and it releases over a gRPC channel); the
-//! property drives a guard of the same shape (`Option::take` on an explicit
-//! release, the rest on `Drop`) and the simulation tier's
-//! `inv_no_lock_leak` covers the real one end to end. Flush tickets and the
+//! The requester's side of "exactly once" (every lock a fetch takes is
+//! released once, on every path, cancellation included) is the fetch state
+//! machine's own property test (`src/engine/fetch/machine.rs`), which drives
+//! the real machine; here a requester of that shape (`Option::take` on an
+//! explicit release, the rest on `Drop`) drives the real `LockTable`, and
+//! the simulation tier's `inv_no_lock_leak_*` cover both end to end. Flush tickets and the
 //! accounting identity are the registration-queue fuzz body's job
 //! (`fuzz_registration_queue`); store fencing and sweep, `fuzz_store`'s.
 
@@ -300,8 +301,8 @@ fn lock_event() -> impl Strategy<Value = LockEvent> {
     ]
 }
 
-/// A guard of the same shape as `fetch.rs`'s `TransferGuard`: the session is
-/// taken on an explicit release, and released on `Drop` otherwise. It counts
+/// A requester's guard: the session is taken on an explicit release, and
+/// released on `Drop` otherwise (the fetch driver's `abandon` path). It counts
 /// the release calls it makes, per session.
 struct Guard<'t> {
     table: &'t RefCell<LockTable>,
