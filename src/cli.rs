@@ -49,8 +49,8 @@ enum Cmd {
         #[arg(long)]
         http_addr: Option<SocketAddr>,
         /// Distinct block hashes each namespace's index is sized for up front (roughly 150 bytes
-        /// each, allocated when the namespace is first written): no index growth, hence no
-        /// rehash pause under the store lock, below it. 0: grow on demand.
+        /// each, allocated when the namespace is first written, split over the shards): no index
+        /// growth, hence no rehash pause under a shard's lock, below it. 0: grow on demand.
         #[arg(long, default_value_t = 0)]
         capacity: u64,
         /// Store shards, each with its own lock: requests of many clients run on as many cores
@@ -145,8 +145,8 @@ struct PdArgs {
     /// Read parts a decode fetch keeps in flight (each spread over the transport's connections).
     #[arg(long, default_value_t = kvferry::limits::FETCH_READS_IN_FLIGHT, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=64))]
     reads_in_flight: usize,
-    /// Bytes of blocks per read part of a decode fetch, e.g. 64MiB.
-    #[arg(long, default_value = "64MiB", value_parser = parse_size)]
+    /// Bytes of blocks per read part of a decode fetch, e.g. 64MiB (rounded down to whole blocks, at least one).
+    #[arg(long, default_value = "64MiB", value_parser = parse_part_size)]
     read_part_size: u64,
     /// Requests in flight at once.
     #[arg(long, default_value_t = 4)]
@@ -295,6 +295,13 @@ const NO_CUDA: &str =
 /// Parses sizes like `4GiB`, `512MiB`, `64KiB`, `1000` (bytes).
 /// A byte size: `4GiB`, `512MiB`, `1.5GiB`, `1TiB` (binary units), `1GB`
 /// (decimal, 10^9), or plain bytes.
+fn parse_part_size(s: &str) -> Result<u64, String> {
+    match parse_size(s)? {
+        0 => Err("a read part must be at least one byte (it is rounded down to whole blocks, at least one)".into()),
+        n => Ok(n),
+    }
+}
+
 fn parse_size(s: &str) -> Result<u64, String> {
     parse_size::parse_size(s.trim()).map_err(|e| format!("bad size {s:?}: {e} (e.g. 4GiB, 512MiB)"))
 }
@@ -365,7 +372,7 @@ fn report_text(r: &pd::PdReport) -> String {
         "  bytes moved            {:>8.2} GiB at {:.2} GB/s (over {:.2} s with a fetch in flight)",
         gib, r.transport_gbps, r.fetch_busy_s
     );
-    println!("  handoff (flush+query+fetch) p50 {:.2} ms, p99 {:.2} ms", r.handoff_p50_ms, r.handoff_p99_ms);
+    println!("  handoff (barrier → fetch end) p50 {:.2} ms, p99 {:.2} ms", r.handoff_p50_ms, r.handoff_p99_ms);
     match r.raw_gbps {
         Some(raw) => {
             println!(
@@ -404,7 +411,12 @@ fn report_text(r: &pd::PdReport) -> String {
                 println!("    {:<20} {:>9.2} {:>9.2} {:>9.2}", name.replace('_', " "), p.p50, p.p99, p.mean);
             }
             if *name == "fetch" {
-                for (sub, _) in kvferry::engine::fetch::FetchPhases::default().named() {
+                // load_tail is the `load` row below, not part of the fetch.
+                for (sub, _) in kvferry::engine::fetch::FetchPhases::default()
+                    .named()
+                    .into_iter()
+                    .filter(|(n, _)| *n != "load_tail")
+                {
                     if let Some(p) = r.fetch_phases_ms.get(sub) {
                         println!("      {:<18} {:>9.2} {:>9.2} {:>9.2}", sub, p.p50, p.p99, p.mean);
                     }

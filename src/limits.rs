@@ -205,9 +205,11 @@ pub const TCP_SERVER_REFUSAL_WRITE_MS: u64 = 200;
 pub const FETCH_READ_PART_BYTES: u64 = 64 << 20;
 /// Read parts a fetch keeps in flight by default
 /// (`EngineConfig::fetch_reads_in_flight`), each spread over the transport's
-/// connections, while completed parts are checksummed. On the H200 host
-/// (`kvferry pd --gpu cuda --model qwen3-8b --concurrency 1`, docs/BENCHMARKS.md)
-/// 4 in flight took T8 p50 from 2.02 (1 in flight) to 1.51.
+/// connections, while completed parts are checksummed. On the H200 host,
+/// with the TCP transport receiving each connection's share on a task of its
+/// own (`kvferry pd --gpu cuda --model qwen3-8b --concurrency 1`,
+/// docs/BENCHMARKS.md), 4 in flight took T8 p50 from 1.53 (1 in flight) to
+/// 0.94.
 pub const FETCH_READS_IN_FLIGHT: usize = 4;
 
 /// Smallest share of a fetched batch (bytes) worth its own checksum task:

@@ -105,7 +105,17 @@ fn replay_reports_t8_and_the_handoff_phases() {
     let mean = num(total, "mean");
     assert!(sum <= mean * (1.0 + 1e-9) + 1e-9, "phases ({sum} ms) exceed the handoff ({mean} ms)");
     assert!(sum >= mean * (1.0 - 1e-6), "phases ({sum} ms) do not tile the handoff ({mean} ms)");
-    assert!(r["fetch_phases_ms"].is_object(), "fetch sub-phases (empty until the fetch reports them)");
+    // The fetch's own split: its sub-phases' means add up to no more than
+    // the fetch phase's (the driver's set-up is charged to none of them).
+    let fetch = r["fetch_phases_ms"].as_object().expect("fetch_phases_ms object");
+    for name in ["query", "handshake", "lock", "read", "verify", "seal", "release"] {
+        assert!(fetch.contains_key(name), "fetch sub-phase {name} missing: {fetch:?}");
+    }
+    assert!(!fetch.contains_key("load_tail"), "load_tail is the handoff's load phase, not part of the fetch");
+    let sub: f64 = fetch.values().map(|p| num(p, "mean")).sum();
+    let fetch_mean = num(&phases["fetch"], "mean");
+    assert!(sub <= fetch_mean * (1.0 + 1e-6) + 1e-6, "fetch sub-phases ({sub} ms) exceed the fetch ({fetch_mean} ms)");
+    assert!(num(&fetch["read"], "mean") > 0.0, "a fetch of >= 1 MiB spends time reading");
 }
 
 #[test]

@@ -282,7 +282,7 @@ pub struct PdReport {
     /// T8 times it): p50, p99 and mean over the T8 requests (ms).
     pub handoff_phases_ms: BTreeMap<String, PhaseMs>,
     /// The `fetch` phase split into [`FetchPhases::named`] (ms), over the
-    /// same requests; empty while the fetch does not report them.
+    /// same requests (without `load_tail`, which is the `load` phase).
     pub fetch_phases_ms: BTreeMap<String, PhaseMs>,
     /// Registry commands dropped, from the prefill nodes' flush reports at
     /// the handoff barriers: inserts of saved blocks and the removals that
@@ -543,7 +543,7 @@ struct ReqOutcome {
     handoff_total: Duration,
     /// Per [`HANDOFF_PHASES`].
     phases: [Duration; 5],
-    /// The decode fetch's sub-phases, when it reports them.
+    /// The decode fetch's sub-phases.
     fetch_phases: Option<FetchPhases>,
     delivered: u64,
     dropped: u64,
@@ -916,7 +916,9 @@ fn t8_figures(rep: &mut PdReport, outcomes: &[ReqOutcome]) {
     let mut total: Vec<f64> = covered.iter().map(|o| ms(o.handoff_total)).collect();
     rep.handoff_phases_ms.insert("total".into(), phase_ms(&mut total));
     let split: Vec<FetchPhases> = covered.iter().filter_map(|o| o.fetch_phases).collect();
-    let names = FetchPhases::default().named().map(|(n, _)| n);
+    // `load_tail` is the handoff's `load` phase, not part of `fetch`.
+    let names: Vec<&str> =
+        FetchPhases::default().named().map(|(n, _)| n).into_iter().filter(|n| *n != "load_tail").collect();
     if split.len() == covered.len() {
         for (i, name) in names.iter().enumerate() {
             let mut v: Vec<f64> = split.iter().map(|f| ms(f.named()[i].1)).collect();

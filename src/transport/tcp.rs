@@ -742,47 +742,71 @@ impl Transport for TcpTransport {
         }
         let total_ops: u64 = works.iter().flatten().map(|(_, _, o)| o.len() as u64).sum();
         let mut req = self.next_req.fetch_add(total_ops, Ordering::Relaxed);
-        let futs = works.into_iter().enumerate().filter(|(_, w)| !w.is_empty()).map(|(ci, w)| {
-            let first = req;
-            req += w.iter().map(|(_, _, o)| o.len() as u64).sum::<u64>();
-            let p = p.clone();
-            let hooks = self.hooks.clone();
-            async move {
-                // Another batch may hold this connection: wait for it only
-                // until this batch's deadline.
-                let Ok(mut guard) = timeout_at(deadline, p.conns[ci].lock()).await else {
-                    return fail_share(w, &TransportError::Timeout);
-                };
-                let (stream, pooled) = match guard.take() {
-                    Some(s) => (s, true),
-                    None => match dial(&p.data_addr, deadline).await {
-                        Ok(s) => (s, false),
-                        Err(e) => return fail_share(w, &e),
-                    },
-                };
-                // Reads are idempotent: a pooled connection found dead before
-                // any answer gets its whole share again, once, on a new one.
-                let retry_ops: Option<Vec<Vec<ReadOp>>> = pooled.then(|| w.iter().map(|(_, _, o)| o.clone()).collect());
-                // An unhealthy stream is dropped: its state is unknown, reconnect next time.
-                let mut done = run_conn(stream, &hooks, session, w, first, deadline).await;
-                if let (true, Some(ops)) = (done.dead_before_any_response, retry_ops)
-                    && let Ok(fresh) = dial(&p.data_addr, deadline).await
-                {
-                    tracing::debug!(peer = %p.data_addr, "pooled data connection was dead; retrying on a new one");
-                    let w = done.out.into_iter().zip(ops).map(|((i, ext, _), ops)| (i, ext, ops)).collect();
-                    done = run_conn(fresh, &hooks, session, w, first, deadline).await;
-                }
-                *guard = done.stream;
-                done.out
-            }
-        });
+        let session: Arc<str> = Arc::from(session);
+        // Each connection's share runs as a task of its own (owning its
+        // extents until its reads complete): a batch's connections receive
+        // on as many cores as the runtime has, as the raw socket copy does,
+        // instead of all on the caller's task.
+        let shares: Vec<_> = works
+            .into_iter()
+            .enumerate()
+            .filter(|(_, w)| !w.is_empty())
+            .map(|(ci, w)| {
+                let first = req;
+                req += w.iter().map(|(_, _, o)| o.len() as u64).sum::<u64>();
+                let p = p.clone();
+                let hooks = self.hooks.clone();
+                let session = session.clone();
+                tokio::spawn(async move {
+                    // Another batch may hold this connection: wait for it
+                    // only until this batch's deadline.
+                    let Ok(mut guard) = timeout_at(deadline, p.conns[ci].lock()).await else {
+                        return fail_share(w, &TransportError::Timeout);
+                    };
+                    let (stream, pooled) = match guard.take() {
+                        Some(s) => (s, true),
+                        None => match dial(&p.data_addr, deadline).await {
+                            Ok(s) => (s, false),
+                            Err(e) => return fail_share(w, &e),
+                        },
+                    };
+                    // Reads are idempotent: a pooled connection found dead
+                    // before any answer gets its whole share again, once, on
+                    // a new one.
+                    let retry_ops: Option<Vec<Vec<ReadOp>>> =
+                        pooled.then(|| w.iter().map(|(_, _, o)| o.clone()).collect());
+                    // An unhealthy stream is dropped: its state is unknown,
+                    // reconnect next time.
+                    let mut done = run_conn(stream, &hooks, &session, w, first, deadline).await;
+                    if let (true, Some(ops)) = (done.dead_before_any_response, retry_ops)
+                        && let Ok(fresh) = dial(&p.data_addr, deadline).await
+                    {
+                        tracing::debug!(peer = %p.data_addr, "pooled data connection was dead; retrying on a new one");
+                        let w = done.out.into_iter().zip(ops).map(|((i, ext, _), ops)| (i, ext, ops)).collect();
+                        done = run_conn(fresh, &hooks, &session, w, first, deadline).await;
+                    }
+                    *guard = done.stream;
+                    done.out
+                })
+            })
+            .collect();
         let mut slots: Vec<Option<(Extent, Result<(), TransportError>)>> = (0..n).map(|_| None).collect();
-        for part in futures::future::join_all(futs).await {
-            for (i, ext, r) in part {
-                slots[i] = Some((ext, r));
+        for share in shares {
+            match share.await {
+                Ok(part) => {
+                    for (i, ext, r) in part {
+                        slots[i] = Some((ext, r));
+                    }
+                }
+                Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+                // The runtime is shutting down (or the simulator killed the
+                // node): that share's extents went with its task.
+                Err(_) => {}
             }
         }
-        let (local, results) = slots.into_iter().map(|s| s.expect("every extent comes back")).unzip();
+        // Every extent comes back, in order, unless a share's task was
+        // cancelled: then the completion ends before its first extent.
+        let (local, results) = slots.into_iter().map_while(|s| s).unzip();
         ReadCompletion { local, results }
     }
 }

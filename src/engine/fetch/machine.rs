@@ -364,7 +364,7 @@ impl FetchMachine {
             },
             (Stage::Allocating(mut t), Event::Allocated(n)) => {
                 if n < t.plan.len() {
-                    t.stop = Some(FetchError::NoSpace);
+                    t.stop.get_or_insert(FetchError::NoSpace);
                     t.plan.truncate(n);
                 }
                 let per = self.cfg.part_blocks.max(1);
@@ -601,7 +601,9 @@ impl FetchMachine {
             self.rep.stopped = None;
         }
         if let Some((owner, session)) = self.held.take() {
-            // Only reachable through a deadline while allocating: release first.
+            // Never reached (every path releases before it ends); should a
+            // future path end holding a lock, it is still released once.
+            debug_assert!(false, "fetch machine ended holding a lock");
             out.push(Action::Release { owner, session });
         }
         out.push(Action::Done);
