@@ -798,7 +798,7 @@ impl Transport for TcpTransport {
                         slots[i] = Some((ext, r));
                     }
                 }
-                Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+                Err(e) if e.is_panic() => panic!("a transport read task panicked: {e}"),
                 // The runtime is shutting down (or the simulator killed the
                 // node): that share's extents went with its task.
                 Err(_) => {}
