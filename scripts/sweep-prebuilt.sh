@@ -6,7 +6,8 @@
 # then: scripts/sweep-prebuilt.sh BIN FIRST_SEED COUNT JOBS OUT_DIR
 # Writes OUT_DIR/summary.txt (one SIM-SUMMARY line per passing seed),
 # OUT_DIR/failed.txt (failing seeds, their first violation) and prints the
-# per-invariant check totals (the same sums scripts/sim.sh prints).
+# per-invariant check totals (the same sums scripts/sim.sh prints); each
+# failing seed with its replay command. Exits 1 when a seed failed.
 set -uo pipefail
 BIN=$1 START=$2 COUNT=$3 JOBS=$4 OUT=$5
 mkdir -p "$OUT"
@@ -27,4 +28,8 @@ awk '{ for (i = 1; i <= NF; i++) { split($i, kv, "=")
         if (kv[1] == "checks") { n = split(kv[2], items, ","); for (j = 1; j <= n; j++) { m = split(items[j], p, ":"); if (m >= 2) sum[p[1]] += p[2] } }
         else if (kv[1] ~ /^(corrupt_|checksum_rejected|poisoned_frees|done|fetched|verified)/) tot[kv[1]] += kv[2] } }
      END { for (k in sum) printf "  %-58s %d\n", k, sum[k]; printf "totals:"; for (k in tot) printf " %s=%d", k, tot[k]; printf "\n" }' "$OUT/summary.txt" | sort
-head -20 "$OUT/failed.txt"
+sort -n "$OUT/failed.txt" | head -20 | while read -r seed why; do
+    echo "FAILED seed $seed: $why"
+    echo "  replay: MADSIM_TEST_SEED=$seed RUSTFLAGS=\"--cfg madsim\" CARGO_TARGET_DIR=target-sim cargo test --test sim -- main_scenario --exact --nocapture"
+done
+[ ! -s "$OUT/failed.txt" ]

@@ -97,7 +97,7 @@ pub(crate) fn server(
 ) -> Result<tonic::transport::Server, TlsError> {
     use tonic::transport::{Identity, ServerTlsConfig};
     let id = Identity::from_pem(&identity.cert_pem, &identity.key_pem);
-    builder.tls_config(ServerTlsConfig::new().identity(id)).map_err(|e| TlsError::Config(error_chain(&e)))
+    builder.tls_config(ServerTlsConfig::new().identity(id)).map_err(|e| TlsError::Config(crate::types::error_chain(&e)))
 }
 
 /// A lazily connecting TLS channel to `addr` (`host:port` or `https://…`)
@@ -119,8 +119,9 @@ pub(crate) fn channel(
         None => format!("https://{addr}"),
     };
     let tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(&trust.ca_pem));
-    let ep =
-        Endpoint::from_shared(uri).and_then(|e| e.tls_config(tls)).map_err(|e| TlsError::Config(error_chain(&e)))?;
+    let ep = Endpoint::from_shared(uri)
+        .and_then(|e| e.tls_config(tls))
+        .map_err(|e| TlsError::Config(crate::types::error_chain(&e)))?;
     Ok(ep
         .timeout(timeout)
         .connect_timeout(timeout)
@@ -128,16 +129,4 @@ pub(crate) fn channel(
         .initial_stream_window_size(crate::limits::GRPC_STREAM_WINDOW_BYTES)
         .initial_connection_window_size(crate::limits::GRPC_CONNECTION_WINDOW_BYTES)
         .connect_lazy())
-}
-
-#[cfg(all(feature = "tls", not(madsim)))]
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
 }

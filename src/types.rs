@@ -1,4 +1,5 @@
-//! Newtype identifiers shared by every component.
+//! Newtype identifiers shared by every component (and [`error_chain`], the
+//! one-line text of an error and its causes).
 //!
 //! Vocabulary follows design.md §1: a *block hash* names a block given its
 //! whole prefix, a *namespace* names a KV layout family, a *node* is an
@@ -157,6 +158,19 @@ pub enum IdError {
     /// An empty or oversized namespace.
     #[error("namespace length {0} not in 1..={max}", max = limits::NAMESPACE_BYTES_MAX)]
     Namespace(usize),
+}
+
+/// `e` and its sources, joined by `": "` (one line for an error whose cause
+/// sits several `source()` levels down, e.g. a TLS or verbs setup failure).
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
 }
 
 #[cfg(test)]

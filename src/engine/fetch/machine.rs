@@ -282,11 +282,6 @@ impl FetchMachine {
         &self.rep
     }
 
-    /// Whether [`Action::Done`] was emitted.
-    pub fn is_done(&self) -> bool {
-        matches!(self.stage, Stage::Done)
-    }
-
     /// The blocks locked from the current owner (plan indices), as it
     /// described them; empty outside a transfer.
     pub fn plan(&self) -> &[TransferBlockInfo] {
@@ -317,20 +312,16 @@ impl FetchMachine {
         let stage = std::mem::replace(&mut self.stage, Stage::Done);
         match (stage, ev) {
             (Stage::Done, _) => {}
-            (Stage::Reading(mut t), Event::Deadline) => {
+            (Stage::Reading(t), Event::Deadline) => {
+                // `pump` halts the reads and records why.
                 self.deadline_passed = true;
-                t.halted = true;
-                t.stop.get_or_insert(FetchError::Deadline);
                 self.pump(t, &mut out);
             }
-            (Stage::Releasing, Event::Deadline) => {
-                // The release runs under its own RPC timeout.
+            (stage @ (Stage::Releasing | Stage::Allocating(_)), Event::Deadline) => {
+                // The release runs under its own RPC timeout; an allocation
+                // answers at once and `pump` then sees the deadline.
                 self.deadline_passed = true;
-                self.stage = Stage::Releasing;
-            }
-            (Stage::Allocating(t), Event::Deadline) => {
-                self.deadline_passed = true;
-                self.stage = Stage::Allocating(t);
+                self.stage = stage;
             }
             (_, Event::Deadline) => {
                 // An RPC was pending (query, handshake, lock): give up on it.
@@ -613,7 +604,7 @@ impl FetchMachine {
 
 /// Whether a fetched block's slot checksums are the ones its owner advertised
 /// for it (C10).
-pub(crate) fn as_advertised(sums: &[u32], b: &TransferBlockInfo) -> bool {
+fn as_advertised(sums: &[u32], b: &TransferBlockInfo) -> bool {
     sums.iter().copied().eq(b.slots.iter().map(|s| s.crc32c))
 }
 

@@ -418,7 +418,6 @@ impl<'a> Driver<'a> {
         let mut queue: VecDeque<Action> = first.into();
         let mut pending: Pending<'a> = FuturesUnordered::new();
         let mut deadline_fed = false;
-        let mut stuck = false;
         loop {
             while let Some(action) = queue.pop_front() {
                 if action == Action::Done {
@@ -431,33 +430,29 @@ impl<'a> Driver<'a> {
                 self.phases.seal += t0.elapsed();
             }
             let t0 = Instant::now();
-            let mut loads = self.load.as_mut().map(|p| std::mem::take(&mut p.running)).unwrap_or_default();
+            let deadline = self.deadline;
+            let loading = self.load.as_ref().is_some_and(|p| !p.running.is_empty());
+            let load = &mut self.load;
+            // (select! drops every branch's future before a handler runs.)
             let outcome = tokio::select! {
                 biased;
                 Some(o) = pending.next() => Some(o),
-                Some(done) = loads.next(), if !loads.is_empty() => {
-                    if let Some(p) = &mut self.load {
+                Some(done) = async { load.as_mut()?.running.next().await }, if loading => {
+                    if let Some(p) = load {
                         p.finished(done);
                     }
                     None
                 }
-                () = tokio::time::sleep_until(self.deadline), if !deadline_fed => {
+                () = tokio::time::sleep_until(deadline), if !deadline_fed => {
                     deadline_fed = true;
                     Some(Outcome::Rpc(Event::Deadline))
                 }
                 else => {
-                    stuck = true;
-                    None
+                    // Nothing in flight and no event to come: a machine bug.
+                    debug_assert!(false, "fetch machine waits with nothing in flight");
+                    return;
                 }
             };
-            if let Some(p) = &mut self.load {
-                p.running = loads;
-            }
-            if stuck {
-                // Nothing in flight and no event to come: a machine bug.
-                debug_assert!(false, "fetch machine waits with nothing in flight");
-                return;
-            }
             let waited = t0.elapsed();
             *self.blocking_phase() += waited;
             let Some(outcome) = outcome else { continue };

@@ -32,7 +32,7 @@ use crate::memory::pool::{Extent, Pool};
 use crate::rt::timeout_at;
 use crate::transport::handshake::{HandshakeMetadata, LinkLayer, Region, TransportKind};
 use crate::transport::{DataSource, ReadCompletion, ReadOp, Transport, TransportError, validate_local};
-use crate::types::NodeAddr;
+use crate::types::{NodeAddr, error_chain};
 
 /// Why the verbs backend could not start. Each variant is a distinct
 /// startup failure the operator can act on.
@@ -143,18 +143,6 @@ fn device_list() -> Result<DeviceList, VerbsError> {
     })
 }
 
-/// `e` and its sources, joined.
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
-}
-
 /// One QP with its own completion queue (requester side; the served side
 /// shares one CQ that never sees a completion).
 struct QpConn {
@@ -215,7 +203,7 @@ pub struct VerbsTransport {
 }
 
 fn dev_err(device: &str, step: &'static str, e: &dyn std::error::Error) -> VerbsError {
-    VerbsError::Device { device: device.to_string(), step, reason: chain(e) }
+    VerbsError::Device { device: device.to_string(), step, reason: error_chain(e) }
 }
 
 impl VerbsTransport {
@@ -268,7 +256,7 @@ impl VerbsTransport {
             .ok_or_else(|| port_err(format!("unknown active MTU code {}", pattr.attr.active_mtu)))?;
         let gid = ctx
             .query_gid(cfg.port, u32::from(cfg.gid_index))
-            .map_err(|e| port_err(format!("GID index {}: {}", cfg.gid_index, chain(&e))))?;
+            .map_err(|e| port_err(format!("GID index {}: {}", cfg.gid_index, error_chain(&e))))?;
         let port = LocalPort {
             port_num: cfg.port,
             link_layer,
@@ -444,7 +432,7 @@ fn mtu(m: PathMtu) -> Mtu {
 }
 
 fn modify(qp: &mut BasicQueuePair, attr: &QueuePairAttribute, what: &str) -> Result<(), String> {
-    qp.modify(attr).map_err(|e| format!("ibv_modify_qp to {what}: {}", chain(&e)))
+    qp.modify(attr).map_err(|e| format!("ibv_modify_qp to {what}: {}", error_chain(&e)))
 }
 
 fn apply_init(qp: &mut BasicQueuePair, a: &InitAttrs) -> Result<(), String> {
@@ -515,7 +503,7 @@ impl Shared {
             .setup_send_cq(cq.clone())
             .setup_recv_cq(cq.clone())
             .build()
-            .map_err(|e| format!("ibv_create_qp: {}", chain(&e)))?;
+            .map_err(|e| format!("ibv_create_qp: {}", error_chain(&e)))?;
         apply_init(&mut qp, &plan::plan_qp_init(&self.port, &self.limits.tuning))?;
         Ok(qp)
     }
@@ -528,7 +516,7 @@ impl Shared {
             .create_cq_builder()
             .setup_cqe(depth)
             .build()
-            .map_err(|e| format!("ibv_create_cq: {}", chain(&e)))?;
+            .map_err(|e| format!("ibv_create_cq: {}", error_chain(&e)))?;
         let qp = self.create_qp(&cq, depth, self.limits.plan.sges_per_wr)?;
         Ok(QpConn { qp, cq })
     }
@@ -636,7 +624,7 @@ async fn run_qp(
                         // failing one is not reported): count the whole
                         // window as in flight and drain.
                         shared.stats.wr_errors.fetch_add(1, Ordering::Relaxed);
-                        let err = TransportError::Io(format!("ibv_post_send: {}", chain(&e)));
+                        let err = TransportError::Io(format!("ibv_post_send: {}", error_chain(&e)));
                         for j in posted..posted + k {
                             tr.fail(j, err.clone());
                         }
@@ -664,7 +652,7 @@ async fn run_qp(
                 }
                 Err(PollCompletionQueueError::CompletionQueueEmpty) => {}
                 Err(e) => {
-                    tr.fail_pending(&TransportError::Io(format!("ibv_poll_cq: {}", chain(&e))));
+                    tr.fail_pending(&TransportError::Io(format!("ibv_poll_cq: {}", error_chain(&e))));
                     failing.get_or_insert_with(StdInstant::now);
                     destroyed = true; // cannot learn when the NIC is done: destroy to stop it
                 }
