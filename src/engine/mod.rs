@@ -39,6 +39,11 @@ use pool::{Extent, Pool, PoolError, SealedExtent};
 pub struct EngineConfig {
     /// Pinned pool size (bytes), allocated once at start.
     pub pool_bytes: u64,
+    /// Commit every page of the pool at start ([`Pool::prefault`]; on by
+    /// default): start-up pays the page faults once instead of the first
+    /// saves and fetches into each page paying them on the critical path.
+    /// Off only where start-up time matters more (short tests).
+    pub pool_prefault: bool,
     /// Pool allocation alignment (bytes, power of two).
     pub pool_align: u64,
     /// How long a transfer lock lives without a release (s).
@@ -49,9 +54,11 @@ pub struct EngineConfig {
     pub fetch_deadline: Duration,
     /// Deadline of each peer RPC inside a fetch.
     pub peer_rpc_timeout: Duration,
-    /// Bytes of blocks a fetch reads per transport call; each part is
-    /// checksummed while the next is read (see
-    /// [`limits::FETCH_READ_PART_BYTES`]).
+    /// Most bytes of blocks a fetch reads per transport call (a part); each
+    /// part is checksummed while the next is read (see
+    /// [`limits::FETCH_READ_PART_BYTES`]). A fetch too small to fill its
+    /// parts in flight twice uses smaller parts, down to
+    /// [`limits::FETCH_READ_PART_BYTES_MIN`].
     pub fetch_read_part_bytes: u64,
     /// Read parts a fetch keeps in flight at once (≥ 1; see
     /// [`limits::FETCH_READS_IN_FLIGHT`]): with more than one, a fetch's
@@ -73,6 +80,7 @@ impl Default for EngineConfig {
     fn default() -> Self {
         Self {
             pool_bytes: 256 << 20,
+            pool_prefault: true,
             pool_align: 256,
             lock_timeout_secs: limits::TRANSFER_LOCK_TIMEOUT_SECS_DEFAULT,
             lock_gc_interval: Duration::from_millis(limits::TRANSFER_LOCK_GC_INTERVAL_MS_DEFAULT),
@@ -388,6 +396,9 @@ impl Engine {
         client: MetaServerClient,
     ) -> Result<Self, EngineError> {
         let pool = Pool::new(cfg.pool_bytes, cfg.pool_align)?;
+        if cfg.pool_prefault {
+            pool.prefault()?;
+        }
         gpu.register_host(pool.base_ptr(), pool.arena_len())?;
         let (saves_done, _) = watch::channel(0);
         let mut rng = match cfg.seed {

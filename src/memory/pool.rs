@@ -102,6 +102,13 @@ pub enum PoolError {
         /// Length of the largest free extent (bytes).
         largest_free: u64,
     },
+    /// [`Pool::prefault`] was called while extents were live (it writes
+    /// into the arena, so it runs only before the first allocation).
+    #[error("cannot prefault a pool with {live_extents} live extents")]
+    InUse {
+        /// Extents live at the call.
+        live_extents: usize,
+    },
 }
 
 /// A free that does not match a live allocation: an internal bug (double
@@ -537,6 +544,54 @@ impl Pool {
         self.inner.arena_layout.size() as u64
     }
 
+    /// Commits every page of the arena now, so that no save or fetch pays a
+    /// first-touch page fault on the critical path. The arena comes from
+    /// `calloc`, whose large blocks are fresh zero pages the kernel maps on
+    /// first write: filling a never-touched 1 GiB pool costs 262,144 page
+    /// faults (4 KiB pages), which the first saves and fetches into each
+    /// page would otherwise pay inside their copy and read times. On Linux
+    /// the arena is first advised to use transparent huge pages
+    /// (`madvise(MADV_HUGEPAGE)`, honoured when THP is in `madvise` or
+    /// `always` mode): one fault per 2 MiB, and fewer TLB misses for every
+    /// later copy. One byte of every 4 KiB page is written with zero, on up
+    /// to [`crate::rt::cpu_parallelism`] threads; returns the bytes covered.
+    /// (The CUDA backend's `cuMemHostRegister` commits the pages too.)
+    ///
+    /// # Errors
+    /// [`PoolError::InUse`] when any extent is live: the pool is untouched.
+    /// Call it right after [`Pool::new`].
+    pub fn prefault(&self) -> Result<u64, PoolError> {
+        // Held while touching: no extent can be handed out (and written)
+        // until every page has been written with its zero.
+        let a = self.inner.lock();
+        if a.live_extents() > 0 {
+            return Err(PoolError::InUse { live_extents: a.live_extents() });
+        }
+        let (base, len) = (self.inner.arena.as_ptr() as usize, self.inner.arena_layout.size());
+        #[cfg(target_os = "linux")]
+        // SAFETY: advice only, on the arena's own range; it changes no byte.
+        unsafe {
+            libc::madvise(base as *mut libc::c_void, len, libc::MADV_HUGEPAGE);
+        }
+        const PAGE: usize = 4096;
+        let parts = crate::rt::cpu_parallelism().clamp(1, 16);
+        let share = len.div_ceil(parts).next_multiple_of(PAGE);
+        let ranges: Vec<(usize, usize)> =
+            (0..parts).map(|i| (i * share, ((i + 1) * share).min(len))).filter(|r| r.0 < r.1).collect();
+        crate::rt::map_parts(ranges, |(from, to)| {
+            for at in (from..to).step_by(PAGE) {
+                // SAFETY: inside the arena; no extent is live and none can be
+                // allocated while the allocator lock is held, so no one else
+                // reads or writes these bytes, and bytes outside every extent
+                // carry nothing (an extent's first holder sees zero only on
+                // a fresh pool, where this writes the zero already there).
+                unsafe { ((base + at) as *mut u8).write_volatile(0) };
+            }
+        });
+        drop(a);
+        Ok(len as u64)
+    }
+
     /// Runs [`ExtentAllocator::check_invariants`] on the allocator (tests).
     pub fn check_invariants(&self) {
         self.inner.lock().check_invariants();
@@ -726,6 +781,21 @@ const _: () = {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn prefault_commits_a_fresh_pool_and_refuses_one_in_use() {
+        let pool = Pool::new(8 << 20, 256).unwrap();
+        assert_eq!(pool.prefault().unwrap(), pool.arena_len());
+        // Every byte still reads zero, and the pool still allocates.
+        let mut e = pool.alloc(4096).unwrap();
+        assert!(e.as_slice().iter().all(|&b| b == 0));
+        e.as_mut_slice().fill(0xAB);
+        // With an extent live, prefault refuses and writes nothing.
+        assert_eq!(pool.prefault(), Err(PoolError::InUse { live_extents: 1 }));
+        assert!(e.as_slice().iter().all(|&b| b == 0xAB));
+        drop(e);
+        assert_eq!(pool.prefault().unwrap(), pool.arena_len());
+    }
 
     const A: u64 = 256;
 
