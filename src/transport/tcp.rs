@@ -511,6 +511,7 @@ async fn run_conn(
             req_id += 1;
         }
     }
+    let quick_ack = crate::rt::QuickAck::of(&stream);
     let (mut rd, mut wr) = tokio::io::split(stream);
     let writer = async {
         let write = async {
@@ -544,7 +545,7 @@ async fn run_conn(
                     result = Err(fatal);
                     continue;
                 }
-                match read_one(&mut rd, &mut ext, &op, id, deadline).await {
+                match read_one(&mut rd, quick_ack, &mut ext, &op, id, deadline).await {
                     Ok(Ok(())) => answered = true,
                     Ok(Err(refused)) => {
                         answered = true;
@@ -599,16 +600,19 @@ impl TcpHooks {
     }
 }
 
-/// Reads one response. `Ok(Err(_))`: the peer refused this read, the stream
-/// is still in sync. `Err(_)`: the stream is unusable.
+/// Reads one response (quick ACKs re-armed before its header and before its
+/// payload, see [`crate::rt::QuickAck`]). `Ok(Err(_))`: the peer refused this
+/// read, the stream is still in sync. `Err(_)`: the stream is unusable.
 async fn read_one(
     rd: &mut tokio::io::ReadHalf<TcpStream>,
+    quick_ack: crate::rt::QuickAck,
     ext: &mut Extent,
     op: &ReadOp,
     id: u64,
     deadline: Instant,
 ) -> Result<Result<(), TransportError>, TransportError> {
     let mut hdr = [0u8; frame::RESPONSE_HEADER_BYTES];
+    quick_ack.arm();
     match timeout_at(deadline, rd.read_exact(&mut hdr)).await {
         Ok(Ok(_)) => {}
         Ok(Err(e)) => return Err(io_err(e)),
@@ -651,6 +655,7 @@ async fn read_one(
         return Err(TransportError::Protocol(format!("served {} bytes for a read of {}", h.len, op.len)));
     }
     let dst = &mut ext.as_mut_slice()[op.local_offset as usize..(op.local_offset + op.len) as usize];
+    quick_ack.arm();
     match timeout_at(deadline, rd.read_exact(dst)).await {
         Ok(Ok(_)) => Ok(Ok(())),
         Ok(Err(e)) => Err(io_err(e)),
