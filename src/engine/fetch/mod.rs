@@ -181,10 +181,12 @@ pub struct FetchPhases {
     pub verify: Duration,
     /// Slot allocation, seal and register, frees.
     pub seal: Duration,
-    /// `ReleaseTransferLock`.
+    /// Handing `ReleaseTransferLock` to a task of its own: the RPC itself
+    /// runs behind the rest of the fetch, so this is the spawn alone.
     pub release: Duration,
-    /// [`Engine::fetch_into`] only: waiting, after the fetch ended, for the
-    /// loads of the last parts (loads of earlier parts run behind reads).
+    /// [`Engine::fetch_into`] only: waiting for loads of sealed parts with
+    /// nothing else in flight — after the fetch ended, the loads of the
+    /// last parts (loads of earlier parts run behind reads).
     pub load_tail: Duration,
 }
 
@@ -215,7 +217,6 @@ enum Rpc {
     Query,
     Handshake,
     Lock,
-    Release,
 }
 
 /// What a pending driver operation ended with: a machine event, plus the
@@ -341,9 +342,12 @@ impl Engine {
                 me: self.node().clone(),
                 family: layout.family(),
                 block_bytes,
-                part_blocks: usize::try_from(self.inner.cfg.fetch_read_part_bytes / block_bytes)
-                    .unwrap_or(usize::MAX)
-                    .max(1),
+                part_blocks: part_blocks(
+                    hashes.len() - local,
+                    block_bytes,
+                    self.inner.cfg.fetch_read_part_bytes,
+                    self.inner.cfg.fetch_reads_in_flight,
+                ),
                 reads_in_flight: self.inner.cfg.fetch_reads_in_flight.max(1),
                 owners_max: crate::limits::FETCH_OWNERS_MAX,
             };
@@ -424,10 +428,11 @@ impl<'a> Driver<'a> {
                     return;
                 }
                 let t0 = Instant::now();
+                let releasing = matches!(action, Action::Release { .. });
                 if let Some(ev) = self.perform(action, &mut pending) {
                     queue.extend(self.m.step(ev));
                 }
-                self.phases.seal += t0.elapsed();
+                *(if releasing { &mut self.phases.release } else { &mut self.phases.seal }) += t0.elapsed();
             }
             let t0 = Instant::now();
             let deadline = self.deadline;
@@ -474,7 +479,8 @@ impl<'a> Driver<'a> {
             Some(Rpc::Query) => &mut p.query,
             Some(Rpc::Handshake) => &mut p.handshake,
             Some(Rpc::Lock) => &mut p.lock,
-            Some(Rpc::Release) | None => &mut p.release,
+            // Only loads of sealed parts are running.
+            None => &mut p.load_tail,
         }
     }
 
@@ -669,15 +675,15 @@ impl<'a> Driver<'a> {
                     return Some(Event::Released);
                 }
                 let Some(grpc) = self.grpc(&owner) else { return Some(Event::Released) };
-                self.rpc = Some(Rpc::Release);
-                let timeout = engine.inner.cfg.peer_rpc_timeout;
-                // To completion even if this fetch is dropped meanwhile.
-                let release = crate::rt::run_to_completion(release_lock(grpc, session, timeout));
-                pending.push(Box::pin(async move {
-                    let _ = release.await;
-                    Outcome::Rpc(Event::Released)
-                }));
-                None
+                // Off the critical path: by now every part of this lock was
+                // read and verified (or given up), nothing waits for the
+                // owner's answer (release is idempotent and its outcome
+                // unused, C8), so the fetch goes on at once while a task of
+                // its own releases exactly once, even after the fetch
+                // returned or was dropped. (Awaited, it was one more RPC
+                // round trip in every handoff.)
+                tokio::spawn(release_lock(grpc, session, engine.inner.cfg.peer_rpc_timeout));
+                Some(Event::Released)
             }
             Action::Done => None,
         }
@@ -781,6 +787,22 @@ async fn verify_slots(
     checked.into_iter().unzip()
 }
 
+/// Blocks per read part of a fetch of `missing` blocks of `block_bytes`:
+/// about `missing / (2 * reads_in_flight)` blocks, so that every part in
+/// flight is followed by a second one and only the last, small part's
+/// checksum pass and load trail the reads; never more than
+/// `part_bytes_max` ([`super::EngineConfig::fetch_read_part_bytes`]) nor
+/// less than [`crate::limits::FETCH_READ_PART_BYTES_MIN`] of blocks, and
+/// at least one block. A large fetch (0.5 GB, 4 in flight) keeps 64 MiB
+/// parts; a 10 MiB one is read in ~1.3 MiB parts instead of one part whose
+/// whole CRC pass and load followed its read (`docs/BENCHMARKS.md`).
+fn part_blocks(missing: usize, block_bytes: u64, part_bytes_max: u64, reads_in_flight: usize) -> usize {
+    let block_bytes = block_bytes.max(1);
+    let spread = (missing as u64).saturating_mul(block_bytes) / (2 * reads_in_flight.max(1) as u64);
+    let bytes = spread.max(crate::limits::FETCH_READ_PART_BYTES_MIN).min(part_bytes_max);
+    usize::try_from(bytes / block_bytes).unwrap_or(usize::MAX).max(1)
+}
+
 /// The read ops that fill `blocks[i]` into local extent `i` (slot by slot,
 /// coalesced where contiguous on both sides).
 fn read_ops(layout: &super::layout::Layout, blocks: &[&TransferBlockInfo]) -> Vec<ReadOp> {
@@ -863,4 +885,30 @@ pub fn transfer_block_info(layout: &super::layout::Layout, hash: &BlockHash, blo
         })
         .collect();
     TransferBlockInfo { block_hash: hash.0.clone(), slots }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::part_blocks;
+    use crate::limits::FETCH_READ_PART_BYTES_MIN;
+
+    /// Small fetches spread over twice the parts in flight, never below the
+    /// minimum part; large ones keep the configured part; never 0 blocks.
+    #[test]
+    fn part_size_spreads_small_fetches_and_caps_large_ones() {
+        let (kib64, max) = (64 << 10, 64 << 20);
+        // 160 blocks of 64 KiB (10 MiB), 4 in flight: 20 blocks (1.25 MiB).
+        assert_eq!(part_blocks(160, kib64, max, 4), 20);
+        // 20 blocks: a 1 MiB part (16 blocks), not 2 or 3 blocks.
+        assert_eq!(part_blocks(20, kib64, max, 4), (FETCH_READ_PART_BYTES_MIN / kib64) as usize);
+        // 0.5 GB of 2.25 MiB blocks, 4 in flight: the 64 MiB cap (28 blocks).
+        let big = 9 << 18;
+        assert_eq!(part_blocks(226, big, max, 4), (max / big) as usize);
+        // One block larger than the cap, or nothing missing: one block.
+        assert_eq!(part_blocks(3, 128 << 20, max, 4), 1);
+        assert_eq!(part_blocks(0, kib64, max, 4), 16);
+        assert_eq!(part_blocks(1000, 0, max, 0), FETCH_READ_PART_BYTES_MIN as usize);
+        // A cap below the minimum wins (a caller asked for small parts).
+        assert_eq!(part_blocks(160, kib64, 128 << 10, 4), 2);
+    }
 }
