@@ -557,6 +557,8 @@ async fn boot_node(i: usize, incarnation: u64, p: &Params) -> (NodeSlot, node::N
     cfg.tcp_connections_per_peer = 2;
     cfg.engine = EngineConfig {
         pool_bytes: p.pool_bytes,
+        // Production's start-up path (the pools here are small).
+        pool_prefault: true,
         pool_align: 256,
         lock_timeout_secs: p.lock_timeout_secs,
         lock_gc_interval: p.lock_gc_interval,
