@@ -179,13 +179,16 @@ pub struct NodeHandle {
 
 impl NodeHandle {
     /// Graceful stop: shuts the client down (best-effort unregister within
-    /// `deadline`), stops the TCP data plane and the gRPC server. The verbs
+    /// `deadline`), stops the TCP data plane (waiting, within `deadline`,
+    /// until its listener is closed, so its port can be bound again) and the
+    /// gRPC server. The verbs
     /// transport has no listener to stop: its queue pairs are destroyed
     /// when the last reference to it (the engine's) drops.
     pub async fn shutdown(self, deadline: Duration) {
         self.engine.client().shutdown(deadline).await;
         if let Some(t) = &self.tcp {
             t.shutdown();
+            let _ = tokio::time::timeout(deadline, t.listener_closed()).await;
         }
         let _ = self.shutdown.send(true);
         let _ = tokio::time::timeout(deadline, self.serve).await;

@@ -184,6 +184,8 @@ pub struct TcpTransport {
     /// Counters and fault switches.
     pub hooks: Arc<TcpHooks>,
     stop: watch::Sender<bool>,
+    /// Closed (its sender dropped) once the listener is.
+    listener_closed: watch::Receiver<()>,
 }
 
 impl Drop for TcpTransport {
@@ -255,7 +257,12 @@ impl TcpTransport {
             verbs: None,
         };
         let (stop, stop_rx) = watch::channel(false);
-        tokio::spawn(accept_loop(listener, source, hooks.clone(), conn_limits, stop_rx));
+        let (closed_tx, listener_closed) = watch::channel(());
+        let accepting = accept_loop(listener, source, hooks.clone(), conn_limits, stop_rx);
+        tokio::spawn(async move {
+            accepting.await; // the listener is dropped with the loop
+            drop(closed_tx);
+        });
         Ok(Self {
             local,
             peers: Mutex::new(HashMap::new()),
@@ -263,6 +270,7 @@ impl TcpTransport {
             next_req: AtomicU64::new(1),
             hooks,
             stop,
+            listener_closed,
         })
     }
 
@@ -271,6 +279,15 @@ impl TcpTransport {
     /// node posts to peers are unaffected.
     pub fn shutdown(&self) {
         let _ = self.stop.send(true);
+    }
+
+    /// Resolves once the listener is closed after [`TcpTransport::shutdown`]
+    /// (its port can be bound again: a node restarted on the same address
+    /// right after a shutdown found it still taken when the accept loop had
+    /// not run yet).
+    pub async fn listener_closed(&self) {
+        let mut closed = self.listener_closed.clone();
+        while closed.changed().await.is_ok() {}
     }
 
     /// The data-plane address peers connect to.
