@@ -145,7 +145,7 @@ struct PdArgs {
     /// Read parts a decode fetch keeps in flight (each spread over the transport's connections).
     #[arg(long, default_value_t = kvferry::limits::FETCH_READS_IN_FLIGHT, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=64))]
     reads_in_flight: usize,
-    /// Bytes of blocks per read part of a decode fetch, e.g. 64MiB (rounded down to whole blocks, at least one).
+    /// Most bytes of blocks per read part of a decode fetch, e.g. 64MiB (rounded down to whole blocks, at least one); a fetch too small to fill its parts in flight twice uses smaller parts, down to 1 MiB.
     #[arg(long, default_value = "64MiB", value_parser = parse_part_size)]
     read_part_size: u64,
     /// Requests in flight at once.

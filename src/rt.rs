@@ -172,8 +172,10 @@ pub fn map_parts<T: Send, R: Send>(parts: Vec<T>, f: impl Fn(T) -> R + Sync) -> 
 /// 1`, `docs/BENCHMARKS.md`): read p99 121 ms without, 39 ms with.
 /// A no-op under the simulator (its streams have no socket) and off Linux;
 /// a failed `setsockopt` is ignored (the option is a hint).
+/// Crate-private: it holds a raw fd with no lifetime, so only code that
+/// keeps the stream open while arming it may have one.
 #[derive(Clone, Copy, Debug)]
-pub struct QuickAck {
+pub(crate) struct QuickAck {
     #[cfg(all(target_os = "linux", not(madsim)))]
     fd: std::os::fd::RawFd,
 }
@@ -181,7 +183,7 @@ pub struct QuickAck {
 impl QuickAck {
     /// For `stream` (valid while the stream is open: use it only on reads of
     /// that stream).
-    pub fn of(stream: &tokio::net::TcpStream) -> Self {
+    pub(crate) fn of(stream: &tokio::net::TcpStream) -> Self {
         let _ = stream;
         Self {
             #[cfg(all(target_os = "linux", not(madsim)))]
@@ -190,7 +192,7 @@ impl QuickAck {
     }
 
     /// Re-arms quick ACKs; call before each receive.
-    pub fn arm(&self) {
+    pub(crate) fn arm(&self) {
         #[cfg(all(target_os = "linux", not(madsim)))]
         {
             let on: libc::c_int = 1;

@@ -42,7 +42,8 @@ pub struct EngineConfig {
     /// Commit every page of the pool at start ([`Pool::prefault`]; on by
     /// default): start-up pays the page faults once instead of the first
     /// saves and fetches into each page paying them on the critical path.
-    /// Off only where start-up time matters more (short tests).
+    /// Off where start-up time or resident memory matters more than the
+    /// first requests' latency (it commits the whole pool at start).
     pub pool_prefault: bool,
     /// Pool allocation alignment (bytes, power of two).
     pub pool_align: u64,

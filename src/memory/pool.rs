@@ -554,7 +554,8 @@ impl Pool {
     /// (`madvise(MADV_HUGEPAGE)`, honoured when THP is in `madvise` or
     /// `always` mode): one fault per 2 MiB, and fewer TLB misses for every
     /// later copy. One byte of every 4 KiB page is written with zero, on up
-    /// to [`crate::rt::cpu_parallelism`] threads; returns the bytes covered.
+    /// to [`crate::rt::cpu_parallelism`] threads (at most 16); returns the
+    /// bytes covered. It blocks its caller (an engine's start) meanwhile.
     /// (The CUDA backend's `cuMemHostRegister` commits the pages too.)
     ///
     /// # Errors

@@ -93,8 +93,10 @@ pub enum Event {
         /// Per block of the part, in order.
         sums: Vec<Option<Arc<[u32]>>>,
     },
-    /// [`Action::Release`] finished (answered, failed or timed out: the
-    /// owner's lock timeout covers the latter two).
+    /// [`Action::Release`] was handed off: the engine's driver feeds it at
+    /// once and releases on a task of its own (a driver may also feed it
+    /// once the RPC answered, failed or timed out; the owner's lock timeout
+    /// covers a release that never arrives).
     Released,
     /// The fetch deadline passed.
     Deadline,
@@ -240,7 +242,8 @@ enum Stage {
     Allocating(Transfer),
     /// Reads and CRC passes in flight.
     Reading(Transfer),
-    /// Waiting for the release of the owner's lock.
+    /// The release of the owner's lock was asked for; waiting for
+    /// [`Event::Released`] (at once in the engine's driver).
     Releasing,
     /// Over.
     Done,
@@ -318,8 +321,9 @@ impl FetchMachine {
                 self.pump(t, &mut out);
             }
             (stage @ (Stage::Releasing | Stage::Allocating(_)), Event::Deadline) => {
-                // The release runs under its own RPC timeout; an allocation
-                // answers at once and `pump` then sees the deadline.
+                // The release is handed off (and runs under its own RPC
+                // timeout); an allocation answers at once and `pump` then
+                // sees the deadline.
                 self.deadline_passed = true;
                 self.stage = stage;
             }

@@ -185,8 +185,9 @@ pub struct FetchPhases {
     /// runs behind the rest of the fetch, so this is the spawn alone.
     pub release: Duration,
     /// [`Engine::fetch_into`] only: waiting for loads of sealed parts with
-    /// nothing else in flight — after the fetch ended, the loads of the
-    /// last parts (loads of earlier parts run behind reads).
+    /// nothing else in flight. In practice that is after the fetch ended:
+    /// the loads of the last parts (loads of earlier parts run behind
+    /// reads).
     pub load_tail: Duration,
 }
 
@@ -380,7 +381,7 @@ impl Engine {
         while let Some(done) = p.running.next().await {
             p.finished(done);
         }
-        rep.phases.load_tail = tail.elapsed();
+        rep.phases.load_tail += tail.elapsed();
         if let Some(e) = p.error {
             return (rep, Some(Err(e)));
         }
@@ -479,7 +480,7 @@ impl<'a> Driver<'a> {
             Some(Rpc::Query) => &mut p.query,
             Some(Rpc::Handshake) => &mut p.handshake,
             Some(Rpc::Lock) => &mut p.lock,
-            // Only loads of sealed parts are running.
+            // Nothing but loads of sealed parts in flight.
             None => &mut p.load_tail,
         }
     }
@@ -793,12 +794,13 @@ async fn verify_slots(
 /// checksum pass and load trail the reads; never more than
 /// `part_bytes_max` ([`super::EngineConfig::fetch_read_part_bytes`]) nor
 /// less than [`crate::limits::FETCH_READ_PART_BYTES_MIN`] of blocks, and
-/// at least one block. A large fetch (0.5 GB, 4 in flight) keeps 64 MiB
-/// parts; a 10 MiB one is read in ~1.3 MiB parts instead of one part whose
-/// whole CRC pass and load followed its read (`docs/BENCHMARKS.md`).
+/// at least one block. A fetch of 512 MiB or more with 4 parts in flight
+/// keeps 64 MiB parts; a 10 MiB one is read in ~1.3 MiB parts instead of
+/// one part whose whole CRC pass and load followed its read
+/// (`docs/BENCHMARKS.md`).
 fn part_blocks(missing: usize, block_bytes: u64, part_bytes_max: u64, reads_in_flight: usize) -> usize {
     let block_bytes = block_bytes.max(1);
-    let spread = (missing as u64).saturating_mul(block_bytes) / (2 * reads_in_flight.max(1) as u64);
+    let spread = (missing as u64).saturating_mul(block_bytes) / (reads_in_flight.max(1) as u64).saturating_mul(2);
     let bytes = spread.max(crate::limits::FETCH_READ_PART_BYTES_MIN).min(part_bytes_max);
     usize::try_from(bytes / block_bytes).unwrap_or(usize::MAX).max(1)
 }
@@ -901,12 +903,17 @@ mod tests {
         assert_eq!(part_blocks(160, kib64, max, 4), 20);
         // 20 blocks: a 1 MiB part (16 blocks), not 2 or 3 blocks.
         assert_eq!(part_blocks(20, kib64, max, 4), (FETCH_READ_PART_BYTES_MIN / kib64) as usize);
-        // 0.5 GB of 2.25 MiB blocks, 4 in flight: the 64 MiB cap (28 blocks).
+        // 256 blocks of 2.25 MiB (576 MiB), 4 in flight: the 64 MiB cap
+        // (28 blocks), not 72 MiB (32 blocks); 200 blocks: 56 MiB (25).
         let big = 9 << 18;
-        assert_eq!(part_blocks(226, big, max, 4), (max / big) as usize);
-        // One block larger than the cap, or nothing missing: one block.
+        assert_eq!(part_blocks(256, big, max, 4), (max / big) as usize);
+        assert_eq!(part_blocks(200, big, max, 4), 25);
+        // One block larger than the cap: one block; nothing missing: the
+        // minimum part.
         assert_eq!(part_blocks(3, 128 << 20, max, 4), 1);
         assert_eq!(part_blocks(0, kib64, max, 4), 16);
+        // Absurd settings saturate instead of overflowing.
+        assert_eq!(part_blocks(usize::MAX, u64::MAX, max, usize::MAX), 1);
         assert_eq!(part_blocks(1000, 0, max, 0), FETCH_READ_PART_BYTES_MIN as usize);
         // A cap below the minimum wins (a caller asked for small parts).
         assert_eq!(part_blocks(160, kib64, 128 << 10, 4), 2);
