@@ -219,9 +219,13 @@ pub const FETCH_READ_PART_BYTES_MIN: u64 = 1 << 20;
 pub const FETCH_READS_IN_FLIGHT: usize = 4;
 
 /// Smallest share of a fetched batch (bytes) worth its own checksum task:
-/// below this the task hand-off costs more than the CRC-32C it moves (a
-/// core checksums ~10 MB in about a millisecond from memory).
-pub const FETCH_VERIFY_PART_BYTES_MIN: u64 = 32 << 20;
+/// a core checksums ~10 MB in about a millisecond from memory, against
+/// microseconds for the task hand-off. 8 MiB lets a 64 MiB part spread
+/// over 8 tasks: on the H200 host (`kvferry pd --gpu cuda --model qwen3-8b
+/// --concurrency 1`, docs/BENCHMARKS.md) the last part's unhidden CRC pass
+/// went from 9.5 to 2.4 ms and the handoff p50 from 98-105 to 76-77 ms
+/// against 32 MiB (2 tasks).
+pub const FETCH_VERIFY_PART_BYTES_MIN: u64 = 8 << 20;
 
 /// Most checksum tasks one fetch spreads its verification over: memory
 /// bandwidth, not cores, bounds the CRC pass beyond a handful.
