@@ -8,9 +8,9 @@ Three OS processes, each embedding kvferry through the Python package:
   its KV into its own paged cache, saves the full blocks, runs the handoff
   barrier (``flush_saves_and_registrations``) and reports "KV ready";
 - **decode**: a ``kvferry.Node`` and the same model; looks the prompt's
-  blocks up in the MetaServer, fetches them from the prefill node, loads
-  them into its own paged cache, converts that into the model's cache and
-  decodes greedily.
+  blocks up in the MetaServer, fetches them from the prefill node into
+  its own paged cache (``fetch_into``: each part loaded while the next is
+  read), converts that into the model's cache and decodes greedily.
 
 This process plays the router of a P/D deployment: it sends each request to
 prefill, relays prefill's "KV ready" (with the barrier's report and a digest
@@ -179,20 +179,21 @@ def _decode(kvferry, node, model, ns, pk, pv, bt, tokens, ready, opts) -> Dict[s
         q1 = now_ms()
         handoff["query"] = q1 - q0
         if owners:
-            rep = node.fetch(ns, hashes, timeout=opts["fetch_timeout"])
+            # fetch_into: each verified part is loaded into the paged cache
+            # while the next is read, so "fetch" covers the loads too and
+            # "load" is what the device still had to finish afterwards.
+            rep, lrep = node.fetch_into(ns, hashes, list(range(usable)), timeout=opts["fetch_timeout"])
             f1 = now_ms()
             handoff["fetch"] = f1 - q1
+            model.sync()
+            handoff["load"] = now_ms() - f1
             r["fetch"] = str(rep)
             r["bytes"] = rep.bytes
             k = rep.available
             r["blocks_fetched"] = rep.fetched
-            if k:
-                lrep = node.load(ns, hashes[:k], list(range(k)))
-                model.sync()
-                handoff["load"] = now_ms() - f1
-                if not lrep.ok:
-                    r["load_failed"] = [list(f) for f in lrep.failed]
-                    k = 0
+            if k and not lrep.ok:
+                r["load_failed"] = [list(f) for f in lrep.failed]
+                k = 0
     r.setdefault("blocks_fetched", 0)
     r.setdefault("bytes", 0)
     first = {}
