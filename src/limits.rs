@@ -204,10 +204,12 @@ pub const TCP_SERVER_REFUSAL_WRITE_MS: u64 = 200;
 /// for 64 MiB at 5 GB/s).
 pub const FETCH_READ_PART_BYTES: u64 = 64 << 20;
 /// Smallest read part a fetch cuts itself into (bytes of blocks), when it
-/// spreads a small fetch over its parts in flight: below about 1 MiB a
-/// part's pipeline refill and completion hand-off cost more than the
-/// overlap gains (dev box, tiny model: T8 p50 2.67 with one 64 MiB part,
-/// 1.85 with 1 MiB parts, 2.09 with 2 MiB ones).
+/// spreads a small fetch over its parts in flight: each part costs a
+/// pipeline refill per connection and a completion hand-off, so parts stay
+/// at least this large. 1 MiB was the best of the sizes tried (dev box,
+/// tiny model, one run each: T8 p50 1.85 with 1 MiB parts, 2.09 with 2 MiB,
+/// 2.54 with 4 MiB, 2.67 with one 64 MiB part); smaller ones were not
+/// measured.
 pub const FETCH_READ_PART_BYTES_MIN: u64 = 1 << 20;
 /// Read parts a fetch keeps in flight by default
 /// (`EngineConfig::fetch_reads_in_flight`), each spread over the transport's
