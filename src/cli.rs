@@ -145,7 +145,7 @@ struct PdArgs {
     /// Read parts a decode fetch keeps in flight (each spread over the transport's connections).
     #[arg(long, default_value_t = kvferry::limits::FETCH_READS_IN_FLIGHT, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=64))]
     reads_in_flight: usize,
-    /// Most bytes of blocks per read part of a decode fetch, e.g. 64MiB (rounded down to whole blocks, at least one); a fetch too small to fill its parts in flight twice uses smaller parts, down to 1 MiB.
+    /// Most bytes of blocks per read part of a decode fetch, e.g. 64MiB (rounded down to whole blocks, at least one); a fetch too small to fill its parts in flight twice uses smaller parts, but not below 1 MiB unless this asks for less.
     #[arg(long, default_value = "64MiB", value_parser = parse_part_size)]
     read_part_size: u64,
     /// Requests in flight at once.
@@ -297,7 +297,7 @@ const NO_CUDA: &str =
 /// (decimal, 10^9), or plain bytes.
 fn parse_part_size(s: &str) -> Result<u64, String> {
     match parse_size(s)? {
-        0 => Err("a read part must be at least one byte (it is rounded down to whole blocks, at least one)".into()),
+        0 => Err("a read part of 0 bytes reads nothing: give a size above 0 (it is rounded down to whole blocks, and at least one block is read per part)".into()),
         n => Ok(n),
     }
 }
