@@ -172,6 +172,7 @@ pub fn map_parts<T: Send, R: Send>(parts: Vec<T>, f: impl Fn(T) -> R + Sync) -> 
 /// 1`, `docs/BENCHMARKS.md`): read p99 121 ms without, 39 ms with.
 /// A no-op under the simulator (its streams have no socket) and off Linux;
 /// a failed `setsockopt` is ignored (the option is a hint).
+///
 /// Crate-private: it holds a raw fd with no lifetime, so only code that
 /// keeps the stream open while arming it may have one.
 #[derive(Clone, Copy, Debug)]
@@ -184,7 +185,7 @@ impl QuickAck {
     /// For `stream` (valid while the stream is open: use it only on reads of
     /// that stream).
     pub(crate) fn of(stream: &tokio::net::TcpStream) -> Self {
-        let _ = stream;
+        let _ = stream; // unused where there is no socket option to set
         Self {
             #[cfg(all(target_os = "linux", not(madsim)))]
             fd: std::os::fd::AsRawFd::as_raw_fd(stream),
