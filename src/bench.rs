@@ -251,6 +251,53 @@ fn insert_latencies_ms(
     Ok(lat)
 }
 
+/// Prefix queries `bench store` times, and hashes in each.
+const QUERY_PREFIXES: usize = 20_000;
+const QUERY_LEN: usize = 64;
+
+/// Seconds for [`QUERY_PREFIXES`] batches of [`QUERY_LEN`] random keys of
+/// `raw` looked up in `base` (one `get` each), then for as many prefix
+/// queries of the same keys in `st`, where `owner` holds them all (each
+/// answer is checked): `(gets, queries)`. Random keys of a large index
+/// miss the caches, as a MetaServer's queries do.
+fn lookup_times(
+    base: &HashMap<[u8; 32], u32>,
+    st: &MetaStore,
+    raw: &[[u8; 32]],
+    keys: &[BlockHash],
+    owner: &NodeAddr,
+) -> Result<(f64, f64), String> {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(7);
+    let picks: Vec<Vec<usize>> =
+        (0..QUERY_PREFIXES).map(|_| (0..QUERY_LEN).map(|_| rng.random_range(0..raw.len())).collect()).collect();
+    // Each query's hashes slice one buffer, as a decoded request's do.
+    let prefixes: Vec<Vec<BlockHash>> = picks
+        .iter()
+        .map(|p| {
+            let buf = bytes::Bytes::from(p.iter().flat_map(|&i| keys[i].as_bytes().to_vec()).collect::<Vec<u8>>());
+            (0..p.len()).map(|j| BlockHash(buf.slice(j * 32..(j + 1) * 32))).collect()
+        })
+        .collect();
+    // Each batch's keys lie together, as a request's do.
+    let batches: Vec<Vec<[u8; 32]>> = picks.iter().map(|p| p.iter().map(|&i| raw[i]).collect()).collect();
+    let t = Instant::now();
+    let mut found = 0u64;
+    for b in &batches {
+        found += b.iter().filter(|k| base.get(*k).is_some()).count() as u64;
+    }
+    let get_s = t.elapsed().as_secs_f64();
+    std::hint::black_box(found);
+    let want = vec![(owner.clone(), QUERY_LEN as u32)];
+    let t = Instant::now();
+    for p in &prefixes {
+        if st.query_prefix("ns", p, 0) != want {
+            return Err("a prefix query missed its owner".into());
+        }
+    }
+    Ok((get_s, t.elapsed().as_secs_f64()))
+}
+
 /// Nearest-rank percentile of sorted values.
 fn nearest_rank(sorted: &[f64], q: f64) -> f64 {
     if sorted.is_empty() {
@@ -275,6 +322,7 @@ pub async fn store(keys_n: u64) -> Result<serde_json::Value, String> {
     let sb = SessionId::parse("sb").map_err(|e| e.to_string())?;
     let cfg = StoreConfig { stale_after_ms: 30_000, ttl_ms: 120_000 };
     let (mut base_s, mut store_s, mut unreg_s) = (f64::MAX, f64::MAX, f64::MAX);
+    let (mut get_s, mut query_s) = (f64::MAX, f64::MAX);
     for _ in 0..REPS {
         let t = Instant::now();
         let mut base: HashMap<[u8; 32], u32> = HashMap::new();
@@ -291,6 +339,8 @@ pub async fn store(keys_n: u64) -> Result<serde_json::Value, String> {
             st.insert("ns", chunk, &a, &sa, 0).map_err(|e| e.to_string())?;
         }
         store_s = store_s.min(t.elapsed().as_secs_f64());
+        let (g, q) = lookup_times(&base, &st, &raw, &keys, &a)?;
+        (get_s, query_s) = (get_s.min(g), query_s.min(q));
         let owned = 10_000.min(keys.len());
         st.insert("ns", &keys[..owned], &b, &sb, 0).map_err(|e| e.to_string())?;
         let t = Instant::now();
@@ -302,6 +352,8 @@ pub async fn store(keys_n: u64) -> Result<serde_json::Value, String> {
     }
     let base_rate = keys_n as f64 / base_s;
     let store_rate = keys_n as f64 / store_s;
+    let lookups = (QUERY_PREFIXES * QUERY_LEN) as f64;
+    let (get_rate, query_rate) = (lookups / get_s, lookups / query_s);
 
     // T6: the same inserts through loopback gRPC from the real client.
     let ms = metaserver::start(MetaServerConfig::new("127.0.0.1:0".parse().expect("literal")))
@@ -362,6 +414,11 @@ pub async fn store(keys_n: u64) -> Result<serde_json::Value, String> {
         target_note(">= 0.5", t6 >= 0.5)
     );
     println!("  unregister 10k of {keys_n}        {t7_ms:>9.3} ms   T7 {}", target_note("<= 10 ms", t7_ms <= 10.0));
+    println!("  HashMap<[u8;32],u32> gets    {get_rate:>12.0} /s   ({QUERY_LEN}-key batches, random keys)");
+    println!(
+        "  MetaStore prefix lookups     {query_rate:>12.0} /s   ({QUERY_PREFIXES} {QUERY_LEN}-hash prefix queries; {:.2} x the gets)",
+        query_rate / get_rate
+    );
     println!(
         "  insert of {} hashes, p50 / p99 / max: growing {g50:.2} / {g99:.2} / {gmax:.2} ms, \
          --capacity {keys_n} {s50:.2} / {s99:.2} / {smax:.2} ms",
@@ -370,6 +427,7 @@ pub async fn store(keys_n: u64) -> Result<serde_json::Value, String> {
     Ok(json!({
         "keys": keys_n, "hashmap_inserts_per_s": base_rate, "store_inserts_per_s": store_rate,
         "grpc_inserts_per_s": grpc_rate, "T5": t5, "T6": t6, "T7_ms": t7_ms,
+        "hashmap_gets_per_s": get_rate, "store_prefix_lookups_per_s": query_rate,
         "insert_ms_growing": {"p50": g50, "p99": g99, "max": gmax},
         "insert_ms_presized": {"p50": s50, "p99": s99, "max": smax},
     }))

@@ -48,9 +48,9 @@ enum Cmd {
         /// Serve /health and Prometheus /metrics here.
         #[arg(long)]
         http_addr: Option<SocketAddr>,
-        /// Distinct block hashes each namespace's index is sized for up front (roughly 150 bytes
+        /// Distinct block hashes each namespace's index is sized for up front (roughly 100 bytes
         /// each, allocated when the namespace is first written, split over the shards): no index
-        /// growth, hence no rehash pause under a shard's lock, below it. 0: grow on demand.
+        /// growth, hence no growth pause under a shard's lock, below it. 0: grow on demand.
         #[arg(long, default_value_t = 0)]
         capacity: u64,
         /// Store shards, each with its own lock: requests of many clients run on as many cores

@@ -251,7 +251,7 @@ pub const HANDSHAKE_REGIONS_MAX: usize = 1_024;
 pub const METASERVER_DURATION_SECS_MAX: u64 = 7 * 24 * 3600;
 
 /// Largest `--capacity` of the MetaServer (distinct hashes each namespace
-/// is sized for up front). At roughly 150 bytes per hash this is ~37 GiB: a
+/// is sized for up front). At roughly 100 bytes per hash this is ~25 GiB: a
 /// large host's budget for one index; a mistyped capacity (extra zeros)
 /// fails at start instead of the process dying of memory on the first
 /// write.

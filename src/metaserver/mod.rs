@@ -5,6 +5,7 @@
 //! [`start`] is the single entry the binary, the tests and the simulator use,
 //! so a simulated restart reruns real start-up.
 
+mod index;
 pub mod service;
 pub mod store;
 

@@ -19,9 +19,12 @@
 //! - nodes are interned to `u32` indices in one node table (recycled once
 //!   removed, so memory follows the live set); namespaces are interned per
 //!   shard (recycled once empty there);
-//! - each namespace of a shard keeps `hash → slot id` plus a slab of slots,
-//!   and a slot holds the hash and a small inline vector of owners `(node
-//!   index, session generation, back-pointer)`;
+//! - each namespace of a shard keeps a [`SlotIndex`] (`hash → slot id`, an
+//!   open-addressing table of 8-byte buckets under a keyed SipHash of the
+//!   hash bytes) plus a slab of slots, and a slot holds the hash and a small
+//!   inline vector of owners `(node index, session generation,
+//!   back-pointer)`: a lookup is one line of buckets and one slot, and a
+//!   prefix query prefetches both for many hashes ahead of its walk;
 //! - each shard keeps, per node, a vector of the `(namespace, slot)` of that
 //!   shard the node owns; owners and reverse entries point at each other, so
 //!   removing one ownership is O(1) and dropping a node is O(shards + blocks
@@ -36,14 +39,14 @@
 //! Inputs are not validated here (hash lengths, namespace length, request
 //! size): the gRPC layer does that against [`crate::limits`] before calling.
 
-use std::collections::hash_map::Entry;
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::fmt;
-use std::hash::{Hash, Hasher};
+use std::hash::{BuildHasher, RandomState};
 use std::mem;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
+use super::index::{SlotIndex, prefetch};
 use crate::limits;
 use crate::types::{BlockHash, NodeAddr, SessionId};
 
@@ -201,14 +204,6 @@ impl HKey {
     }
 }
 
-impl Hash for HKey {
-    fn hash<H: Hasher>(&self, state: &mut H) {
-        // Equal keys always share a variant (32 bytes is always `B32`), so
-        // hashing the bytes alone is consistent with `Eq`.
-        state.write(self.as_slice());
-    }
-}
-
 /// One owner entry of a slot.
 #[derive(Clone, Copy, Default, Debug)]
 struct Owner {
@@ -293,14 +288,20 @@ struct Slot {
 /// One interned namespace.
 struct Namespace {
     name: String,
-    map: HashMap<HKey, u32>,
+    /// `hash → slot id`, keyed by [`Shard::key_hash`].
+    index: SlotIndex,
     slots: Vec<Slot>,
     free_slots: Vec<u32>,
 }
 
 impl Namespace {
     fn new(name: String) -> Self {
-        Self { name, map: HashMap::new(), slots: Vec::new(), free_slots: Vec::new() }
+        Self { name, index: SlotIndex::default(), slots: Vec::new(), free_slots: Vec::new() }
+    }
+
+    /// The slot id of `key` (hashed to `h`), if stored.
+    fn find(&self, key: &[u8], h: u64) -> Option<u32> {
+        self.index.find(h, |s| self.slots[s as usize].key.as_slice() == key)
     }
 }
 
@@ -421,17 +422,25 @@ struct Shard {
     owned: Vec<Vec<(u32, u32)>>,
     /// Hashes each namespace of this shard is sized for when created.
     capacity: usize,
+    /// The keyed hash of the [`SlotIndex`]es (the store's, shared by every
+    /// shard, so a query hashes each key once, outside the locks).
+    hasher: RandomState,
 }
 
 impl Shard {
-    fn new(capacity: usize) -> Self {
+    fn new(capacity: usize, hasher: RandomState) -> Self {
         Self {
             ns_ids: HashMap::new(),
             namespaces: Vec::new(),
             free_namespaces: Vec::new(),
             owned: Vec::new(),
             capacity,
+            hasher,
         }
+    }
+
+    fn key_hash(&self, key: &[u8]) -> u64 {
+        self.hasher.hash_one(key)
     }
 
     fn intern_namespace(&mut self, name: &str) -> u32 {
@@ -450,20 +459,51 @@ impl Shard {
         };
         self.ns_ids.insert(name.to_string(), id);
         let ns = &mut self.namespaces[id as usize];
-        ns.map.reserve(self.capacity);
+        ns.index.reserve(self.capacity);
         ns.slots.reserve(self.capacity);
         id
     }
 
-    /// The owner entries of `key` in `namespace` (empty when unknown).
-    fn owners_of(&self, namespace: &str, key: &[u8]) -> &[Owner] {
-        let Some(&ns_id) = self.ns_ids.get(namespace) else {
+    /// The owner entries of `key` (hashed to `h` by [`Shard::key_hash`]) in
+    /// `namespace` (empty when unknown); `ns_guess` as for
+    /// [`Shard::namespace_id`].
+    fn owners_of(&self, namespace: &str, ns_guess: u32, key: &[u8], h: u64) -> &[Owner] {
+        let Some(ns_id) = self.namespace_id(namespace, ns_guess) else {
             return &[];
         };
         let ns = &self.namespaces[ns_id as usize];
-        match ns.map.get(&HKey::new(key)) {
-            Some(&slot_id) => ns.slots[slot_id as usize].owners.as_slice(),
+        match ns.find(key, h) {
+            Some(slot_id) => ns.slots[slot_id as usize].owners.as_slice(),
             None => &[],
+        }
+    }
+
+    /// The id of `namespace` here, if it has one. `guess` (any value) is
+    /// tried first: a namespace usually has the same id in every shard, so
+    /// a query's walk passes the id the previous hash's shard gave, and a
+    /// right guess costs a name comparison instead of a hash lookup. (A
+    /// live namespace's slot carries its name; a recycled one an empty
+    /// name, which no request's namespace is.)
+    fn namespace_id(&self, namespace: &str, guess: u32) -> Option<u32> {
+        match self.namespaces.get(guess as usize) {
+            Some(ns) if ns.name == namespace => Some(guess),
+            _ => self.ns_ids.get(namespace).copied(),
+        }
+    }
+
+    /// Where a lookup of the key hashed to `h` in namespace `ns_id` (as
+    /// [`Shard::namespace_id`] gave it, maybe changed since: a wrong hint
+    /// costs a wasted load, never a wrong answer) will read, for
+    /// [`prefetch`]: stage 0, the key's home bucket; stage 1 (once that line
+    /// has arrived), the slot its first matching bucket names. Changes
+    /// nothing. Returns `(address, bytes)`.
+    fn lookup_address(&self, ns_id: u32, h: u64, stage: u8) -> Option<(usize, usize)> {
+        let ns = self.namespaces.get(ns_id as usize)?;
+        if stage == 0 {
+            ns.index.home_address(h)
+        } else {
+            let slot = ns.slots.get(ns.index.first_candidate(h)? as usize)?;
+            Some((slot as *const Slot as usize, mem::size_of::<Slot>()))
         }
     }
 
@@ -485,32 +525,34 @@ impl Shard {
         if self.owned.len() <= idx as usize {
             self.owned.resize_with(idx as usize + 1, Vec::new);
         }
-        let Self { namespaces, owned, .. } = self;
+        let Self { namespaces, owned, hasher, .. } = self;
         let owned = &mut owned[idx as usize];
-        let Namespace { map, slots, free_slots, .. } = &mut namespaces[ns_id as usize];
+        let ns = &mut namespaces[ns_id as usize];
         // Slots already reported as reclaimable; only built when needed.
         let mut reported: Option<HashSet<u32>> = None;
         let mut inserted = 0;
         for (pos, h) in items {
-            let slot_id = match map.entry(HKey::new(h.as_bytes())) {
-                Entry::Occupied(e) => *e.get(),
-                Entry::Vacant(e) => {
-                    let slot = Slot { key: e.key().clone(), owners: Owners::EMPTY };
-                    let id = match free_slots.pop() {
+            let key = h.as_bytes();
+            let kh = hasher.hash_one(key);
+            let slot_id = match ns.find(key, kh) {
+                Some(id) => id,
+                None => {
+                    let slot = Slot { key: HKey::new(key), owners: Owners::EMPTY };
+                    let id = match ns.free_slots.pop() {
                         Some(id) => {
-                            slots[id as usize] = slot;
+                            ns.slots[id as usize] = slot;
                             id
                         }
                         None => {
-                            slots.push(slot);
-                            to_u32(slots.len() - 1)
+                            ns.slots.push(slot);
+                            to_u32(ns.slots.len() - 1)
                         }
                     };
-                    e.insert(id);
+                    ns.index.insert(kh, id);
                     id
                 }
             };
-            let slot = &mut slots[slot_id as usize];
+            let slot = &mut ns.slots[slot_id as usize];
             let mut mine = false;
             let mut others_visible = 0usize;
             for o in slot.owners.as_slice() {
@@ -543,7 +585,7 @@ impl Shard {
             // If the namespace empties mid-loop it is recycled with an empty
             // map, so later lookups simply miss.
             let ns = &self.namespaces[ns_id as usize];
-            let Some(&slot_id) = ns.map.get(&HKey::new(h.as_bytes())) else {
+            let Some(slot_id) = ns.find(h.as_bytes(), self.key_hash(h.as_bytes())) else {
                 continue;
             };
             let Some(pos) = ns.slots[slot_id as usize].owners.position(idx) else {
@@ -594,13 +636,15 @@ impl Shard {
 
     /// Frees an ownerless slot; recycles the namespace when it empties.
     fn free_slot(&mut self, ns_id: u32, slot_id: u32) {
+        let kh = self.key_hash(self.namespaces[ns_id as usize].slots[slot_id as usize].key.as_slice());
         let ns = &mut self.namespaces[ns_id as usize];
         let slot = &mut ns.slots[slot_id as usize];
-        let key = mem::replace(&mut slot.key, HKey::EMPTY);
+        slot.key = HKey::EMPTY;
         slot.owners = Owners::EMPTY;
-        ns.map.remove(&key);
+        let listed = ns.index.remove(kh, slot_id);
+        debug_assert!(listed, "a live slot is in its namespace's index");
         ns.free_slots.push(slot_id);
-        if ns.map.is_empty() {
+        if ns.index.is_empty() {
             let name = mem::take(&mut ns.name);
             // Release the memory: a recycled namespace starts from scratch.
             *ns = Namespace::new(String::new());
@@ -627,13 +671,21 @@ impl Shard {
                 .get(ns_id as usize)
                 .ok_or_else(|| Inconsistency(format!("shard {me}: namespace id {ns_id} of {name} out of range")))?;
             ensure(&ns.name == name, || format!("shard {me}: namespace {name} interned as {}", ns.name))?;
-            ensure(!ns.map.is_empty(), || format!("shard {me}: interned namespace {name} is empty"))?;
-            for (key, &slot_id) in &ns.map {
+            ensure(!ns.index.is_empty(), || format!("shard {me}: interned namespace {name} is empty"))?;
+            let live = ns.slots.len() - ns.free_slots.len();
+            ensure(ns.index.len() == live, || {
+                format!("shard {me}: {name} indexes {} hashes, {live} slots are live", ns.index.len())
+            })?;
+            for (stored_hash, slot_id) in ns.index.entries() {
                 let slot = ns
                     .slots
                     .get(slot_id as usize)
                     .ok_or_else(|| Inconsistency(format!("shard {me}: slot {slot_id} of {name} out of range")))?;
-                ensure(slot.key == *key, || format!("shard {me}: slot {slot_id} of {name}: key mismatch"))?;
+                let key = &slot.key;
+                let kh = self.key_hash(key.as_slice());
+                ensure(kh as u32 == stored_hash && ns.find(key.as_slice(), kh) == Some(slot_id), || {
+                    format!("shard {me}: slot {slot_id} of {name}: filed under another hash, or not found by it")
+                })?;
                 ensure(shard_index(key.as_slice(), shards) == me, || {
                     format!("shard {me}: slot {slot_id} of {name} holds a hash of another shard")
                 })?;
@@ -668,6 +720,12 @@ impl Shard {
     }
 }
 
+/// Hashes of a prefix query whose lookups are prefetched together (see
+/// [`MetaStore::query_prefix`]): enough to keep a core's dozen or so
+/// outstanding cache misses busy, few enough that a walk stopping early
+/// wastes little.
+const QUERY_PREFETCH_WINDOW: usize = 32;
+
 /// What [`MetaStore::recover`] found and did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Recovery {
@@ -695,6 +753,8 @@ struct Inner {
     shard_capacity: usize,
     nodes: RwLock<Nodes>,
     shards: Box<[Mutex<Shard>]>,
+    /// Every shard's [`Shard::key_hash`] (a copy of it).
+    hasher: RandomState,
     drop_work: AtomicU64,
 }
 
@@ -715,8 +775,9 @@ struct Inner {
 /// - `insert`/`remove` hold the node table's read lock (the fence stays
 ///   true for the whole call) and take each touched shard's lock once, in
 ///   ascending shard order, for that shard's part of the request;
-/// - `query_prefix`/`owners` hold the read lock and take one shard lock per
-///   hash, one at a time;
+/// - `query_prefix`/`owners` hold the read lock and take one shard lock at
+///   a time: a query visits each hash's shard three times (two prefetch
+///   hints, then the lookup the answer comes from);
 /// - a heartbeat that refreshes (or is refused) needs only the read lock;
 ///   register, takeover, `unregister` and `sweep` take the write lock, so
 ///   they are atomic to every other call.
@@ -778,10 +839,10 @@ impl MetaStore {
     /// for `capacity_hashes` distinct hashes: each shard's part of a
     /// namespace is sized, when first written, for its share plus a margin
     /// for uneven spread ([`shard_capacity`]). An index that grows on
-    /// demand doubles, rehashing every key of that shard while the shard is
-    /// locked; sized up front it practically never grows below the
-    /// capacity. Costs roughly 150 bytes per hash of capacity per
-    /// namespace. `capacity_hashes` 0: grow on demand.
+    /// demand doubles, moving every entry of that shard's table (and the
+    /// slab of slots) while the shard is locked; sized up front it
+    /// practically never grows below the capacity. Costs roughly 100 bytes
+    /// per hash of capacity per namespace. `capacity_hashes` 0: grow on demand.
     ///
     /// # Panics
     /// When `shards` is 0 or above [`limits::METASERVER_SHARDS_MAX`] (the
@@ -793,13 +854,15 @@ impl MetaStore {
             limits::METASERVER_SHARDS_MAX
         );
         let shard_capacity = shard_capacity(capacity_hashes, shards);
+        let hasher = RandomState::new();
         Self {
             inner: Arc::new(Inner {
                 cfg,
                 capacity_hashes,
                 shard_capacity,
                 nodes: RwLock::new(Nodes::default()),
-                shards: (0..shards).map(|_| Mutex::new(Shard::new(shard_capacity))).collect(),
+                shards: (0..shards).map(|_| Mutex::new(Shard::new(shard_capacity, hasher.clone()))).collect(),
+                hasher,
                 drop_work: AtomicU64::new(0),
             }),
         }
@@ -998,32 +1061,75 @@ impl MetaStore {
         // (node index, prefix length so far): only owners of the first hash
         // can have a prefix at all.
         let mut cands: Vec<(u32, u32)> = Vec::new();
-        for (i, h) in hashes.iter().enumerate() {
-            let shard = self.shard(self.shard_of(h.as_bytes()));
-            let mut grew = false;
-            for o in shard.owners_of(namespace, h.as_bytes()) {
-                if !nodes.owner_visible(o, now_ms, stale_after) {
-                    continue;
+        // Per hash of the current window: (shard, key hash, namespace id).
+        let mut window: Vec<(usize, u64, u32)> = Vec::with_capacity(QUERY_PREFETCH_WINDOW);
+        'walk: for (w, chunk) in hashes.chunks(QUERY_PREFETCH_WINDOW).enumerate() {
+            self.prefetch_window(namespace, chunk, &mut window);
+            for (j, h) in chunk.iter().enumerate() {
+                let i = w * QUERY_PREFETCH_WINDOW + j;
+                let (s, kh, ns_guess) = window[j];
+                let shard = self.shard(s);
+                let mut grew = false;
+                for o in shard.owners_of(namespace, ns_guess, h.as_bytes(), kh) {
+                    if !nodes.owner_visible(o, now_ms, stale_after) {
+                        continue;
+                    }
+                    if i == 0 {
+                        cands.push((o.node, 1));
+                        grew = true;
+                    } else if let Some(c) = cands.iter_mut().find(|c| c.0 == o.node && c.1 as usize == i) {
+                        c.1 += 1;
+                        grew = true;
+                    }
                 }
-                if i == 0 {
-                    cands.push((o.node, 1));
-                    grew = true;
-                } else if let Some(c) = cands.iter_mut().find(|c| c.0 == o.node && c.1 as usize == i) {
-                    c.1 += 1;
-                    grew = true;
+                // No candidate extended its prefix: either this hash has no
+                // visible owner (the stop rule) or no later hash can change
+                // the answer.
+                if !grew {
+                    break 'walk;
                 }
-            }
-            // No candidate extended its prefix: either this hash has no
-            // visible owner (the stop rule) or no later hash can change the
-            // answer.
-            if !grew {
-                break;
             }
         }
         let mut out: Vec<(NodeAddr, u32)> =
             cands.into_iter().map(|(n, len)| (nodes.slots[n as usize].addr.clone(), len)).collect();
         out.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
         out
+    }
+
+    /// Fills `window` with `(shard, key hash, namespace id there)` for each
+    /// of `chunk`, and starts loading what their lookups will read, in two
+    /// rounds (home buckets, then slots) so that the cache misses of all
+    /// the chunk's hashes overlap instead of following one another. Each
+    /// hint takes its shard's lock briefly; the walk that follows looks
+    /// every hash up again under the lock, so a write in between can cost
+    /// a wasted prefetch, never a wrong answer.
+    fn prefetch_window(&self, namespace: &str, chunk: &[BlockHash], window: &mut Vec<(usize, u64, u32)>) {
+        window.clear();
+        let mut ns_guess = u32::MAX;
+        for h in chunk {
+            let key = h.as_bytes();
+            let (s, kh) = (self.shard_of(key), self.inner.hasher.hash_one(key));
+            let (ns, at) = {
+                let shard = self.shard(s);
+                let ns = shard.namespace_id(namespace, ns_guess).unwrap_or(u32::MAX);
+                (ns, shard.lookup_address(ns, kh, 0))
+            };
+            // Issued after the unlock, so the lock is held for no miss.
+            if let Some((at, len)) = at {
+                prefetch(at, len);
+            }
+            if ns != u32::MAX {
+                ns_guess = ns;
+            }
+            window.push((s, kh, ns));
+        }
+        if chunk.len() > 1 {
+            for &(s, kh, ns) in window.iter() {
+                if let Some((at, len)) = self.shard(s).lookup_address(ns, kh, 1) {
+                    prefetch(at, len);
+                }
+            }
+        }
     }
 
     /// Deletes every node record whose last heartbeat is more than `ttl_ms`
@@ -1057,7 +1163,7 @@ impl MetaStore {
         let nodes = self.read_nodes();
         let shard = self.shard(self.shard_of(hash.as_bytes()));
         let mut out: Vec<NodeAddr> = shard
-            .owners_of(namespace, hash.as_bytes())
+            .owners_of(namespace, u32::MAX, hash.as_bytes(), self.inner.hasher.hash_one(hash.as_bytes()))
             .iter()
             .filter(|o| nodes.owner_visible(o, now_ms, self.inner.cfg.stale_after_ms))
             .map(|o| nodes.slots[o.node as usize].addr.clone())
@@ -1075,7 +1181,7 @@ impl MetaStore {
             let shard = self.shard(i);
             for (name, &ns_id) in &shard.ns_ids {
                 let ns = &shard.namespaces[ns_id as usize];
-                for &slot_id in ns.map.values() {
+                for slot_id in ns.index.slots() {
                     let slot = &ns.slots[slot_id as usize];
                     for o in slot.owners.as_slice() {
                         if nodes.owner_visible(o, now_ms, self.inner.cfg.stale_after_ms) {
@@ -1098,7 +1204,7 @@ impl MetaStore {
         let mut names: HashSet<String> = HashSet::new();
         for i in 0..self.inner.shards.len() {
             let shard = self.shard(i);
-            hashes += shard.ns_ids.values().map(|&id| shard.namespaces[id as usize].map.len() as u64).sum::<u64>();
+            hashes += shard.ns_ids.values().map(|&id| shard.namespaces[id as usize].index.len() as u64).sum::<u64>();
             owner_entries += shard.owner_entries();
             for name in shard.ns_ids.keys() {
                 if !names.contains(name) {
@@ -1236,7 +1342,7 @@ impl MetaStore {
             Err(e) => {
                 *nodes = Nodes::default();
                 for g in &mut shards {
-                    **g = Shard::new(self.inner.shard_capacity);
+                    **g = Shard::new(self.inner.shard_capacity, self.inner.hasher.clone());
                 }
                 Some(e)
             }
@@ -1274,7 +1380,7 @@ impl MetaStore {
                 let shard = self.shard(i);
                 let &id = shard.ns_ids.get(namespace)?;
                 let ns = &shard.namespaces[id as usize];
-                Some((ns.map.len(), ns.map.capacity(), ns.slots.capacity()))
+                Some((ns.index.len(), ns.index.capacity(), ns.slots.capacity()))
             })
             .collect()
     }
@@ -1921,6 +2027,41 @@ mod tests {
         assert_eq!(st.query_prefix("ns", &hs(&[1, 4, 5]), 150), vec![(a.clone(), 3)]);
         assert_eq!(st.query_prefix("ns", &hs(&[]), 150), vec![]);
         assert_eq!(st.query_prefix("missing", &hs(&[1]), 150), vec![]);
+    }
+
+    #[test]
+    fn long_prefixes_walk_across_prefetch_windows_and_namespaces() {
+        // Longer than several prefetch windows, in stores of 1 and 64
+        // shards, with a second namespace whose ids differ from the first's
+        // in some shards (so a shard's namespace-id guess is sometimes wrong).
+        for shards in [1, 64] {
+            let st = MetaStore::with_shards(CFG, 0, shards);
+            let (a, b) = (n("a"), n("b"));
+            st.heartbeat(&a, &s("s"), 0).unwrap();
+            st.heartbeat(&b, &s("t"), 0).unwrap();
+            let len = QUERY_PREFETCH_WINDOW * 3 + 5;
+            let ids: Vec<u64> = (1000..1000 + len as u64).collect();
+            st.insert("other", &hs(&ids[..7]), &b, &s("t"), 0).unwrap();
+            st.insert("ns", &hs(&ids), &a, &s("s"), 0).unwrap();
+            let cut = QUERY_PREFETCH_WINDOW + 3;
+            st.insert("ns", &hs(&ids[..cut]), &b, &s("t"), 0).unwrap();
+            let want_full = vec![(a.clone(), len as u32), (b.clone(), cut as u32)];
+            assert_eq!(st.query_prefix("ns", &hs(&ids), 0), want_full, "{shards} shards");
+            assert_eq!(st.query_prefix("other", &hs(&ids), 0), vec![(b.clone(), 7)], "{shards} shards");
+            // A hash nobody owns, in the third window, stops the walk there.
+            let mut holed = ids.clone();
+            let stop = QUERY_PREFETCH_WINDOW * 2 + 1;
+            holed[stop] = 7;
+            assert_eq!(
+                st.query_prefix("ns", &hs(&holed), 0),
+                vec![(a.clone(), stop as u32), (b.clone(), cut as u32)],
+                "{shards} shards"
+            );
+            // Removing b's first window moves nothing for a, ends b's prefix.
+            st.remove("ns", &hs(&ids[..1]), &b, &s("t"), 0).unwrap();
+            assert_eq!(st.query_prefix("ns", &hs(&ids), 0), vec![(a.clone(), len as u32)], "{shards} shards");
+            st.assert_consistent();
+        }
     }
 
     #[test]
