@@ -43,15 +43,8 @@ QUERY_LEN=${QUERY_LEN:-64}
 PORT=${PORT:-50255}
 mkdir -p "$OUT"
 
-server_pid=
-stop_server() {
-    if [ -n "$server_pid" ]; then
-        kill "$server_pid" 2>/dev/null || true
-        wait "$server_pid" 2>/dev/null || true
-        server_pid=
-    fi
-}
-trap stop_server EXIT
+# shellcheck source=scripts/ms-lib.sh
+. "$(dirname "$0")/ms-lib.sh"
 
 # wait_port PORT: until something accepts on 127.0.0.1:PORT (10 s at most).
 wait_port() {

@@ -40,15 +40,8 @@ QUERY_LEN=${QUERY_LEN:-64}
 PORT=${PORT:-50155}
 mkdir -p "$OUT"
 
-server_pid=
-stop_server() {
-    if [ -n "$server_pid" ]; then
-        kill "$server_pid" 2>/dev/null || true
-        wait "$server_pid" 2>/dev/null || true
-        server_pid=
-    fi
-}
-trap stop_server EXIT
+# shellcheck source=scripts/ms-lib.sh
+. "$(dirname "$0")/ms-lib.sh"
 
 # run_one LABEL BINARY ARGS CLIENTS ROUND: one fresh server, one msload run.
 run_one() {
