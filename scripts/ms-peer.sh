@@ -25,7 +25,7 @@
 # OUT_DIR gets each run's msload JSON and server log, and summary.txt.
 set -euo pipefail
 
-usage() { sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 [ $# -eq 1 ] || usage
 OUT=$1
 : "${PEER:?set PEER to the peer MetaServer binary}"

@@ -9,7 +9,7 @@
 //! bucket is `(32 bits of the key's hash, slot id)`, eight to a cache line:
 //! a lookup reads one line of buckets, then the slot (where the caller keeps
 //! the key) to confirm. Both addresses can be computed ahead, so a caller
-//! walking many keys can prefetch them ([`SlotIndex::prefetch`]) and overlap
+//! walking many keys can prefetch them ([`prefetch`]) and overlap
 //! the misses of different keys, which a `HashMap` offers no way to do.
 //! The table also stores no key: 8 bytes a bucket at a load of 3/8 to 3/4
 //! against roughly 70 for a `HashMap<[u8; 32], u32>`.
@@ -33,7 +33,10 @@ const FREE: Bucket = Bucket { hash: 0, slot: EMPTY };
 /// Smallest non-empty table, in buckets.
 const MIN_BUCKETS: usize = 16;
 /// Largest table, in buckets: a bucket's home comes from 32 hash bits.
+#[cfg(target_pointer_width = "64")]
 const MAX_BUCKETS: usize = 1 << 32;
+#[cfg(not(target_pointer_width = "64"))]
+const MAX_BUCKETS: usize = 1 << (usize::BITS - 4);
 
 /// A `key → slot id` table; see the module docs. Slot ids are any `u32`
 /// but `u32::MAX`.
@@ -69,7 +72,9 @@ impl SlotIndex {
         while max_len(n) < want && n < MAX_BUCKETS {
             n *= 2;
         }
-        self.resize(n);
+        if n != self.buckets.len() {
+            self.resize(n);
+        }
     }
 
     fn mask(&self) -> usize {

@@ -301,7 +301,7 @@ impl Namespace {
 
     /// The slot id of `key` (hashed to `h`), if stored.
     fn find(&self, key: &[u8], h: u64) -> Option<u32> {
-        self.index.find(h, |s| self.slots[s as usize].key.as_slice() == key)
+        self.index.find(h, |s| self.slots.get(s as usize).is_some_and(|x| x.key.as_slice() == key))
     }
 }
 
@@ -480,31 +480,32 @@ impl Shard {
 
     /// The id of `namespace` here, if it has one. `guess` (any value) is
     /// tried first: a namespace usually has the same id in every shard, so
-    /// a query's walk passes the id the previous hash's shard gave, and a
-    /// right guess costs a name comparison instead of a hash lookup. (A
-    /// live namespace's slot carries its name; a recycled one an empty
-    /// name, which no request's namespace is.)
+    /// a query's prefetch round passes the id the previous hash's shard
+    /// gave (and its walk the id this shard gave then), and a right guess
+    /// costs a name comparison instead of a hash lookup. A live namespace's
+    /// entry carries its name; a recycled one carries an empty name, which
+    /// never matches (not even an empty `namespace`).
     fn namespace_id(&self, namespace: &str, guess: u32) -> Option<u32> {
         match self.namespaces.get(guess as usize) {
-            Some(ns) if ns.name == namespace => Some(guess),
+            Some(ns) if !ns.name.is_empty() && ns.name == namespace => Some(guess),
             _ => self.ns_ids.get(namespace).copied(),
         }
     }
 
     /// Where a lookup of the key hashed to `h` in namespace `ns_id` (as
     /// [`Shard::namespace_id`] gave it, maybe changed since: a wrong hint
-    /// costs a wasted load, never a wrong answer) will read, for
-    /// [`prefetch`]: stage 0, the key's home bucket; stage 1 (once that line
-    /// has arrived), the slot its first matching bucket names. Changes
-    /// nothing. Returns `(address, bytes)`.
-    fn lookup_address(&self, ns_id: u32, h: u64, stage: u8) -> Option<(usize, usize)> {
+    /// costs a wasted load, never a wrong answer) reads first: the key's
+    /// home bucket, as `(address, bytes)` for [`prefetch`].
+    fn bucket_address(&self, ns_id: u32, h: u64) -> Option<(usize, usize)> {
+        self.namespaces.get(ns_id as usize)?.index.home_address(h)
+    }
+
+    /// What the same lookup reads next, once its bucket line has arrived:
+    /// the slot the first bucket with matching hash bits names.
+    fn slot_address(&self, ns_id: u32, h: u64) -> Option<(usize, usize)> {
         let ns = self.namespaces.get(ns_id as usize)?;
-        if stage == 0 {
-            ns.index.home_address(h)
-        } else {
-            let slot = ns.slots.get(ns.index.first_candidate(h)? as usize)?;
-            Some((slot as *const Slot as usize, mem::size_of::<Slot>()))
-        }
+        let slot = ns.slots.get(ns.index.first_candidate(h)? as usize)?;
+        Some((slot as *const Slot as usize, mem::size_of::<Slot>()))
     }
 
     /// Records node `idx` (of `nodes`) as an owner of each `(position,
@@ -583,7 +584,7 @@ impl Shard {
         let mut removed = 0;
         for h in hashes {
             // If the namespace empties mid-loop it is recycled with an empty
-            // map, so later lookups simply miss.
+            // index, so later lookups simply miss.
             let ns = &self.namespaces[ns_id as usize];
             let Some(slot_id) = ns.find(h.as_bytes(), self.key_hash(h.as_bytes())) else {
                 continue;
@@ -672,11 +673,17 @@ impl Shard {
                 .ok_or_else(|| Inconsistency(format!("shard {me}: namespace id {ns_id} of {name} out of range")))?;
             ensure(&ns.name == name, || format!("shard {me}: namespace {name} interned as {}", ns.name))?;
             ensure(!ns.index.is_empty(), || format!("shard {me}: interned namespace {name} is empty"))?;
-            let live = ns.slots.len() - ns.free_slots.len();
+            let live = ns
+                .slots
+                .len()
+                .checked_sub(ns.free_slots.len())
+                .ok_or_else(|| Inconsistency(format!("shard {me}: {name} has more free slots than slots")))?;
             ensure(ns.index.len() == live, || {
                 format!("shard {me}: {name} indexes {} hashes, {live} slots are live", ns.index.len())
             })?;
+            let mut seen = HashSet::with_capacity(live);
             for (stored_hash, slot_id) in ns.index.entries() {
+                ensure(seen.insert(slot_id), || format!("shard {me}: slot {slot_id} of {name} indexed twice"))?;
                 let slot = ns
                     .slots
                     .get(slot_id as usize)
@@ -1112,9 +1119,9 @@ impl MetaStore {
             let (ns, at) = {
                 let shard = self.shard(s);
                 let ns = shard.namespace_id(namespace, ns_guess).unwrap_or(u32::MAX);
-                (ns, shard.lookup_address(ns, kh, 0))
+                (ns, shard.bucket_address(ns, kh))
             };
-            // Issued after the unlock, so the lock is held for no miss.
+            // Issued after the unlock: the lock is not held while it misses.
             if let Some((at, len)) = at {
                 prefetch(at, len);
             }
@@ -1125,7 +1132,10 @@ impl MetaStore {
         }
         if chunk.len() > 1 {
             for &(s, kh, ns) in window.iter() {
-                if let Some((at, len)) = self.shard(s).lookup_address(ns, kh, 1) {
+                // Reads the bucket line (a hit, if the first round's load
+                // arrived) under the lock; the slot is prefetched after it.
+                let at = self.shard(s).slot_address(ns, kh);
+                if let Some((at, len)) = at {
                     prefetch(at, len);
                 }
             }
