@@ -586,13 +586,14 @@ impl Shard {
             // If the namespace empties mid-loop it is recycled with an empty
             // index, so later lookups simply miss.
             let ns = &self.namespaces[ns_id as usize];
-            let Some(slot_id) = ns.find(h.as_bytes(), self.key_hash(h.as_bytes())) else {
+            let kh = self.key_hash(h.as_bytes());
+            let Some(slot_id) = ns.find(h.as_bytes(), kh) else {
                 continue;
             };
             let Some(pos) = ns.slots[slot_id as usize].owners.position(idx) else {
                 continue;
             };
-            self.remove_owner(ns_id, slot_id, pos);
+            self.remove_owner(ns_id, slot_id, kh, pos);
             removed += 1;
         }
         removed
@@ -612,15 +613,17 @@ impl Shard {
             // Moving another owner within this slot leaves its `rev` valid.
             owners.swap_remove(pos);
             if owners.is_empty() {
-                self.free_slot(ns_id, slot_id);
+                let kh = self.key_hash(self.namespaces[ns_id as usize].slots[slot_id as usize].key.as_slice());
+                self.free_slot(ns_id, slot_id, kh);
             }
         }
         n
     }
 
-    /// Removes the owner at `pos` of a slot, keeping the reverse index and
-    /// back-pointers consistent. O(owners of one hash).
-    fn remove_owner(&mut self, ns_id: u32, slot_id: u32, pos: usize) {
+    /// Removes the owner at `pos` of a slot (whose key hashes to `kh`),
+    /// keeping the reverse index and back-pointers consistent. O(owners of
+    /// one hash).
+    fn remove_owner(&mut self, ns_id: u32, slot_id: u32, kh: u64, pos: usize) {
         let o = self.namespaces[ns_id as usize].slots[slot_id as usize].owners.swap_remove(pos);
         let owned = &mut self.owned[o.node as usize];
         let rev = o.rev as usize;
@@ -631,13 +634,13 @@ impl Shard {
             moved.as_mut_slice()[p].rev = o.rev;
         }
         if self.namespaces[ns_id as usize].slots[slot_id as usize].owners.is_empty() {
-            self.free_slot(ns_id, slot_id);
+            self.free_slot(ns_id, slot_id, kh);
         }
     }
 
-    /// Frees an ownerless slot; recycles the namespace when it empties.
-    fn free_slot(&mut self, ns_id: u32, slot_id: u32) {
-        let kh = self.key_hash(self.namespaces[ns_id as usize].slots[slot_id as usize].key.as_slice());
+    /// Frees an ownerless slot, whose key hashes to `kh`; recycles the
+    /// namespace when it empties.
+    fn free_slot(&mut self, ns_id: u32, slot_id: u32, kh: u64) {
         let ns = &mut self.namespaces[ns_id as usize];
         let slot = &mut ns.slots[slot_id as usize];
         slot.key = HKey::EMPTY;
