@@ -57,6 +57,11 @@ enum Cmd {
         /// (1 to 4096).
         #[arg(long, default_value_t = kvferry::limits::METASERVER_SHARDS_DEFAULT)]
         shards: usize,
+        /// Threads serving the gRPC connections, each with its own single-threaded runtime that a
+        /// connection stays on (0 to 256; 0: one shared work-stealing runtime). Default: a quarter
+        /// of the cores on 8 cores or more, else 0.
+        #[arg(long)]
+        io_threads: Option<usize>,
         /// Serve TLS with this certificate chain (PEM; with --tls-key). Needs a build with
         /// `--features tls`. Clients then need the CA that signed it.
         #[arg(long, requires = "tls_key")]
@@ -658,6 +663,7 @@ fn metaserver_error_text(e: &StartError) -> String {
         StartError::Config(c) => c.render(metaserver_flag),
         StartError::Bind { addr, source } => format!("cannot bind --addr {addr}: {source}"),
         StartError::Tls(e) => format!("--tls-cert/--tls-key: {e}"),
+        StartError::IoThreads(e) => format!("cannot start --io-threads: {e}"),
     }
 }
 
@@ -667,7 +673,7 @@ async fn run_metaserver(
     ttl_secs: u64,
     sweep_interval_secs: u64,
     http_addr: Option<SocketAddr>,
-    (capacity_hashes, shards): (u64, usize),
+    (capacity_hashes, shards, io_threads): (u64, usize, Option<usize>),
     tls: Option<(PathBuf, PathBuf)>,
 ) -> Result<ExitCode, String> {
     let addr = resolve_listen_addr(addr).await?;
@@ -685,6 +691,7 @@ async fn run_metaserver(
         seed: 0,
         capacity_hashes,
         shards,
+        io_threads: io_threads.unwrap_or_else(kvferry::limits::metaserver_io_threads_default),
         tls,
     };
     let mut h = metaserver::start(cfg).await.map_err(|e| metaserver_error_text(&e))?;
@@ -723,11 +730,12 @@ pub fn main() -> ExitCode {
                 http_addr,
                 capacity,
                 shards,
+                io_threads,
                 tls_cert,
                 tls_key,
             } => {
                 let tls = tls_cert.zip(tls_key);
-                let sizes = (capacity, shards);
+                let sizes = (capacity, shards, io_threads);
                 run_metaserver(&addr, stale_after_secs, ttl_secs, sweep_interval_secs, http_addr, sizes, tls).await
             }
             Cmd::Pd(a) => run_pd(*a).await,

@@ -270,6 +270,34 @@ pub const METASERVER_SHARDS_DEFAULT: usize = 64;
 /// hashes.
 pub const METASERVER_SHARDS_MAX: usize = 4_096;
 
+/// Most MetaServer I/O threads (`--io-threads`): a thread each, with its
+/// own runtime; far more than any host's cores is a typo.
+pub const METASERVER_IO_THREADS_MAX: usize = 256;
+
+/// The `kvferry metaserver` default for `--io-threads`: on a host of 8 or
+/// more cores a quarter of them (4 on the 16-core H200 host); below that
+/// 0, one shared work-stealing runtime. Measured, not derived: on the H200
+/// host 4 threads answered prefix queries with a lower p99 than the shared
+/// runtime in 6 of 8 alternated rounds, and no worse than 2, 8 or 16
+/// threads, with inserts at the same rate; on a 2-core
+/// box one I/O thread lowered the query p99 by ≈ 15 % but doubled the
+/// insert p99 (the one thread decoding every insert competes for two cores
+/// with the writes themselves), so small hosts keep the shared runtime
+/// (docs/BENCHMARKS.md, session 8).
+pub fn metaserver_io_threads_default() -> usize {
+    let cores = crate::rt::cpu_parallelism();
+    if cores >= 8 { cores / 4 } else { 0 }
+}
+
+/// Inserts and removals of at least this many hashes run on tokio's
+/// blocking pool rather than the thread serving the connection: a
+/// 16,384-hash insert holds its thread for milliseconds, which would
+/// otherwise delay every query on the connections sharing it, and on the
+/// pool concurrent large writes use as many cores as they need (on the
+/// 2-core box this alone took the insert p99 from ≈ 3.3 × to ≈ 2.4 × the
+/// median under msload's four 16,384-hash writers).
+pub const METASERVER_OFFLOAD_HASHES: usize = 1024;
+
 /// Most prompt tokens one trace request may claim (the replay sizes device
 /// buffers from it): 4 × the longest request of the bundled trace.
 pub const TRACE_INPUT_TOKENS_MAX: u64 = 1 << 19;

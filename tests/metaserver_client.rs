@@ -18,6 +18,7 @@
 //! | `wire_round_trip_two_clients_prefix_order` | C5, C7 |
 //! | `bad_input_*` | wire.md errors, C5 |
 //! | `start_on_taken_port_fails_with_bind_error` | C12 |
+//! | `io_threads_serve_concurrent_clients_and_stop_on_shutdown` | C5, C7 (I/O threads, offloaded writes) |
 
 // Loopback tests on real tokio and tonic; the simulator tier lives in sim/.
 #![cfg(not(madsim))]
@@ -1169,4 +1170,86 @@ async fn fault_poisoned_handle_mutex_does_not_stop_serving() {
     assert_eq!(srv.handle.metrics.store_resets.load(Ordering::Relaxed), 0);
     let index = srv.handle.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
     assert_eq!(index.visible_entries(0).len(), 6);
+}
+
+// ---------------------------------------------------------------- I/O threads
+
+/// Names of this process's threads that are MetaServer I/O threads.
+fn io_thread_count() -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .map(|d| {
+            d.filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+                .filter(|n| n.starts_with("kvferry-io-"))
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+/// The I/O thread count once it is `n`, or after 5 s.
+async fn io_threads_become(n: usize) -> usize {
+    let t = Instant::now();
+    while io_thread_count() != n && t.elapsed() < Duration::from_secs(5) {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    io_thread_count()
+}
+
+/// A server on two I/O threads answers many clients at once (each on its
+/// own connection, so both threads serve), runs writes of at least
+/// `METASERVER_OFFLOAD_HASHES` hashes off them with the same answers and
+/// fault handling, and on shutdown stops its threads and its port.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn io_threads_serve_concurrent_clients_and_stop_on_shutdown() {
+    let mut cfg = server_config("127.0.0.1:0".parse().unwrap(), limits::STALE_AFTER_SECS_DEFAULT);
+    cfg.io_threads = 2;
+    let t0 = Instant::now();
+    let srv = Server { handle: metaserver::start(cfg).await.expect("metaserver starts"), t0 };
+    let addr = srv.addr();
+    // A thread names itself once it runs: wait (bounded) for both.
+    assert_eq!(io_threads_become(2).await, 2, "two I/O threads started");
+    let big = limits::METASERVER_OFFLOAD_HASHES as u64 * 2;
+    let clients: Vec<_> = (0..6u32)
+        .map(|i| {
+            tokio::spawn(async move {
+                let mut g = raw(addr).await;
+                let (n, s) = (node(10 + i), session("io"));
+                let base = u64::from(i) << 32;
+                g.heartbeat_node(heartbeat_req(&n, &s)).await.unwrap();
+                let r = g.insert_block_hashes(insert_req(&n, &s, &hs(base..base + big))).await.unwrap();
+                assert_eq!(r.into_inner().inserted_count, big, "offloaded insert");
+                let q = proto::QueryPrefixBlocksRequest {
+                    namespace: NS.into(),
+                    block_hashes: hs(base..base + 64).into_iter().map(|x| x.0).collect(),
+                };
+                for _ in 0..20 {
+                    let got = g.query_prefix_blocks(q.clone()).await.unwrap().into_inner().nodes;
+                    assert_eq!(got.len(), 1);
+                    assert_eq!((got[0].node.as_str(), got[0].prefix_len), (n.0.as_str(), 64));
+                }
+                let r = g.remove_block_hashes(remove_req(&n, &s, &hs(base + 10..base + big))).await.unwrap();
+                assert_eq!(r.into_inner().removed_count, big - 10, "offloaded removal");
+                let got = g.query_prefix_blocks(q).await.unwrap().into_inner().nodes;
+                assert_eq!(got[0].prefix_len, 10);
+            })
+        })
+        .collect();
+    for c in clients {
+        within(Duration::from_secs(30), "a client of the I/O threads", c).await.expect("client task");
+    }
+    assert_eq!(srv.visible().len(), 6 * 10);
+
+    // A fault inside an offloaded write answers INTERNAL and loses nothing.
+    let mut g = raw(addr).await;
+    let (n, s) = (node(1), session("s"));
+    g.heartbeat_node(heartbeat_req(&n, &s)).await.unwrap();
+    srv.handle.hooks.panic_store_ops.store(1, Ordering::Relaxed);
+    assert_eq!(code(g.insert_block_hashes(insert_req(&n, &s, &hs(0..big))).await), Code::Internal);
+    assert_eq!(srv.handle.metrics.store_panics.load(Ordering::Relaxed), 1);
+    g.insert_block_hashes(insert_req(&n, &s, &hs(0..big))).await.unwrap();
+    assert_eq!(srv.visible().len(), 6 * 10 + big as usize);
+    drop(g);
+
+    within(Duration::from_secs(10), "shutdown", srv.handle.shutdown()).await.expect("clean shutdown");
+    assert_eq!(io_threads_become(0).await, 0, "I/O threads ended");
+    assert!(tokio::net::TcpStream::connect(addr).await.is_err(), "port closed after shutdown");
 }

@@ -45,7 +45,20 @@ mod with_tls {
     /// and a query (by the host name the certificate names) finds it.
     #[tokio::test]
     async fn a_client_trusting_the_ca_talks_to_a_tls_server() {
-        let h = metaserver::start(tls_server_config()).await.expect("tls server starts");
+        trusted_client_round_trip(tls_server_config()).await;
+    }
+
+    /// The same over the server's own I/O threads (TLS is set up on the
+    /// thread a connection is handed to).
+    #[tokio::test]
+    async fn a_client_trusting_the_ca_talks_to_a_tls_server_on_io_threads() {
+        let mut cfg = tls_server_config();
+        cfg.io_threads = 2;
+        trusted_client_round_trip(cfg).await;
+    }
+
+    async fn trusted_client_round_trip(cfg: MetaServerConfig) {
+        let h = metaserver::start(cfg).await.expect("tls server starts");
         let addr = format!("localhost:{}", h.local_addr.port());
         let trust = TlsTrust::from_file(&data("ca.pem")).unwrap();
         let c = client(addr, Some(trust), 1).expect("client");

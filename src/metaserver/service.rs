@@ -40,6 +40,14 @@ pub struct MetaServerConfig {
     /// [`limits::METASERVER_SHARDS_MAX`]; default
     /// [`limits::METASERVER_SHARDS_DEFAULT`].
     pub shards: usize,
+    /// I/O threads serving the gRPC connections, each a single-threaded
+    /// runtime its connections stay on (see
+    /// [`crate::rt::serve_on_io_threads`]); 0 to
+    /// [`limits::METASERVER_IO_THREADS_MAX`]. 0 (the library's default):
+    /// serve on the caller's tokio runtime, starting no thread. `kvferry
+    /// metaserver` defaults to [`limits::metaserver_io_threads_default`].
+    /// Ignored under the simulator.
+    pub io_threads: usize,
     /// Serve TLS with this certificate and key (needs the `tls` feature;
     /// see [`crate::tls`]). `None`: plain text.
     pub tls: Option<crate::tls::TlsIdentity>,
@@ -56,6 +64,7 @@ impl MetaServerConfig {
             seed: 0,
             capacity_hashes: 0,
             shards: limits::METASERVER_SHARDS_DEFAULT,
+            io_threads: 0,
             tls: None,
         }
     }
@@ -228,17 +237,23 @@ impl MetaServerService {
     }
 
     /// The shared path of insert and remove: validate everything (all or
-    /// nothing), apply the fault hook, then run `op` on the store under its
-    /// lock. Every rejection is counted.
-    fn apply_write<T>(
+    /// nothing), apply the fault hook, then run `op` on the store. A write
+    /// of at least [`limits::METASERVER_OFFLOAD_HASHES`] hashes runs on the
+    /// blocking pool, so the thread serving the connection goes on
+    /// answering others meanwhile; once started it completes even if the
+    /// client gives up (as a write run in place does). Every rejection is
+    /// counted.
+    async fn apply_write<T: Send + 'static>(
         &self,
-        namespace: &str,
+        namespace: String,
         hashes: Vec<bytes::Bytes>,
         node: &str,
         node_id: &str,
-        op: impl FnOnce(&MetaStore, &str, &[BlockHash], &NodeAddr, &SessionId, u64) -> Result<T, StoreError>,
+        op: impl FnOnce(&MetaStore, &str, &[BlockHash], &NodeAddr, &SessionId, u64) -> Result<T, StoreError>
+        + Send
+        + 'static,
     ) -> Result<T, Status> {
-        let (node, session, hashes) = match self.check_write(namespace, hashes, node, node_id) {
+        let (node, session, hashes) = match self.check_write(&namespace, hashes, node, node_id) {
             Ok(v) => v,
             Err(s) => return self.reject(s),
         };
@@ -246,8 +261,20 @@ impl MetaServerService {
             return Err(Status::unavailable("registration dropped by fault hook"));
         }
         let now = self.now_ms();
-        let res = self.with_store(|st| op(st, namespace, &hashes, &node, &session, now))?;
-        res.or_else(|e| self.reject(from_store_error(e)))
+        let offload = hashes.len() >= limits::METASERVER_OFFLOAD_HASHES;
+        let write = move |svc: &Self| svc.with_store(|st| op(st, &namespace, &hashes, &node, &session, now));
+        let res = if offload {
+            let svc = self.clone();
+            match tokio::task::spawn_blocking(move || write(&svc)).await {
+                Ok(res) => res,
+                // `with_store` catches the store's panics; this is the
+                // runtime shutting down under the write.
+                Err(e) => self.reject(Status::unavailable(format!("metaserver write not completed: {e}"))),
+            }
+        } else {
+            write(self)
+        };
+        res?.or_else(|e| self.reject(from_store_error(e)))
     }
 
     /// Validates a write's identity, namespace and hashes: all or nothing.
@@ -343,7 +370,8 @@ impl MetaServer for MetaServerService {
         self.gate().await?;
         let mut r = request.into_inner();
         let hashes = std::mem::take(&mut r.block_hashes);
-        let out = self.apply_write(&r.namespace, hashes, &r.node, &r.node_id, MetaStore::insert)?;
+        let namespace = std::mem::take(&mut r.namespace);
+        let out = self.apply_write(namespace, hashes, &r.node, &r.node_id, MetaStore::insert).await?;
         self.metrics.inserted_hashes.fetch_add(out.inserted, Ordering::Relaxed);
         Ok(Response::new(InsertBlockHashesResponse {
             status: Some(ResponseStatus { ok: true, message: String::new() }),
@@ -359,7 +387,8 @@ impl MetaServer for MetaServerService {
         self.gate().await?;
         let mut r = request.into_inner();
         let hashes = std::mem::take(&mut r.block_hashes);
-        let removed_count = self.apply_write(&r.namespace, hashes, &r.node, &r.node_id, MetaStore::remove)?;
+        let namespace = std::mem::take(&mut r.namespace);
+        let removed_count = self.apply_write(namespace, hashes, &r.node, &r.node_id, MetaStore::remove).await?;
         self.metrics.removed_hashes.fetch_add(removed_count, Ordering::Relaxed);
         Ok(Response::new(RemoveBlockHashesResponse {
             status: Some(ResponseStatus { ok: true, message: String::new() }),
@@ -447,6 +476,9 @@ pub enum StartError {
         /// The OS error.
         source: std::io::Error,
     },
+    /// The I/O threads could not be started.
+    #[error("cannot start the metaserver's I/O threads: {0}")]
+    IoThreads(std::io::Error),
     /// A setting is out of range.
     #[error("bad configuration: {0}")]
     Config(#[from] ConfigError),
@@ -471,6 +503,8 @@ pub enum ConfigField {
     CapacityHashes,
     /// [`MetaServerConfig::shards`].
     Shards,
+    /// [`MetaServerConfig::io_threads`].
+    IoThreads,
 }
 
 impl ConfigField {
@@ -482,6 +516,7 @@ impl ConfigField {
             ConfigField::SweepIntervalSecs => "sweep_interval_secs",
             ConfigField::CapacityHashes => "capacity_hashes",
             ConfigField::Shards => "shards",
+            ConfigField::IoThreads => "io_threads",
         }
     }
 }
@@ -519,6 +554,15 @@ pub enum ConfigError {
         /// The bound.
         max: usize,
     },
+    /// [`MetaServerConfig::io_threads`] exceeds
+    /// [`limits::METASERVER_IO_THREADS_MAX`].
+    #[error("io_threads ({value}) must be at most {max}")]
+    IoThreads {
+        /// The thread count asked for.
+        value: usize,
+        /// The bound.
+        max: usize,
+    },
     /// The setting exceeds [`limits::METASERVER_DURATION_SECS_MAX`].
     #[error("{} ({value}) must be at most {max} (s)", field.name())]
     TooLong {
@@ -548,6 +592,9 @@ impl ConfigError {
                 format!("{} ({value}) must be at most {max}", name(ConfigField::CapacityHashes))
             }
             ConfigError::Shards { value, max } => format!("{} ({value}) must be 1 to {max}", name(ConfigField::Shards)),
+            ConfigError::IoThreads { value, max } => {
+                format!("{} ({value}) must be at most {max}", name(ConfigField::IoThreads))
+            }
         }
     }
 }
@@ -555,7 +602,8 @@ impl ConfigError {
 impl MetaServerConfig {
     /// Checks the settings: each duration at least 1 s and at most
     /// [`limits::METASERVER_DURATION_SECS_MAX`], the capacity and the shard
-    /// count within their limits, and `ttl_secs >= stale_after_secs`.
+    /// count and the I/O threads within their limits, and
+    /// `ttl_secs >= stale_after_secs`.
     ///
     /// # Errors
     /// The first [`ConfigError`] found.
@@ -581,6 +629,9 @@ impl MetaServerConfig {
         }
         if !(1..=limits::METASERVER_SHARDS_MAX).contains(&self.shards) {
             return Err(ConfigError::Shards { value: self.shards, max: limits::METASERVER_SHARDS_MAX });
+        }
+        if self.io_threads > limits::METASERVER_IO_THREADS_MAX {
+            return Err(ConfigError::IoThreads { value: self.io_threads, max: limits::METASERVER_IO_THREADS_MAX });
         }
         if self.ttl_secs < self.stale_after_secs {
             return Err(ConfigError::TtlBelowStaleAfter {
@@ -617,7 +668,8 @@ fn tls_server_builder(tls: Option<&crate::tls::TlsIdentity>) -> Result<tonic::tr
 /// # Errors
 /// [`StartError::Bind`] for a taken or invalid address, [`StartError::Config`]
 /// for zero/inconsistent durations (see [`MetaServerConfig::validate`]),
-/// [`StartError::Tls`] when TLS is asked for and cannot be set up.
+/// [`StartError::Tls`] when TLS is asked for and cannot be set up,
+/// [`StartError::IoThreads`] when the I/O threads cannot be started.
 pub async fn start(config: MetaServerConfig) -> Result<MetaServerHandle, StartError> {
     config.validate()?;
     let mut builder = tls_server_builder(config.tls.as_ref())?;
@@ -646,9 +698,16 @@ pub async fn start(config: MetaServerConfig) -> Result<MetaServerHandle, StartEr
     #[cfg(not(madsim))]
     let server = crate::status::LimitAsResourceExhausted(server);
     let router = builder.add_service(server);
-    let serve = tokio::spawn(crate::rt::serve(router, bound, async move {
+    let stopped = async move {
         let _ = rx.wait_for(|v| *v).await;
-    }));
+    };
+    let serve = if config.io_threads == 0 {
+        tokio::spawn(crate::rt::serve(router, bound, stopped))
+    } else {
+        let serving = crate::rt::serve_on_io_threads(router, bound, stopped, config.io_threads)
+            .map_err(StartError::IoThreads)?;
+        tokio::spawn(serving)
+    };
     let sweep_store = store.clone();
     let sweep_metrics = metrics.clone();
     let sweep_hooks = hooks.clone();
@@ -753,5 +812,21 @@ mod tests {
         assert_eq!(cfg.validate().unwrap_err().to_string(), format!("shards ({}) must be 1 to {max}", max + 1));
         cfg.shards = 1;
         assert_eq!(cfg.validate(), Ok(()));
+    }
+
+    #[test]
+    fn io_threads_setting_is_validated() {
+        let mut cfg = MetaServerConfig::new("127.0.0.1:0".parse().unwrap());
+        let max = limits::METASERVER_IO_THREADS_MAX;
+        for ok in [0, 1, max] {
+            cfg.io_threads = ok;
+            assert_eq!(cfg.validate(), Ok(()), "io_threads {ok}");
+        }
+        cfg.io_threads = max + 1;
+        assert_eq!(cfg.validate(), Err(ConfigError::IoThreads { value: max + 1, max }));
+        assert_eq!(
+            cfg.validate().unwrap_err().render(|f| format!("--{}", f.name().replace('_', "-"))),
+            format!("--io-threads ({}) must be at most {max}", max + 1)
+        );
     }
 }
