@@ -710,8 +710,8 @@ pub async fn start(config: MetaServerConfig) -> Result<MetaServerHandle, StartEr
     let serve = if config.io_threads == 0 {
         tokio::spawn(crate::rt::serve(router, bound, stopped))
     } else {
-        let serving = crate::rt::serve_on_io_threads(router, bound, stopped, config.io_threads)
-            .map_err(StartError::IoThreads)?;
+        let serving =
+            crate::rt::serve_on_io_threads(router, bound, stopped, config.io_threads).map_err(StartError::IoThreads)?;
         tokio::spawn(serving)
     };
     let sweep_store = store.clone();
