@@ -231,9 +231,30 @@ pub async fn timeout_at<F: Future>(deadline: tokio::time::Instant, f: F) -> Resu
     tokio::time::timeout(left, f).await.map_err(|_| DeadlineElapsed)
 }
 
-/// [`run_to_completion`]'s future was polled again after it finished.
+/// Work that did not complete: [`run_to_completion`]'s future polled again
+/// after it finished, or [`run_blocking`]'s work that panicked or was cut
+/// off by the runtime's shutdown.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TaskEnded(pub String);
+
+/// Runs the CPU-bound `f` off the caller's thread, on tokio's blocking
+/// pool, and waits for it; under the simulator it runs in place (madsim
+/// has no blocking pool: its `spawn_blocking` is deprecated), so a seed
+/// replays the same whatever the host's threads do.
+///
+/// # Errors
+/// [`TaskEnded`] when `f` did not complete: it panicked, or the runtime
+/// shut down under it.
+pub async fn run_blocking<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) -> Result<R, TaskEnded> {
+    #[cfg(not(madsim))]
+    {
+        tokio::task::spawn_blocking(f).await.map_err(|e| TaskEnded(e.to_string()))
+    }
+    #[cfg(madsim)]
+    {
+        Ok(f())
+    }
+}
 
 /// Drives `fut` to completion even when the returned future is dropped
 /// first: `fut` runs inline in the caller's task (no extra task hop — two
@@ -490,7 +511,7 @@ mod io_threads {
     /// the first such from `turn` on (so equal threads take turns).
     pub(super) fn pick(open: &[usize], turn: usize) -> usize {
         let n = open.len();
-        (0..n).map(|k| (turn + k) % n).min_by_key(|&i| open[i]).unwrap_or(0)
+        (0..n).map(|k| (turn % n + k) % n).min_by_key(|&i| open[i]).unwrap_or(0)
     }
 
     /// One I/O thread as the acceptor sees it.

@@ -239,7 +239,7 @@ impl MetaServerService {
     /// The shared path of insert and remove: validate everything (all or
     /// nothing), apply the fault hook, then run `op` on the store. A write
     /// of at least [`limits::METASERVER_OFFLOAD_HASHES`] hashes runs on the
-    /// blocking pool, so the thread serving the connection goes on
+    /// blocking pool ([`crate::rt::run_blocking`]), so the thread serving the connection goes on
     /// answering others meanwhile; once started it completes even if the
     /// client gives up (as a write run in place does). Every rejection is
     /// counted.
@@ -261,21 +261,15 @@ impl MetaServerService {
             return Err(Status::unavailable("registration dropped by fault hook"));
         }
         let now = self.now_ms();
-        // The simulator has no blocking pool (madsim refuses one): writes
-        // run in place there, as every write below the threshold does here.
-        let offload = !cfg!(madsim) && hashes.len() >= limits::METASERVER_OFFLOAD_HASHES;
+        let offload = hashes.len() >= limits::METASERVER_OFFLOAD_HASHES;
         let write = move |svc: &Self| svc.with_store(|st| op(st, &namespace, &hashes, &node, &session, now));
         let res = if offload {
             let svc = self.clone();
-            #[cfg(not(madsim))]
-            let offloaded = tokio::task::spawn_blocking(move || write(&svc)).await;
-            #[cfg(madsim)]
-            let offloaded: Result<_, std::convert::Infallible> = Ok(write(&svc));
-            match offloaded {
+            match crate::rt::run_blocking(move || write(&svc)).await {
                 Ok(res) => res,
                 // `with_store` catches the store's panics; this is the
                 // runtime shutting down under the write.
-                Err(e) => self.reject(Status::unavailable(format!("metaserver write not completed: {e}"))),
+                Err(e) => self.reject(Status::unavailable(format!("metaserver write not completed: {}", e.0))),
             }
         } else {
             write(self)
