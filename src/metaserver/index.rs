@@ -42,7 +42,7 @@ const MAX_BUCKETS: usize = 1 << (usize::BITS - 4);
 /// but `u32::MAX`.
 #[derive(Debug, Default)]
 pub(super) struct SlotIndex {
-    buckets: Table,
+    buckets: Vec<Bucket>,
     len: usize,
 }
 
@@ -182,7 +182,7 @@ impl SlotIndex {
         self.len -= 1;
         if self.len == 0 {
             // Release the memory of a table that emptied.
-            self.buckets = Table::default();
+            self.buckets = Vec::new();
         }
         true
     }
@@ -198,121 +198,50 @@ impl SlotIndex {
     }
 
     fn resize(&mut self, buckets: usize) {
-        let old = std::mem::replace(&mut self.buckets, Table::new(buckets));
-        for &b in old.iter().filter(|b| b.slot != EMPTY) {
+        let old = std::mem::replace(&mut self.buckets, new_table(buckets));
+        for b in old.into_iter().filter(|b| b.slot != EMPTY) {
             self.place(b);
         }
     }
 }
 
-/// A table's buckets: a fixed-size `[Bucket]` that owns its memory, as a
-/// `Box<[Bucket]>` would, but aligned to a huge page when it spans one.
-///
-/// Why: lookups of random keys touch a random page of the table each; at
-/// tens of millions of keys (hundreds of MiB of buckets) almost every one
-/// misses the TLB with 4 KiB pages, and the page walks queued behind the
-/// query walk's prefetches were a quarter of its time (`perf`, session 8).
-/// A table of at least [`HUGE_PAGE_BYTES`] therefore starts on a 2 MiB
-/// boundary and, on Linux, is advised to use transparent huge pages
+/// A table of `buckets` free buckets. On Linux, a table of at least
+/// [`HUGE_PAGE_BYTES`] is first advised to use transparent huge pages
 /// (`madvise(MADV_HUGEPAGE)`, honoured when THP is in `madvise` or `always`
-/// mode) before its first write, so that every byte of it is mapped by
-/// 2 MiB pages and the whole table fits the TLB. (A plain `Vec` starts at
-/// an arbitrary page, which leaves its first and last partial 2 MiB
-/// windows on 4 KiB pages: half of a 4 MiB table, a quarter of an 8 MiB
-/// one.)
-struct Table {
-    /// Start of `len` initialised buckets; dangling (and never read) when
-    /// `len` is 0.
-    ptr: std::ptr::NonNull<Bucket>,
-    len: usize,
-}
-
-// SAFETY: a `Table` owns its buckets exclusively, like a `Box<[Bucket]>`,
-// and `Bucket` is plain data.
-unsafe impl Send for Table {}
-// SAFETY: shared access hands out `&[Bucket]` only.
-unsafe impl Sync for Table {}
-
-impl Table {
-    /// A table of `len` free buckets.
-    ///
-    /// # Panics
-    /// If `len` buckets overflow the address space (a table holds at most
-    /// 2³² buckets, 32 GiB); aborts as `Vec` does when the allocation fails.
-    fn new(len: usize) -> Self {
-        if len == 0 {
-            return Self::default();
-        }
-        let layout = Self::layout(len);
-        // SAFETY: `layout` has a non-zero size (`len` ≥ 1).
-        let raw = unsafe { std::alloc::alloc(layout) }.cast::<Bucket>();
-        let Some(ptr) = std::ptr::NonNull::new(raw) else { std::alloc::handle_alloc_error(layout) };
-        #[cfg(target_os = "linux")]
-        if layout.align() == HUGE_PAGE_BYTES {
-            // SAFETY: advice only, on the table's own freshly allocated,
-            // huge-page-aligned block; it changes no byte, and a refusal
-            // leaves 4 KiB pages.
-            unsafe {
-                libc::madvise(raw.cast(), layout.size(), libc::MADV_HUGEPAGE);
-            }
-        }
-        for i in 0..len {
-            // SAFETY: `i < len` and the block holds `len` buckets.
-            unsafe { raw.add(i).write(FREE) };
-        }
-        Self { ptr, len }
-    }
-
-    /// The allocation of `len` (≥ 1) buckets: huge-page aligned from one
-    /// huge page up.
-    fn layout(len: usize) -> std::alloc::Layout {
-        let bytes = len.checked_mul(std::mem::size_of::<Bucket>()).expect("SlotIndex table size overflows");
-        let align = if bytes >= HUGE_PAGE_BYTES { HUGE_PAGE_BYTES } else { std::mem::align_of::<Bucket>() };
-        std::alloc::Layout::from_size_align(bytes, align).expect("SlotIndex table size overflows")
-    }
-}
-
-impl Default for Table {
-    fn default() -> Self {
-        Self { ptr: std::ptr::NonNull::dangling(), len: 0 }
-    }
-}
-
-impl Drop for Table {
-    fn drop(&mut self) {
-        if self.len > 0 {
-            // SAFETY: allocated in `new` with this very layout; `Bucket`
-            // needs no drop.
-            unsafe { std::alloc::dealloc(self.ptr.as_ptr().cast(), Self::layout(self.len)) };
+/// mode), before a byte of it is written so that its first-touch faults
+/// map 2 MiB pages. Why: lookups of random keys touch a random page of the
+/// table each; at tens of millions of keys (hundreds of MiB of buckets)
+/// almost every one misses the TLB with 4 KiB pages, and the page walks
+/// queued behind the query walk's prefetches were a quarter of its time
+/// (`perf`, session 8); with huge pages the whole table fits the TLB.
+fn new_table(buckets: usize) -> Vec<Bucket> {
+    let mut table: Vec<Bucket> = Vec::with_capacity(buckets);
+    #[cfg(target_os = "linux")]
+    if let Some((at, len)) = whole_pages(table.as_ptr() as usize, buckets * std::mem::size_of::<Bucket>()) {
+        // SAFETY: advice only, on whole pages inside the table's own
+        // allocation; it changes no byte and cannot fail in a way that
+        // matters (a refusal leaves 4 KiB pages).
+        unsafe {
+            libc::madvise(at as *mut libc::c_void, len, libc::MADV_HUGEPAGE);
         }
     }
+    table.resize(buckets, FREE);
+    table
 }
 
-impl std::ops::Deref for Table {
-    type Target = [Bucket];
-    fn deref(&self) -> &[Bucket] {
-        // SAFETY: `len` initialised buckets at `ptr` (or none, dangling but
-        // aligned), owned by `self` for the borrow's lifetime.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
-    }
-}
-
-impl std::ops::DerefMut for Table {
-    fn deref_mut(&mut self) -> &mut [Bucket] {
-        // SAFETY: as in `deref`, and `&mut self` makes the access exclusive.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
-    }
-}
-
-impl std::fmt::Debug for Table {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Table({} buckets)", self.len)
-    }
-}
-
-/// Tables from this size up (one x86-64 huge page) are huge-page aligned
-/// and advised.
+/// Tables smaller than this (one x86-64 huge page) are not advised.
 const HUGE_PAGE_BYTES: usize = 2 << 20;
+
+/// The whole 4 KiB pages inside the `len` bytes at `at`, as `(start, len)`,
+/// when they span at least [`HUGE_PAGE_BYTES`]. `madvise` refuses (EINVAL)
+/// a start that is not page-aligned, and a large `Vec` starts just past
+/// its allocator's header, so the advice covers the pages inside.
+fn whole_pages(at: usize, len: usize) -> Option<(usize, usize)> {
+    const PAGE: usize = 4096;
+    let start = at.checked_next_multiple_of(PAGE)?;
+    let end = at.checked_add(len)? & !(PAGE - 1);
+    (end >= start.checked_add(HUGE_PAGE_BYTES)?).then(|| (start, end - start))
+}
 
 /// Entries a table of `buckets` buckets holds: a load of at most 3/4 keeps
 /// linear probing short (≈ 2.5 buckets read by a hit, 8.5 by a miss).
@@ -352,22 +281,20 @@ mod tests {
     use std::collections::HashMap;
 
     #[test]
-    fn tables_of_a_huge_page_and_more_start_on_a_huge_page_boundary() {
+    fn huge_page_advice_covers_the_whole_pages_inside_a_large_table_only() {
         const MIB: usize = 1 << 20;
-        let buckets = |bytes: usize| bytes / std::mem::size_of::<Bucket>();
-        assert_eq!(Table::layout(buckets(2 * MIB)).align(), HUGE_PAGE_BYTES);
-        assert_eq!(Table::layout(buckets(8 * MIB)).align(), HUGE_PAGE_BYTES);
-        assert_eq!(Table::layout(buckets(2 * MIB) - 1).align(), std::mem::align_of::<Bucket>());
-        assert_eq!(Table::layout(MIN_BUCKETS).size(), MIN_BUCKETS * std::mem::size_of::<Bucket>());
-        for bytes in [2 * MIB, 4 * MIB, 8 * MIB] {
-            let t = Table::new(buckets(bytes));
-            assert_eq!(t.as_ptr() as usize % HUGE_PAGE_BYTES, 0, "a {bytes}-byte table is huge-page aligned");
-            assert_eq!(t.len(), buckets(bytes));
-            assert!(t.iter().all(|b| *b == FREE));
-        }
-        let small = Table::new(MIN_BUCKETS);
-        assert!(small.len() == MIN_BUCKETS && small.iter().all(|b| *b == FREE));
-        assert!(Table::new(0).is_empty() && Table::default().is_empty());
+        // A Vec's block starts just past the allocator's 16-byte header.
+        let at = 0x7f00_0000_0010;
+        let (start, len) = whole_pages(at, 8 * MIB).unwrap();
+        assert_eq!(start, 0x7f00_0000_1000, "first whole page");
+        assert_eq!(start + len, (at + 8 * MIB) & !4095, "last whole page");
+        assert!(start >= at && start + len <= at + 8 * MIB, "inside the table");
+        assert_eq!(whole_pages(0x7f00_0000_0000, 4 * MIB), Some((0x7f00_0000_0000, 4 * MIB)));
+        // Smaller than a huge page once trimmed to whole pages: no advice.
+        assert_eq!(whole_pages(at, 2 * MIB), None);
+        assert_eq!(whole_pages(at, 64 * 1024), None);
+        // Address arithmetic near the top cannot overflow.
+        assert_eq!(whole_pages(usize::MAX - 100, 8 * MIB), None);
     }
 
     #[test]

@@ -757,27 +757,12 @@ fn poisoned() -> ! {
     panic!("{POISONED}")
 }
 
-/// `T` on cache lines of its own (128 bytes: x86-64 fetches lines in
-/// adjacent pairs). A shard's lock word is written by every visit, from
-/// every serving thread; unpadded, shards sat 152 bytes apart, so locking
-/// one shard evicted the neighbour's lock or data from the other cores'
-/// caches (false sharing).
-#[repr(align(128))]
-struct CacheLines<T>(T);
-
-impl<T> std::ops::Deref for CacheLines<T> {
-    type Target = T;
-    fn deref(&self) -> &T {
-        &self.0
-    }
-}
-
 struct Inner {
     cfg: StoreConfig,
     capacity_hashes: usize,
     shard_capacity: usize,
     nodes: RwLock<Nodes>,
-    shards: Box<[CacheLines<Mutex<Shard>>]>,
+    shards: Box<[Mutex<Shard>]>,
     /// Every shard's [`Shard::key_hash`] (a copy of it).
     hasher: RandomState,
     drop_work: AtomicU64,
@@ -886,9 +871,7 @@ impl MetaStore {
                 capacity_hashes,
                 shard_capacity,
                 nodes: RwLock::new(Nodes::default()),
-                shards: (0..shards)
-                    .map(|_| CacheLines(Mutex::new(Shard::new(shard_capacity, hasher.clone()))))
-                    .collect(),
+                shards: (0..shards).map(|_| Mutex::new(Shard::new(shard_capacity, hasher.clone()))).collect(),
                 hasher,
                 drop_work: AtomicU64::new(0),
             }),
