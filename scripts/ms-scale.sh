@@ -53,11 +53,11 @@ run_one() {
     "$bin" metaserver --addr "127.0.0.1:$port" $args >"$base.server.log" 2>&1 &
     server_pid=$!
     for _ in $(seq 1 100); do
-        grep -q "metaserver ready" "$base.server.log" && break
+        grep -qs "metaserver ready" "$base.server.log" && break
         kill -0 "$server_pid" 2>/dev/null || { echo "ms-scale: server $label exited:" >&2; cat "$base.server.log" >&2; exit 1; }
         sleep 0.1
     done
-    grep -q "metaserver ready" "$base.server.log" || { echo "ms-scale: server $label not ready" >&2; exit 1; }
+    grep -qs "metaserver ready" "$base.server.log" || { echo "ms-scale: server $label not ready" >&2; exit 1; }
     "$MSLOAD" --addr "127.0.0.1:$port" --secs "$SECS" --clients "$n" --concurrency "$n" \
         --batch "$BATCH" --query-len "$QUERY_LEN" >"$base.json" 2>"$base.err" || true
     stop_server
