@@ -45,9 +45,9 @@ enum Cmd {
         /// Sweep period (s).
         #[arg(long, default_value_t = kvferry::limits::SWEEP_INTERVAL_SECS_DEFAULT)]
         sweep_interval_secs: u64,
-        /// Serve /health and Prometheus /metrics here.
+        /// Serve /health and Prometheus /metrics here, HOST:PORT (HOST may be a name).
         #[arg(long)]
-        http_addr: Option<SocketAddr>,
+        http_addr: Option<String>,
         /// Distinct block hashes each namespace's index is sized for up front (roughly 100 bytes
         /// each, allocated when the namespace is first written, split over the shards): no index
         /// growth, hence no growth pause under a shard's lock, below it. 0: grow on demand.
@@ -178,9 +178,9 @@ struct PdArgs {
     /// directory, then a rename). The path is checked up front, without touching an existing file.
     #[arg(long)]
     json: Option<PathBuf>,
-    /// Serve /health and Prometheus /metrics of every node here.
+    /// Serve /health and Prometheus /metrics of every node here, HOST:PORT (HOST may be a name).
     #[arg(long)]
-    http_addr: Option<SocketAddr>,
+    http_addr: Option<String>,
     /// Hide the progress bar.
     #[arg(long)]
     quiet: bool,
@@ -578,13 +578,18 @@ async fn run_pd(a: PdArgs) -> Result<ExitCode, String> {
         return Err("--prefill-devices and --decode-devices need --gpu cuda".into());
     }
     let gpu = gpu_factory(a.gpu, a.prefill_devices, a.decode_devices, a.prefill)?;
-    let http = a.http_addr;
+    let http = match &a.http_addr {
+        Some(addr) => Some(resolve_listen_addr("--http-addr", addr).await?),
+        None => None,
+    };
     let report = pd::run_with_observer(cfg, gpu, &Bar(bar), move |engines| {
         if let Some(addr) = http {
             let engines = engines.to_vec();
             let collect: kvferry::exporter::Collect =
                 Arc::new(move || engines.iter().flat_map(kvferry::exporter::engine_samples).collect());
-            kvferry::exporter::serve(addr, collect).map(|local| eprintln!("metrics on http://{local}/metrics"))
+            kvferry::exporter::serve(addr, collect)
+                .map(|local| eprintln!("metrics on http://{local}/metrics"))
+                .map_err(|e| format!("--http-addr: {e}"))
         } else {
             Ok(())
         }
@@ -638,14 +643,15 @@ async fn shutdown_signal() {
     let _ = ctrl_c.await;
 }
 
-/// Resolves `--addr HOST:PORT` (HOST an IP or a name; the first address
-/// the resolver returns is used).
+/// Resolves the listen address `addr` of the command-line flag `flag`
+/// (`HOST:PORT`, HOST an IP or a name; the first address the resolver
+/// returns is used).
 ///
 /// # Errors
 /// One line naming the flag: not `HOST:PORT`, or a name that does not resolve.
-async fn resolve_listen_addr(addr: &str) -> Result<SocketAddr, String> {
-    let mut found = tokio::net::lookup_host(addr).await.map_err(|e| format!("--addr {addr}: {e} (want HOST:PORT)"))?;
-    found.next().ok_or_else(|| format!("--addr {addr}: the name resolved to no address"))
+async fn resolve_listen_addr(flag: &str, addr: &str) -> Result<SocketAddr, String> {
+    let mut found = tokio::net::lookup_host(addr).await.map_err(|e| format!("{flag} {addr}: {e} (want HOST:PORT)"))?;
+    found.next().ok_or_else(|| format!("{flag} {addr}: the name resolved to no address"))
 }
 
 /// The `--flag` of a MetaServer setting.
@@ -672,11 +678,15 @@ async fn run_metaserver(
     stale_after_secs: u64,
     ttl_secs: u64,
     sweep_interval_secs: u64,
-    http_addr: Option<SocketAddr>,
+    http_addr: Option<String>,
     (capacity_hashes, shards, io_threads): (u64, usize, Option<usize>),
     tls: Option<(PathBuf, PathBuf)>,
 ) -> Result<ExitCode, String> {
-    let addr = resolve_listen_addr(addr).await?;
+    let addr = resolve_listen_addr("--addr", addr).await?;
+    let http_addr = match &http_addr {
+        Some(a) => Some(resolve_listen_addr("--http-addr", a).await?),
+        None => None,
+    };
     let tls = match tls {
         Some((cert, key)) => {
             Some(TlsIdentity::from_files(&cert, &key).map_err(|e| format!("--tls-cert/--tls-key: {e}"))?)
@@ -696,7 +706,8 @@ async fn run_metaserver(
     };
     let mut h = metaserver::start(cfg).await.map_err(|e| metaserver_error_text(&e))?;
     if let Some(http) = http_addr {
-        let local = kvferry::exporter::serve(http, kvferry::exporter::metaserver_samples(&h))?;
+        let local = kvferry::exporter::serve(http, kvferry::exporter::metaserver_samples(&h))
+            .map_err(|e| format!("--http-addr: {e}"))?;
         out(&format!("metrics and health on http://{local}/metrics, /health\n"));
     }
     out(&format!("metaserver ready on {}\n", h.local_addr));
@@ -850,13 +861,28 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn metaserver_addr_takes_host_names() {
-        let a = resolve_listen_addr("localhost:50055").await.expect("localhost resolves");
+    async fn listen_addrs_take_host_names_and_errors_name_the_flag() {
+        let a = resolve_listen_addr("--addr", "localhost:50055").await.expect("localhost resolves");
         assert!(a.ip().is_loopback(), "{a}");
         assert_eq!(a.port(), 50055);
-        assert_eq!(resolve_listen_addr("0.0.0.0:7").await, Ok("0.0.0.0:7".parse().unwrap()));
-        let e = resolve_listen_addr("no-port").await.unwrap_err();
+        assert_eq!(resolve_listen_addr("--addr", "0.0.0.0:7").await, Ok("0.0.0.0:7".parse().unwrap()));
+        let e = resolve_listen_addr("--addr", "no-port").await.unwrap_err();
         assert!(e.starts_with("--addr no-port"), "{e}");
+        let e = resolve_listen_addr("--http-addr", "no-port").await.unwrap_err();
+        assert!(e.starts_with("--http-addr no-port"), "{e}");
+        // --http-addr of both commands is parsed as text and resolved the same way.
+        for cmd in [
+            &["kvferry", "metaserver", "--http-addr", "localhost:9100"][..],
+            &["kvferry", "pd", "--http-addr", "localhost:9100"],
+        ] {
+            let cli = Cli::try_parse_from(cmd).expect("a host name parses");
+            let http = match cli.cmd {
+                Cmd::Metaserver { http_addr, .. } => http_addr,
+                Cmd::Pd(a) => a.http_addr,
+                _ => panic!("parsed as another command"),
+            };
+            assert_eq!(http.as_deref(), Some("localhost:9100"));
+        }
     }
 
     #[test]
