@@ -187,6 +187,12 @@ pub const TCP_SERVER_CONNECTIONS_PER_IP_MAX: usize = 128;
 /// the node's gRPC server, MetaServer channel and outbound connections.
 pub const TCP_SERVER_CONNECTIONS_MAX: usize = 512;
 
+/// Pause after a failed accept (e.g. out of file descriptors) before an
+/// accept loop tries again, so it does not spin while the condition lasts
+/// (ms). Both the data-plane server and the MetaServer's I/O-thread
+/// acceptor use it.
+pub const ACCEPT_RETRY_MS: u64 = 10;
+
 /// Refusals (error frame, then close) the TCP server has in flight at once;
 /// connections refused beyond it are closed without the frame, so a flood of
 /// connects costs no more than this many short tasks.

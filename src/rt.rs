@@ -390,7 +390,11 @@ mod tests {
     }
 }
 
-/// Serves `router` on `threads` I/O threads of their own, each a
+/// A server running: resolves when it has stopped, with the transport
+/// error that ended it, if any.
+pub type Serving = std::pin::Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>>;
+
+/// Serves `router` on `threads` I/O threads (0 is taken as 1) of their own, each a
 /// single-threaded tokio runtime, until `shutdown` resolves: the caller's
 /// runtime only accepts, and hands every connection to the thread with the
 /// fewest open (ties in turn), where it stays. A connection's HTTP/2 task,
@@ -413,13 +417,12 @@ mod tests {
 /// # Errors
 /// Now: a runtime or thread that cannot be started. From the future: the
 /// transport error that ended a thread's serving.
-#[allow(clippy::type_complexity)]
 pub fn serve_on_io_threads(
     router: tonic::transport::server::Router,
     bound: BoundListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
     threads: usize,
-) -> std::io::Result<std::pin::Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>>> {
+) -> std::io::Result<Serving> {
     #[cfg(not(madsim))]
     {
         io_threads::start(router, bound.listener, shutdown, threads.max(1))
@@ -445,10 +448,6 @@ mod io_threads {
     use tokio::sync::{mpsc, oneshot, watch};
     use tokio_stream::StreamExt;
     use tonic::transport::server::{Connected, Router, TcpConnectInfo};
-
-    /// Pause after a failed accept (e.g. out of file descriptors), so the
-    /// loop does not spin while the condition lasts.
-    const ACCEPT_RETRY: Duration = Duration::from_millis(10);
 
     /// Counts a thread's open connections while it lives.
     struct Open(Arc<AtomicUsize>);
@@ -527,7 +526,7 @@ mod io_threads {
         listener: tokio::net::TcpListener,
         shutdown: impl Future<Output = ()> + Send + 'static,
         threads: usize,
-    ) -> io::Result<Pin<Box<dyn Future<Output = Served> + Send>>> {
+    ) -> io::Result<super::Serving> {
         // Dropped (on an error below, or with the future) it stops the
         // threads started so far.
         let (stop_tx, stop_rx) = watch::channel(false);
@@ -569,8 +568,8 @@ mod io_threads {
                 }) {
                     Ok(s) => s,
                     Err(e) => {
-                        tracing::warn!(error = %e, "metaserver accept failed; retrying");
-                        tokio::time::sleep(ACCEPT_RETRY).await;
+                        tracing::warn!(error = %e, "gRPC accept failed; retrying");
+                        tokio::time::sleep(Duration::from_millis(crate::limits::ACCEPT_RETRY_MS)).await;
                         continue;
                     }
                 };

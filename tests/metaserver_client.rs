@@ -1174,7 +1174,7 @@ async fn fault_poisoned_handle_mutex_does_not_stop_serving() {
 
 // ---------------------------------------------------------------- I/O threads
 
-/// Names of this process's threads that are MetaServer I/O threads.
+/// How many of this process's threads are MetaServer I/O threads.
 fn io_thread_count() -> usize {
     std::fs::read_dir("/proc/self/task")
         .map(|d| {

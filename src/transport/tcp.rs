@@ -343,7 +343,7 @@ async fn accept_loop(
             }
             Err(e) => {
                 tracing::warn!(error = %e, "data-plane accept failed");
-                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                tokio::time::sleep(std::time::Duration::from_millis(limits::ACCEPT_RETRY_MS)).await;
             }
         }
     }
