@@ -12,6 +12,11 @@
 # OUT_DIR/pd_real_model.log; exits non-zero when a case fails.
 #
 # Environment: PD_ARGS adds flags (e.g. PD_ARGS="--size small" for a quick run).
+# RUNS=N (default 1) runs the example N times in a row after one install and
+# one test_cuda.py, into OUT_DIR/run-I/ (pd_real_model.json, .log), and
+# appends a line per run to OUT_DIR/runs.txt; exits 0 only when all N pass
+# (3 when a run's single-instance reference was not reproducible: the
+# harness failed, not kvferry).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: scripts/h200-python.sh OUT_DIR}
@@ -42,7 +47,27 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || tr
 # The CUDA backend with torch tensors: round trip, wrong device, freed memory.
 "$venv/bin/python" python/tests/test_cuda.py 2>&1 | tee "$out/test_cuda.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "test_cuda.py failed" >&2; exit 1; }
-# shellcheck disable=SC2086
-"$venv/bin/python" python/examples/pd_real_model.py --device cuda --json "$out/pd_real_model.json" ${PD_ARGS:-} \
-    2>&1 | tee "$out/pd_real_model.log"
-exit "${PIPESTATUS[0]}"
+runs=${RUNS:-1}
+if [ "$runs" -eq 1 ]; then
+    # shellcheck disable=SC2086
+    "$venv/bin/python" python/examples/pd_real_model.py --device cuda --json "$out/pd_real_model.json" ${PD_ARGS:-} \
+        2>&1 | tee "$out/pd_real_model.log"
+    exit "${PIPESTATUS[0]}"
+fi
+worst=0
+passed=0
+for i in $(seq 1 "$runs"); do
+    mkdir -p "$out/run-$i"
+    start=$SECONDS
+    set +e
+    # shellcheck disable=SC2086
+    "$venv/bin/python" python/examples/pd_real_model.py --device cuda --json "$out/run-$i/pd_real_model.json" \
+        ${PD_ARGS:-} 2>&1 | tee "$out/run-$i/pd_real_model.log"
+    rc=${PIPESTATUS[0]}
+    set -e
+    echo "run $i of $runs: exit $rc, $((SECONDS - start)) s" | tee -a "$out/runs.txt"
+    if [ "$rc" -eq 0 ]; then passed=$((passed + 1)); fi
+    if [ "$rc" -eq 3 ] || { [ "$rc" -ne 0 ] && [ "$worst" -ne 3 ]; }; then worst=$rc; fi
+done
+echo "$passed of $runs runs passed" | tee -a "$out/runs.txt"
+exit "$worst"

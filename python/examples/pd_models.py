@@ -1,13 +1,15 @@
 """The two models the P/D example runs, behind one small interface.
 
     model.prefill(tokens)     -> kv: per layer (K, V), each [kv_heads, seq, head_dim]
-    model.decode(kv, tokens, n, on_first=None) -> n greedy tokens
+    model.decode(kv, tokens, n, on_first=None, logits=None) -> n greedy tokens
 
 ``decode`` continues from a cache ``kv`` that covers a *strict* prefix of
 ``tokens`` (at least one prompt token is always computed: a cache covering
 the whole prompt leaves no logits to pick the first token from), computes
 the rest of the prompt in one forward, then decodes greedily. ``on_first``
-is called when the first token is known (time to first token).
+is called when the first token is known (time to first token); ``logits``,
+a list, receives a copy of each step's last-position logits (to compare two
+runs bit for bit).
 
 - :class:`NumpyDecoder`: a small reference decoder in numpy (RMSNorm, RoPE,
   grouped-query attention, SwiGLU), float32. What CI runs: torch is several
@@ -15,15 +17,20 @@ is called when the first token is known (time to first token).
 - :class:`QwenModel`: transformers' Qwen3 architecture with seeded random
   weights (nothing can be downloaded), bf16 on CUDA. Its cache is
   transformers' ``DynamicCache`` (``[batch, kv_heads, seq, head_dim]`` per
-  layer), converted to and from the per-layer (K, V) form above.
+  layer), converted to and from the per-layer (K, V) form above. It runs
+  under :func:`cuda_determinism` (see there: which settings, and why).
 
 Each model also says how to move KV between that form and a paged cache
-``[num_blocks, block_tokens, kv_heads, head_dim]`` (vLLM's "NHD").
+``[num_blocks, block_tokens, kv_heads, head_dim]`` (vLLM's "NHD"), and
+compares two caches or two logits traces bit for bit.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+from concurrent.futures import ThreadPoolExecutor
+import warnings
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -121,18 +128,27 @@ class NumpyDecoder:
     def prefill(self, tokens: Sequence[int]) -> KV:
         return self._forward(list(tokens), [])[1]
 
-    def decode(self, kv: KV, tokens: Sequence[int], n: int, on_first: Optional[Callable[[], None]] = None) -> List[int]:
+    def decode(
+        self,
+        kv: KV,
+        tokens: Sequence[int],
+        n: int,
+        on_first: Optional[Callable[[], None]] = None,
+        logits: Optional[list] = None,
+    ) -> List[int]:
         c = kv[0][0].shape[1] if kv else 0
         assert c < len(tokens), "the cache must leave at least one prompt token to compute"
-        logits, kv = self._forward(list(tokens[c:]), kv)
+        step_logits, kv = self._forward(list(tokens[c:]), kv)
         out: List[int] = []
         for step in range(n):
-            t = int(np.argmax(logits))
+            t = int(np.argmax(step_logits))
             out.append(t)
             if step == 0 and on_first:
                 on_first()
+            if logits is not None:
+                logits.append(step_logits.copy())
             if step + 1 < n:
-                logits, kv = self._forward([t], kv)
+                step_logits, kv = self._forward([t], kv)
         return out
 
     # -- paged cache ----------------------------------------------------
@@ -162,32 +178,151 @@ class NumpyDecoder:
 
     @staticmethod
     def block_digests(pk, pv, nblocks: int) -> List[str]:
-        """Per block, a digest of its bytes (all layers, K and V)."""
-        out = []
-        for b in range(nblocks):
+        """Per block, a digest of its bytes (all layers, K and V). Blocks are
+        hashed on several threads (hashlib releases the GIL): 1.2 GB of KV
+        takes seconds on one."""
+
+        def one(b: int) -> str:
             h = hashlib.blake2b(digest_size=16)
             for dk, dv in zip(pk, pv):
-                h.update(dk[b].tobytes())
-                h.update(dv[b].tobytes())
-            out.append(h.hexdigest())
-        return out
+                h.update(np.ascontiguousarray(dk[b]))
+                h.update(np.ascontiguousarray(dv[b]))
+            return h.hexdigest()
+
+        if nblocks < 16:
+            return [one(b) for b in range(nblocks)]
+        with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+            return list(pool.map(one, range(nblocks)))
+
+    @staticmethod
+    def kv_equal(a: KV, b: KV) -> bool:
+        """Two caches of per-layer (K, V), bit for bit (shapes included)."""
+        return len(a) == len(b) and all(
+            x.shape == y.shape and x.dtype == y.dtype and x.tobytes() == y.tobytes()
+            for (ka, va), (kb, vb) in zip(a, b)
+            for x, y in ((ka, kb), (va, vb))
+        )
+
+    @staticmethod
+    def logits_equal(a: list, b: list) -> bool:
+        """Two decode logits traces, bit for bit."""
+        return len(a) == len(b) and all(x.tobytes() == y.tobytes() for x, y in zip(a, b))
+
+    def determinism(self) -> dict:
+        return {"model": "numpy float32", "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS")}
 
     def sync(self) -> None:
         pass
 
 
+# cuBLAS picks the same kernels, with the same reduction order, on every call
+# only with a fixed workspace per stream; the values it accepts.
+CUBLAS_WORKSPACE_CONFIGS = (":4096:8", ":16:8")
+
+
+def cuda_determinism_env() -> None:
+    """What must be in the environment before CUDA starts in a process
+    (the example calls it before it starts any worker; ``spawn`` workers
+    inherit it)."""
+    if os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in CUBLAS_WORKSPACE_CONFIGS:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE_CONFIGS[0]
+    # TunableOp's variable overrides its Python switch (see cuda_determinism).
+    os.environ["PYTORCH_TUNABLEOP_ENABLED"] = "0"
+
+
+def cuda_determinism(torch) -> dict:
+    """Makes the Qwen3 forward bit-reproducible on CUDA; returns what it set.
+
+    Why each setting:
+
+    - ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (before CUDA starts): cuBLAS is
+      bit-reproducible run to run only while one stream is active; with
+      several (kvferry's CUDA backend loads on streams of its own in the
+      same process) it may pick other internal implementations, unless the
+      workspace is fixed by this variable (cuBLAS "Results
+      reproducibility"). A likely cause of the decode process's recompute
+      that changed within one process on the H200 (2026-12-01).
+    - ``torch.use_deterministic_algorithms(True, warn_only=True)``:
+      deterministic implementations wherever torch has a choice. An op
+      with none warns instead of aborting the run; the warnings seen while
+      the model warms up are reported (the in-run proof judges, not this
+      flag). ``fill_uninitialized_memory`` off: NaN-filling every new
+      tensor would slow both timed paths and changes nothing in a forward
+      that writes all of its outputs.
+    - TF32 off (``allow_tf32``, cuDNN's too, matmul precision "highest"):
+      the fp32 parts (RoPE's angles) round the same way everywhere.
+    - No autotuning (a choice by timing can differ between processes):
+      cuDNN deterministic and no cuDNN benchmark; PyTorch's TunableOp off,
+      its variable ``PYTORCH_TUNABLEOP_ENABLED=0`` too (the variable beats
+      the switch); cuDNN's SDPA backend off (its plan is cuDNN's heuristic).
+    - Attention ``sdpa``, served by PyTorch's flash and memory-efficient
+      kernels: their forwards reduce in a fixed order (no atomics), so they
+      are deterministic for a given shape. ``eager`` (or SDPA's math
+      backend) is no more reproducible but materialises the scores, 32 x
+      8192 x 8192 in fp32 per layer at 8,192 tokens: a slower recompute,
+      which would flatter T9 and the handoff ratio.
+
+    What makes the comparison exact is the harness, not these flags alone:
+    the reference and the P/D path run identical operations on identical
+    inputs (``pd_real_model.py``), and the reference is computed twice in
+    the run and must agree with itself bit for bit before it judges.
+    """
+    cuda_determinism_env()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    det = getattr(getattr(torch, "utils", None), "deterministic", None)
+    if det is not None and hasattr(det, "fill_uninitialized_memory"):
+        det.fill_uninitialized_memory = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    tunable = getattr(torch.cuda, "tunable", None)
+    if tunable is not None:
+        tunable.enable(False)
+    cudnn_sdp = getattr(torch.backends.cuda, "enable_cudnn_sdp", None)
+    if cudnn_sdp is not None:
+        cudnn_sdp(False)
+    return {
+        "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+        "fill_uninitialized_memory": getattr(det, "fill_uninitialized_memory", None),
+        "tf32": [torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32],
+        "bf16_reduced_precision_reduction": torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+        "cudnn_deterministic": torch.backends.cudnn.deterministic,
+        "tunableop": tunable.is_enabled() if tunable is not None else None,
+        "cudnn_sdp": getattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: None)(),
+        "flash_sdp": torch.backends.cuda.flash_sdp_enabled(),
+        "mem_efficient_sdp": torch.backends.cuda.mem_efficient_sdp_enabled(),
+        "math_sdp": torch.backends.cuda.math_sdp_enabled(),
+        "torch": torch.__version__,
+    }
+
+
 class QwenModel:
-    """transformers' Qwen3 with seeded random weights, bf16 on CUDA."""
+    """transformers' Qwen3 with seeded random weights, bf16 on CUDA.
+
+    ``device="cpu"`` runs the same code on the CPU (a check of this path
+    without a GPU; slow, and not what the timings are about)."""
 
     dtype_name = "bfloat16"
+    # See cuda_determinism: sdpa's flash / memory-efficient forwards are
+    # deterministic and as fast as a serving engine's attention.
+    attn_implementation = "sdpa"
 
     def __init__(self, *, size: str = "small", seed: int = 0, device: str = "cuda", paged_device: str = "cuda"):
+        if device == "cuda":
+            cuda_determinism_env()  # before torch starts CUDA
         import torch
+        import transformers
         from transformers import Qwen3Config, Qwen3ForCausalLM
 
         self.torch = torch
         self.device = device
         self.paged_device = paged_device
+        self._determinism = cuda_determinism(torch) if device == "cuda" else {"torch": torch.__version__}
+        self._determinism["transformers"] = transformers.__version__
         if size == "large":
             # Qwen3-8B's dimensions (36 layers, 32 query / 8 KV heads x 128,
             # hidden 4096, MLP 12288), so both the KV bytes and the prefill
@@ -205,6 +340,7 @@ class QwenModel:
             tie_word_embeddings=False,
             **cfg,
         )
+        config._attn_implementation = self.attn_implementation
         torch.manual_seed(seed)
         default = torch.get_default_dtype()
         torch.set_default_dtype(torch.bfloat16)  # build in bf16 on the device: no fp32 copy of 8B weights
@@ -214,10 +350,14 @@ class QwenModel:
         finally:
             torch.set_default_dtype(default)
         self.model = model.to(dtype=torch.bfloat16).eval()
+        self._determinism["attn_implementation"] = self.model.config._attn_implementation
         self.num_layers = config.num_hidden_layers
         self.kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.vocab = config.vocab_size
+
+    def determinism(self) -> dict:
+        return dict(self._determinism)
 
     def fingerprint(self) -> str:
         t = self.torch
@@ -227,7 +367,8 @@ class QwenModel:
         return acc.hexdigest()[:16]
 
     def sync(self) -> None:
-        self.torch.cuda.synchronize()
+        if self.torch.cuda.is_available():
+            self.torch.cuda.synchronize()
 
     def _cache(self, kv: KV):
         from transformers import DynamicCache
@@ -250,7 +391,14 @@ class QwenModel:
             out = self.model(input_ids=ids, use_cache=True)
             return self._layers(out.past_key_values)
 
-    def decode(self, kv: KV, tokens: Sequence[int], n: int, on_first: Optional[Callable[[], None]] = None) -> List[int]:
+    def decode(
+        self,
+        kv: KV,
+        tokens: Sequence[int],
+        n: int,
+        on_first: Optional[Callable[[], None]] = None,
+        logits: Optional[list] = None,
+    ) -> List[int]:
         t = self.torch
         c = int(kv[0][0].shape[1]) if kv else 0
         assert c < len(tokens), "the cache must leave at least one prompt token to compute"
@@ -261,19 +409,38 @@ class QwenModel:
             for step in range(n):
                 res = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
                 cache = res.past_key_values
-                nxt = int(res.logits[0, -1].argmax())
+                last = res.logits[0, -1]
+                nxt = int(last.argmax())
                 out.append(nxt)
                 if step == 0 and on_first:
                     on_first()
+                if logits is not None:
+                    logits.append(last.clone())
                 ids = t.tensor([[nxt]], device=self.device)
             return out
+
+    def kv_equal(self, a: KV, b: KV) -> bool:
+        """Two caches of per-layer (K, V), bit for bit (on the device)."""
+        t = self.torch
+        return len(a) == len(b) and all(
+            x.shape == y.shape and x.dtype == y.dtype and t.equal(_bits(t, x), _bits(t, y))
+            for (ka, va), (kb, vb) in zip(a, b)
+            for x, y in ((ka, kb), (va, vb))
+        )
+
+    def logits_equal(self, a: list, b: list) -> bool:
+        """Two decode logits traces, bit for bit."""
+        t = self.torch
+        return len(a) == len(b) and all(
+            x.shape == y.shape and x.dtype == y.dtype and t.equal(_bits(t, x), _bits(t, y)) for x, y in zip(a, b)
+        )
 
     # -- paged cache ----------------------------------------------------
     def new_paged(self, num_blocks: int, block_tokens: int):
         t = self.torch
         shape = (num_blocks, block_tokens, self.kv_heads, self.head_dim)
         kw = dict(dtype=t.bfloat16, device=self.paged_device)
-        if self.paged_device == "cpu":
+        if self.paged_device == "cpu" and t.cuda.is_available():
             kw["pin_memory"] = True
         return [t.zeros(shape, **kw) for _ in range(self.num_layers)], [
             t.zeros(shape, **kw) for _ in range(self.num_layers)
@@ -302,10 +469,16 @@ class QwenModel:
         return NumpyDecoder.block_digests(ks, vs, nblocks)
 
 
-def build(device: str, size: str, paged_device: Optional[str] = None):
-    """The model for ``--device`` (``cpu``: numpy; ``cuda``: Qwen3)."""
-    if device == "cpu":
+def _bits(torch, x):
+    """``x``'s bytes as integers (``equal`` on floats calls -0 == 0 and NaN != NaN)."""
+    return x.contiguous().view(torch.uint8)
+
+
+def build(device: str, size: str, paged_device: Optional[str] = None, model: Optional[str] = None):
+    """The model for ``--device`` (``cpu``: numpy; ``cuda``: Qwen3);
+    ``model="qwen"`` runs Qwen3 on the CPU too (a check of that path)."""
+    if device == "cpu" and model != "qwen":
         if size == "large":
             return NumpyDecoder(hidden=256, layers=8, heads=8, kv_heads=4, head_dim=32, inter=512)
         return NumpyDecoder()
-    return QwenModel(size=size, paged_device=paged_device or "cuda")
+    return QwenModel(size=size, device=device, paged_device=paged_device or device)
