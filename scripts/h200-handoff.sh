@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The P/D handoff figures of docs/BENCHMARKS.md ("T8") on a CUDA machine:
-# bench transport (T4), bench engine (host save/load vs memcpy), and
+# bench transport (T4: the fetch with 2-16 connections per peer against the
+# best raw loopback copy over 1-16), bench engine (host save/load vs memcpy), and
 # `kvferry pd --gpu cuda` at --concurrency 1 (T8 and the phase split) with
 # 1, 2 and 4 read parts in flight, then once at the default concurrency
 # (aggregate fetch rate vs the raw copy). Build first, where Rust is:
@@ -8,7 +9,8 @@
 # then, on the GPU machine, from the repository root:
 #   scripts/h200-handoff.sh [OUT_DIR]
 # Env: KVFERRY_BIN (default .bin/kvferry), PD_REQUESTS (default 30),
-# READS (default "1 2 4").
+# READS (default "1 2 4"), CONNS (fetch pools of bench transport, default
+# 2,4,8,16).
 set -uo pipefail
 BIN=${KVFERRY_BIN:-.bin/kvferry}
 OUT=${1:-/tmp/kvferry-handoff}
@@ -16,8 +18,8 @@ mkdir -p "$OUT"
 rc=0
 { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; nproc; } 2>&1 | tee "$OUT/machine.txt"
 echo "== bench transport"
-"$BIN" bench transport --json "$OUT/bench_transport.json" >"$OUT/bench_transport.txt" 2>&1 || rc=1
-grep -iE "T4|ratio|GB/s" "$OUT/bench_transport.txt" | tail -6
+"$BIN" bench transport --connections "${CONNS:-2,4,8,16}" --json "$OUT/bench_transport.json" >"$OUT/bench_transport.txt" 2>&1 || rc=1
+grep -iE "T4|raw|fetch" "$OUT/bench_transport.txt" | tail -12
 echo "== bench engine"
 "$BIN" bench engine --json "$OUT/bench_engine.json" >"$OUT/bench_engine.txt" 2>&1 || rc=1
 grep -iE "ratio|memcpy" "$OUT/bench_engine.txt" | tail -6

@@ -98,6 +98,10 @@ enum BenchCmd {
         /// MiB per block.
         #[arg(long, default_value_t = 8)]
         block_mib: u64,
+        /// Connection pools per peer to time the fetch with, e.g. 4,8,16
+        /// (1..=16; the default pool is always timed too).
+        #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u64).range(1..=kvferry::limits::TCP_CONNECTIONS_PER_PEER_MAX as u64))]
+        connections: Vec<u64>,
     },
     /// CUDA save/load through the engine vs raw pinned copies (T1–T3); needs the `cuda` feature and a GPU.
     Gpu {
@@ -381,7 +385,7 @@ fn report_text(r: &pd::PdReport) -> String {
     match r.raw_gbps {
         Some(raw) => {
             println!(
-                "  raw loopback copy      {raw:>8.2} GB/s   ({} connections, {:.1} MiB between buffers of that size, at start-up)",
+                "  raw loopback copy      {raw:>8.2} GB/s   (best of 1-16 connections: {}; {:.1} MiB between buffers of that size, at start-up)",
                 r.raw_connections,
                 r.raw_copy_bytes as f64 / (1u64 << 20) as f64
             );
@@ -757,7 +761,10 @@ pub fn main() -> ExitCode {
                 }
                 let v = match which {
                     BenchCmd::Engine { blocks } => kvferry::bench::engine(blocks).await,
-                    BenchCmd::Transport { blocks, block_mib } => kvferry::bench::transport(blocks, block_mib).await,
+                    BenchCmd::Transport { blocks, block_mib, connections } => {
+                        let pools: Vec<usize> = connections.iter().map(|&c| c as usize).collect();
+                        kvferry::bench::transport(blocks, block_mib, &pools).await
+                    }
                     BenchCmd::Store { keys } => kvferry::bench::store(keys).await,
                     BenchCmd::Gpu { device } => bench_gpu(device).await,
                 }?;

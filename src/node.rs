@@ -83,7 +83,9 @@ pub struct NodeConfig {
     pub queue: QueueConfig,
     /// Deadline of every MetaServer RPC.
     pub metaserver_rpc_timeout: Duration,
-    /// TCP connections per peer ([`TransportChoice::Tcp`] only).
+    /// Most TCP connections a fetch keeps open to one peer
+    /// ([`TransportChoice::Tcp`] only), `1..=`[`crate::limits::TCP_CONNECTIONS_PER_PEER_MAX`];
+    /// each read batch uses as many as its bytes need.
     pub tcp_connections_per_peer: usize,
     /// The data-plane backend.
     pub transport: TransportChoice,
@@ -143,6 +145,11 @@ pub enum NodeError {
     /// anything is bound.
     #[error("this binary was built without the `rdma` feature; rebuild with --features rdma")]
     RdmaNotBuilt,
+    /// [`NodeConfig::tcp_connections_per_peer`] is 0 or above
+    /// [`crate::limits::TCP_CONNECTIONS_PER_PEER_MAX`]. Reported before
+    /// anything is bound.
+    #[error("tcp_connections_per_peer {0} is outside 1..={max}", max = crate::limits::TCP_CONNECTIONS_PER_PEER_MAX)]
+    TcpConnections(usize),
     /// The [`VerbsConfig`] is out of range ([`PlanError::BadConfig`]).
     /// Reported before anything is bound.
     #[error(transparent)]
@@ -277,6 +284,9 @@ fn start_data_plane(
 
 /// Checks the transport choice before anything is bound.
 fn preflight(cfg: &NodeConfig) -> Result<(), NodeError> {
+    if !(1..=crate::limits::TCP_CONNECTIONS_PER_PEER_MAX).contains(&cfg.tcp_connections_per_peer) {
+        return Err(NodeError::TcpConnections(cfg.tcp_connections_per_peer));
+    }
     if let TransportChoice::Verbs(v) = &cfg.transport {
         if !VERBS_BUILT {
             return Err(NodeError::RdmaNotBuilt);

@@ -11,23 +11,51 @@ fn num(v: &serde_json::Value, key: &str) -> f64 {
 }
 
 #[test]
-fn bench_transport_reports_t4_and_both_raw_copies() {
+fn bench_transport_reports_t4_against_the_best_raw_copy() {
     let dir = tempfile::tempdir().expect("tempdir");
     let json = dir.path().join("t4.json");
     let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
         .args(["bench", "--json"])
         .arg(&json)
-        .args(["transport", "--blocks", "4", "--block-mib", "1"])
+        .args(["transport", "--blocks", "4", "--block-mib", "1", "--connections", "1,2"])
         .output()
         .expect("run kvferry");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.contains("T4 = fetch / raw") && text.contains("raw, cache-resident"), "{text}");
+    assert!(text.contains("T4 = fetch / best raw") && text.contains("<- best"), "{text}");
     let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     assert_eq!(num(&v, "bytes"), (4u64 << 20) as f64);
-    let (raw, cached, fetch) =
-        (num(&v, "raw_socket_gbps"), num(&v, "raw_socket_cache_resident_gbps"), num(&v, "fetch_gbps"));
-    assert!(raw > 0.0 && cached > 0.0 && fetch > 0.0, "{v}");
+    // Every raw count was tried, and the baseline is the fastest of them.
+    let raw_runs = v["raw_by_connections"].as_array().expect("raw_by_connections");
+    let counts: Vec<f64> = raw_runs.iter().map(|r| num(r, "connections")).collect();
+    assert_eq!(counts, vec![1.0, 2.0, 4.0, 8.0, 16.0], "{v}");
+    let raw = num(&v, "raw_gbps");
+    let fastest = raw_runs.iter().map(|r| num(r, "gbps")).fold(0.0, f64::max);
+    assert_eq!(raw, fastest, "{v}");
+    let winner = raw_runs.iter().find(|r| num(r, "gbps") == fastest).expect("a winner");
+    assert_eq!(num(&v, "raw_connections"), num(winner, "connections"));
+    // The fetch was timed with each pool asked for plus the default one.
+    let pools: Vec<f64> = v["fetch_by_connections"]
+        .as_array()
+        .expect("fetch_by_connections")
+        .iter()
+        .map(|r| num(r, "connections"))
+        .collect();
+    assert_eq!(pools, vec![1.0, 2.0, num(&v, "connections")], "{v}");
+    let fetch = num(&v, "fetch_gbps");
+    assert!(raw > 0.0 && fetch > 0.0, "{v}");
     let t4 = num(&v, "T4");
     assert!((t4 - fetch / raw).abs() < 1e-9 * t4.max(1.0), "T4 {t4} is fetch {fetch} / raw {raw}");
+}
+
+#[test]
+fn bench_transport_refuses_a_connection_count_out_of_range() {
+    for bad in ["0", "17"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+            .args(["bench", "transport", "--blocks", "1", "--block-mib", "1", "--connections", bad])
+            .output()
+            .expect("run kvferry");
+        assert!(!out.status.success(), "--connections {bad} was accepted");
+        assert!(String::from_utf8_lossy(&out.stderr).contains("--connections"), "{out:?}");
+    }
 }

@@ -253,15 +253,15 @@ pub struct PdReport {
     /// Requests in flight at once (`--concurrency`): T8 is defined at 1.
     pub concurrency: usize,
     /// Raw loopback socket copy rate measured at start-up (GB/s, 1e9 B/s):
-    /// [`crate::transport::tcp::raw_socket_copy`] of `raw_copy_bytes` over
-    /// `raw_connections` connections between buffers of that size, the
-    /// fastest of [`crate::limits::PD_RAW_COPY_REPS`]. `None` when the
-    /// nodes do not use the TCP transport.
+    /// the best [`crate::transport::tcp::raw_loopback_copy`] of
+    /// `raw_copy_bytes` over 1-16 connections (the count that won is
+    /// `raw_connections`), the fastest of [`crate::limits::PD_RAW_COPY_REPS`]
+    /// each. `None` when the nodes do not use the TCP transport.
     pub raw_gbps: Option<f64>,
     /// Bytes of the raw copy: the longest request's blocks, within
     /// [`crate::limits::PD_RAW_COPY_BYTES_MIN`]..=[`crate::limits::PD_RAW_COPY_BYTES_MAX`].
     pub raw_copy_bytes: u64,
-    /// Connections of the raw copy: the transport's per peer.
+    /// Connections of the fastest raw copy (0 when not measured).
     pub raw_connections: usize,
     /// Aggregate fetch throughput: all fetched bytes ÷ the union of the
     /// fetch intervals (GB/s; the same figure as `transport_gbps`), to be
@@ -602,13 +602,15 @@ pub async fn run_with_observer(
         device_blocks: max_blocks,
     });
 
-    // T8's baseline, before any node runs: a raw loopback copy of the
-    // longest request's bytes over the transport's connections.
-    let raw_connections = NodeConfig::loopback("http://127.0.0.1:1").tcp_connections_per_peer;
+    // T8's baseline, before any node runs: the best raw loopback copy of
+    // the longest request's bytes over 1-16 connections.
     let raw_copy_bytes = device_bytes.clamp(limits::PD_RAW_COPY_BYTES_MIN, limits::PD_RAW_COPY_BYTES_MAX);
-    let raw_gbps = match cfg.transport {
-        TransportChoice::Tcp => Some(raw_copy_gbps(raw_copy_bytes, raw_connections).await?),
-        _ => None,
+    let (raw_gbps, raw_connections) = match cfg.transport {
+        TransportChoice::Tcp => {
+            let (gbps, conns) = raw_copy_gbps(raw_copy_bytes).await?;
+            (Some(gbps), conns)
+        }
+        _ => (None, 0),
     };
 
     let mut faults = Vec::new();
@@ -868,19 +870,20 @@ async fn stop_cluster(nodes: &[Arc<PdNode>], ms: Option<MetaServerHandle>) {
     }
 }
 
-/// [`crate::transport::tcp::raw_socket_copy`] of `bytes` over `conns`
-/// connections between buffers of that size, the fastest of
-/// [`limits::PD_RAW_COPY_REPS`] (GB/s).
-async fn raw_copy_gbps(bytes: u64, conns: usize) -> Result<f64, PdError> {
-    let mut best = Duration::MAX;
-    for _ in 0..limits::PD_RAW_COPY_REPS {
-        let took = crate::transport::tcp::raw_socket_copy(bytes, conns, true)
-            .await
-            .map_err(|e| PdError::Start(format!("raw loopback copy (T8 baseline): {e}")))?;
-        best = best.min(took);
-    }
-    let moved = bytes / conns.max(1) as u64 * conns.max(1) as u64;
-    Ok(moved as f64 / best.as_secs_f64().max(1e-9) / 1e9)
+/// [`crate::transport::tcp::raw_loopback_copy`] of `bytes` over each of
+/// [`limits::TCP_RAW_COPY_CONNECTIONS`] connections, the fastest of
+/// [`limits::PD_RAW_COPY_REPS`] each: the best rate (GB/s) and the count
+/// that reached it.
+async fn raw_copy_gbps(bytes: u64) -> Result<(f64, usize), PdError> {
+    let fail = |e: String| PdError::Start(format!("raw loopback copy (T8 baseline): {e}"));
+    let raw = crate::rt::run_blocking(move || {
+        crate::transport::tcp::raw_loopback_copy(bytes, &limits::TCP_RAW_COPY_CONNECTIONS, limits::PD_RAW_COPY_REPS)
+    })
+    .await
+    .map_err(|e| fail(e.0))?
+    .map_err(|e| fail(e.to_string()))?;
+    let best = raw.best().ok_or_else(|| fail("no connection count tried".into()))?;
+    Ok((best.gbps(), best.connections))
 }
 
 /// p50, p99 and mean of `values` (ms; sorted in place).
