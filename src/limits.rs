@@ -170,11 +170,12 @@ pub const TCP_PIPELINE_DEPTH: usize = 32;
 /// TCP connections a reader keeps at most per peer (the pool its reads are
 /// spread over; opened on first use). One read batch uses as many of them as
 /// its bytes need ([`TCP_CONNECTION_SHARE_BYTES_MIN`] each), idle ones
-/// first, so parts in flight together use the whole pool. A plain loopback
-/// copy on a 16-core host went from 5.65 GB/s on 1 connection to 16.9 on 4
-/// and 29.6 on 8 (issue 28's measurement); `kvferry bench transport
-/// --connections` measures the fetch at each count.
-pub const TCP_CONNECTIONS_PER_PEER_DEFAULT: usize = 8;
+/// first, so parts in flight together use the whole pool. On a 16-core H200
+/// host (2026-12-02, `bench transport`, 512 MiB in 8 MiB blocks) the fetch
+/// reached 8.7 GB/s with 4 connections, 11.5-14.3 with 8 and 15.3-15.5 with
+/// 16, against a best plain loopback copy of 21.4-22.1 GB/s (16
+/// connections); on the 2-core box every count is within noise.
+pub const TCP_CONNECTIONS_PER_PEER_DEFAULT: usize = 16;
 
 /// Largest per-peer connection pool a node may be configured with
 /// (`NodeConfig::tcp_connections_per_peer`).
@@ -190,20 +191,22 @@ pub const TCP_RAW_COPY_CONNECTIONS: [usize; 5] = [1, 2, 4, 8, 16];
 
 /// Data-plane connections the TCP transport's server accepts from one peer
 /// IP at once. A host runs up to 8 engines (one per GPU), each pooling up to
-/// `TCP_CONNECTIONS_PER_PEER_DEFAULT` (8) connections to us: 64 in steady
+/// `TCP_CONNECTIONS_PER_PEER_DEFAULT` (16) connections to us: 128 in steady
 /// state; 2x headroom covers pooled connections being replaced (a dead one
 /// is redialled before the server has reaped it) and loopback clusters
 /// (`kvferry pd`, tests) where every node shares 127.0.0.1. Beyond it a new
 /// connection gets an error frame and is closed (counted): one host cannot
 /// take every connection slot.
-pub const TCP_SERVER_CONNECTIONS_PER_IP_MAX: usize = 128;
+pub const TCP_SERVER_CONNECTIONS_PER_IP_MAX: usize = 256;
 
 /// Data-plane connections the TCP transport's server accepts in total at
 /// once. Each open connection holds a task, a 64 KiB request buffer at most
-/// and one file descriptor; 512 is 16 hosts of 8 engines in steady state and
-/// stays well under the common 1024 open-files soft limit, leaving room for
-/// the node's gRPC server, MetaServer channel and outbound connections.
-pub const TCP_SERVER_CONNECTIONS_MAX: usize = 512;
+/// and one file descriptor; 1024 is 8 hosts of 8 engines with full pools in
+/// steady state (readers open connections only as their batches need them).
+/// The process needs an open-files limit above it plus the node's gRPC
+/// server, MetaServer channel and outbound connections (the common soft
+/// limit of 1024 is too low for a node serving that many; raise `nofile`).
+pub const TCP_SERVER_CONNECTIONS_MAX: usize = 1024;
 
 /// Pause after a failed accept (e.g. out of file descriptors) before an
 /// accept loop tries again, so it does not spin while the condition lasts
