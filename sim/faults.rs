@@ -29,8 +29,8 @@
 //! # Issue 29's mix (its own RNG stream, outside the swarm)
 //! Drawn after the swarm plan from a third RNG stream, so the swarm plan
 //! and workload of every seed are what they were before it existed:
-//! - `slow_owner` events (0 events with p = 0.15, else 1..=3), mostly on
-//!   prefill nodes (the usual owners): a hold of 3.5..6 s (longer than the
+//! - `slow_owner` events (2..=4, each for 4..8 s), mostly on prefill nodes
+//!   (the usual owners): a hold of 3.5..6 s (longer than the
 //!   fetch deadline: the fetch must end by its deadline, C9), or in expiry
 //!   seeds a hold just past the lock timeout (lock timeout + 100..700 ms:
 //!   the read reaches the owner after expiry, before the GC collects it);
@@ -306,12 +306,12 @@ impl Plan {
             self.lock_gc_ms = extra.random_range(1_500..3_000);
         }
         self.buffer_churn = extra.random_bool(0.75);
-        let n = if extra.random_bool(0.85) { extra.random_range(1..=3) } else { 0 };
+        let n = extra.random_range(2..=4);
         for _ in 0..n {
             let node =
                 if extra.random_bool(0.75) { extra.random_range(0..PREFILL) } else { extra.random_range(0..NODES) };
             let at_ms = extra.random_range(FAULTS_FROM_MS..FAULTS_UNTIL_MS);
-            let for_ms = extra.random_range(2_000..5_000);
+            let for_ms = extra.random_range(4_000..8_000);
             let hold = if self.expiry && extra.random_bool(0.6) {
                 u64::from(self.lock_timeout_secs) * 1_000 + extra.random_range(100..700)
             } else {
