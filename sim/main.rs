@@ -144,6 +144,11 @@ regression!(
 );
 regression!(regression_connection_wait_bounded_329, 329, "Same bug as seed 91.");
 
+// Issue 29's mix (slow owners, the expiry mix, the buffer churn) comes from
+// a third RNG stream, so every seed's swarm plan and workload are unchanged,
+// but the runs differ; the seeds above still pass and were not re-found
+// with their fixes reverted since.
+
 /// `MADSIM_TEST_CHECK_DETERMINISM` for seeds that diverged between two runs
 /// in one process: an unbiased `tokio::select!` draws from tokio's thread
 /// RNG, seeded with a process-global counter. Fix: `biased;` in the
