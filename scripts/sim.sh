@@ -16,7 +16,11 @@
 # 4. every starred contract (C1 C2 C4 C6 C8 C9 C10 C11 C15 C16) has
 #    invariants that checked at least one case over the sweep (the per-seed
 #    `checks=` counts, summed); a starred invariant that checked nothing
-#    fails the sweep, so the suite cannot pass vacuously;
+#    fails the sweep, so the suite cannot pass vacuously; likewise issue
+#    29's reach counters (SIM-SUMMARY `c8_partial_read_errors`,
+#    `c9_deadline_fetches`, `c13_expired_reads`, `c15_busy_refusals`: the
+#    paths its four bug classes live on) must each be non-zero over the
+#    sweep, and the seeds with a deadline-bound fetch are counted;
 # 5. canaries (skip with SIM_BROKEN=0): the `--features canaries` build is
 #    built once and every `broken_<canary>_is_caught` test runs (each switches
 #    one deliberate breakage of one contract on, src/canary.rs, sweeps at
@@ -24,7 +28,8 @@
 #    contract fired). Prints the canary table: contract, canary, first catching seed.
 #
 # Env: SIM_SEED_START (default 0), DET_SEEDS, SIM_BROKEN, SIM_SEED_TIMEOUT_S
-# (wall-clock limit per seed process, default 120).
+# (wall-clock limit per seed process, default 120), SIM_TARGET_DIR (the
+# madsim target dir, default target-sim; e.g. a shared one).
 # Exits non-zero on any failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,10 +39,10 @@ JOBS=${2:-2}
 START=${SIM_SEED_START:-0}
 DET_SEEDS=${DET_SEEDS:-6}
 SEED_TIMEOUT=${SIM_SEED_TIMEOUT_S:-120}
-export CARGO_TARGET_DIR=target-sim
+export CARGO_TARGET_DIR=${SIM_TARGET_DIR:-target-sim}
 # Prepend, never replace: an inherited RUSTFLAGS would otherwise drop the cfg.
 export RUSTFLAGS="--cfg madsim ${RUSTFLAGS:-}"
-LOGS=target-sim/sim-logs
+LOGS=$CARGO_TARGET_DIR/sim-logs
 mkdir -p "$LOGS"
 FAIL=0
 
@@ -115,8 +120,9 @@ awk '
         if (kv[1] == "faults" || kv[1] == "checks") {
             n = split(kv[2], items, ",")
             for (j = 1; j <= n; j++) { m = split(items[j], p, ":"); if (m >= 2) sum[kv[1] " " p[1]] += p[2] }
-        } else if (kv[1] == "done" || kv[1] == "lost" || kv[1] == "reused" || kv[1] == "saved" || kv[1] == "fetched" || kv[1] == "verified" || kv[1] == "recomputed" || kv[1] ~ /^corrupt_/ || kv[1] == "checksum_rejected" || kv[1] == "poisoned_frees") {
+        } else if (kv[1] == "done" || kv[1] == "lost" || kv[1] == "reused" || kv[1] == "saved" || kv[1] == "fetched" || kv[1] == "verified" || kv[1] == "recomputed" || kv[1] ~ /^corrupt_/ || kv[1] == "checksum_rejected" || kv[1] == "poisoned_frees" || kv[1] ~ /^c[0-9]+_/) {
             tot[kv[1]] += kv[2]
+            if (kv[1] == "c9_deadline_fetches" && kv[2] > 0) tot["seeds_with_c9_deadline_fetch"]++
         } else if (kv[1] == "repair_restart" && kv[2] == "true") { tot["repair_restart"]++ }
         else if (kv[1] == "probe" && kv[2] == "true") { tot["probe_conclusive"]++ }
     } }
@@ -131,7 +137,8 @@ C6:inv_index_converges C8:inv_pins_exact C8:inv_no_lock_leak_eventual C8:inv_no_
 C9:inv_degrade_bounded C9:inv_fetch_progress C10:inv_corruption_rejected C10:inv_fetch_integrity
 C11:inv_no_early_free_pool C11:inv_no_early_free_lease C11:inv_no_early_free_load
 C11:inv_no_early_free_checksum C11:inv_no_early_free_resident C15:inv_embedder_memory
-C16:inv_session_ids_unique"
+C16:inv_session_ids_unique C8:inv_lock_released_once C8:inv_no_lock_expiry_after_fetch
+C16:inv_no_read_after_expiry C15:inv_no_access_after_unregister"
 if [ "$passed" -gt 0 ]; then
     for ci in $STARRED; do
         inv=${ci#*:}
@@ -141,6 +148,17 @@ if [ "$passed" -gt 0 ]; then
             FAIL=1
         fi
     done
+    # Issue 29: the path each of its bug classes lives on was reached.
+    for ck in C8:c8_partial_read_errors C9:c9_deadline_fetches C13:c13_expired_reads C15:c15_busy_refusals; do
+        k=${ck#*:}
+        n=$(grep -o " $k=[0-9]*" "$LOGS/totals.txt" | cut -d= -f2)
+        if [ -z "$n" ] || [ "$n" -eq 0 ]; then
+            echo "FAIL: ${ck%%:*} reach counter $k is 0 over the sweep (the workload never reached that path)"
+            FAIL=1
+        fi
+    done
+    with=$(grep -o " seeds_with_c9_deadline_fetch=[0-9]*" "$LOGS/totals.txt" | cut -d= -f2)
+    echo "C9: ${with:-0} of $passed seeds had a fetch end on its deadline"
 fi
 if [ -s "$LOGS/failed.txt" ]; then
     FAIL=1
@@ -177,7 +195,7 @@ if [ "${SIM_BROKEN:-1}" != 0 ]; then
     canaries=$("$CB" --list 2>/dev/null | grep -o '^broken_[a-z0-9]*_is_caught' || true)
     require_tests "$CB" $canaries
     n_canaries=$(printf '%s\n' $canaries | grep -c . || true)
-    if [ "$n_canaries" -lt 10 ]; then
+    if [ "$n_canaries" -lt 15 ]; then
         echo "FAIL: the canary build lists $n_canaries canary tests, expected one per starred contract"
         FAIL=1
     fi

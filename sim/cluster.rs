@@ -132,8 +132,8 @@ pub struct NodeSlot {
     pub engine: Engine,
     /// The data plane (with the sim fault switches).
     pub transport: Arc<SimTransport>,
-    /// The host "GPU".
-    pub gpu: Arc<HostGpu>,
+    /// The host "GPU" (wrapped: see [`SimGpu`]).
+    pub gpu: Arc<SimGpu>,
     /// The KV device buffer.
     pub buffer: DeviceBufferId,
     /// The registered layers (to address device segments).
@@ -208,6 +208,50 @@ pub struct Shared {
     pub corrupt_disarmed: AtomicU64,
     /// Per node: held by a prefill when prefills are serial.
     pub prefill_serial: Vec<Arc<tokio::sync::Mutex<()>>>,
+    /// Node kills, isolations and node-to-node clogs so far: `(node, other
+    /// node or None for "everyone", from ms, to ms)` (C8: a release that
+    /// could not get through excuses a lock that expired).
+    pub disruptions: Mutex<Vec<(usize, Option<usize>, u64, u64)>>,
+    /// What every node's simulated GPU saw (C15), all incarnations.
+    pub gpu_watch: Arc<GpuWatch>,
+    /// Embedder memory the buffer churn unregistered: kept allocated until
+    /// the run ends (the embedder "freed" it; the simulated GPU reports any
+    /// access to it), so a late access is reported, never undefined.
+    pub graveyard: Mutex<Vec<Box<dyn kvferry::gpu::KvMemory>>>,
+    /// Fetches that sealed blocks and then stopped on a transport error
+    /// (issue 29, C8's error path after a partial read).
+    pub partial_read_errors: AtomicU64,
+    /// Fetches that ended on their deadline (stopped by `Deadline` or a
+    /// transport timeout; C9).
+    pub deadline_fetches: AtomicU64,
+}
+
+impl Shared {
+    /// Records that node `a` (and only its link to `b`, if given) was cut
+    /// off from now for `for_ms`.
+    pub fn disrupted(&self, a: usize, b: Option<usize>, for_ms: u64) {
+        let now = crate::invariants::now_ms();
+        self.disruptions.lock().expect("disruptions").push((a, b, now, now + for_ms));
+    }
+
+    /// Whether the link between nodes `x` and `y` was cut (either one
+    /// killed or isolated, or their link clogged) at any time in
+    /// `[from, to]` (ms).
+    pub fn cut(&self, x: usize, y: usize, from: u64, to: u64) -> bool {
+        self.disruptions.lock().expect("disruptions").iter().any(|&(a, b, f, t)| {
+            f <= to
+                && from <= t
+                && match b {
+                    None => a == x || a == y,
+                    Some(b) => (a == x && b == y) || (a == y && b == x),
+                }
+        })
+    }
+
+    /// Whether node `x` was killed or isolated at any time from `from` on.
+    pub fn down_since(&self, x: usize, from: u64) -> bool {
+        self.disruptions.lock().expect("disruptions").iter().any(|&(a, b, _, t)| b.is_none() && a == x && t >= from)
+    }
 }
 
 impl Shared {
@@ -311,19 +355,20 @@ impl Cluster {
         };
         let mut nodes = Vec::with_capacity(NODES);
         let mut node_ids = Vec::with_capacity(NODES);
+        let gpu_watch = Arc::new(GpuWatch::default());
         for i in 0..NODES {
             let slot: Arc<Mutex<Option<NodeSlot>>> = Arc::new(Mutex::new(None));
             let incarnations = Arc::new(AtomicU64::new(0));
-            let (s, inc, p) = (slot.clone(), incarnations, params.clone());
+            let (s, inc, p, w) = (slot.clone(), incarnations, params.clone(), gpu_watch.clone());
             let id = handle
                 .create_node()
                 .name(format!("node{}", i + 1))
                 .ip(node_ip(i))
                 .init(move || {
-                    let (slot, inc, p) = (s.clone(), inc.clone(), p.clone());
+                    let (slot, inc, p, w) = (s.clone(), inc.clone(), p.clone(), w.clone());
                     async move {
                         let incarnation = inc.fetch_add(1, Ordering::SeqCst) + 1;
-                        let published = boot_node(i, incarnation, &p).await;
+                        let published = boot_node(i, incarnation, &p, w).await;
                         let keep = published.1;
                         *slot.lock().expect("node slot") = Some(published.0);
                         std::future::pending::<()>().await;
@@ -349,6 +394,11 @@ impl Cluster {
             corrupt_armed: AtomicU64::new(0),
             corrupt_disarmed: AtomicU64::new(0),
             prefill_serial: (0..NODES).map(|_| Arc::new(tokio::sync::Mutex::new(()))).collect(),
+            disruptions: Mutex::new(Vec::new()),
+            gpu_watch,
+            graveyard: Mutex::new(Vec::new()),
+            partial_read_errors: AtomicU64::new(0),
+            deadline_fetches: AtomicU64::new(0),
             checker,
         });
         let c = Cluster {
@@ -534,20 +584,20 @@ impl Cluster {
 
 /// Starts one node through `node::start` and registers the sim namespace.
 /// Returns the published slot and the handle to keep alive.
-async fn boot_node(i: usize, incarnation: u64, p: &Params) -> (NodeSlot, node::NodeHandle) {
+async fn boot_node(i: usize, incarnation: u64, p: &Params, watch: Arc<GpuWatch>) -> (NodeSlot, node::NodeHandle) {
     // Half the nodes (alternating with the seed) seal with slot checksums
     // taken the way the CUDA backend takes them (device pieces folded per
     // slot), so C10 is checked over both seal paths; no RNG draw is spent.
-    let gpu = Arc::new(if (p.seed.wrapping_add(i as u64)) % 2 == 1 {
-        HostGpu::with_device_checksums()
-    } else {
-        HostGpu::new()
-    });
+    let gpu = Arc::new(SimGpu::new(
+        if (p.seed.wrapping_add(i as u64)) % 2 == 1 { HostGpu::with_device_checksums() } else { HostGpu::new() },
+        i,
+        watch,
+    ));
     let (layers_n, seg) = (workload::preset().layers, workload::segment_bytes());
     // The buffer id does not change the size; the first buffer is id 0.
     let bytes =
         buffer_bytes_needed(&contiguous(DeviceBufferId(0), layers_n, p.device_blocks, seg, true, p.layer_first));
-    let buffer = gpu.alloc(bytes).expect("device buffer");
+    let buffer = gpu.host().alloc(bytes).expect("device buffer");
     let layers = contiguous(buffer, layers_n, p.device_blocks, seg, true, p.layer_first);
     let mut cfg = NodeConfig::loopback(format!("{}:{MS_PORT}", ms_ip()));
     cfg.grpc_addr = SocketAddr::new(node_ip(i), GRPC_PORT);
@@ -588,4 +638,200 @@ async fn boot_node(i: usize, incarnation: u64, p: &Params) -> (NodeSlot, node::N
         incarnation,
     };
     (slot, h)
+}
+
+/// What the simulated GPUs saw (C15), over every node and incarnation.
+#[derive(Default)]
+pub struct GpuWatch {
+    /// Accesses to a buffer after its unregister answered `Ok` (each a
+    /// violation of C15), with what was seen.
+    pub violations: Mutex<Vec<String>>,
+    /// Unregisters answered `Ok`.
+    pub unregisters_ok: AtomicU64,
+    /// Unregisters refused because copies were in flight on the buffer.
+    pub busy_refusals: AtomicU64,
+    /// Copy batches held in flight (asynchronous copies).
+    pub held_batches: AtomicU64,
+}
+
+/// The simulator's GPU: the production `host` backend, plus what a real
+/// device has and the host backend does not, so C15 is observable.
+///
+/// - **Asynchronous copies** on buffers marked with [`SimGpu::hold_copies`]
+///   (the buffer churn's): `submit` pins the batch's buffers at once (as a
+///   DMA engine would, through the backend's own table:
+///   [`kvferry::gpu::BufferTable::pin_batch`]) and runs the copy 1..3 ms
+///   later, so a batch is in flight while the embedder tries to unregister.
+/// - **Loud use after unregister**: the embedder may free a buffer's memory
+///   once its unregister answered `Ok`; from then on any copy batch, read or
+///   write that would touch the buffer, and any `Ok` unregister while held
+///   copies are still in flight on it, is recorded in [`GpuWatch`] (checked
+///   by `inv_no_access_after_unregister`). The memory itself stays
+///   allocated in the harness's graveyard, so nothing undefined happens.
+pub struct SimGpu(Arc<SimGpuInner>);
+
+struct SimGpuInner {
+    host: HostGpu,
+    node: usize,
+    watch: Arc<GpuWatch>,
+    /// Buffers whose copies are asynchronous.
+    held: Mutex<std::collections::BTreeSet<u32>>,
+    /// Per buffer: held batches in flight.
+    in_flight: Mutex<BTreeMap<u32, u32>>,
+    /// Buffers whose unregister answered `Ok`.
+    gone: Mutex<std::collections::BTreeSet<u32>>,
+    batches: AtomicU64,
+}
+
+impl SimGpu {
+    /// Wraps `host` for node `node`.
+    pub fn new(host: HostGpu, node: usize, watch: Arc<GpuWatch>) -> Self {
+        SimGpu(Arc::new(SimGpuInner {
+            host,
+            node,
+            watch,
+            held: Mutex::new(Default::default()),
+            in_flight: Mutex::new(BTreeMap::new()),
+            gone: Mutex::new(Default::default()),
+            batches: AtomicU64::new(0),
+        }))
+    }
+
+    /// The production backend inside.
+    pub fn host(&self) -> &HostGpu {
+        &self.0.host
+    }
+
+    /// Makes `id`'s copies asynchronous (see the type doc).
+    pub fn hold_copies(&self, id: DeviceBufferId) {
+        self.0.held.lock().expect("held").insert(id.0);
+    }
+}
+
+impl SimGpuInner {
+    /// Reports an access by `what` to any of `ids` whose unregister
+    /// answered `Ok` while the backend would still reach its memory.
+    fn check_access(&self, ids: &[u32], what: &str) {
+        let gone = self.gone.lock().expect("gone");
+        for &id in ids {
+            if gone.contains(&id) && self.host.buffer_len(DeviceBufferId(id)).is_some() {
+                self.watch.violations.lock().expect("violations").push(format!(
+                    "node{}: {what} reaches buffer {id}, whose unregister answered Ok (the embedder freed it)",
+                    self.node + 1
+                ));
+            }
+        }
+    }
+}
+
+/// A held batch's pin and in-flight count (see [`SimGpu::submit`]).
+struct Held {
+    inner: Arc<SimGpuInner>,
+    ids: Vec<u32>,
+    pin: Option<kvferry::gpu::BatchPin>,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        drop(self.pin.take());
+        let mut f = self.inner.in_flight.lock().expect("in flight");
+        for &i in &self.ids {
+            if let Some(n) = f.get_mut(&i) {
+                *n -= 1;
+            }
+        }
+    }
+}
+
+impl Gpu for SimGpu {
+    fn name(&self) -> &'static str {
+        self.0.host.name()
+    }
+
+    unsafe fn register_external(&self, addr: u64, len: u64) -> Result<DeviceBufferId, kvferry::gpu::GpuError> {
+        // SAFETY: forwarded to the caller.
+        unsafe { self.0.host.register_external(addr, len) }
+    }
+
+    fn unregister(&self, id: DeviceBufferId) -> Result<(), kvferry::gpu::GpuError> {
+        let r = self.0.host.unregister(id);
+        let w = &self.0.watch;
+        match &r {
+            Ok(()) => {
+                w.unregisters_ok.fetch_add(1, Ordering::SeqCst);
+                self.0.gone.lock().expect("gone").insert(id.0);
+                let n = self.0.in_flight.lock().expect("in flight").get(&id.0).copied().unwrap_or(0);
+                if n > 0 {
+                    w.violations.lock().expect("violations").push(format!(
+                        "node{}: unregister of buffer {} answered Ok while {n} copy batch(es) in flight touch it",
+                        self.0.node + 1,
+                        id.0
+                    ));
+                }
+            }
+            Err(kvferry::gpu::GpuError::Buffer(kvferry::gpu::BufferError::Busy { .. })) => {
+                w.busy_refusals.fetch_add(1, Ordering::SeqCst);
+            }
+            Err(_) => {}
+        }
+        r
+    }
+
+    fn buffer_len(&self, id: DeviceBufferId) -> Option<u64> {
+        self.0.host.buffer_len(id)
+    }
+
+    fn alloc_kv_memory(&self, bytes: u64) -> Result<Box<dyn kvferry::gpu::KvMemory>, kvferry::gpu::GpuError> {
+        self.0.host.alloc_kv_memory(bytes)
+    }
+
+    fn register_host(&self, base: *mut u8, len: u64) -> Result<(), kvferry::gpu::GpuError> {
+        self.0.host.register_host(base, len)
+    }
+
+    fn submit(&self, batch: kvferry::gpu::CopyBatch) -> kvferry::gpu::Completion {
+        let mut ids: Vec<u32> = batch.ops.iter().map(|o| o.buffer.0).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        self.0.check_access(&ids, "a submitted copy batch");
+        let held = {
+            let h = self.0.held.lock().expect("held");
+            ids.iter().any(|i| h.contains(i))
+        };
+        if !held {
+            return self.0.host.submit(batch);
+        }
+        // Asynchronous: pinned now (the backend's own table), copied later.
+        let pin = self.0.host.buffers().pin_batch(ids.iter().map(|&i| DeviceBufferId(i)));
+        {
+            let mut f = self.0.in_flight.lock().expect("in flight");
+            for &i in &ids {
+                *f.entry(i).or_default() += 1;
+            }
+        }
+        self.0.watch.held_batches.fetch_add(1, Ordering::SeqCst);
+        let hold = Duration::from_millis(1 + self.0.batches.fetch_add(1, Ordering::SeqCst) % 3);
+        // Unpinned and uncounted when the copy ran, or when its completion
+        // is dropped (a killed node's tasks).
+        let held = Held { inner: self.0.clone(), ids, pin: Some(pin) };
+        Box::pin(async move {
+            tokio::time::sleep(hold).await;
+            held.inner.check_access(&held.ids, "a copy batch in flight");
+            held.inner.host.submit(batch).await
+        })
+    }
+
+    fn checksums_on_device(&self) -> bool {
+        self.0.host.checksums_on_device()
+    }
+
+    fn write(&self, id: DeviceBufferId, offset: u64, data: &[u8]) -> Result<(), kvferry::gpu::GpuError> {
+        self.0.check_access(&[id.0], "a device write");
+        self.0.host.write(id, offset, data)
+    }
+
+    fn read(&self, id: DeviceBufferId, offset: u64, out: &mut [u8]) -> Result<(), kvferry::gpu::GpuError> {
+        self.0.check_access(&[id.0], "a device read");
+        self.0.host.read(id, offset, out)
+    }
 }

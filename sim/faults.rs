@@ -24,6 +24,24 @@
 //! | `corruption` | transport: a node serves N reads with one byte flipped |
 //! | `eviction_storm` | a node evicts every unpinned block at once |
 //! | `fetch_cancel` | not timed: each fetch is cancelled (its future dropped) with probability 1/4 after 1..300 ms |
+//! | `slow_owner` | transport, server side: a node's data plane holds each read request for a delay before authorizing and serving it (a stalled owner mid-read, C9; a read that reaches the owner after its lock expired, C13) |
+//!
+//! # Issue 29's mix (its own RNG stream, outside the swarm)
+//! Drawn after the swarm plan from a third RNG stream, so the swarm plan
+//! and workload of every seed are what they were before it existed:
+//! - `slow_owner` events (2..=4, each for 4..8 s), mostly on prefill nodes
+//!   (the usual owners): a hold of 3.5..6 s (longer than the
+//!   fetch deadline: the fetch must end by its deadline, C9), or in expiry
+//!   seeds a hold just past the lock timeout (lock timeout + 100..700 ms:
+//!   the read reaches the owner after expiry, before the GC collects it);
+//! - `expiry` (p = 1/2): transfer locks of 1 s and a lock GC every
+//!   1.5..3 s (a late GC), so reads after expiry and before collection are
+//!   common;
+//! - `buffer_churn` (p = 3/4): each node's embedder registers a fresh
+//!   device buffer and a layout over it, starts a save, a load and a fetch
+//!   into it, and unregisters the layout and then the buffer while they are
+//!   in flight (retrying while the backend answers busy), over and over
+//!   (C15).
 //!
 //! Swarm: each kind is on with p = 1/2 (1..=3 events each), then a density
 //! drawn from a second RNG stream ([`Density`]) thins the plan (sparse:
@@ -50,7 +68,7 @@ use rand::Rng;
 use rand::rngs::StdRng;
 use tokio::time::Instant;
 
-use crate::cluster::{Cluster, NODES, Target};
+use crate::cluster::{Cluster, NODES, PREFILL, Target};
 
 /// Earliest fault start (ms after the safety phase starts).
 pub const FAULTS_FROM_MS: u64 = 1_000;
@@ -82,6 +100,9 @@ pub enum Kind {
     EvictionStorm,
     /// The workload cancels fetches (drops the future) at random points.
     FetchCancel,
+    /// A node's data plane holds each read request before serving it
+    /// (issue 29's mix; not in [`KINDS`], so not a swarm draw).
+    SlowOwner,
 }
 
 /// Every kind, in plan order.
@@ -114,6 +135,7 @@ impl Kind {
             Kind::Corruption => "corruption",
             Kind::EvictionStorm => "eviction_storm",
             Kind::FetchCancel => "fetch_cancel",
+            Kind::SlowOwner => "slow_owner",
         }
     }
 }
@@ -141,6 +163,9 @@ pub enum Action {
     Corruption(usize, u64),
     /// The node evicts everything unpinned.
     EvictionStorm(usize),
+    /// The node's data plane holds each read request this many ms until
+    /// the end.
+    SlowOwner(usize, u64),
 }
 
 impl Action {
@@ -156,6 +181,7 @@ impl Action {
             Action::ReadDelay(..) => Kind::ReadDelay,
             Action::Corruption(..) => Kind::Corruption,
             Action::EvictionStorm(_) => Kind::EvictionStorm,
+            Action::SlowOwner(..) => Kind::SlowOwner,
         }
     }
 }
@@ -174,6 +200,7 @@ impl fmt::Display for Action {
             Action::ReadDelay(i, ms) => write!(f, "read_delay {} {ms}ms/op", n(i)),
             Action::Corruption(i, k) => write!(f, "corruption {} next {k} served reads", n(i)),
             Action::EvictionStorm(i) => write!(f, "eviction_storm {}", n(i)),
+            Action::SlowOwner(i, ms) => write!(f, "slow_owner {} {ms}ms/read", n(i)),
         }
     }
 }
@@ -207,6 +234,14 @@ pub struct Plan {
     pub serial_prefill: bool,
     /// The swarm density this seed drew.
     pub density: Density,
+    /// Issue 29's expiry mix: short transfer locks, a late lock GC.
+    pub expiry: bool,
+    /// Transfer-lock timeout (s) of every engine.
+    pub lock_timeout_secs: u32,
+    /// Period of every engine's lock GC (ms).
+    pub lock_gc_ms: u64,
+    /// Issue 29's buffer churn (C15).
+    pub buffer_churn: bool,
 }
 
 /// How many faults a seed runs (the swarm's second draw, from its own RNG
@@ -254,12 +289,40 @@ fn target(rng: &mut StdRng) -> Target {
 impl Plan {
     /// Draws the plan (swarm: each kind on with probability 1/2, then the
     /// density drawn from `swarm` thins or thickens it).
-    pub fn draw(rng: &mut StdRng, swarm: &mut StdRng) -> Plan {
+    pub fn draw(rng: &mut StdRng, swarm: &mut StdRng, extra: &mut StdRng) -> Plan {
         let mut plan = Plan::draw_base(rng);
         let drawn = Density::draw(swarm);
         plan.density = FORCE_DENSITY.with(|f| f.get()).unwrap_or(drawn);
         plan.apply_density(swarm);
+        plan.draw_extra(extra);
         plan
+    }
+
+    /// Issue 29's mix (module doc), from its own stream.
+    fn draw_extra(&mut self, extra: &mut StdRng) {
+        self.expiry = extra.random_bool(0.5);
+        if self.expiry {
+            self.lock_timeout_secs = 1;
+            self.lock_gc_ms = extra.random_range(1_500..3_000);
+        }
+        self.buffer_churn = extra.random_bool(0.75);
+        let n = extra.random_range(2..=4);
+        for _ in 0..n {
+            let node =
+                if extra.random_bool(0.75) { extra.random_range(0..PREFILL) } else { extra.random_range(0..NODES) };
+            let at_ms = extra.random_range(FAULTS_FROM_MS..FAULTS_UNTIL_MS);
+            let for_ms = extra.random_range(4_000..8_000);
+            let hold = if self.expiry && extra.random_bool(0.6) {
+                u64::from(self.lock_timeout_secs) * 1_000 + extra.random_range(100..700)
+            } else {
+                extra.random_range(3_500..6_000)
+            };
+            self.events.push(Event { at_ms, for_ms, action: Action::SlowOwner(node, hold) });
+        }
+        if n > 0 {
+            self.enabled.push(Kind::SlowOwner);
+        }
+        self.events.sort_by_key(|e| e.at_ms);
     }
 
     fn apply_density(&mut self, swarm: &mut StdRng) {
@@ -335,7 +398,7 @@ impl Plan {
                     }
                     Kind::Corruption => (0, Action::Corruption(node, rng.random_range(1..=3))),
                     Kind::EvictionStorm => (0, Action::EvictionStorm(node)),
-                    Kind::FetchCancel => unreachable!("not a timed event"),
+                    Kind::FetchCancel | Kind::SlowOwner => unreachable!("not a swarm event"),
                 };
                 events.push(Event { at_ms, for_ms, action });
             }
@@ -349,6 +412,10 @@ impl Plan {
             lease_pressure: rng.random_bool(0.5),
             serial_prefill: rng.random_bool(0.5),
             density: Density::Normal,
+            expiry: false,
+            lock_timeout_secs: 8,
+            lock_gc_ms: 500,
+            buffer_churn: false,
         }
     }
 
@@ -375,6 +442,11 @@ impl fmt::Display for Plan {
             f,
             "knobs: small_pool={} layer_first={} lease_pressure={} serial_prefill={}",
             self.small_pool, self.layer_first, self.lease_pressure, self.serial_prefill
+        )?;
+        writeln!(
+            f,
+            "issue 29 mix: expiry={} (lock timeout {} s, lock gc every {} ms) buffer_churn={}",
+            self.expiry, self.lock_timeout_secs, self.lock_gc_ms, self.buffer_churn
         )?;
         for e in &self.events {
             writeln!(
@@ -454,15 +526,22 @@ async fn apply(c: &Cluster, e: &Event) -> bool {
             if !c.kill_node(*i) {
                 return false;
             }
+            s.disrupted(*i, None, e.for_ms);
             tokio::time::sleep(dur).await;
             c.restart_node(*i).await;
         }
         Action::Partition(t) => {
+            if let Target::Node(i) = t {
+                s.disrupted(*i, None, e.for_ms);
+            }
             c.isolate(*t);
             tokio::time::sleep(dur).await;
             c.unisolate(*t);
         }
         Action::LinkClog(a, b) => {
+            if let (Target::Node(x), Target::Node(y)) = (a, b) {
+                s.disrupted(*x, Some(*y), e.for_ms);
+            }
             c.clog(*a, *b);
             tokio::time::sleep(dur).await;
             c.unclog(*a, *b);
@@ -495,6 +574,12 @@ async fn apply(c: &Cluster, e: &Event) -> bool {
             let Some(n) = s.node(*i) else { return false };
             s.evict_all(*i, &n);
         }
+        Action::SlowOwner(i, ms) => {
+            let Some(n) = s.node(*i) else { return false };
+            n.transport.hooks.serve_delay_ms.store(*ms, Ordering::SeqCst);
+            tokio::time::sleep(dur).await;
+            n.transport.hooks.serve_delay_ms.store(0, Ordering::SeqCst);
+        }
     }
     true
 }
@@ -516,6 +601,7 @@ pub async fn heal(c: &Cluster, injectors: Vec<madsim::task::JoinHandle<()>>) {
         c.restart_node(i).await;
         if let Some(n) = s.node(i) {
             n.transport.hooks.fail_next_reads.store(0, Ordering::SeqCst);
+            n.transport.hooks.serve_delay_ms.store(0, Ordering::SeqCst);
             // Heal disarms what was armed and never sent: counted, not lost.
             let unsent = n.transport.hooks.corrupt_next_reads.swap(0, Ordering::SeqCst);
             s.corrupt_disarmed.fetch_add(unsent, Ordering::SeqCst);

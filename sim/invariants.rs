@@ -107,6 +107,30 @@
 //! - `inv_embedder_memory` (C15): at the end, on every live node, the engine
 //!   refuses to unregister the device buffer the sim layout names, and the
 //!   buffer is still readable.
+//! - `inv_lock_released_once` (C8, issue 29), every fetch on every path:
+//!   every transfer lock a fetch saw granted (trace event
+//!   `kvferry::fetch_lock`) got exactly one `ReleaseTransferLock` from it
+//!   (`kvferry::fetch_release`), on completion, error (after a partial
+//!   read too), deadline and cancellation alike; excused only when the
+//!   requester was killed or isolated after the grant. One case per lock.
+//! - `inv_no_lock_expiry_after_fetch` (C8, issue 29), owner side: a lock
+//!   that ended by expiry (`kvferry::transfer_expired`, no release found
+//!   it first) although its fetch ended (`kvferry::fetch_end`) more than
+//!   [`RELEASE_GRACE`] before it expired is a leak, unless either node was
+//!   killed or isolated, or their link clogged, between the grant and one
+//!   peer RPC deadline after the fetch's end.
+//! - `inv_no_read_after_expiry` (C13/C16, issue 29): no data-plane read is
+//!   authorized (`kvferry::data_access`, on the owner's engine clock) at
+//!   or after its session's expiry (`expires_at_ms` of the grant event),
+//!   nor after the session was released or collected. One case per
+//!   authorization; reads that reached an owner between expiry and
+//!   collection are counted (`c13_expired_reads`): the expiry mix (1 s
+//!   locks, a lock GC every 1.5..3 s) and `slow_owner` holds put them there.
+//! - `inv_no_access_after_unregister` (C15, issue 29): the simulated GPU
+//!   (`cluster::SimGpu`: the host backend with asynchronous copies on the
+//!   churned buffers) saw no copy, read or write reach a buffer after its
+//!   unregister answered `Ok`, and no `Ok` unregister while copies were in
+//!   flight on it; one case per `Ok` unregister of the buffer churn.
 //! - `inv_index_converges` (C6): after liveness, the MetaServer's visible
 //!   entries equal the union of the live nodes' resident blocks. When the
 //!   run lost registrations (fire-and-forget drops are allowed by C1/C3),
@@ -761,6 +785,40 @@ struct Grants {
     reused: Vec<String>,
     pins_checked: u64,
     pins_bad: Vec<String>,
+    /// Every session's life, by id (issue 29: C8 release, C13 expiry).
+    lives: BTreeMap<String, Life>,
+    /// Data-plane authorizations seen (C13).
+    accesses: u64,
+    /// Authorizations that reached an owner under an expired session not
+    /// yet collected by its GC (the window the C13 check is about).
+    expired_reads: u64,
+    /// Authorizations granted under an expired or released session.
+    served_expired: Vec<String>,
+}
+
+/// One transfer session, from the engines' trace events. Times: `*_sim`
+/// are simulated ms since the run started ([`now_ms`]); `*_ms` are on the
+/// owner's engine clock.
+#[derive(Default, Debug)]
+struct Life {
+    /// The owner's advertise address.
+    owner: String,
+    granted_sim: u64,
+    granted_ms: u64,
+    expires_at_ms: u64,
+    /// The fetch that saw the grant (requester address) and when.
+    requester: Option<String>,
+    locked_sim: u64,
+    /// When that fetch ended (returned or dropped).
+    fetch_end_sim: Option<u64>,
+    /// `ReleaseTransferLock`s the requester sent.
+    releases_sent: u32,
+    /// `ReleaseTransferLock`s the owner received.
+    releases_received: u32,
+    /// A release that found the session (it ended by release).
+    released: bool,
+    /// The GC expired it (it ended by expiry).
+    expired_sim: Option<u64>,
 }
 
 /// Every transfer-session grant in a run, collected from the engines' trace
@@ -777,8 +835,17 @@ impl SessionGrants {
         use tracing_subscriber::Layer as _;
         let grants = self.clone();
         GrantLayer(grants).with_filter(tracing_subscriber::filter::filter_fn(|m| {
-            m.target() == kvferry::engine::TRANSFER_SESSION_TRACE_TARGET
-                || m.target() == kvferry::engine::TRANSFER_PINS_TRACE_TARGET
+            [
+                kvferry::engine::TRANSFER_SESSION_TRACE_TARGET,
+                kvferry::engine::TRANSFER_PINS_TRACE_TARGET,
+                kvferry::engine::TRANSFER_RELEASE_TRACE_TARGET,
+                kvferry::engine::TRANSFER_EXPIRED_TRACE_TARGET,
+                kvferry::engine::DATA_ACCESS_TRACE_TARGET,
+                kvferry::engine::fetch::FETCH_LOCK_TRACE_TARGET,
+                kvferry::engine::fetch::FETCH_RELEASE_TRACE_TARGET,
+                kvferry::engine::fetch::FETCH_END_TRACE_TARGET,
+            ]
+            .contains(&m.target())
         }))
     }
 }
@@ -800,7 +867,14 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for GrantLayer {
         let mut fields = Fields::default();
         event.record(&mut fields);
         let mut g = (self.0).0.lock().expect("grants");
-        if event.metadata().target() == kvferry::engine::TRANSFER_PINS_TRACE_TARGET {
+        let target = event.metadata().target();
+        if target != kvferry::engine::TRANSFER_SESSION_TRACE_TARGET
+            && target != kvferry::engine::TRANSFER_PINS_TRACE_TARGET
+        {
+            life_event(&mut g, target, &fields.0);
+            return;
+        }
+        if target == kvferry::engine::TRANSFER_PINS_TRACE_TARGET {
             let list = |k: &str| -> Vec<String> {
                 fields
                     .0
@@ -817,11 +891,184 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for GrantLayer {
             return;
         }
         if let Some(id) = fields.0.remove("session") {
+            let num = |k: &str| fields.0.get(k).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+            let life = Life {
+                owner: fields.0.get("owner").cloned().unwrap_or_default(),
+                granted_sim: now_ms(),
+                granted_ms: num("now_ms"),
+                expires_at_ms: num("expires_at_ms"),
+                ..Life::default()
+            };
+            g.lives.insert(id.clone(), life);
             if !g.ids.insert(id.clone()) {
                 g.reused.push(id);
             }
         }
     }
+}
+
+/// Folds one session-life event (every target but the grant and pins) into
+/// `g`. Authorizations are judged here, as they happen (C13).
+fn life_event(g: &mut Grants, target: &str, f: &BTreeMap<&'static str, String>) {
+    let num = |k: &str| f.get(k).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    let now = now_ms();
+    if target == kvferry::engine::fetch::FETCH_END_TRACE_TARGET {
+        for s in f.get("sessions").map(String::as_str).unwrap_or("").split(',').filter(|s| !s.is_empty()) {
+            if let Some(l) = g.lives.get_mut(s) {
+                l.fetch_end_sim.get_or_insert(now);
+            }
+        }
+        return;
+    }
+    let Some(session) = f.get("session").cloned() else { return };
+    let Some(l) = g.lives.get_mut(&session) else { return };
+    match target {
+        kvferry::engine::fetch::FETCH_LOCK_TRACE_TARGET => {
+            l.requester = f.get("me").cloned();
+            l.locked_sim = now;
+        }
+        kvferry::engine::fetch::FETCH_RELEASE_TRACE_TARGET => l.releases_sent += 1,
+        kvferry::engine::TRANSFER_RELEASE_TRACE_TARGET => {
+            l.releases_received += 1;
+            l.released |= l.expired_sim.is_none() && num("released") > 0;
+        }
+        kvferry::engine::TRANSFER_EXPIRED_TRACE_TARGET => l.expired_sim = Some(now),
+        kvferry::engine::DATA_ACCESS_TRACE_TARGET => {
+            let at = num("now_ms");
+            let ok = f.get("ok").is_some_and(|v| v == "true");
+            let expired = at >= l.expires_at_ms;
+            g.accesses += 1;
+            if expired && l.expired_sim.is_none() && !l.released {
+                g.expired_reads += 1;
+            }
+            if ok && (expired || l.released || l.expired_sim.is_some()) {
+                let why = if expired {
+                    format!(
+                        "{} ms past its expiry (granted at {} ms, expires at {} ms)",
+                        at - l.expires_at_ms,
+                        l.granted_ms,
+                        l.expires_at_ms
+                    )
+                } else {
+                    "after it was released or collected".to_string()
+                };
+                g.served_expired
+                    .push(format!("owner {} served a read under session {session} at {at} ms: {why}", l.owner));
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Node index of an advertise address of the address plan (`10.0.1.i:port`).
+fn node_of(addr: &str) -> Option<usize> {
+    let ip = addr.split(':').next()?;
+    let last: usize = ip.rsplit('.').next()?.parse().ok()?;
+    ip.starts_with("10.0.1.").then(|| last.checked_sub(1)).flatten()
+}
+
+/// C13/C16 (issue 29): no data-plane read was authorized under a session
+/// whose lock had expired (even if not yet collected) or was released; one
+/// case per authorization seen. Also returns how many authorizations
+/// reached an owner in the window between expiry and collection.
+pub fn inv_no_read_after_expiry(shared: &Shared, grants: &SessionGrants) -> (Result<(), Violation>, u64) {
+    let g = grants.0.lock().expect("grants");
+    if let Some(first) = g.served_expired.first() {
+        let v = violation(
+            "inv_no_read_after_expiry",
+            format!(
+                "{} read(s) authorized under an expired or released session; first: {first}",
+                g.served_expired.len()
+            ),
+        );
+        return (Err(v), g.expired_reads);
+    }
+    for _ in 0..g.accesses {
+        shared.checker.count("inv_no_read_after_expiry", false);
+    }
+    (Ok(()), g.expired_reads)
+}
+
+/// C8 (issue 29), requester side, every fetch on every path: each lock a
+/// fetch saw granted got exactly one `ReleaseTransferLock` from it, unless
+/// the requester was killed or cut off after the grant (its release task
+/// died with it). One case per lock.
+pub fn inv_lock_released_once(shared: &Shared, grants: &SessionGrants) -> Result<(), Violation> {
+    let g = grants.0.lock().expect("grants");
+    let mut bad = Vec::new();
+    for (id, l) in &g.lives {
+        let Some(req) = &l.requester else { continue };
+        let excused = node_of(req).is_none_or(|r| shared.down_since(r, l.locked_sim));
+        if l.releases_sent == 1 || (l.releases_sent == 0 && excused) {
+            shared.checker.count("inv_lock_released_once", false);
+            continue;
+        }
+        bad.push(format!(
+            "fetch on {req} was granted session {} by {} at {} ms, ended at {:?} ms and sent {} release(s)",
+            &id[..id.len().min(40)],
+            l.owner,
+            l.locked_sim,
+            l.fetch_end_sim,
+            l.releases_sent
+        ));
+    }
+    if bad.is_empty() {
+        return Ok(());
+    }
+    Err(violation("inv_lock_released_once", format!("{} lock(s); first: {}", bad.len(), bad[0])))
+}
+
+/// C8 (issue 29), owner side: a lock that ended by expiry although the
+/// fetch it was granted to ended more than [`RELEASE_GRACE`] before it
+/// expired is a leak — unless the release could not get through (either
+/// node killed or isolated, or their link clogged, from the fetch's end for
+/// one peer RPC deadline). One case per lock whose fetch ended.
+pub fn inv_no_lock_expiry_after_fetch(shared: &Shared, grants: &SessionGrants) -> Result<(), Violation> {
+    let g = grants.0.lock().expect("grants");
+    let rpc = shared.params.peer_rpc_timeout.as_millis() as u64 + 200;
+    let mut bad = Vec::new();
+    for (id, l) in &g.lives {
+        let (Some(req), Some(end)) = (&l.requester, l.fetch_end_sim) else { continue };
+        let expiry_sim = l.granted_sim + l.expires_at_ms.saturating_sub(l.granted_ms);
+        let leaked = l.expired_sim.is_some() && !l.released;
+        if leaked && end + (RELEASE_GRACE.as_millis() as u64) < expiry_sim {
+            let cut = match (node_of(req), node_of(&l.owner)) {
+                (Some(r), Some(o)) => shared.cut(r, o, l.locked_sim, end + rpc),
+                _ => true,
+            };
+            if !cut {
+                bad.push(format!(
+                    "session {} granted by {} to a fetch on {req} at {} ms; the fetch ended at {end} ms, the lock expired at {expiry_sim} ms (collected at {:?} ms) with {} release(s) received",
+                    &id[..id.len().min(40)],
+                    l.owner,
+                    l.locked_sim,
+                    l.expired_sim,
+                    l.releases_received
+                ));
+                continue;
+            }
+        }
+        shared.checker.count("inv_no_lock_expiry_after_fetch", false);
+    }
+    if bad.is_empty() {
+        return Ok(());
+    }
+    Err(violation("inv_no_lock_expiry_after_fetch", format!("{} lock(s); first: {}", bad.len(), bad[0])))
+}
+
+/// C15 (issue 29): no simulated GPU saw an access to a buffer after its
+/// unregister answered `Ok`, nor an `Ok` unregister while its copies were
+/// in flight (see `cluster::SimGpu`); one case per `Ok` unregister.
+pub fn inv_no_access_after_unregister(shared: &Shared) -> Result<(), Violation> {
+    let w = &shared.gpu_watch;
+    let v = w.violations.lock().expect("violations");
+    if let Some(first) = v.first() {
+        return Err(violation("inv_no_access_after_unregister", format!("{} access(es); first: {first}", v.len())));
+    }
+    for _ in 0..w.unregisters_ok.load(Ordering::SeqCst) {
+        shared.checker.count("inv_no_access_after_unregister", false);
+    }
+    Ok(())
 }
 
 /// Why a grant's pins are not exactly its found blocks (None when they

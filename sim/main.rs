@@ -144,6 +144,11 @@ regression!(
 );
 regression!(regression_connection_wait_bounded_329, 329, "Same bug as seed 91.");
 
+// Issue 29's mix (slow owners, the expiry mix, the buffer churn) comes from
+// a third RNG stream, so every seed's swarm plan and workload are unchanged,
+// but the runs differ; the seeds above still pass and were not re-found
+// with their fixes reverted since.
+
 /// `MADSIM_TEST_CHECK_DETERMINISM` for seeds that diverged between two runs
 /// in one process: an unbiased `tokio::select!` draws from tokio's thread
 /// RNG, seeded with a process-global counter. Fix: `biased;` in the
@@ -262,8 +267,39 @@ canary!(
 canary!(
     broken_c8releaseforgotten_is_caught,
     C8ReleaseForgotten,
-    ["inv_no_lock_leak_prompt", "inv_no_lock_leak_eventual"],
+    [
+        "inv_no_lock_leak_prompt",
+        "inv_no_lock_leak_eventual",
+        "inv_lock_released_once",
+        "inv_no_lock_expiry_after_fetch"
+    ],
     "C8: a fetch that forgets its transfer lock on the error and cancel paths."
+);
+canary!(
+    broken_c8releaseskippedafterpartialread_is_caught,
+    C8ReleaseSkippedAfterPartialRead,
+    ["inv_lock_released_once", "inv_no_lock_expiry_after_fetch"],
+    "C8 (issue 29): a fetch that read some parts from an owner and then stopped on a transport error never \
+     releases that owner's lock; the lock expires long after the fetch ended."
+);
+canary!(
+    broken_c9fetchdeadlinestretched_is_caught,
+    C9FetchDeadlineStretched,
+    ["inv_degrade_bounded"],
+    "C9 (issue 29): a fetch deadline 1000x the configured one: a fetch from a stalled owner overruns its bound."
+);
+canary!(
+    broken_c13serveexpiredsession_is_caught,
+    C13ServeExpiredSession,
+    ["inv_no_read_after_expiry"],
+    "C13/C16 (issue 29): an owner that authorizes reads under a session whose lock expired but was not yet \
+     collected."
+);
+canary!(
+    broken_c15unregisterwhilebusy_is_caught,
+    C15UnregisterWhileBusy,
+    ["inv_no_access_after_unregister"],
+    "C15 (issue 29): a buffer unregister answered Ok while copy batches in flight still touch the buffer."
 );
 canary!(
     broken_c9readpastdeadline_is_caught,

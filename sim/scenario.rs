@@ -59,6 +59,23 @@ pub struct Summary {
     pub corruption: (u64, u64, u64, u64, u64),
     /// Extents poisoned on free over the run (C11).
     pub poisoned_frees: u64,
+    /// Issue 29's reach counters: fetches that sealed blocks and then
+    /// stopped on a transport error (C8); fetches that ended on their
+    /// deadline (C9); reads that reached an owner under an expired,
+    /// not yet collected session (C13); buffer unregisters answered `Ok`
+    /// and refused busy, and copy batches held in flight (C15).
+    pub reach: Reach,
+}
+
+/// See [`Summary::reach`].
+#[derive(Debug, Default)]
+pub struct Reach {
+    pub partial_read_errors: u64,
+    pub deadline_fetches: u64,
+    pub expired_reads: u64,
+    pub unregisters: u64,
+    pub busy_refusals: u64,
+    pub held_batches: u64,
 }
 
 /// A failed run.
@@ -124,7 +141,9 @@ pub async fn run() -> Result<Summary, Failure> {
     // The swarm density has its own stream: normal-density seeds draw the
     // plan and workload they drew before densities existed.
     let mut swarm = StdRng::seed_from_u64(seed ^ 0x5A4A_4D00_D315_1717);
-    let plan = Plan::draw(&mut rng, &mut swarm);
+    // Issue 29's mix has a third stream, for the same reason.
+    let mut extra = StdRng::seed_from_u64(seed ^ 0x0029_C8C9_C13C_1500);
+    let plan = Plan::draw(&mut rng, &mut swarm, &mut extra);
     let requests = workload::generate(&mut rng, ARRIVAL_SPAN_MS);
     let blocks: usize = requests.iter().map(|r| r.hashes.len()).sum();
     println!("=== kvferry sim: seed {seed}");
@@ -176,6 +195,12 @@ fn summary_line(seed: u64, s: &Summary) -> String {
         " corrupt_armed={armed} corrupt_sent={sent} corrupt_lost={lost} corrupt_disarmed={disarmed} checksum_rejected={rejected} poisoned_frees={}",
         s.poisoned_frees
     );
+    let r = &s.reach;
+    let _ = write!(
+        out,
+        " c8_partial_read_errors={} c9_deadline_fetches={} c13_expired_reads={} c15_unregisters={} c15_busy_refusals={} c15_held_batches={}",
+        r.partial_read_errors, r.deadline_fetches, r.expired_reads, r.unregisters, r.busy_refusals, r.held_batches
+    );
     out.push_str(" faults=");
     let f: Vec<String> = s.faults.iter().map(|(k, (a, sk))| format!("{k}:{a}:{sk}")).collect();
     out.push_str(&f.join(","));
@@ -193,8 +218,8 @@ fn params(seed: u64, plan: &Plan) -> Params {
         fetch_deadline: Duration::from_secs(3),
         peer_rpc_timeout: Duration::from_secs(1),
         metaserver_rpc_timeout: Duration::from_secs(1),
-        lock_timeout_secs: 8,
-        lock_gc_interval: Duration::from_millis(500),
+        lock_timeout_secs: plan.lock_timeout_secs,
+        lock_gc_interval: Duration::from_millis(plan.lock_gc_ms),
         stale_after_secs: 4,
         ttl_secs: 12,
         sweep_interval_secs: 2,
@@ -273,6 +298,17 @@ async fn run_plan(
     };
     let drivers: Vec<_> =
         requests.iter().cloned().map(|r| madsim::task::spawn(drive(cluster.clone(), r, knobs, start))).collect();
+    // Issue 29 (C15): the embedder's buffer churn on every node.
+    let churn: Vec<_> = if plan.buffer_churn {
+        (0..NODES)
+            .filter_map(|i| shared.node(i).map(|n| (i, n)))
+            .map(|(i, n)| {
+                cluster.spawn_on(i, workload::buffer_churn(shared.clone(), n, plan.layer_first, start + SAFETY))
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
     tokio::time::sleep_until(start + SAFETY).await;
 
     // ---- liveness phase: heal everything, inject nothing more
@@ -303,6 +339,11 @@ async fn run_plan(
                 format!("a request was still running {drain_bound:?} after healing"),
             ))),
         }
+    }
+    for h in churn {
+        // Bounded: each round's work ends by its deadlines; a killed node's
+        // churn ended with it.
+        let _ = tokio::time::timeout(Duration::from_secs(30), h).await;
     }
     ticker.abort();
     let cancelled = shared.cancelled_fetches.load(Ordering::SeqCst);
@@ -335,6 +376,22 @@ async fn run_plan(
     shared.checker.record(invariants::inv_corruption_rejected(&shared, sent, checked, &bad));
     shared.checker.record(invariants::inv_session_ids_unique(&shared, grants));
     shared.checker.record(invariants::inv_pins_exact(&shared, grants));
+    // Issue 29: every fetch's locks released exactly once (C8), no read
+    // under an expired session (C13/C16), no access after unregister (C15).
+    shared.checker.record(invariants::inv_lock_released_once(&shared, grants));
+    shared.checker.record(invariants::inv_no_lock_expiry_after_fetch(&shared, grants));
+    let (r, expired_reads) = invariants::inv_no_read_after_expiry(&shared, grants);
+    shared.checker.record(r);
+    shared.checker.record(invariants::inv_no_access_after_unregister(&shared));
+    let w = &shared.gpu_watch;
+    summary.reach = Reach {
+        partial_read_errors: shared.partial_read_errors.load(Ordering::SeqCst),
+        deadline_fetches: shared.deadline_fetches.load(Ordering::SeqCst),
+        expired_reads,
+        unregisters: w.unregisters_ok.load(Ordering::SeqCst),
+        busy_refusals: w.busy_refusals.load(Ordering::SeqCst),
+        held_batches: w.held_batches.load(Ordering::SeqCst),
+    };
     // Last: under the C15 canary this unregisters the nodes' device buffers.
     for i in 0..NODES {
         if let Some(n) = shared.node(i) {

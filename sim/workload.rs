@@ -160,6 +160,20 @@ pub struct Fetched {
     pub verified: usize,
 }
 
+/// Counts what a fetch's report shows for issue 29's counters: a fetch
+/// that sealed blocks and then stopped on a transport error (C8's error path
+/// after a partial read) and a fetch that ended on its deadline (C9).
+fn count_report(shared: &Shared, r: &FetchReport) {
+    use kvferry::engine::fetch::FetchError;
+    use kvferry::transport::TransportError;
+    if r.fetched > 0 && matches!(r.stopped, Some(FetchError::Transport(_))) {
+        shared.partial_read_errors.fetch_add(1, Ordering::SeqCst);
+    }
+    if matches!(r.stopped, Some(FetchError::Deadline | FetchError::Transport(TransportError::Timeout))) {
+        shared.deadline_fetches.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
 /// Fetch (local prefix first, then peers), lease what is resident, load it,
 /// read it back from the device and verify every byte. Checks
 /// `inv_degrade_bounded`, `inv_fetch_integrity` and the lease half of
@@ -185,6 +199,7 @@ pub async fn fetch_and_verify(
         // The caller gives up: the fetch future is dropped wherever it is
         // (C8: the lock must still be released; C4: counts stay exact).
         if let Ok(report) = tokio::time::timeout(after, n.engine.fetch(NAMESPACE, &req.hashes)).await {
+            count_report(shared, &report);
             let lease = n.engine.lease(NAMESPACE, &req.hashes[..report.available]);
             shared.checker.record(invariants::inv_degrade_bounded(node, req.id, &report, t0.elapsed(), bound, None));
             let k = lease.len().min(report.available);
@@ -211,6 +226,7 @@ pub async fn fetch_and_verify(
         }
     };
     let elapsed = t0.elapsed();
+    count_report(shared, &report);
     // No await between the fetch's return and the lease: nothing can evict.
     let lease = n.engine.lease(NAMESPACE, &req.hashes[..report.available]);
     // Fetched blocks are not pinned for the caller: any eviction on this
@@ -398,4 +414,80 @@ pub async fn verify_all_resident(n: &NodeSlot) -> (u64, Vec<String>) {
         drop(leases);
     }
     (checked, bad)
+}
+
+/// Namespace of the buffer churn's blocks (issue 29, C15).
+pub const CHURN_NAMESPACE: &str = "sim/tiny/bt4/churn";
+/// Blocks of the churn's device buffer.
+pub const CHURN_BLOCKS: u64 = 4;
+
+/// The embedder's buffer churn on one node until `until` (issue 29, C15):
+/// over and over, register a fresh device buffer (memory the embedder
+/// allocated) and a layout over it, write KV into it, start a save, a load
+/// and a `fetch_into` on it, then tear down while they are in flight —
+/// unregister the layout, then the buffer, retrying while the backend
+/// answers busy — and hand the memory to the graveyard (the embedder "frees"
+/// it; the simulated GPU reports any access after the `Ok`).
+pub async fn buffer_churn(shared: Arc<Shared>, n: NodeSlot, layer_first: bool, until: Instant) {
+    use kvferry::engine::layout::{DeviceBufferId, buffer_bytes_needed, contiguous};
+    let hashes: Vec<BlockHash> = (0..CHURN_BLOCKS).map(|k| engine_block_hash(9_000, k as u32)).collect();
+    let blocks: Vec<(BlockHash, u64)> = hashes.iter().cloned().zip(0..).collect();
+    let (layers_n, seg) = (preset().layers, segment_bytes());
+    let bytes = buffer_bytes_needed(&contiguous(DeviceBufferId(0), layers_n, CHURN_BLOCKS, seg, true, layer_first));
+    let mut buf = vec![0u8; seg as usize];
+    while Instant::now() < until {
+        let (pause, settle) = {
+            let mut rng = shared.rng.lock().expect("rng");
+            (rng.random_range(150..600), rng.random_range(0..3u64))
+        };
+        tokio::time::sleep(Duration::from_millis(pause)).await;
+        let Ok(mem) = n.gpu.alloc_kv_memory(bytes) else { continue };
+        // SAFETY: `mem` stays allocated until the run ends (graveyard).
+        let Ok(id) = (unsafe { n.engine.register_buffer(mem.addr(), mem.len()) }) else { continue };
+        shared.graveyard.lock().expect("graveyard").push(mem);
+        n.gpu.hold_copies(id);
+        let layers = contiguous(id, layers_n, CHURN_BLOCKS, seg, true, layer_first);
+        if n.engine.register_layout(CHURN_NAMESPACE, layers.clone()).is_err() {
+            let _ = n.engine.unregister_buffer(id);
+            continue;
+        }
+        for (slot, h) in hashes.iter().enumerate() {
+            for (l, ly) in layers.iter().enumerate() {
+                for s in 0..ly.segments() {
+                    fill_kv(CHURN_NAMESPACE, h, l as u32, u32::from(s), &mut buf);
+                    let off = ly.segment_offset(slot as u64, s).expect("segment offset");
+                    n.gpu.write(id, off, &buf).expect("device write");
+                }
+            }
+        }
+        let (e1, e2, e3) = (n.engine.clone(), n.engine.clone(), n.engine.clone());
+        let (b1, b2, b3) = (blocks.clone(), blocks.clone(), blocks.clone());
+        let save = tokio::spawn(async move {
+            let _ = e1.save(CHURN_NAMESPACE, &b1).await;
+        });
+        let load = tokio::spawn(async move {
+            let _ = e2.load(CHURN_NAMESPACE, &b2).await;
+        });
+        let fetch = tokio::spawn(async move {
+            let _ = e3.fetch_into(CHURN_NAMESPACE, &b3).await;
+        });
+        if settle == 0 {
+            tokio::task::yield_now().await;
+        } else {
+            tokio::time::sleep(Duration::from_millis(settle)).await;
+        }
+        // Tear down while the work is in flight: the layout, then the buffer.
+        let _ = n.engine.unregister_layout(CHURN_NAMESPACE);
+        for _ in 0..2_000 {
+            match n.engine.unregister_buffer(id) {
+                Err(kvferry::engine::EngineError::Gpu(kvferry::gpu::GpuError::Buffer(
+                    kvferry::gpu::BufferError::Busy { .. },
+                ))) => tokio::time::sleep(Duration::from_millis(1)).await,
+                _ => break,
+            }
+        }
+        let _ = save.await;
+        let _ = load.await;
+        let _ = fetch.await;
+    }
 }

@@ -34,8 +34,16 @@ pub enum Canary {
     /// C8: a fetch forgets its transfer lock on the error and cancel paths
     /// (the hook sits in `engine::fetch`'s driver).
     C8ReleaseForgotten,
+    /// C8: a fetch that read some of its parts from an owner and then
+    /// stopped on a transport error skips that owner's
+    /// `ReleaseTransferLock` (the hook sits in the fetch machine); the lock
+    /// is left to expire.
+    C8ReleaseSkippedAfterPartialRead,
     /// C9: a transport read ignores its deadline (waits up to 5 s more).
     C9ReadPastDeadline,
+    /// C9: the fetch deadline is 1000x the configured one (the hook sits in
+    /// `engine::fetch`), so a fetch from a stalled owner waits for it.
+    C9FetchDeadlineStretched,
     /// C10: the fetcher takes the owner's advertised checksums for what it
     /// read instead of computing them (the hook sits in `engine::fetch`'s
     /// driver), so a corrupted payload is accepted.
@@ -43,8 +51,14 @@ pub enum Canary {
     /// C11: eviction ignores holders (leased, locked, in-flight blocks are
     /// freed and their memory reused).
     C11EvictHeld,
+    /// C13: the owner authorizes data-plane reads under a transfer session
+    /// whose lock expired but was not yet collected by the GC.
+    C13ServeExpiredSession,
     /// C15: the engine unregisters a device buffer a layout still names.
     C15UnregisterInUse,
+    /// C15: the buffer table answers `Ok` to an unregister while in-flight
+    /// copy batches still touch the buffer (it ignores "busy").
+    C15UnregisterWhileBusy,
     /// C16: the engine's transfer-session ids stop advancing and carry no
     /// secret, so a released id is granted again.
     C16SessionIdsRepeat,
@@ -52,17 +66,21 @@ pub enum Canary {
 
 impl Canary {
     /// Every canary, in contract order.
-    pub const ALL: [Canary; 11] = [
+    pub const ALL: [Canary; 15] = [
         Canary::C1FlushAcksEarly,
         Canary::C2FlushUnbounded,
         Canary::C4RemovalLost,
         Canary::C6NoBackfill,
         Canary::C8PinsTooFew,
         Canary::C8ReleaseForgotten,
+        Canary::C8ReleaseSkippedAfterPartialRead,
         Canary::C9ReadPastDeadline,
+        Canary::C9FetchDeadlineStretched,
         Canary::C10WeakChecksum,
         Canary::C11EvictHeld,
+        Canary::C13ServeExpiredSession,
         Canary::C15UnregisterInUse,
+        Canary::C15UnregisterWhileBusy,
         Canary::C16SessionIdsRepeat,
     ];
 
@@ -73,11 +91,12 @@ impl Canary {
             Canary::C2FlushUnbounded => "C2",
             Canary::C4RemovalLost => "C4",
             Canary::C6NoBackfill => "C6",
-            Canary::C8PinsTooFew | Canary::C8ReleaseForgotten => "C8",
-            Canary::C9ReadPastDeadline => "C9",
+            Canary::C8PinsTooFew | Canary::C8ReleaseForgotten | Canary::C8ReleaseSkippedAfterPartialRead => "C8",
+            Canary::C9ReadPastDeadline | Canary::C9FetchDeadlineStretched => "C9",
             Canary::C10WeakChecksum => "C10",
             Canary::C11EvictHeld => "C11",
-            Canary::C15UnregisterInUse => "C15",
+            Canary::C13ServeExpiredSession => "C13",
+            Canary::C15UnregisterInUse | Canary::C15UnregisterWhileBusy => "C15",
             Canary::C16SessionIdsRepeat => "C16",
         }
     }

@@ -179,11 +179,19 @@ impl LockTable {
 
     /// Drops every session whose deadline passed. Returns how many.
     pub fn expire(&mut self, now_ms: u64) -> usize {
-        let before = self.sessions.len();
-        self.sessions.retain(|_, s| s.expires_at_ms > now_ms);
-        let n = before - self.sessions.len();
-        self.stats.expired += n as u64;
-        n
+        self.expire_ids(now_ms).len()
+    }
+
+    /// Drops every session whose deadline passed. Returns their ids (in no
+    /// particular order).
+    pub fn expire_ids(&mut self, now_ms: u64) -> Vec<String> {
+        let gone: Vec<String> =
+            self.sessions.iter().filter(|(_, s)| s.expires_at_ms <= now_ms).map(|(id, _)| id.clone()).collect();
+        for id in &gone {
+            self.sessions.remove(id);
+        }
+        self.stats.expired += gone.len() as u64;
+        gone
     }
 
     /// Oldest deadline among live sessions (for invariants).
@@ -208,7 +216,14 @@ impl LockTable {
         now_ms: u64,
     ) -> Result<(SealedExtent, u64), AccessError> {
         self.check_issuer(id)?;
-        let s = self.sessions.get(id).filter(|s| s.expires_at_ms > now_ms).ok_or(AccessError::UnknownSession)?;
+        // C13 canary: an expired session that the GC has not collected yet
+        // still authorizes reads.
+        let ignore_expiry = crate::canary::active(crate::canary::Canary::C13ServeExpiredSession);
+        let s = self
+            .sessions
+            .get(id)
+            .filter(|s| ignore_expiry || s.expires_at_ms > now_ms)
+            .ok_or(AccessError::UnknownSession)?;
         let oor = AccessError::OutOfRange { region, offset, len };
         if region != 0 || len == 0 {
             return Err(oor);

@@ -379,7 +379,11 @@ impl DataSource for LockSource {
     fn authorize(&self, session: &str, region: u32, offset: u64, len: u64) -> Result<(SealedExtent, u64), AccessError> {
         let e = self.0.upgrade().ok_or(AccessError::UnknownSession)?;
         let now = crate::rt::elapsed_ms(e.origin);
-        e.locks.lock().expect("locks lock").authorize(session, region, offset, len, now)
+        let r = e.locks.lock().expect("locks lock").authorize(session, region, offset, len, now);
+        // The simulator checks every authorization against the session's
+        // grant and end (C13: no byte under an expired or released session).
+        tracing::trace!(target: DATA_ACCESS_TRACE_TARGET, session, now_ms = now, ok = r.is_ok(), "data access");
+        r
     }
 }
 
@@ -1048,7 +1052,15 @@ impl Engine {
         self.inner.metrics.transfer_locks_created.fetch_add(1, Ordering::Relaxed);
         // The simulator collects these events to check that no id is ever
         // granted twice in a run (C16).
-        tracing::trace!(target: TRANSFER_SESSION_TRACE_TARGET, session = %id, blocks = found.len(), "granted");
+        tracing::trace!(
+            target: TRANSFER_SESSION_TRACE_TARGET,
+            session = %id,
+            blocks = found.len(),
+            owner = %self.node(),
+            now_ms = now,
+            expires_at_ms = now + timeout_ms,
+            "granted"
+        );
         // The simulator compares what the lock table pinned with what was
         // requested and found (C8 "pins exactly the found blocks").
         if tracing::enabled!(target: TRANSFER_PINS_TRACE_TARGET, tracing::Level::TRACE) {
@@ -1075,7 +1087,17 @@ impl Engine {
     /// not issue (another node's, or a previous process's on the same
     /// address): nothing is released (C16).
     pub fn release_transfer(&self, session: &str) -> Result<usize, AccessError> {
-        self.inner.locks.lock().expect("locks lock").release(session)
+        let r = self.inner.locks.lock().expect("locks lock").release(session);
+        // The simulator counts the releases each session gets (C8: exactly
+        // one, by its requester).
+        tracing::trace!(
+            target: TRANSFER_RELEASE_TRACE_TARGET,
+            session,
+            now_ms = self.now_ms(),
+            released = r.as_ref().map_or(0, |n| *n),
+            "release received"
+        );
+        r
     }
 
     /// Lock timeout in seconds.
@@ -1104,6 +1126,22 @@ pub const TRANSFER_SESSION_TRACE_TARGET: &str = "kvferry::transfer_session";
 /// separated: how the simulator checks that a lock pins exactly the found
 /// blocks (C8). Computed only while a subscriber listens at trace level.
 pub const TRANSFER_PINS_TRACE_TARGET: &str = "kvferry::transfer_pins";
+
+/// `tracing` target of the trace-level event an owner emits for every
+/// `ReleaseTransferLock` it receives (fields `session`, `now_ms`,
+/// `released`): how the simulator counts each session's releases (C8).
+pub const TRANSFER_RELEASE_TRACE_TARGET: &str = "kvferry::transfer_release";
+
+/// `tracing` target of the trace-level event the lock GC emits for each
+/// session it expires (fields `session`, `now_ms`): how the simulator tells
+/// a lock that ended by expiry from one its requester released (C8).
+pub const TRANSFER_EXPIRED_TRACE_TARGET: &str = "kvferry::transfer_expired";
+
+/// `tracing` target of the trace-level event the data plane's access policy
+/// emits for every read it authorizes or refuses (fields `session`,
+/// `now_ms` on the owner's engine clock, `ok`): how the simulator checks
+/// that no byte is served under an expired or released session (C13/C16).
+pub const DATA_ACCESS_TRACE_TARGET: &str = "kvferry::data_access";
 
 /// What [`Engine::copy_and_seal`] did.
 struct Sealed {
@@ -1193,7 +1231,11 @@ async fn lock_gc(engine: Weak<EngineInner>) {
         tokio::time::sleep(period).await;
         let Some(e) = engine.upgrade() else { return };
         let now = crate::rt::elapsed_ms(e.origin);
-        let n = e.locks.lock().expect("locks lock").expire(now);
+        let gone = e.locks.lock().expect("locks lock").expire_ids(now);
+        for session in &gone {
+            tracing::trace!(target: TRANSFER_EXPIRED_TRACE_TARGET, session = %session, now_ms = now, "expired");
+        }
+        let n = gone.len();
         if n > 0 {
             e.metrics.transfer_locks_expired.fetch_add(n as u64, Ordering::Relaxed);
             tracing::debug!(expired = n, "transfer locks expired");

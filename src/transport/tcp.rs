@@ -79,6 +79,9 @@ pub struct TcpHooks {
     pub read_delay_ms: AtomicU64,
     /// Read ops failed by `fail_next_reads`.
     pub injected_read_errors: AtomicU64,
+    /// Server side, test hook: each read request waits this many ms before
+    /// it is authorized and served (a stalled or slow owner). 0 = off.
+    pub serve_delay_ms: AtomicU64,
 }
 
 /// Bounds on the connections the data-plane server holds open at once.
@@ -464,6 +467,10 @@ async fn serve_read(
     hooks: &TcpHooks,
     rr: ReadRequest,
 ) -> std::io::Result<()> {
+    let delay_ms = hooks.serve_delay_ms.load(Ordering::Relaxed);
+    if delay_ms > 0 {
+        tokio::time::sleep(std::time::Duration::from_millis(delay_ms)).await;
+    }
     let (extent, off) = match source.authorize(&rr.session, rr.region, rr.offset, rr.len) {
         Ok(v) => v,
         Err(e) => {

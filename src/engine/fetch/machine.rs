@@ -564,7 +564,13 @@ impl FetchMachine {
         }
         tracing::debug!(owner = %t.owner, got, stop = ?stop, "fetch from owner");
         self.rep.stopped = stop;
+        // C8 canary: an owner that delivered part of the blocks and then
+        // failed on the transport is never sent its release.
+        let skip_release = got > 0
+            && matches!(self.rep.stopped, Some(FetchError::Transport(_)))
+            && crate::canary::active(crate::canary::Canary::C8ReleaseSkippedAfterPartialRead);
         match self.held.take() {
+            Some(_) if skip_release => self.next_owner(out),
             Some((owner, session)) => {
                 out.push(Action::Release { owner, session });
                 self.stage = Stage::Releasing;

@@ -255,6 +255,9 @@ struct Driver<'a> {
     /// `fetch_into`: the caller's block indices, and each block's load
     /// result as its load finishes.
     load: Option<LoadPipe<'a>>,
+    /// Transfer sessions granted to this fetch (for the end-of-fetch trace
+    /// event the simulator checks C8 with).
+    granted: Vec<String>,
 }
 
 /// The loads of a [`Engine::fetch_into`], started part by part as blocks
@@ -312,7 +315,12 @@ impl Engine {
     ) -> (FetchReport, Option<Result<LoadReport, EngineError>>) {
         self.inner.metrics.fetches.fetch_add(1, Ordering::Relaxed);
         let started = Instant::now();
-        let deadline = started + self.inner.cfg.fetch_deadline;
+        // C9 canary: the deadline is a thousand times the configured one.
+        let deadline = if crate::canary::active(crate::canary::Canary::C9FetchDeadlineStretched) {
+            started + self.inner.cfg.fetch_deadline * 1000
+        } else {
+            started + self.inner.cfg.fetch_deadline
+        };
         let local = self.query_prefix(namespace, hashes);
         let mut pipe = load.map(|blocks| LoadPipe {
             blocks,
@@ -369,6 +377,7 @@ impl Engine {
                 rpc: None,
                 phases: FetchPhases::default(),
                 load: pipe.take(),
+                granted: Vec::new(),
             };
             d.run(first).await;
             rep = d.m.report().clone();
@@ -463,6 +472,17 @@ impl<'a> Driver<'a> {
             *self.blocking_phase() += waited;
             let Some(outcome) = outcome else { continue };
             let ev = self.absorb(outcome);
+            if let Event::Locked(Ok(grant)) = &ev {
+                // The simulator checks that every lock a fetch saw granted
+                // is released exactly once by it (C8).
+                tracing::trace!(
+                    target: FETCH_LOCK_TRACE_TARGET,
+                    me = %self.engine.node(),
+                    session = %grant.session,
+                    "lock granted to fetch"
+                );
+                self.granted.push(grant.session.clone());
+            }
             queue.extend(self.m.step(ev));
         }
     }
@@ -703,6 +723,14 @@ impl<'a> Driver<'a> {
 
 impl Drop for Driver<'_> {
     fn drop(&mut self) {
+        if !self.granted.is_empty() {
+            tracing::trace!(
+                target: FETCH_END_TRACE_TARGET,
+                me = %self.engine.node(),
+                sessions = %self.granted.join(","),
+                "fetch over"
+            );
+        }
         // A fetch dropped half way (cancelled, or unwinding): release what
         // the machine still holds (C8). Slots go back to the pool with
         // `self.slots`; slots inside a read in flight come back through the
@@ -724,9 +752,23 @@ impl Drop for Driver<'_> {
 /// `ReleaseTransferLock(session)`, bounded by `timeout`; the outcome is not
 /// needed (release is idempotent and an unreleased lock expires, C8).
 async fn release_lock(mut grpc: EngineClient<Channel>, session: String, timeout: Duration) {
+    tracing::trace!(target: FETCH_RELEASE_TRACE_TARGET, session = %session, "release sent");
     let req = ReleaseTransferLockRequest { transfer_session_id: session };
     let _ = tokio::time::timeout(timeout, grpc.release_transfer_lock(req)).await;
 }
+
+/// The `tracing` target of the trace-level event a fetch emits when an
+/// owner grants it a transfer lock (fields `me`, `session`).
+pub const FETCH_LOCK_TRACE_TARGET: &str = "kvferry::fetch_lock";
+
+/// The `tracing` target of the trace-level event emitted as a fetch's
+/// `ReleaseTransferLock` leaves (field `session`).
+pub const FETCH_RELEASE_TRACE_TARGET: &str = "kvferry::fetch_release";
+
+/// The `tracing` target of the trace-level event a fetch that was granted
+/// locks emits when it ends, returned or dropped (fields `me`, `sessions`:
+/// comma separated).
+pub const FETCH_END_TRACE_TARGET: &str = "kvferry::fetch_end";
 
 /// The `tracing` target of the event logged when a fetched block is
 /// rejected for a checksum mismatch (C10); the simulator counts them.
