@@ -136,8 +136,16 @@ async fn client_shutdown(engine: &Engine) {
 
 /// Seconds of the fastest of [`REPS`] fetches of `blocks` blocks of
 /// `block_bytes` between two fresh host-backend nodes on loopback whose TCP
-/// transport keeps at most `connections` connections per peer.
-async fn fetch_secs(url: &str, blocks: u64, block_bytes: u64, connections: usize, rep0: u64) -> Result<f64, String> {
+/// transport keeps at most `connections` connections per peer, the fetch
+/// keeping `reads_in_flight` read parts in flight.
+async fn fetch_secs(
+    url: &str,
+    blocks: u64,
+    block_bytes: u64,
+    connections: usize,
+    reads_in_flight: usize,
+    rep0: u64,
+) -> Result<f64, String> {
     let total = blocks * block_bytes;
     let mut nodes = Vec::new();
     for _ in 0..2 {
@@ -145,6 +153,7 @@ async fn fetch_secs(url: &str, blocks: u64, block_bytes: u64, connections: usize
         cfg.engine.pool_bytes = total + (64 << 20);
         cfg.engine.fetch_deadline = Duration::from_secs(60);
         cfg.tcp_connections_per_peer = connections;
+        cfg.engine.fetch_reads_in_flight = reads_in_flight;
         let gpu = Arc::new(HostGpu::new());
         let n = node::start(cfg, gpu.clone()).await.map_err(|e| e.to_string())?;
         // One layer, one segment: a block is one contiguous read.
@@ -189,12 +198,19 @@ async fn fetch_secs(url: &str, blocks: u64, block_bytes: u64, connections: usize
 /// default pool when empty) against the best plain loopback copy of the
 /// same bytes over [`crate::limits::TCP_RAW_COPY_CONNECTIONS`] connections
 /// ([`crate::transport::tcp::raw_loopback_copy`]), all in one run. T4 is
-/// the default pool's fetch ÷ that best copy. Returns the JSON it printed.
+/// the default pool's fetch ÷ that best copy. The fetch keeps
+/// `reads_in_flight` read parts in flight (`kvferry pd --reads-in-flight`).
+/// Returns the JSON it printed.
 ///
 /// # Errors
 /// Set-up failures as text; a connection count outside
 /// `1..=`[`crate::limits::TCP_CONNECTIONS_PER_PEER_MAX`].
-pub async fn transport(blocks: u64, block_mib: u64, connections: &[usize]) -> Result<serde_json::Value, String> {
+pub async fn transport(
+    blocks: u64,
+    block_mib: u64,
+    connections: &[usize],
+    reads_in_flight: usize,
+) -> Result<serde_json::Value, String> {
     let default_conns = crate::limits::TCP_CONNECTIONS_PER_PEER_DEFAULT;
     let mut pools: Vec<usize> = connections.to_vec();
     if !pools.contains(&default_conns) {
@@ -208,7 +224,7 @@ pub async fn transport(blocks: u64, block_mib: u64, connections: &[usize]) -> Re
     let total = blocks * block_bytes;
     let mut fetch_s = Vec::new();
     for (i, &c) in pools.iter().enumerate() {
-        fetch_s.push((c, fetch_secs(&url, blocks, block_bytes, c, (i * REPS) as u64).await?));
+        fetch_s.push((c, fetch_secs(&url, blocks, block_bytes, c, reads_in_flight, (i * REPS) as u64).await?));
     }
     let _ = ms.shutdown().await;
     let counts = crate::limits::TCP_RAW_COPY_CONNECTIONS;
@@ -220,7 +236,7 @@ pub async fn transport(blocks: u64, block_mib: u64, connections: &[usize]) -> Re
     let fetch_default = fetch_s.iter().find(|(c, _)| *c == default_conns).map(|(_, s)| *s).unwrap_or(f64::MAX);
     let t4 = gbps(total, fetch_default) / best.gbps();
     println!(
-        "bench transport (tcp, loopback), {blocks} blocks x {block_mib} MiB = {:.2} GiB, best of {REPS}",
+        "bench transport (tcp, loopback), {blocks} blocks x {block_mib} MiB = {:.2} GiB, {reads_in_flight} read parts in flight, best of {REPS}",
         total as f64 / (1u64 << 30) as f64
     );
     for r in &raw.runs {
@@ -248,7 +264,7 @@ pub async fn transport(blocks: u64, block_mib: u64, connections: &[usize]) -> Re
     );
     Ok(json!({
         "blocks": blocks, "block_bytes": block_bytes, "bytes": total,
-        "connections": default_conns,
+        "connections": default_conns, "reads_in_flight": reads_in_flight,
         "raw_gbps": best.gbps(), "raw_connections": best.connections,
         "raw_by_connections": raw.runs.iter().map(|r| json!({"connections": r.connections, "gbps": r.gbps()})).collect::<Vec<_>>(),
         "fetch_gbps": gbps(total, fetch_default),

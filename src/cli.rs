@@ -102,6 +102,9 @@ enum BenchCmd {
         /// (1..=16; the default pool is always timed too).
         #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u64).range(1..=kvferry::limits::TCP_CONNECTIONS_PER_PEER_MAX as u64))]
         connections: Vec<u64>,
+        /// Read parts the fetch keeps in flight (as `pd --reads-in-flight`).
+        #[arg(long, default_value_t = kvferry::limits::FETCH_READS_IN_FLIGHT, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=64))]
+        reads_in_flight: usize,
     },
     /// CUDA save/load through the engine vs raw pinned copies (T1–T3); needs the `cuda` feature and a GPU.
     Gpu {
@@ -761,9 +764,9 @@ pub fn main() -> ExitCode {
                 }
                 let v = match which {
                     BenchCmd::Engine { blocks } => kvferry::bench::engine(blocks).await,
-                    BenchCmd::Transport { blocks, block_mib, connections } => {
+                    BenchCmd::Transport { blocks, block_mib, connections, reads_in_flight } => {
                         let pools: Vec<usize> = connections.iter().map(|&c| c as usize).collect();
-                        kvferry::bench::transport(blocks, block_mib, &pools).await
+                        kvferry::bench::transport(blocks, block_mib, &pools, reads_in_flight).await
                     }
                     BenchCmd::Store { keys } => kvferry::bench::store(keys).await,
                     BenchCmd::Gpu { device } => bench_gpu(device).await,
