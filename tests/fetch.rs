@@ -1040,6 +1040,18 @@ async fn fetch_reads_in_parts_and_a_bad_part_ends_it() {
         let kp = register_default(&p.engine, 40);
         let kd = register_default(&d.engine, 40);
         let served = || tcp(&p).hooks.reads_served.load(Ordering::SeqCst);
+        // The owner counts a read once its bytes are written, which can be
+        // after the reader already has them: wait (bounded) for the count
+        // to reach `want`, then a little longer so that an extra read would
+        // show too.
+        let settled = |from: u64, want: u64| async move {
+            let until = tokio::time::Instant::now() + Duration::from_secs(2);
+            while served() - from < want && tokio::time::Instant::now() < until {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            served() - from
+        };
 
         let hs = hashes(9200..9208);
         prefill(&p.engine, &kp, &hs).await;
@@ -1047,7 +1059,7 @@ async fn fetch_reads_in_parts_and_a_bad_part_ends_it() {
         let rep = d.engine.fetch(NS, &hs).await;
         assert_eq!((rep.available, rep.fetched), (8, 8), "{rep:?}");
         load_and_verify(&d.engine, &kd, 0, &hs).await;
-        let whole = served() - before;
+        let whole = settled(before, 8).await;
         assert_eq!(whole, 8, "one read per block (a block is one extent on each side)");
 
         let hs2 = hashes(9300..9308);
@@ -1058,7 +1070,7 @@ async fn fetch_reads_in_parts_and_a_bad_part_ends_it() {
         let rep = d.engine.fetch(NS, &hs2).await;
         assert_eq!((rep.available, rep.fetched), (0, 0), "{rep:?}");
         assert_eq!(rep.stopped, Some(FetchError::Checksum));
-        let bad = served() - before;
+        let bad = settled(before, 4).await;
         assert_eq!(bad, 4, "parts 1 and 2 read (2 while 1 was checked), parts 3 and 4 never asked for");
         assert_eq!(d.engine.gauges(), gauges, "nothing sealed, every extent back in the pool");
     })
