@@ -1290,8 +1290,15 @@ mod tests {
             let done = reader.t.read(&owner.node, "s", ops, local, later()).await;
             let shm = N as f64 / t.elapsed().as_secs_f64() / 1e9;
             assert!(done.results.iter().all(Result::is_ok));
+            drop(done);
+            // The same copy from the mapping on this thread alone.
+            let map = reader.t.peers.lock().unwrap().get(&owner.node).unwrap().clone();
+            let mut one = reader.pool.alloc(N).unwrap();
+            let t = std::time::Instant::now();
+            copy_ops(&map, &mut one, &[op(b.offset(), N, 0, 0)]);
+            let mapped = N as f64 / t.elapsed().as_secs_f64() / 1e9;
             println!(
-                "memcpy 1 thread {memcpy:.2} GB/s, shm read {shm:.2} GB/s ({} cores)",
+                "memcpy 1 thread {memcpy:.2} GB/s, from the mapping 1 thread {mapped:.2} GB/s, shm read {shm:.2} GB/s ({} cores)",
                 crate::rt::cpu_parallelism()
             );
         }
