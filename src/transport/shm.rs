@@ -1297,6 +1297,16 @@ mod tests {
             let t = std::time::Instant::now();
             copy_ops(&map, &mut one, &[op(b.offset(), N, 0, 0)]);
             let mapped = N as f64 / t.elapsed().as_secs_f64() / 1e9;
+            drop(one);
+            // The read again, right after.
+            let ops: Vec<ReadOp> =
+                (0..parts).map(|i| op(b.offset() + i * (N / parts), N / parts, i as usize, 0)).collect();
+            let local: Vec<Extent> = (0..parts).map(|_| reader.pool.alloc(N / parts).unwrap()).collect();
+            let t = std::time::Instant::now();
+            let done = reader.t.read(&owner.node, "s", ops, local, later()).await;
+            let shm2 = N as f64 / t.elapsed().as_secs_f64() / 1e9;
+            drop(done);
+            println!("  shm read again {shm2:.2} GB/s");
             println!(
                 "memcpy 1 thread {memcpy:.2} GB/s, from the mapping 1 thread {mapped:.2} GB/s, shm read {shm:.2} GB/s ({} cores)",
                 crate::rt::cpu_parallelism()
