@@ -65,8 +65,15 @@
 //! # Failure
 //!
 //! An owner that dies leaves the reader's mapping valid (the file lives
-//! while it is mapped): reads keep returning the bytes last written, which
-//! the checksums judge; nothing crashes or hangs. A refused attach — not
+//! while it is mapped): a read in flight completes with the bytes last
+//! written, which the checksums judge; nothing crashes or hangs. The
+//! reader holds a pidfd of the owner process (from `SO_PEERCRED`): once it
+//! reads as exited, the next read drops the mapping and fails, so the
+//! composite transport reads over TCP and the next handshake maps the
+//! restarted owner's pool (an owner in the reader's own process — tests,
+//! in-process clusters — is not watched this way: a node restarted in the
+//! same process on the same address leaves a stale mapping whose bytes the
+//! checksums reject until the peer is forgotten). A refused attach — not
 //! the same host, no or a bad token, a wrong uid, an unsealed descriptor, a
 //! size mismatch, an unreachable socket — is a typed [`ShmError`] and maps
 //! nothing; the composite transport (`transport::path`) then reads over TCP.
@@ -318,6 +325,30 @@ struct Mapping {
     ptr: *const u8,
     len: usize,
     region: u32,
+    /// A pidfd of the owner process (`SO_PEERCRED`'s pid at attach), when
+    /// the kernel has pidfds: readable once that process exited.
+    owner: Option<OwnedFd>,
+}
+
+impl Mapping {
+    /// Whether the owner process is known to have exited (its pidfd is
+    /// readable). An owner in this very process never reads as exited.
+    fn owner_exited(&self) -> bool {
+        let Some(fd) = &self.owner else { return false };
+        let mut p = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: poll of one live descriptor, no wait.
+        let n = unsafe { libc::poll(&mut p, 1, 0) };
+        n > 0 && p.revents & libc::POLLIN != 0
+    }
+}
+
+/// A pidfd of process `pid`, `None` where the kernel has none (Linux < 5.3)
+/// or the process is gone already.
+fn pidfd_of(pid: libc::pid_t) -> Option<OwnedFd> {
+    // SAFETY: the pidfd_open syscall with no flags.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    // SAFETY: a fresh descriptor we own.
+    (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
 }
 
 // SAFETY: a read-only shared mapping with no thread affinity; only ever read
@@ -498,10 +529,13 @@ impl ShmTransport {
         let io = left.min(Duration::from_millis(limits::SHM_SOCKET_IO_MS));
         let (socket, token, uid, want) = (section.socket.clone(), section.token, self.cfg.trusted_uid, region.len);
         let id = region.id;
-        let fd = crate::rt::run_blocking(move || fetch_fd(&socket, &token, uid, io))
+        let (fd, owner) = crate::rt::run_blocking(move || fetch_fd_and_owner(&socket, &token, uid, io))
             .await
             .map_err(|e| ShmError::Io(e.0))??;
-        let mapping = map_received(fd, want, id)?;
+        let mut mapping = map_received(fd, want, id)?;
+        // Where the owner runs in another process, a read notices when it
+        // exited (a restarted owner's blocks are elsewhere): see `read`.
+        mapping.owner = owner;
         self.peers.lock().expect("peers lock").insert(peer.clone(), Arc::new(mapping));
         self.hooks.attached.fetch_add(1, Ordering::Relaxed);
         Ok(())
@@ -656,6 +690,11 @@ fn reopen_read_only(fd: BorrowedFd<'_>) -> Result<OwnedFd, ShmError> {
 
 /// The uid of the process at the other end of `s` (`SO_PEERCRED`).
 fn peer_uid(s: &UnixStream) -> Result<u32, ShmError> {
+    peer_cred(s).map(|c| c.uid)
+}
+
+/// The credentials of the process at the other end of `s` (`SO_PEERCRED`).
+fn peer_cred(s: &UnixStream) -> Result<libc::ucred, ShmError> {
     let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
     // SAFETY: getsockopt into a correctly sized struct.
@@ -665,20 +704,31 @@ fn peer_uid(s: &UnixStream) -> Result<u32, ShmError> {
     if r != 0 {
         return Err(io_err("SO_PEERCRED", std::io::Error::last_os_error()));
     }
-    Ok(cred.uid)
+    Ok(cred)
 }
 
 /// Reader: connects to `socket`, checks the owner's uid, presents `token`
 /// and receives the descriptor, each step within `io`.
 fn fetch_fd(socket: &str, token: &[u8; TOKEN_BYTES], uid: u32, io: Duration) -> Result<OwnedFd, ShmError> {
+    fetch_fd_and_owner(socket, token, uid, io).map(|(fd, _)| fd)
+}
+
+/// [`fetch_fd`], with a pidfd of the owner process when the kernel has one.
+fn fetch_fd_and_owner(
+    socket: &str,
+    token: &[u8; TOKEN_BYTES],
+    uid: u32,
+    io: Duration,
+) -> Result<(OwnedFd, Option<OwnedFd>), ShmError> {
     let addr = SocketAddr::from_abstract_name(socket.as_bytes()).map_err(|e| io_err("socket name", e))?;
     let mut s = UnixStream::connect_addr(&addr).map_err(|e| io_err("connect", e))?;
     s.set_read_timeout(Some(io)).map_err(|e| io_err("timeout", e))?;
     s.set_write_timeout(Some(io)).map_err(|e| io_err("timeout", e))?;
-    let theirs = peer_uid(&s)?;
-    if theirs != uid {
-        return Err(ShmError::WrongUid { ours: uid, theirs });
+    let cred = peer_cred(&s)?;
+    if cred.uid != uid {
+        return Err(ShmError::WrongUid { ours: uid, theirs: cred.uid });
     }
+    let owner = pidfd_of(cred.pid);
     let mut req = [0u8; REQUEST_BYTES];
     req[..4].copy_from_slice(&MAGIC);
     req[4] = VERSION;
@@ -695,7 +745,7 @@ fn fetch_fd(socket: &str, token: &[u8; TOKEN_BYTES], uid: u32, io: Duration) -> 
         return Err(ShmError::Refused(status));
     }
     match (first, extra) {
-        (Some(fd), None) => Ok(fd),
+        (Some(fd), None) => Ok((fd, owner)),
         _ => Err(ShmError::NoFd),
     }
 }
@@ -769,7 +819,7 @@ fn map_received(fd: OwnedFd, want: u64, region: u32) -> Result<Mapping, ShmError
     if p == libc::MAP_FAILED {
         return Err(io_err("mmap", std::io::Error::last_os_error()));
     }
-    Ok(Mapping { ptr: p as *const u8, len, region })
+    Ok(Mapping { ptr: p as *const u8, len, region, owner: None })
 }
 
 #[async_trait]
@@ -831,6 +881,13 @@ impl Transport for ShmTransport {
         }
         if Instant::now() >= deadline {
             return fail_all(local, TransportError::Timeout);
+        }
+        if map.owner_exited() {
+            // The owner process is gone: its successor (same address) has
+            // its blocks in another pool. Forget this mapping; the next
+            // handshake maps the new one, TCP serves meanwhile.
+            self.peers.lock().expect("peers lock").remove(peer);
+            return fail_all(local, TransportError::Io("shared-pool owner process exited".into()));
         }
         if self.hooks.fail_next_reads.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok() {
             return fail_all(local, TransportError::Io("injected shared-pool read error (test hook)".into()));
@@ -1252,6 +1309,42 @@ mod tests {
             std::thread::sleep(Duration::from_millis(50));
         }
         assert!(owner.t.hooks.refused_request.load(Ordering::Relaxed) >= 1);
+    }
+
+    /// An owner process that exited: the next read drops the mapping and
+    /// fails (the composite then reads over TCP), before copying anything.
+    #[tokio::test]
+    async fn an_exited_owner_process_drops_the_mapping() {
+        let owner = side(1, ShmConfig::default());
+        let reader = side(2, ShmConfig::default());
+        let b = block(&owner.pool, 4096, |_| 0x11);
+        reader.t.attach(&owner.node, &answer_for(&owner, &reader), later()).await.unwrap();
+        // In-process owner: watched by a pidfd of this process, never exited.
+        let own = reader.t.peers.lock().unwrap().get(&owner.node).unwrap().owner.is_some();
+        let done = read_into(&reader, &owner.node, vec![op(b.offset(), 4096, 0, 0)], &[4096]).await;
+        assert_eq!(done.results, vec![Ok(())]);
+        // Stand in another process for the owner, then let it exit.
+        let mut child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+        let Some(pidfd) = pidfd_of(child.id() as libc::pid_t) else {
+            assert!(!own, "pidfds on one call and not the other");
+            let _ = child.kill();
+            return; // a kernel without pidfds: nothing watched
+        };
+        {
+            let mut peers = reader.t.peers.lock().unwrap();
+            let m = peers.get_mut(&owner.node).unwrap();
+            Arc::get_mut(m).unwrap().owner = Some(pidfd);
+        }
+        let done = read_into(&reader, &owner.node, vec![op(b.offset(), 4096, 0, 0)], &[4096]).await;
+        assert_eq!(done.results, vec![Ok(())], "alive: read");
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let mut local = vec![reader.pool.alloc(4096).unwrap()];
+        local[0].as_mut_slice().fill(0xEE);
+        let done = reader.t.read(&owner.node, "s", vec![op(b.offset(), 4096, 0, 0)], local, later()).await;
+        assert!(matches!(done.results[0], Err(TransportError::Io(_))), "{:?}", done.results);
+        assert!(done.local[0].as_slice().iter().all(|&x| x == 0xEE), "nothing read");
+        assert!(!reader.t.is_attached(&owner.node), "the mapping is dropped");
     }
 
     /// Host identity: boot id and net namespace, printable, bounded.
