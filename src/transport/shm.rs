@@ -709,6 +709,7 @@ fn peer_cred(s: &UnixStream) -> Result<libc::ucred, ShmError> {
 
 /// Reader: connects to `socket`, checks the owner's uid, presents `token`
 /// and receives the descriptor, each step within `io`.
+#[cfg(test)]
 fn fetch_fd(socket: &str, token: &[u8; TOKEN_BYTES], uid: u32, io: Duration) -> Result<OwnedFd, ShmError> {
     fetch_fd_and_owner(socket, token, uid, io).map(|(fd, _)| fd)
 }
@@ -1328,6 +1329,7 @@ mod tests {
         let Some(pidfd) = pidfd_of(child.id() as libc::pid_t) else {
             assert!(!own, "pidfds on one call and not the other");
             let _ = child.kill();
+            let _ = child.wait();
             return; // a kernel without pidfds: nothing watched
         };
         {
