@@ -48,8 +48,8 @@ write("tcp_frame", "resp_error", resp(2, 9, b"range not locked"))
 # --- handshake: src/transport/handshake.rs module doc ---------------------
 
 
-def hs(transport, node, data_addr, regions, verbs=None):
-    out = b"KVHS" + bytes([1, transport])
+def hs(transport, node, data_addr, regions, verbs=None, same_host=None):
+    out = b"KVHS" + bytes([2, transport])
     for s in (node, data_addr):
         b = s.encode()
         out += struct.pack("<H", len(b)) + b
@@ -62,10 +62,25 @@ def hs(transport, node, data_addr, regions, verbs=None):
         link, lid, gid, qpns, psn, mtu = verbs
         out += bytes([1, link]) + struct.pack("<H", lid) + gid + bytes([len(qpns)])
         out += b"".join(struct.pack("<I", q) for q in qpns) + struct.pack("<II", psn, mtu)
+    if same_host is None:
+        out += b"\x00"
+    else:
+        host_id, socket, region, token = same_host
+        out += b"\x01"
+        for s in (host_id, socket):
+            b = s.encode()
+            out += struct.pack("<H", len(b)) + b
+        out += struct.pack("<I", region) + token
     return out
 
 
 write("handshake", "tcp", hs(1, "10.0.0.1:5000", "10.0.0.1:5001", [(0, 0, 1 << 30, 0)]))
+write(
+    "handshake",
+    "tcp_same_host",
+    hs(1, "10.0.0.1:5000", "10.0.0.1:5001", [(0, 0, 1 << 30, 0)], None,
+       ("04968113-364b-49b4-89cd-fbde5136432d/net:[4026531833]", "kvferry-shm-" + "ab" * 16, 0, bytes(range(16)))),
+)
 write("handshake", "sim_no_addr", hs(3, "node-a:1", "", [(0, 0, 4096, 0), (1, 8192, 4096, 0)]))
 write(
     "handshake",

@@ -610,6 +610,10 @@ async fn boot_node(i: usize, incarnation: u64, p: &Params, watch: Arc<GpuWatch>)
         // Production's start-up path (the pools here are small).
         pool_prefault: true,
         pool_align: 256,
+        // Production's default; the simulator has no memfd, so the pool is
+        // private and the path choice (Auto) reads over TCP: the shared
+        // pool is not simulated (its failures end in the same TCP fallback).
+        pool_shared: true,
         lock_timeout_secs: p.lock_timeout_secs,
         lock_gc_interval: p.lock_gc_interval,
         fetch_deadline: p.fetch_deadline,

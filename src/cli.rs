@@ -203,6 +203,9 @@ struct PdArgs {
     /// Data plane of every node: tcp, or verbs (RDMA READ; needs the `rdma` build feature and an RDMA device).
     #[arg(long, value_enum, default_value = "tcp")]
     transport: TransportArg,
+    /// Paths a TCP node reads a peer's blocks through: auto (the owner's shared pool when it is on this host, else TCP, falling back to TCP), shm (shared pool only), tcp (loopback TCP only).
+    #[arg(long, default_value = "auto", value_parser = parse_path)]
+    path: kvferry::node::PathChoice,
     /// RDMA device of every node with --transport verbs, as `ibv_devices` lists it (e.g. mlx5_0).
     #[arg(long, value_name = "NAME", required_if_eq("transport", "verbs"))]
     rdma_device: Option<String>,
@@ -227,6 +230,10 @@ struct PdArgs {
 enum TransportArg {
     Tcp,
     Verbs,
+}
+
+fn parse_path(s: &str) -> Result<kvferry::node::PathChoice, String> {
+    s.parse()
 }
 
 /// The nodes' data plane from the `--transport` and `--rdma-*` flags.
@@ -384,6 +391,18 @@ fn report_text(r: &pd::PdReport) -> String {
         "  bytes moved            {:>8.2} GiB at {:.2} GB/s (over {:.2} s with a fetch in flight)",
         gib, r.transport_gbps, r.fetch_busy_s
     );
+    for p in &r.paths {
+        println!(
+            "    path {:<4} (--path {}) {:>8} blocks, {:>8.2} GiB, {:.2} GB/s over the fetch time, {} fallbacks, {} refused set-ups",
+            p.path,
+            r.path,
+            p.blocks,
+            p.bytes as f64 / (1u64 << 30) as f64,
+            p.gbps,
+            p.fallbacks,
+            p.attach_failures
+        );
+    }
     println!("  handoff (barrier → fetch end) p50 {:.2} ms, p99 {:.2} ms", r.handoff_p50_ms, r.handoff_p99_ms);
     match r.raw_gbps {
         Some(raw) => {
@@ -570,6 +589,7 @@ async fn run_pd(a: PdArgs) -> Result<ExitCode, String> {
         concurrency: a.concurrency,
         max_blocks: a.max_blocks,
         transport,
+        path: a.path,
         stop: Some(stop),
         ..PdConfig::default()
     };

@@ -414,3 +414,51 @@ pub const VERBS_QP_TIMEOUT_EXP_DEFAULT: u8 = 14;
 /// Transport retries before an error completion (count; the IB maximum, 7):
 /// with the timeout above a dead peer is reported after ≈ 0.5 s.
 pub const VERBS_QP_RETRY_COUNT_DEFAULT: u8 = 7;
+
+/// Longest host identity in handshake metadata (bytes): a 36-byte boot id,
+/// a network-namespace id (`net:[4026531840]`, ~17 bytes) and separators,
+/// with room to spare (`transport::shm::host_identity`).
+pub const HOST_ID_BYTES_MAX: usize = 128;
+
+/// Longest shared-pool socket name in handshake metadata (bytes): an
+/// abstract Unix socket name must fit `sun_path` (108 bytes with the
+/// leading NUL); ours are `kvferry-shm-` + 32 hex digits (44).
+pub const SHM_SOCKET_NAME_BYTES_MAX: usize = 100;
+
+/// Connections the shared-pool socket serves at once (count). Each gets one
+/// request, one answer with the pool's fd, then closes, all within
+/// [`SHM_SOCKET_IO_MS`]; beyond this a connection is closed at once and
+/// counted, so a flood costs bounded threads and memory.
+pub const SHM_CONNECTIONS_IN_FLIGHT_MAX: usize = 16;
+
+/// Bound on each read or write of a shared-pool socket exchange (ms): the
+/// messages are a few dozen bytes between processes of one host, so any
+/// wait longer than this is a stuck or hostile peer.
+pub const SHM_SOCKET_IO_MS: u64 = 2_000;
+
+/// Tokens (pool fd grants) an owner holds at once, one per requester that
+/// passed the gRPC handshake and has not collected its fd yet; beyond this
+/// the oldest is forgotten (that requester handshakes again, or reads over
+/// TCP).
+pub const SHM_TOKENS_MAX: usize = 1_024;
+
+/// How long a shared-pool token stays valid after the handshake answer
+/// that issued it (ms). The requester redeems it right after that answer,
+/// within its fetch deadline ([`FETCH_DEADLINE_MS_DEFAULT`]); 30 s leaves
+/// room for longer configured deadlines.
+pub const SHM_TOKEN_TTL_MS: u64 = 30_000;
+
+/// Peer pools one reader keeps mapped at once (count): each mapping is
+/// address space, not memory, but a bound keeps a reader that meets many
+/// restarted owners from collecting them. Beyond it the new owner is read
+/// over TCP.
+pub const SHM_MAPPINGS_MAX: usize = 256;
+
+/// Bytes of one shared-pool read batch below which it is copied on the
+/// calling thread alone; larger batches are split over up to
+/// [`SHM_COPY_THREADS_MAX`] threads, each with at least this many bytes (a
+/// thread costs tens of µs to start; 4 MiB copies in ~0.5 ms on one core).
+pub const SHM_COPY_BYTES_PER_THREAD_MIN: u64 = 4 << 20;
+
+/// Most threads one shared-pool read batch is copied on (count).
+pub const SHM_COPY_THREADS_MAX: usize = 8;

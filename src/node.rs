@@ -17,6 +17,15 @@
 //! no device of that name — fails start-up with a [`NodeError`] before it
 //! says ready, and leaves nothing running (no listener, no MetaServer
 //! client heartbeating for it).
+//!
+//! With TCP, [`NodeConfig::path`] adds the same-host shared pool
+//! (`transport::shm`) under the composite `transport::path`:
+//! [`PathChoice::Auto`] (the default) puts the pool in a sealed memfd,
+//! serves it to authenticated same-host peers and reads same-host owners'
+//! pools from memory, falling back to TCP on any failure;
+//! [`PathChoice::Shm`] requires it (a node that cannot share its pool fails
+//! start-up with [`NodeError::Shm`]); [`PathChoice::Tcp`] keeps the pool
+//! private and reads over TCP only. The verbs transport ignores it.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -30,6 +39,8 @@ use crate::engine::{Engine, EngineConfig, EngineError};
 use crate::gpu::Gpu;
 use crate::p2p::P2pTransferService;
 use crate::transport::Transport;
+use crate::transport::path::PathTransport;
+pub use crate::transport::path::{PathChoice, PathStats};
 use crate::transport::tcp::TcpTransport;
 use crate::transport::verbs::VerbsConfig;
 use crate::transport::verbs::plan::PlanError;
@@ -89,6 +100,10 @@ pub struct NodeConfig {
     pub tcp_connections_per_peer: usize,
     /// The data-plane backend.
     pub transport: TransportChoice,
+    /// Which paths a TCP node reads host memory through: the same-host
+    /// shared pool and/or TCP (see the module doc). Ignored with
+    /// [`TransportChoice::Verbs`].
+    pub path: PathChoice,
     /// Talk TLS to the MetaServer, trusting these CA certificates (feature
     /// `tls`; see [`crate::tls`]). `None`: plain text.
     pub metaserver_tls: Option<crate::tls::TlsTrust>,
@@ -107,6 +122,7 @@ impl NodeConfig {
             metaserver_rpc_timeout: Duration::from_millis(crate::limits::METASERVER_RPC_TIMEOUT_MS_DEFAULT),
             tcp_connections_per_peer: crate::limits::TCP_CONNECTIONS_PER_PEER_DEFAULT,
             transport: TransportChoice::Tcp,
+            path: PathChoice::Auto,
             metaserver_tls: None,
         }
     }
@@ -163,6 +179,11 @@ pub enum NodeError {
     #[cfg(all(feature = "rdma", not(madsim)))]
     #[error("verbs transport: {0}")]
     Verbs(#[source] VerbsError),
+    /// [`PathChoice::Shm`] on a node that cannot share its pool (the
+    /// simulator, no memfd, no host identity, the socket could not be
+    /// bound). The MetaServer client is shut down before this is returned.
+    #[error("shared pool (--path shm): {0}")]
+    Shm(String),
 }
 
 /// A running node.
@@ -176,6 +197,9 @@ pub struct NodeHandle {
     /// The TCP transport (hooks and counters); `None` when the node runs
     /// [`TransportChoice::Verbs`].
     pub tcp: Option<Arc<TcpTransport>>,
+    /// The composite over TCP and the shared pool (per-path counters:
+    /// [`PathTransport::stats`]); `None` with [`TransportChoice::Verbs`].
+    pub path: Option<Arc<PathTransport>>,
     /// The verbs transport (device, limits, counters); `None` when the node
     /// runs [`TransportChoice::Tcp`].
     #[cfg(all(feature = "rdma", not(madsim)))]
@@ -193,6 +217,9 @@ impl NodeHandle {
     /// when the last reference to it (the engine's) drops.
     pub async fn shutdown(self, deadline: Duration) {
         self.engine.client().shutdown(deadline).await;
+        if let Some(p) = &self.path {
+            p.shutdown();
+        }
         if let Some(t) = &self.tcp {
             t.shutdown();
             let _ = tokio::time::timeout(deadline, t.listener_closed()).await;
@@ -208,6 +235,9 @@ impl NodeHandle {
     /// is dropped; they can no longer handshake or lock blocks (both are
     /// gRPC calls).
     pub fn kill(self) {
+        if let Some(p) = &self.path {
+            p.shutdown();
+        }
         if let Some(t) = &self.tcp {
             t.shutdown();
         }
@@ -219,7 +249,7 @@ impl NodeHandle {
 
 /// The started data plane.
 enum DataPlane {
-    Tcp(Arc<TcpTransport>),
+    Tcp(Arc<TcpTransport>, Arc<PathTransport>),
     #[cfg(all(feature = "rdma", not(madsim)))]
     Verbs(Arc<VerbsTransport>),
 }
@@ -227,15 +257,23 @@ enum DataPlane {
 impl DataPlane {
     fn as_transport(&self) -> Arc<dyn Transport> {
         match self {
-            DataPlane::Tcp(t) => t.clone(),
+            DataPlane::Tcp(_, p) => p.clone(),
             #[cfg(all(feature = "rdma", not(madsim)))]
             DataPlane::Verbs(t) => t.clone(),
         }
     }
 
+    fn path(&self) -> Option<Arc<PathTransport>> {
+        match self {
+            DataPlane::Tcp(_, p) => Some(p.clone()),
+            #[cfg(all(feature = "rdma", not(madsim)))]
+            DataPlane::Verbs(_) => None,
+        }
+    }
+
     fn tcp(&self) -> Option<Arc<TcpTransport>> {
         match self {
-            DataPlane::Tcp(t) => Some(t.clone()),
+            DataPlane::Tcp(t, _) => Some(t.clone()),
             #[cfg(all(feature = "rdma", not(madsim)))]
             DataPlane::Verbs(_) => None,
         }
@@ -244,7 +282,7 @@ impl DataPlane {
     #[cfg(all(feature = "rdma", not(madsim)))]
     fn verbs(&self) -> Option<Arc<VerbsTransport>> {
         match self {
-            DataPlane::Tcp(_) => None,
+            DataPlane::Tcp(..) => None,
             DataPlane::Verbs(t) => Some(t.clone()),
         }
     }
@@ -261,7 +299,7 @@ fn start_data_plane(
     match &cfg.transport {
         TransportChoice::Tcp => {
             let listener = data.expect("a TCP node's data listener is bound before start-up");
-            TcpTransport::start_on(
+            let tcp = TcpTransport::start_on(
                 listener,
                 &cfg.advertise_host,
                 node.clone(),
@@ -270,8 +308,11 @@ fn start_data_plane(
                 cfg.tcp_connections_per_peer,
                 crate::transport::tcp::ConnLimits::default(),
             )
-            .map(|t| DataPlane::Tcp(Arc::new(t)))
-            .map_err(|source| NodeError::BindData { addr: cfg.data_addr, source })
+            .map(Arc::new)
+            .map_err(|source| NodeError::BindData { addr: cfg.data_addr, source })?;
+            let shm = start_shm(cfg.path, engine, tcp.local_metadata())?;
+            let path = Arc::new(PathTransport::new(cfg.path, tcp.clone(), shm));
+            Ok(DataPlane::Tcp(tcp, path))
         }
         #[cfg(all(feature = "rdma", not(madsim)))]
         TransportChoice::Verbs(v) => VerbsTransport::open(v, node.clone(), engine.pool(), engine.data_source())
@@ -279,6 +320,41 @@ fn start_data_plane(
             .map_err(NodeError::Verbs),
         #[cfg(not(all(feature = "rdma", not(madsim))))]
         TransportChoice::Verbs(_) => Err(NodeError::RdmaNotBuilt),
+    }
+}
+
+/// The shared pool for `choice`: `None` with [`PathChoice::Tcp`], or with
+/// [`PathChoice::Auto`] where it cannot start (logged).
+#[cfg(target_os = "linux")]
+fn start_shm(
+    choice: PathChoice,
+    engine: &Engine,
+    base: crate::transport::HandshakeMetadata,
+) -> Result<Option<Arc<crate::transport::shm::ShmTransport>>, NodeError> {
+    use crate::transport::shm::{ShmConfig, ShmTransport};
+    if choice == PathChoice::Tcp {
+        return Ok(None);
+    }
+    match ShmTransport::start(engine.pool(), base, 0, ShmConfig::default()) {
+        Ok(s) => Ok(Some(Arc::new(s))),
+        Err(e) if choice == PathChoice::Shm => Err(NodeError::Shm(e.to_string())),
+        Err(e) => {
+            tracing::debug!(error = %e, "no shared pool; same-host peers read over TCP");
+            Ok(None)
+        }
+    }
+}
+
+/// No shared pool off Linux.
+#[cfg(not(target_os = "linux"))]
+fn start_shm(
+    choice: PathChoice,
+    _engine: &Engine,
+    _base: crate::transport::HandshakeMetadata,
+) -> Result<Option<std::convert::Infallible>, NodeError> {
+    match choice {
+        PathChoice::Shm => Err(NodeError::Shm("shared pools need Linux".into())),
+        _ => Ok(None),
     }
 }
 
@@ -365,7 +441,11 @@ async fn start_bound(
     // A start that fails from here on must stop the client: its driver would
     // otherwise heartbeat forever for a node that never became ready, keeping
     // the address alive at the MetaServer (a later node on it is rejected).
-    let engine = match Engine::new(node.clone(), cfg.engine.clone(), gpu, client.clone()) {
+    let mut ecfg = cfg.engine.clone();
+    // Only a pool that may be shared goes into a memfd (a private heap arena
+    // gets transparent huge pages where shared memory may not).
+    ecfg.pool_shared &= cfg.path != PathChoice::Tcp && matches!(cfg.transport, TransportChoice::Tcp);
+    let engine = match Engine::new(node.clone(), ecfg, gpu, client.clone()) {
         Ok(e) => e,
         Err(e) => {
             client.shutdown(cfg.metaserver_rpc_timeout).await;
@@ -386,7 +466,7 @@ async fn start_bound(
         let _ = rx.wait_for(|v| *v).await;
     }));
     let data = match &data_plane {
-        DataPlane::Tcp(t) => format!("tcp {}", t.data_addr()),
+        DataPlane::Tcp(t, p) => format!("tcp {} (path {})", t.data_addr(), p.choice()),
         #[cfg(all(feature = "rdma", not(madsim)))]
         DataPlane::Verbs(_) => cfg.transport.to_string(),
     };
@@ -396,6 +476,7 @@ async fn start_bound(
         grpc_addr,
         node,
         tcp: data_plane.tcp(),
+        path: data_plane.path(),
         #[cfg(all(feature = "rdma", not(madsim)))]
         verbs: data_plane.verbs(),
         shutdown: tx,

@@ -610,7 +610,7 @@ impl Node {
         Ok((fetch_dict(py, &r.fetch)?, load_dict(py, &r.load)?))
     }
 
-    /// Counters and gauges.
+    /// Counters and gauges; with the TCP data plane also `path_{shm,tcp}_{blocks,bytes,fallbacks}` (which path moved the fetched blocks).
     fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let (_, engine) = self.engine()?;
         let m = engine.metrics();
@@ -647,6 +647,15 @@ impl Node {
             "registrations_dropped",
             q.dropped_queue_full + q.dropped_rpc_failed + q.dropped_rejected + q.dropped_shutdown,
         )?;
+        // Per data path (shared pool, TCP): blocks, bytes, fallbacks.
+        let paths = self.live.lock().expect("live lock").as_ref().and_then(|l| l.handle.path.as_ref().map(|p| p.stats()));
+        if let Some(s) = paths {
+            for (name, c) in [("shm", s.shm), ("tcp", s.tcp)] {
+                d.set_item(format!("path_{name}_blocks"), c.extents)?;
+                d.set_item(format!("path_{name}_bytes"), c.bytes)?;
+                d.set_item(format!("path_{name}_fallbacks"), c.fallbacks)?;
+            }
+        }
         Ok(d)
     }
 

@@ -47,6 +47,13 @@ pub struct EngineConfig {
     pub pool_prefault: bool,
     /// Pool allocation alignment (bytes, power of two).
     pub pool_align: u64,
+    /// Put the pool in a sealed memfd ([`Pool::new_shared`]) so a same-host
+    /// reader can map it (the `shm` transport); on by default. Where that
+    /// is unavailable (the simulator, no memfd) the pool is private and
+    /// [`Pool::shared_fd`] is `None`. A node with
+    /// `PathChoice::Tcp` turns it off (a private heap arena, which gets
+    /// transparent huge pages where shared memory does not).
+    pub pool_shared: bool,
     /// How long a transfer lock lives without a release (s).
     pub lock_timeout_secs: u32,
     /// Period of the engine's own lock GC.
@@ -83,6 +90,7 @@ impl Default for EngineConfig {
             pool_bytes: 256 << 20,
             pool_prefault: true,
             pool_align: 256,
+            pool_shared: true,
             lock_timeout_secs: limits::TRANSFER_LOCK_TIMEOUT_SECS_DEFAULT,
             lock_gc_interval: Duration::from_millis(limits::TRANSFER_LOCK_GC_INTERVAL_MS_DEFAULT),
             fetch_deadline: Duration::from_millis(limits::FETCH_DEADLINE_MS_DEFAULT),
@@ -400,7 +408,11 @@ impl Engine {
         gpu: Arc<dyn Gpu>,
         client: MetaServerClient,
     ) -> Result<Self, EngineError> {
-        let pool = Pool::new(cfg.pool_bytes, cfg.pool_align)?;
+        let pool = if cfg.pool_shared {
+            Pool::new_shared(cfg.pool_bytes, cfg.pool_align)?
+        } else {
+            Pool::new(cfg.pool_bytes, cfg.pool_align)?
+        };
         if cfg.pool_prefault {
             pool.prefault()?;
         }

@@ -4,6 +4,8 @@
 //! here; nothing here imports any of them.
 
 pub mod buffers;
+#[cfg(all(target_os = "linux", not(madsim)))]
+pub mod memfd;
 pub mod pool;
 
 pub use buffers::{BufferError, BufferTable, DeviceBufferId};

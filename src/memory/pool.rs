@@ -47,8 +47,11 @@
 //!    own the arena. The arena is deallocated when the [`Pool`] handle and
 //!    every extent (sealed or not) are gone — never while a slice into it can
 //!    still be produced.
-//! 5. **Initialisation.** The arena comes from `alloc_zeroed`, so every byte is
-//!    initialised before any slice is formed.
+//! 5. **Initialisation.** The arena comes from `alloc_zeroed` (or, shared,
+//!    from a fresh memfd, which reads as zeros), so every byte is
+//!    initialised before any slice is formed. A shared arena's file is
+//!    sealed against shrinking, so its pages can never disappear under a
+//!    mapping; only this process's mapping may write it (`memfd.rs`).
 //!
 //! What Rust cannot check: the raw pointers given out ([`Pool::base_ptr`],
 //! [`Extent::as_mut_ptr`], [`SealedExtent::as_ptr`]) are for DMA engines. The
@@ -330,15 +333,23 @@ impl ExtentAllocator {
     }
 }
 
+/// Where the arena's memory came from (given back on drop).
+enum Backing {
+    /// A heap allocation `arena` sits in.
+    Heap { raw: NonNull<u8>, raw_layout: AllocLayout },
+    /// A sealed memfd mapped shared at `arena` (see [`Pool::new_shared`]).
+    #[cfg(all(target_os = "linux", not(madsim)))]
+    Memfd(super::memfd::SharedArena),
+}
+
 /// What every handle shares: the arena and its allocator.
 struct PoolInner {
     /// Start of the arena; valid for `arena_layout.size()` bytes until drop.
     arena: NonNull<u8>,
     arena_layout: AllocLayout,
+    /// The memory `arena` sits in (freed on drop).
+    backing: Backing,
     /// Copies of the allocator's constants, readable without the lock.
-    /// The allocation `arena` sits in (freed on drop).
-    raw: NonNull<u8>,
-    raw_layout: AllocLayout,
     capacity: u64,
     align: u64,
     allocator: Mutex<ExtentAllocator>,
@@ -386,10 +397,15 @@ impl PoolInner {
 
 impl Drop for PoolInner {
     fn drop(&mut self) {
-        // SAFETY: `raw` was returned by `alloc_zeroed(raw_layout)` and is
-        // freed exactly once, here, when the last handle (pool or extent) is
-        // gone, so no slice into the arena can outlive this call.
-        unsafe { alloc::dealloc(self.raw.as_ptr(), self.raw_layout) }
+        match &self.backing {
+            // SAFETY: `raw` was returned by `alloc_zeroed(raw_layout)` and is
+            // freed exactly once, here, when the last handle (pool or extent)
+            // is gone, so no slice into the arena can outlive this call.
+            Backing::Heap { raw, raw_layout } => unsafe { alloc::dealloc(raw.as_ptr(), *raw_layout) },
+            // Unmapped by its own drop, which runs right after this one.
+            #[cfg(all(target_os = "linux", not(madsim)))]
+            Backing::Memfd(_) => {}
+        }
     }
 }
 
@@ -415,6 +431,45 @@ impl Pool {
     ///   of two, or the rounded size overflows the address space.
     /// - [`PoolError::ArenaAlloc`]: the system allocator returned null.
     pub fn new(capacity_bytes: u64, align: u64) -> Result<Pool, PoolError> {
+        Self::build(capacity_bytes, align, false)
+    }
+
+    /// [`Pool::new`] with the arena in a sealed memfd that the owner can
+    /// hand to a same-host reader ([`Pool::shared_fd`]; the `shm`
+    /// transport): `memfd_create(MFD_CLOEXEC | MFD_ALLOW_SEALING)`,
+    /// `ftruncate` to [`arena_len`](Self::arena_len), mapped `MAP_SHARED`
+    /// read-write at the same alignment as a heap arena, then sealed
+    /// against shrinking and growing (so no reader's mapping can ever fault
+    /// past the end of the file: no `SIGBUS`), against any *later* writable
+    /// mapping or `write` (`F_SEAL_FUTURE_WRITE`, where the kernel has it:
+    /// only this mapping can write the pool, a reader that reopens the fd
+    /// read-write still cannot map it writable), and against new seals.
+    /// Zeroed like a heap arena (a fresh file reads as zeros).
+    ///
+    /// Where memfd is unavailable (not Linux, the simulator, a kernel or
+    /// sandbox that refuses `memfd_create` or sealing) it falls back to the
+    /// heap arena of [`Pool::new`], and [`Pool::shared_fd`] is `None`.
+    ///
+    /// # Errors
+    /// As [`Pool::new`]; a memfd failure is not an error (the fallback).
+    pub fn new_shared(capacity_bytes: u64, align: u64) -> Result<Pool, PoolError> {
+        Self::build(capacity_bytes, align, true)
+    }
+
+    /// The sealed memfd the arena lives in (see [`Pool::new_shared`]), for
+    /// sending to a same-host reader; `None` for a heap arena. Offset `o`
+    /// of the file is byte `o` of the arena; its size is
+    /// [`arena_len`](Self::arena_len).
+    #[cfg(unix)]
+    pub fn shared_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        match &self.inner.backing {
+            Backing::Heap { .. } => None,
+            #[cfg(all(target_os = "linux", not(madsim)))]
+            Backing::Memfd(m) => Some(m.fd()),
+        }
+    }
+
+    fn build(capacity_bytes: u64, align: u64, shared: bool) -> Result<Pool, PoolError> {
         let bad = |reason| PoolError::BadConfig { capacity_bytes, align, reason };
         if capacity_bytes == 0 {
             return Err(bad("capacity must be non-zero"));
@@ -430,6 +485,26 @@ impl Pool {
         let arena_layout =
             AllocLayout::from_size_align(size, align_usize).map_err(|_| bad("capacity or align too large"))?;
         let allocator = ExtentAllocator::new(capacity, align)?;
+        let make = |arena: NonNull<u8>, backing: Backing| Pool {
+            inner: Arc::new(PoolInner {
+                arena,
+                arena_layout,
+                backing,
+                capacity,
+                align,
+                allocator: Mutex::new(allocator.clone()),
+                poison_freed: AtomicBool::new(false),
+                poisoned: AtomicU64::new(0),
+            }),
+        };
+        #[cfg(all(target_os = "linux", not(madsim)))]
+        if shared {
+            match super::memfd::SharedArena::create(size, align_usize) {
+                Ok(m) => return Ok(make(m.base(), Backing::Memfd(m))),
+                Err(e) => tracing::warn!(error = %e, "shared pool unavailable (memfd); using a private arena"),
+            }
+        }
+        let _ = shared;
         // Over-allocate with the allocator's natural alignment and align by
         // hand: `alloc_zeroed` with a large alignment goes through
         // `posix_memalign` + memset, touching (and committing) every page of a
@@ -449,19 +524,7 @@ impl Pool {
         // SAFETY: `pad < align_usize`, so `raw + pad .. raw + pad + size` lies
         // inside the `size + align_usize` bytes allocated.
         let arena = unsafe { NonNull::new_unchecked(raw.as_ptr().add(pad)) };
-        Ok(Pool {
-            inner: Arc::new(PoolInner {
-                arena,
-                arena_layout,
-                raw,
-                raw_layout,
-                capacity,
-                align,
-                allocator: Mutex::new(allocator),
-                poison_freed: AtomicBool::new(false),
-                poisoned: AtomicU64::new(0),
-            }),
-        })
+        Ok(make(arena, Backing::Heap { raw, raw_layout }))
     }
 
     /// Turns poisoning of freed extents on or off (off by default). On, every
@@ -796,6 +859,36 @@ mod tests {
         assert!(e.as_slice().iter().all(|&b| b == 0xAB));
         drop(e);
         assert_eq!(pool.prefault().unwrap(), pool.arena_len());
+    }
+
+    /// A shared pool behaves like a private one (zeroed, aligned, sealed
+    /// memfd of `arena_len` bytes whose bytes are the arena's); a pool made
+    /// with `new` has no fd.
+    #[cfg(all(target_os = "linux", not(madsim)))]
+    #[test]
+    fn shared_pool_is_a_sealed_memfd_of_the_arena() {
+        use std::os::fd::AsRawFd;
+        assert!(Pool::new(1 << 20, 256).unwrap().shared_fd().is_none());
+        for align in [256, 4096, 1 << 16] {
+            let pool = Pool::new_shared((1 << 20) + 5, align).unwrap();
+            let fd = pool.shared_fd().expect("memfd on Linux");
+            assert_eq!(pool.base_ptr() as u64 % align.max(ARENA_ALIGN_BYTES), 0);
+            // SAFETY: fstat/fcntl on a live descriptor.
+            let mut st: libc::stat = unsafe { std::mem::zeroed() };
+            assert_eq!(unsafe { libc::fstat(fd.as_raw_fd(), &mut st) }, 0);
+            assert_eq!(st.st_size as u64, pool.arena_len());
+            let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+            assert_ne!(seals & libc::F_SEAL_SHRINK, 0);
+            pool.prefault().unwrap();
+            let mut e = pool.alloc(4096).unwrap();
+            assert!(e.as_slice().iter().all(|&b| b == 0));
+            e.as_mut_slice().fill(0x5C);
+            // The file holds the arena's bytes at the extent's offset.
+            let mut back = [0u8; 16];
+            let n = unsafe { libc::pread(fd.as_raw_fd(), back.as_mut_ptr().cast(), 16, e.offset() as libc::off_t) };
+            assert_eq!(n, 16);
+            assert_eq!(back, [0x5C; 16]);
+        }
     }
 
     const A: u64 = 256;

@@ -31,7 +31,7 @@ use crate::engine::{Engine, EngineConfig};
 use crate::gpu::{Gpu, KvMemory};
 use crate::limits;
 use crate::metaserver::{self, MetaServerConfig, MetaServerHandle};
-use crate::node::{self, NodeConfig, NodeHandle, TransportChoice};
+use crate::node::{self, NodeConfig, NodeHandle, PathChoice, TransportChoice};
 use crate::types::BlockHash;
 
 /// Largest device KV region one replay node allocates (bytes).
@@ -68,6 +68,25 @@ impl Role {
             Role::Decode => "decode",
         }
     }
+}
+
+/// One data path's share of the replay's fetches (summed over the nodes
+/// still running at the end).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct PathLine {
+    /// `shm` or `tcp`.
+    pub path: String,
+    /// Blocks read on this path.
+    pub blocks: u64,
+    /// Bytes read on this path.
+    pub bytes: u64,
+    /// `bytes` ÷ the seconds with a fetch in flight (GB/s); the aggregate
+    /// rate when one path moved everything.
+    pub gbps: f64,
+    /// Blocks whose read on this path failed and went to the next path.
+    pub fallbacks: u64,
+    /// Handshakes in which this path could not be set up.
+    pub attach_failures: u64,
 }
 
 /// Per-node copy statistics (device save/load rates, timed submit to
@@ -174,6 +193,11 @@ pub struct PdConfig {
     /// Data plane of every node (`--transport`, `--rdma-device`): all nodes
     /// share it, so with verbs they all open the same device.
     pub transport: TransportChoice,
+    /// Which paths the TCP nodes read each other's pools through
+    /// (`--path`): all nodes of the replay run on this host, so with
+    /// [`PathChoice::Auto`] (the default) every fetch goes through the
+    /// owner's shared pool; [`PathChoice::Tcp`] forces TCP loopback.
+    pub path: PathChoice,
     /// When this turns true (the binary's Ctrl-C), no further request is
     /// started; the requests in flight finish (each bounded by its flush
     /// and fetch deadlines) and the report covers the requests replayed so
@@ -206,6 +230,7 @@ impl Default for PdConfig {
             flush_deadline: Duration::from_secs(5),
             fetch_deadline: Duration::from_secs(5),
             transport: TransportChoice::Tcp,
+            path: PathChoice::Auto,
             stop: None,
         }
     }
@@ -299,6 +324,10 @@ pub struct PdReport {
     pub model: String,
     /// Data plane of the nodes (`tcp`, or `verbs DEVICE port N`).
     pub transport: String,
+    /// The `--path` choice (`auto`, `shm`, `tcp`).
+    pub path: String,
+    /// Per data path (shared pool, TCP): blocks, bytes, GB/s, fallbacks.
+    pub paths: Vec<PathLine>,
     /// Tokens per block.
     pub block_tokens: u64,
     /// Bytes per block.
@@ -753,6 +782,7 @@ pub async fn run_with_observer(
         raw_connections,
         model: model.name.to_string(),
         transport: cfg.transport.to_string(),
+        path: cfg.path.to_string(),
         block_tokens: cfg.block_tokens,
         block_bytes: model.block_bytes(cfg.block_tokens),
         oracle_hit_rate: oracle.hit_rate(),
@@ -808,6 +838,31 @@ pub async fn run_with_observer(
         })
         .collect();
 
+    let mut sum = crate::node::PathStats::default();
+    for n in &nodes {
+        if let Some(p) = n.handle.lock().expect("handle lock").as_ref().and_then(|h| h.path.clone()) {
+            let s = p.stats();
+            for (acc, x) in [(&mut sum.shm, s.shm), (&mut sum.tcp, s.tcp)] {
+                acc.reads += x.reads;
+                acc.extents += x.extents;
+                acc.bytes += x.bytes;
+                acc.fallbacks += x.fallbacks;
+                acc.attach_failures += x.attach_failures;
+            }
+        }
+    }
+    rep.paths = [("shm", sum.shm), ("tcp", sum.tcp)]
+        .into_iter()
+        .map(|(name, c)| PathLine {
+            path: name.to_string(),
+            blocks: c.extents,
+            bytes: c.bytes,
+            gbps: if rep.fetch_busy_s > 0.0 { c.bytes as f64 / rep.fetch_busy_s / 1e9 } else { 0.0 },
+            fallbacks: c.fallbacks,
+            attach_failures: c.attach_failures,
+        })
+        .collect();
+
     stop_cluster(&nodes, ms).await;
     rep.wall_s = wall.elapsed().as_secs_f64();
     Ok(rep)
@@ -834,6 +889,7 @@ async fn start_node(
     };
     ncfg.metaserver_rpc_timeout = Duration::from_millis(1000);
     ncfg.transport = cfg.transport.clone();
+    ncfg.path = cfg.path;
     let (role, index) = if i < cfg.prefill { (Role::Prefill, i) } else { (Role::Decode, i - cfg.prefill) };
     let (gpu, device_label) = gpu_factory(role, index)?;
     let handle =

@@ -35,9 +35,18 @@
 //! | 4 each | qpn `u32` | < 2^24 |
 //! | 4 | psn `u32` | < 2^24 |
 //! | 4 | mtu `u32` | bytes: 256, 512, 1024, 2048 or 4096 |
+//! | 1 | same-host flag `u8` | 1 iff a [`SameHost`] section follows, else 0 |
+//! | 2 + n | host_id | `u16` byte length + printable ASCII, `1..=`[`HOST_ID_BYTES_MAX`] |
+//! | 2 + n | socket | `u16` byte length + printable ASCII, `1..=`[`SOCKET_NAME_BYTES_MAX`] |
+//! | 4 | region `u32` | id of one of the regions above |
+//! | 16 | token | raw bytes |
 //!
-//! The largest valid encoding (two 280-byte strings, 1 024 regions, 64 QPNs)
-//! is about 25 KiB, well under `limits::HANDSHAKE_METADATA_BYTES_MAX`.
+//! The largest valid encoding (two 280-byte strings, 1 024 regions, 64 QPNs,
+//! a same-host section) is about 25 KiB, well under
+//! `limits::HANDSHAKE_METADATA_BYTES_MAX`.
+//!
+//! Version 2 added the same-host section (the shared-pool path,
+//! `transport::shm`); version 1 is refused like any unknown version.
 
 use crate::limits;
 use crate::types::NodeAddr;
@@ -47,7 +56,7 @@ pub const HANDSHAKE_MAGIC: [u8; 4] = *b"KVHS";
 
 /// Format version written by [`HandshakeMetadata::encode`]; the only one
 /// [`HandshakeMetadata::decode`] accepts.
-pub const HANDSHAKE_VERSION: u8 = 1;
+pub const HANDSHAKE_VERSION: u8 = 2;
 
 /// Longest `node` or `data_addr` string, in bytes: a DNS name plus port, the
 /// same bound as `limits::NODE_ADDR_BYTES_MAX`.
@@ -66,6 +75,16 @@ pub const MTU_BYTES_MIN: u32 = 256;
 
 /// Largest path MTU, bytes (IB MTU 4096).
 pub const MTU_BYTES_MAX: u32 = 4096;
+
+/// Longest [`SameHost::host_id`], bytes ([`limits::HOST_ID_BYTES_MAX`]).
+pub const HOST_ID_BYTES_MAX: usize = limits::HOST_ID_BYTES_MAX;
+
+/// Longest [`SameHost::socket`], bytes
+/// ([`limits::SHM_SOCKET_NAME_BYTES_MAX`]).
+pub const SOCKET_NAME_BYTES_MAX: usize = limits::SHM_SOCKET_NAME_BYTES_MAX;
+
+/// Bytes of a [`SameHost::token`].
+pub const TOKEN_BYTES: usize = 16;
 
 /// Size of one region on the wire, bytes.
 pub const REGION_WIRE_BYTES: usize = 4 + 8 + 8 + 4;
@@ -169,6 +188,29 @@ pub struct VerbsEndpoint {
     pub mtu: u32,
 }
 
+/// The same-host section: what a node that can share its pool with a
+/// reader on the same host (`transport::shm`) says about it. In an offer
+/// (the requester's own metadata) it says where the requester runs; in an
+/// answer the owner adds the one-time token that lets this requester
+/// collect the pool's descriptor from `socket`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[cfg_attr(any(test, fuzzing), derive(arbitrary::Arbitrary))]
+pub struct SameHost {
+    /// The host identity (`transport::shm::host_identity`: kernel boot id
+    /// and network namespace), printable ASCII, `1..=HOST_ID_BYTES_MAX`
+    /// bytes. Two nodes are on one host only when these are equal; an
+    /// address never decides it.
+    pub host_id: String,
+    /// The abstract Unix socket name the owner hands its pool out on,
+    /// printable ASCII, `1..=SOCKET_NAME_BYTES_MAX` bytes.
+    pub socket: String,
+    /// The region the shared pool backs (one of the metadata's regions).
+    pub region: u32,
+    /// In an answer: the 128-bit one-time token the owner issued to this
+    /// requester. All zero in an offer.
+    pub token: [u8; TOKEN_BYTES],
+}
+
 /// What one node tells a peer in `RdmaHandshake` (see the module doc for the
 /// encoding).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -187,6 +229,9 @@ pub struct HandshakeMetadata {
     pub regions: Vec<Region>,
     /// Present iff `transport` is [`TransportKind::Verbs`].
     pub verbs: Option<VerbsEndpoint>,
+    /// Present when the node can share its pool with a same-host reader
+    /// (any transport kind).
+    pub same_host: Option<SameHost>,
 }
 
 /// Why handshake metadata was rejected.
@@ -291,6 +336,20 @@ pub enum HandshakeError {
     /// More than [`QPNS_MAX`] queue pairs; carries the count.
     #[error("{0} QPNs, more than {max}", max = QPNS_MAX)]
     TooManyQpns(usize),
+    /// The same-host flag byte is neither 0 nor 1.
+    #[error("bad same-host flag {0} (want 0 or 1)")]
+    BadSameHostFlag(u8),
+    /// A same-host string that is empty, too long or not printable ASCII.
+    #[error("same-host field {field} ({len} bytes) is empty, too long or not printable ASCII")]
+    BadSameHostField {
+        /// `"host_id"` or `"socket"`.
+        field: &'static str,
+        /// Its length, bytes.
+        len: usize,
+    },
+    /// The same-host section names a region the metadata does not list.
+    #[error("same-host section names region {0}, which is not listed")]
+    SameHostRegionMissing(u32),
 }
 
 impl HandshakeMetadata {
@@ -311,9 +370,11 @@ impl HandshakeMetadata {
     /// [`HandshakeError::RegionOverflow`],
     /// [`HandshakeError::DuplicateRegionId`],
     /// [`HandshakeError::OverlappingRegions`],
-    /// [`HandshakeError::MissingVerbs`], [`HandshakeError::UnexpectedVerbs`]
-    /// and the verbs-section errors of [`VerbsEndpoint::validate`]; checked in
-    /// that order, the first failure wins.
+    /// [`HandshakeError::MissingVerbs`], [`HandshakeError::UnexpectedVerbs`],
+    /// the verbs-section errors of [`VerbsEndpoint::validate`], then
+    /// [`HandshakeError::BadSameHostField`] and
+    /// [`HandshakeError::SameHostRegionMissing`]; checked in that order, the
+    /// first failure wins.
     pub fn validate(&self) -> Result<(), HandshakeError> {
         check_str_len("node", &self.node)?;
         check_str_len("data_addr", &self.data_addr)?;
@@ -329,11 +390,19 @@ impl HandshakeMetadata {
         }
         validate_regions(&self.regions)?;
         match (self.transport, &self.verbs) {
-            (TransportKind::Verbs, Some(v)) => v.validate(),
-            (TransportKind::Verbs, None) => Err(HandshakeError::MissingVerbs),
-            (t, Some(_)) => Err(HandshakeError::UnexpectedVerbs(t)),
-            (_, None) => Ok(()),
+            (TransportKind::Verbs, Some(v)) => v.validate()?,
+            (TransportKind::Verbs, None) => return Err(HandshakeError::MissingVerbs),
+            (t, Some(_)) => return Err(HandshakeError::UnexpectedVerbs(t)),
+            (_, None) => {}
         }
+        if let Some(h) = &self.same_host {
+            check_same_host_str("host_id", &h.host_id, HOST_ID_BYTES_MAX)?;
+            check_same_host_str("socket", &h.socket, SOCKET_NAME_BYTES_MAX)?;
+            if self.region(h.region).is_none() {
+                return Err(HandshakeError::SameHostRegionMissing(h.region));
+            }
+        }
+        Ok(())
     }
 
     /// The wire form (see the module doc). Never panics. Meant for values
@@ -352,7 +421,9 @@ impl HandshakeMetadata {
             + 2
             + REGION_WIRE_BYTES * self.regions.len().min(limits::HANDSHAKE_REGIONS_MAX)
             + 1
-            + verbs_len;
+            + verbs_len
+            + 1
+            + self.same_host.as_ref().map_or(0, |h| 2 + h.host_id.len() + 2 + h.socket.len() + 4 + TOKEN_BYTES);
         let mut out = Vec::with_capacity(cap);
         out.extend_from_slice(&HANDSHAKE_MAGIC);
         out.push(HANDSHAKE_VERSION);
@@ -381,6 +452,16 @@ impl HandshakeMetadata {
                 out.extend_from_slice(&v.mtu.to_le_bytes());
             }
         }
+        match &self.same_host {
+            None => out.push(0),
+            Some(h) => {
+                out.push(1);
+                put_str(&mut out, &h.host_id);
+                put_str(&mut out, &h.socket);
+                out.extend_from_slice(&h.region.to_le_bytes());
+                out.extend_from_slice(&h.token);
+            }
+        }
         out
     }
 
@@ -394,7 +475,9 @@ impl HandshakeMetadata {
     /// [`HandshakeError::StringTooLong`], [`HandshakeError::InvalidUtf8`],
     /// [`HandshakeError::TooManyRegions`], [`HandshakeError::BadVerbsFlag`],
     /// [`HandshakeError::UnknownLinkLayer`], [`HandshakeError::NoQpns`],
-    /// [`HandshakeError::TooManyQpns`], [`HandshakeError::TrailingBytes`],
+    /// [`HandshakeError::TooManyQpns`], [`HandshakeError::BadSameHostFlag`],
+    /// [`HandshakeError::BadSameHostField`] (a length out of range, before
+    /// the bytes are read), [`HandshakeError::TrailingBytes`],
     /// then anything [`HandshakeMetadata::validate`] reports. Fields are
     /// checked in wire order, so a truncated valid encoding is always
     /// `Truncated`.
@@ -431,11 +514,21 @@ impl HandshakeMetadata {
             1 => Some(decode_verbs(&mut c)?),
             flag => return Err(HandshakeError::BadVerbsFlag(flag)),
         };
+        let same_host = match c.u8()? {
+            0 => None,
+            1 => Some(SameHost {
+                host_id: c.bounded_ascii("host_id", HOST_ID_BYTES_MAX)?,
+                socket: c.bounded_ascii("socket", SOCKET_NAME_BYTES_MAX)?,
+                region: c.u32()?,
+                token: c.array()?,
+            }),
+            flag => return Err(HandshakeError::BadSameHostFlag(flag)),
+        };
         let trailing = c.remaining();
         if trailing != 0 {
             return Err(HandshakeError::TrailingBytes(trailing));
         }
-        let m = HandshakeMetadata { transport, node, data_addr, regions, verbs };
+        let m = HandshakeMetadata { transport, node, data_addr, regions, verbs, same_host };
         m.validate()?;
         Ok(m)
     }
@@ -489,6 +582,14 @@ fn check_qpn_count(n: usize) -> Result<(), HandshakeError> {
     }
     if n > QPNS_MAX {
         return Err(HandshakeError::TooManyQpns(n));
+    }
+    Ok(())
+}
+
+/// Nonempty, at most `max` bytes, printable ASCII (no spaces, no NUL).
+fn check_same_host_str(field: &'static str, s: &str, max: usize) -> Result<(), HandshakeError> {
+    if s.is_empty() || s.len() > max || !s.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(HandshakeError::BadSameHostField { field, len: s.len() });
     }
     Ok(())
 }
@@ -603,6 +704,20 @@ impl<'a> Cursor<'a> {
         let bytes = self.take(len)?;
         std::str::from_utf8(bytes).map(str::to_owned).map_err(|_| HandshakeError::InvalidUtf8 { field })
     }
+
+    /// `u16` length (checked against `1..=max` before the bytes are read)
+    /// + printable ASCII bytes.
+    fn bounded_ascii(&mut self, field: &'static str, max: usize) -> Result<String, HandshakeError> {
+        let len = usize::from(self.u16()?);
+        if len == 0 || len > max {
+            return Err(HandshakeError::BadSameHostField { field, len });
+        }
+        let bytes = self.take(len)?;
+        match std::str::from_utf8(bytes) {
+            Ok(s) if bytes.iter().all(u8::is_ascii_graphic) => Ok(s.to_owned()),
+            _ => Err(HandshakeError::BadSameHostField { field, len }),
+        }
+    }
 }
 
 /// Fuzz body (cargo-fuzz target `handshake`, and the replay test below).
@@ -645,6 +760,19 @@ mod tests {
                 Region { id: 2, base: 0x2000, len: 0x10, rkey: 0 },
             ],
             verbs: None,
+            same_host: None,
+        }
+    }
+
+    fn same_host_sample() -> HandshakeMetadata {
+        HandshakeMetadata {
+            same_host: Some(SameHost {
+                host_id: "04968113-364b-49b4-89cd-fbde5136432d/net:[4026531833]".into(),
+                socket: "kvferry-shm-00112233445566778899aabbccddeeff".into(),
+                region: 2,
+                token: [0xA5; TOKEN_BYTES],
+            }),
+            ..tcp_sample()
         }
     }
 
@@ -662,6 +790,7 @@ mod tests {
                 psn: 0xFF_FFFF,
                 mtu: 4096,
             }),
+            same_host: None,
         }
     }
 
@@ -734,9 +863,25 @@ mod tests {
             })
     }
 
+    fn ascii_strategy(max: usize) -> impl Strategy<Value = String> {
+        proptest::collection::vec(0x21u8..0x7F, 1..=max).prop_map(|b| String::from_utf8(b).unwrap())
+    }
+
+    fn same_host_strategy() -> impl Strategy<Value = (String, String, usize, [u8; TOKEN_BYTES])> {
+        (ascii_strategy(HOST_ID_BYTES_MAX), ascii_strategy(SOCKET_NAME_BYTES_MAX), any::<usize>(), any::<[u8; 16]>())
+    }
+
     fn metadata_strategy() -> impl Strategy<Value = HandshakeMetadata> {
-        (0u8..3, addr_strategy(), addr_strategy(), any::<bool>(), regions_strategy(), verbs_strategy()).prop_map(
-            |(t, node, addr, sim_empty, regions, verbs)| {
+        (
+            0u8..3,
+            addr_strategy(),
+            addr_strategy(),
+            any::<bool>(),
+            regions_strategy(),
+            verbs_strategy(),
+            proptest::option::of(same_host_strategy()),
+        )
+            .prop_map(|(t, node, addr, sim_empty, regions, verbs, same_host)| {
                 let transport = TransportKind::from_u8(t + 1).unwrap();
                 let data_addr = match transport {
                     TransportKind::Tcp => addr,
@@ -745,9 +890,15 @@ mod tests {
                     TransportKind::Sim => addr,
                 };
                 let verbs = (transport == TransportKind::Verbs).then_some(verbs);
-                HandshakeMetadata { transport, node, data_addr, regions, verbs }
-            },
-        )
+                // A same-host section names one of the regions (none without regions).
+                let same_host = same_host.filter(|_| !regions.is_empty()).map(|(host_id, socket, i, token)| SameHost {
+                    host_id,
+                    socket,
+                    region: regions[i % regions.len()].id,
+                    token,
+                });
+                HandshakeMetadata { transport, node, data_addr, regions, verbs, same_host }
+            })
     }
 
     proptest! {
@@ -795,8 +946,18 @@ mod tests {
         assert_eq!(&b[8..22], b"10.0.0.1:50055");
         let at = tcp_sample_regions_at();
         assert_eq!(&b[at..at + 2], &2u16.to_le_bytes());
-        assert_eq!(b.len(), at + 2 + 2 * REGION_WIRE_BYTES + 1);
-        assert_eq!(b.last(), Some(&0));
+        assert_eq!(b.len(), at + 2 + 2 * REGION_WIRE_BYTES + 1 + 1);
+        assert_eq!(&b[b.len() - 2..], &[0, 0], "no verbs, no same-host section");
+        // The same-host section: flag, two strings, region, token, at the end.
+        let m = same_host_sample();
+        let b = m.encode();
+        assert_eq!(HandshakeMetadata::decode(&b), Ok(m.clone()));
+        let h = m.same_host.as_ref().unwrap();
+        let tail = 1 + 2 + h.host_id.len() + 2 + h.socket.len() + 4 + TOKEN_BYTES;
+        assert_eq!(b.len(), at + 2 + 2 * REGION_WIRE_BYTES + 1 + tail);
+        assert_eq!(b[b.len() - tail], 1);
+        assert_eq!(&b[b.len() - TOKEN_BYTES..], &[0xA5; TOKEN_BYTES]);
+        assert_eq!(&b[b.len() - TOKEN_BYTES - 4..b.len() - TOKEN_BYTES], &2u32.to_le_bytes());
         assert_eq!(tcp_sample().region(2).map(|r| r.len), Some(0x10));
         assert_eq!(tcp_sample().region(3), None);
         // Sim with and without a data address; zero regions.
@@ -810,7 +971,7 @@ mod tests {
 
     #[test]
     fn every_truncation_of_samples() {
-        for m in [tcp_sample(), verbs_sample()] {
+        for m in [tcp_sample(), verbs_sample(), same_host_sample()] {
             let b = m.encode();
             for cut in 0..b.len() {
                 assert_eq!(HandshakeMetadata::decode(&b[..cut]), Err(HandshakeError::Truncated), "cut {cut}");
@@ -832,6 +993,12 @@ mod tests {
             data_addr: String::new(),
             regions,
             verbs: Some(VerbsEndpoint { qpns: (0..QPNS_MAX as u32).collect(), ..verbs_sample().verbs.unwrap() }),
+            same_host: Some(SameHost {
+                host_id: "h".repeat(HOST_ID_BYTES_MAX),
+                socket: "s".repeat(SOCKET_NAME_BYTES_MAX),
+                region: u32::MAX,
+                token: [0xFF; TOKEN_BYTES],
+            }),
         };
         let b = m.encode();
         assert!(b.len() < limits::HANDSHAKE_METADATA_BYTES_MAX / 2);
@@ -863,10 +1030,13 @@ mod tests {
     #[test]
     fn rejects_unknown_version() {
         let mut b = tcp_sample().encode();
-        b[4] = 2;
-        assert_eq!(HandshakeMetadata::decode(&b), Err(HandshakeError::UnsupportedVersion(2)));
+        b[4] = 3;
+        assert_eq!(HandshakeMetadata::decode(&b), Err(HandshakeError::UnsupportedVersion(3)));
         // Checked before anything after it.
-        assert_eq!(HandshakeMetadata::decode(&b[..5]), Err(HandshakeError::UnsupportedVersion(2)));
+        assert_eq!(HandshakeMetadata::decode(&b[..5]), Err(HandshakeError::UnsupportedVersion(3)));
+        // Version 1 (before the same-host section) is refused, not misread.
+        b[4] = 1;
+        assert_eq!(HandshakeMetadata::decode(&b), Err(HandshakeError::UnsupportedVersion(1)));
     }
 
     #[test]
@@ -1007,7 +1177,8 @@ mod tests {
         m.verbs = verbs_sample().verbs;
         rejects(&m, HandshakeError::UnexpectedVerbs(TransportKind::Sim));
         let mut b = tcp_sample().encode();
-        *b.last_mut().unwrap() = 2;
+        let at = b.len() - 2;
+        b[at] = 2;
         assert_eq!(HandshakeMetadata::decode(&b), Err(HandshakeError::BadVerbsFlag(2)));
     }
 
@@ -1015,7 +1186,7 @@ mod tests {
     fn rejects_unknown_link_layer() {
         let m = verbs_sample();
         let mut b = m.encode();
-        let flag_at = b.len() - (1 + 2 + 16 + 1 + 4 * 2 + 4 + 4) - 1;
+        let flag_at = b.len() - (1 + 2 + 16 + 1 + 4 * 2 + 4 + 4) - 1 - 1;
         assert_eq!(b[flag_at], 1);
         b[flag_at + 1] = 3;
         assert_eq!(HandshakeMetadata::decode(&b), Err(HandshakeError::UnknownLinkLayer(3)));
@@ -1069,13 +1240,55 @@ mod tests {
     }
 
     #[test]
+    fn rejects_bad_same_host_sections() {
+        let mut b = tcp_sample().encode();
+        *b.last_mut().unwrap() = 2;
+        assert_eq!(HandshakeMetadata::decode(&b), Err(HandshakeError::BadSameHostFlag(2)));
+        let set = |f: &dyn Fn(&mut SameHost)| {
+            let mut m = same_host_sample();
+            f(m.same_host.as_mut().unwrap());
+            m
+        };
+        rejects(&set(&|h| h.host_id.clear()), HandshakeError::BadSameHostField { field: "host_id", len: 0 });
+        rejects(&set(&|h| h.socket.clear()), HandshakeError::BadSameHostField { field: "socket", len: 0 });
+        rejects(
+            &set(&|h| h.host_id = "h".repeat(HOST_ID_BYTES_MAX + 1)),
+            HandshakeError::BadSameHostField { field: "host_id", len: HOST_ID_BYTES_MAX + 1 },
+        );
+        rejects(
+            &set(&|h| h.socket = "s".repeat(SOCKET_NAME_BYTES_MAX + 1)),
+            HandshakeError::BadSameHostField { field: "socket", len: SOCKET_NAME_BYTES_MAX + 1 },
+        );
+        for bad in ["a b", "nul\0", "é"] {
+            let m = set(&|h| h.socket = bad.to_string());
+            rejects(&m, HandshakeError::BadSameHostField { field: "socket", len: bad.len() });
+        }
+        rejects(&set(&|h| h.region = 7), HandshakeError::SameHostRegionMissing(7));
+        // On the wire an out-of-range length is refused before its bytes.
+        let m = same_host_sample();
+        let b = m.encode();
+        let h = m.same_host.as_ref().unwrap();
+        let at = b.len() - (2 + h.host_id.len() + 2 + h.socket.len() + 4 + TOKEN_BYTES);
+        let mut cut = b[..at + 2].to_vec();
+        cut[at..at + 2].copy_from_slice(&u16::MAX.to_le_bytes());
+        assert_eq!(
+            HandshakeMetadata::decode(&cut),
+            Err(HandshakeError::BadSameHostField { field: "host_id", len: usize::from(u16::MAX) })
+        );
+    }
+
+    #[test]
     fn error_texts_render() {
         assert!(HandshakeError::UnsupportedVersion(9).to_string().contains("version 9"));
         assert!(HandshakeError::BadMagic(*b"abcd").to_string().contains("61, 62"));
     }
 
     fn random_valid(rng: &mut SplitMix64) -> HandshakeMetadata {
-        let mut m = if rng.below(2) == 0 { tcp_sample() } else { verbs_sample() };
+        let mut m = match rng.below(3) {
+            0 => tcp_sample(),
+            1 => verbs_sample(),
+            _ => same_host_sample(),
+        };
         m.node = format!("n{}:{}", rng.next_u64(), rng.below(65536));
         let n = rng.below_usize(5);
         m.regions = (0..n as u64)
@@ -1086,6 +1299,12 @@ mod tests {
                 rkey: rng.next_u64() as u32,
             })
             .collect();
+        if let Some(h) = m.same_host.as_mut() {
+            match m.regions.first() {
+                Some(r) => h.region = r.id,
+                None => m.same_host = None,
+            }
+        }
         m
     }
 

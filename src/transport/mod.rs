@@ -19,13 +19,18 @@
 //!   names (C13) through a [`DataSource`]; anything else is an error reply
 //!   and the server stays healthy.
 //!
-//! Backends: [`tcp`] (embedded default, real sockets), [`sim`] (the simulator:
+//! Backends: [`tcp`] (embedded default, real sockets), [`shm`] (a same-host
+//! owner's pool, shared read-only through a sealed memfd; Linux), [`path`]
+//! (the composite that picks shm or tcp per owner and falls back), [`sim`] (the simulator:
 //! the TCP backend over madsim's network, with typed handles on its fault
 //! seam) and [`verbs`] (RDMA READ over RC queue pairs; its device
 //! code is behind the `rdma` feature).
 
 pub mod frame;
 pub mod handshake;
+pub mod path;
+#[cfg(target_os = "linux")]
+pub mod shm;
 pub mod sim;
 pub mod tcp;
 pub mod verbs;

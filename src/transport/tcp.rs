@@ -278,6 +278,7 @@ impl TcpTransport {
             data_addr: format!("{advertise_host}:{port}"),
             regions: vec![Region { id: 0, base: 0, len: pool_len, rkey: 0 }],
             verbs: None,
+            same_host: None,
         };
         let (stop, stop_rx) = watch::channel(false);
         let (closed_tx, listener_closed) = watch::channel(());

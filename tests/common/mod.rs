@@ -72,6 +72,10 @@ pub async fn start_ms() -> MetaServerHandle {
 /// Loopback node settings pointing at `ms`.
 pub fn node_cfg(ms_addr: std::net::SocketAddr, pool_bytes: u64) -> NodeConfig {
     let mut c = NodeConfig::loopback(format!("http://{ms_addr}"));
+    // These suites test the TCP data plane and drive its fault hooks (a
+    // same-host shared pool would carry their reads instead); the default
+    // path choice, the shared pool and the fallback are `tests/shm.rs`'s.
+    c.path = kvferry::node::PathChoice::Tcp;
     c.engine = engine_cfg(pool_bytes);
     c.metaserver_rpc_timeout = RPC_TIMEOUT;
     c

@@ -759,6 +759,7 @@ impl Transport for VerbsTransport {
                     data_addr: String::new(),
                     regions: s.regions.clone(),
                     verbs: Some(s.port.endpoint(Vec::new(), 0)),
+                    same_host: None,
                 }
             }
         }

@@ -467,6 +467,7 @@ pub fn verbs_metadata(
         data_addr: String::new(),
         regions,
         verbs: Some(endpoint),
+        same_host: None,
     };
     m.validate()?;
     Ok(m)
@@ -1470,6 +1471,7 @@ mod tests {
             data_addr: "10.0.0.2:2".into(),
             regions: vec![],
             verbs: None,
+            same_host: None,
         };
         assert_eq!(accept_remote(&tcp, &roce_port()), Err(PlanError::NotVerbs(TransportKind::Tcp)));
         // Invalid (built in-process, never decoded): overlapping regions, zero LID.

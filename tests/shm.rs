@@ -1,0 +1,152 @@
+//! The same-host shared pool through whole nodes (issue 28 items 3 and 5):
+//! two host-backend nodes in one process fetch through the owner's pool
+//! with every byte checked, the per-path counters showing which path moved
+//! the blocks; forced TCP; a refused shared pool and a failed shared-pool
+//! read falling back to TCP (counted); a forced shared pool that cannot be
+//! used failing cleanly.
+#![cfg(target_os = "linux")]
+
+mod common;
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use common::*;
+use kvferry::engine::Engine;
+use kvferry::metaserver::MetaServerHandle;
+use kvferry::node::{NodeHandle, PathChoice, PathStats};
+use kvferry::types::BlockHash;
+
+const MIB: u64 = 1 << 20;
+const N: u64 = 33;
+
+async fn node_with(ms: &MetaServerHandle, path: PathChoice) -> NodeHandle {
+    let mut cfg = node_cfg(ms.local_addr, 4 * MIB);
+    cfg.path = path;
+    start_node_cfg(cfg).await.0
+}
+
+async fn prefill(e: &Engine, kv: &Kv, hs: &[BlockHash]) {
+    fill_and_save(e, kv, 0, hs).await;
+    let fr = e.flush_saves_and_registrations(Duration::from_secs(3)).await;
+    assert_eq!((fr.delivered, fr.dropped, fr.timed_out), (hs.len() as u64, 0, false), "{fr:?}");
+}
+
+fn stats(n: &NodeHandle) -> PathStats {
+    n.path.as_ref().expect("a TCP node has paths").stats()
+}
+
+/// Prefill on `p`, fetch all on `d`, every byte verified on `d`'s device.
+async fn fetch_all(p: &NodeHandle, d: &NodeHandle) {
+    let kp = register_default(&p.engine, 40);
+    let kd = register_default(&d.engine, 40);
+    let hs = hashes(1..N + 1);
+    prefill(&p.engine, &kp, &hs).await;
+    let rep = d.engine.fetch(NS, &hs).await;
+    assert_eq!((rep.available, rep.fetched), (N as usize, N as usize), "{rep:?}");
+    assert_eq!(rep.bytes, N * BLOCK);
+    assert_eq!(d.engine.metrics().checksum_failures.load(Ordering::Relaxed), 0);
+    load_and_verify(&d.engine, &kd, 0, &hs).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_host_nodes_fetch_through_the_shared_pool() {
+    bounded(async {
+        let ms = start_ms().await;
+        let p = node_with(&ms, PathChoice::Auto).await;
+        let d = node_with(&ms, PathChoice::Auto).await;
+        assert!(p.engine.pool().shared_fd().is_some(), "Auto puts the pool in a memfd");
+        fetch_all(&p, &d).await;
+        let s = stats(&d);
+        assert_eq!((s.shm.extents, s.shm.bytes), (N, N * BLOCK), "{s:?}");
+        assert_eq!((s.tcp.extents, s.shm.fallbacks, s.shm.attach_failures), (0, 0, 0), "{s:?}");
+        assert!(d.path.as_ref().unwrap().uses_shm(&p.node));
+        // Not one byte over TCP; the owner handed its pool out once.
+        assert_eq!(tcp(&p).hooks.reads_served.load(Ordering::Relaxed), 0);
+        let shm = p.path.as_ref().unwrap().shm().expect("owner shares its pool");
+        assert_eq!(shm.hooks.fds_sent.load(Ordering::Relaxed), 1);
+        // The transfer lock was taken and released as over TCP.
+        assert!(eventually(Duration::from_secs(1), || p.engine.gauges().active_transfer_locks == 0).await);
+        assert_eq!(p.engine.metrics().transfer_locks_created.load(Ordering::Relaxed), 1);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forced_tcp_reads_over_tcp_and_keeps_a_private_pool() {
+    bounded(async {
+        let ms = start_ms().await;
+        let p = node_with(&ms, PathChoice::Auto).await;
+        let d = node_with(&ms, PathChoice::Tcp).await;
+        assert!(d.engine.pool().shared_fd().is_none(), "Tcp keeps the heap arena");
+        fetch_all(&p, &d).await;
+        let s = stats(&d);
+        assert_eq!((s.tcp.extents, s.tcp.bytes), (N, N * BLOCK), "{s:?}");
+        assert_eq!((s.shm.extents, s.shm.reads, s.shm.attach_failures), (0, 0, 0), "{s:?}");
+        assert!(tcp(&p).hooks.reads_served.load(Ordering::Relaxed) > 0);
+        let shm = p.path.as_ref().unwrap().shm().unwrap();
+        assert_eq!(shm.hooks.tokens_issued.load(Ordering::Relaxed), 0, "a TCP-only reader offers no same-host section");
+    })
+    .await;
+}
+
+/// An owner that does not hand out its pool (its socket stopped): the
+/// reader's attach fails, is counted, and the fetch reads over TCP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_shared_pool_falls_back_to_tcp() {
+    bounded(async {
+        let ms = start_ms().await;
+        let p = node_with(&ms, PathChoice::Auto).await;
+        let d = node_with(&ms, PathChoice::Auto).await;
+        p.path.as_ref().unwrap().shutdown();
+        fetch_all(&p, &d).await;
+        let s = stats(&d);
+        assert_eq!(s.shm.attach_failures, 1, "{s:?}");
+        assert_eq!((s.tcp.extents, s.shm.extents), (N, 0), "{s:?}");
+        assert!(!d.path.as_ref().unwrap().uses_shm(&p.node));
+    })
+    .await;
+}
+
+/// Shared-pool reads that fail after the pool was mapped: their extents
+/// are read again over TCP within the fetch's deadline, and counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_shared_pool_reads_fall_back_to_tcp() {
+    bounded(async {
+        let ms = start_ms().await;
+        let p = node_with(&ms, PathChoice::Auto).await;
+        let d = node_with(&ms, PathChoice::Auto).await;
+        let shm = d.path.as_ref().unwrap().shm().unwrap().clone();
+        shm.hooks.fail_next_reads.store(1000, Ordering::SeqCst);
+        fetch_all(&p, &d).await;
+        let s = stats(&d);
+        assert_eq!((s.shm.fallbacks, s.shm.extents), (N, 0), "{s:?}");
+        assert_eq!((s.tcp.extents, s.tcp.bytes), (N, N * BLOCK), "{s:?}");
+        assert!(s.shm.reads >= 1 && s.shm.reads == s.tcp.reads, "{s:?}");
+        assert!(tcp(&p).hooks.reads_served.load(Ordering::Relaxed) > 0);
+    })
+    .await;
+}
+
+/// `Shm` forced against an owner that does not hand out its pool: the
+/// handshake fails (nothing read over TCP), the fetch degrades to 0 of n.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forced_shared_pool_that_cannot_be_used_fails_cleanly() {
+    bounded(async {
+        let ms = start_ms().await;
+        let p = node_with(&ms, PathChoice::Auto).await;
+        let d = node_with(&ms, PathChoice::Shm).await;
+        p.path.as_ref().unwrap().shutdown();
+        let kp = register_default(&p.engine, 40);
+        register_default(&d.engine, 40);
+        let hs = hashes(1..9);
+        prefill(&p.engine, &kp, &hs).await;
+        let rep = d.engine.fetch(NS, &hs).await;
+        assert_eq!(rep.available, 0, "{rep:?}");
+        let s = stats(&d);
+        assert!(s.shm.attach_failures >= 1, "{s:?}");
+        assert_eq!((s.tcp.reads, s.shm.reads), (0, 0), "{s:?}");
+        assert_eq!(tcp(&p).hooks.reads_served.load(Ordering::Relaxed), 0);
+    })
+    .await;
+}
