@@ -240,11 +240,11 @@ pub async fn transport(
         total as f64 / (1u64 << 30) as f64
     );
     for r in &raw.runs {
-        let mark = if r.connections == best.connections { "  <- best" } else { "" };
+        let mark = if r.streams == best.streams { "  <- best" } else { "" };
         println!(
             "  raw loopback copy, {:>2} connection{} {:>7.2} GB/s{mark}",
-            r.connections,
-            if r.connections == 1 { " " } else { "s" },
+            r.streams,
+            if r.streams == 1 { " " } else { "s" },
             r.gbps()
         );
     }
@@ -257,16 +257,12 @@ pub async fn transport(
             gbps(total, s) / best.gbps()
         );
     }
-    println!(
-        "  T4 = fetch / best raw ({} connections) {t4:>7.3}   {}",
-        best.connections,
-        target_note(">= 0.8", t4 >= 0.8)
-    );
+    println!("  T4 = fetch / best raw ({} connections) {t4:>7.3}   {}", best.streams, target_note(">= 0.8", t4 >= 0.8));
     Ok(json!({
         "blocks": blocks, "block_bytes": block_bytes, "bytes": total,
         "connections": default_conns, "reads_in_flight": reads_in_flight,
-        "raw_gbps": best.gbps(), "raw_connections": best.connections,
-        "raw_by_connections": raw.runs.iter().map(|r| json!({"connections": r.connections, "gbps": r.gbps()})).collect::<Vec<_>>(),
+        "raw_gbps": best.gbps(), "raw_connections": best.streams,
+        "raw_by_connections": raw.runs.iter().map(|r| json!({"connections": r.streams, "gbps": r.gbps()})).collect::<Vec<_>>(),
         "fetch_gbps": gbps(total, fetch_default),
         "fetch_by_connections": fetch_s.iter().map(|&(c, s)| json!({"connections": c, "gbps": gbps(total, s)})).collect::<Vec<_>>(),
         "T4": t4,

@@ -407,7 +407,9 @@ fn report_text(r: &pd::PdReport) -> String {
     match r.raw_gbps {
         Some(raw) => {
             println!(
-                "  raw loopback copy      {raw:>8.2} GB/s   (best of 1-16 connections: {}; {:.1} MiB between buffers of that size, at start-up)",
+                "  raw {}      {raw:>8.2} GB/s   (best of 1-16 {}: {}; {:.1} MiB between buffers of that size, at start-up)",
+                if r.raw_path == "shm" { "memcpy (shm)  " } else { "loopback copy " },
+                if r.raw_path == "shm" { "threads" } else { "connections" },
                 r.raw_connections,
                 r.raw_copy_bytes as f64 / (1u64 << 20) as f64
             );

@@ -85,6 +85,7 @@ fn replay_reports_t8_and_the_handoff_phases() {
     assert_eq!(num(&r, "concurrency"), 1.0);
     assert!(num(&r, "raw_gbps") > 0.0, "{r}");
     assert!(num(&r, "raw_connections") >= 1.0);
+    assert_eq!(r["raw_path"], "shm", "the replay's nodes share this host: T8 divides by a memcpy");
     assert!(num(&r, "raw_copy_bytes") >= (8 << 20) as f64);
     assert!(num(&r, "fetch_gbps_aggregate") > 0.0);
     assert_eq!(num(&r, "fetch_gbps_aggregate"), num(&r, "transport_gbps"));
@@ -116,6 +117,33 @@ fn replay_reports_t8_and_the_handoff_phases() {
     let fetch_mean = num(&phases["fetch"], "mean");
     assert!(sub <= fetch_mean * (1.0 + 1e-6) + 1e-6, "fetch sub-phases ({sub} ms) exceed the fetch ({fetch_mean} ms)");
     assert!(num(&fetch["read"], "mean") > 0.0, "a fetch of >= 1 MiB spends time reading");
+}
+
+/// `--path` picks the data path and T8's baseline with it: the default
+/// reads every fetched block from the owners' shared pools (nothing over
+/// TCP) against a memcpy; `--path tcp` reads them all over loopback TCP
+/// against the raw loopback copy. Every block verified either way.
+#[test]
+fn replay_path_choice_moves_the_bytes_and_the_baseline() {
+    let shape = ["--model", "tiny", "--block-tokens", "512", "--max-blocks", "8", "--pool-size", "64MiB"];
+    let path_bytes = |r: &serde_json::Value, name: &str| {
+        let paths = r["paths"].as_array().expect("paths");
+        let p = paths.iter().find(|p| p["path"] == name).unwrap_or_else(|| panic!("no {name} line: {r}"));
+        (num(p, "bytes"), num(p, "fallbacks"))
+    };
+    for (path, raw) in [("auto", "shm"), ("tcp", "tcp")] {
+        let r = run_json_shaped(&shape, &["--requests", "8", "--concurrency", "1", "--path", path]);
+        assert_eq!(num(&r, "blocks_verified"), num(&r, "blocks_total"), "--path {path}: {r}");
+        assert!(num(&r, "blocks_fetched") > 0.0, "--path {path} fetched nothing: {r}");
+        assert_eq!(r["path"], path);
+        assert_eq!(r["raw_path"], raw, "--path {path}");
+        let ((shm, shm_fb), (tcp, _)) = (path_bytes(&r, "shm"), path_bytes(&r, "tcp"));
+        if path == "tcp" {
+            assert!(shm == 0.0 && tcp > 0.0, "--path tcp reads everything over TCP: {r}");
+        } else {
+            assert!(shm > 0.0 && tcp == 0.0 && shm_fb == 0.0, "same host: everything from shared pools: {r}");
+        }
+    }
 }
 
 #[test]

@@ -277,17 +277,22 @@ pub struct PdReport {
     pub handoff_p99_ms: f64,
     /// Requests in flight at once (`--concurrency`): T8 is defined at 1.
     pub concurrency: usize,
-    /// Raw loopback socket copy rate measured at start-up (GB/s, 1e9 B/s):
-    /// the best [`crate::transport::tcp::raw_loopback_copy`] of
-    /// `raw_copy_bytes` over 1-16 connections (the count that won is
-    /// `raw_connections`), the fastest of [`crate::limits::PD_RAW_COPY_REPS`]
-    /// each. `None` when the nodes do not use the TCP transport.
+    /// T8's baseline, measured at start-up (GB/s, 1e9 B/s): the best plain
+    /// copy of `raw_copy_bytes` on the fetches' path (`raw_path`): with
+    /// `--path tcp` [`crate::transport::tcp::raw_loopback_copy`] over 1-16
+    /// connections, else (the replay's nodes share this host, so they read
+    /// each other's pools) [`crate::transport::shm::raw_memcpy`] on 1-16
+    /// threads; the count that won is `raw_connections`, the fastest of
+    /// [`crate::limits::PD_RAW_COPY_REPS`] each. `None` with verbs.
     pub raw_gbps: Option<f64>,
     /// Bytes of the raw copy: the longest request's blocks, within
     /// [`crate::limits::PD_RAW_COPY_BYTES_MIN`]..=[`crate::limits::PD_RAW_COPY_BYTES_MAX`].
     pub raw_copy_bytes: u64,
-    /// Connections of the fastest raw copy (0 when not measured).
+    /// Connections (tcp) or threads (shm) of the fastest raw copy (0 when
+    /// not measured).
     pub raw_connections: usize,
+    /// The path of the raw copy: `tcp` (loopback), `shm` (memcpy) or empty.
+    pub raw_path: String,
     /// Aggregate fetch throughput: all fetched bytes ÷ the union of the
     /// fetch intervals (GB/s; the same figure as `transport_gbps`), to be
     /// read next to `raw_gbps`.
@@ -631,15 +636,22 @@ pub async fn run_with_observer(
         device_blocks: max_blocks,
     });
 
-    // T8's baseline, before any node runs: the best raw loopback copy of
-    // the longest request's bytes over 1-16 connections.
+    // T8's baseline, before any node runs: the best plain copy of the
+    // longest request's bytes on the path the fetches take (every node of
+    // the replay is on this host, so `--path auto` reads shared pools):
+    // over TCP loopback with 1-16 connections, or a memcpy on 1-16 threads.
     let raw_copy_bytes = device_bytes.clamp(limits::PD_RAW_COPY_BYTES_MIN, limits::PD_RAW_COPY_BYTES_MAX);
-    let (raw_gbps, raw_connections) = match cfg.transport {
-        TransportChoice::Tcp => {
-            let (gbps, conns) = raw_copy_gbps(raw_copy_bytes).await?;
-            (Some(gbps), conns)
+    let raw_path = match (&cfg.transport, cfg.path) {
+        (TransportChoice::Tcp, PathChoice::Tcp) => RawPath::Tcp,
+        (TransportChoice::Tcp, _) => RawPath::Shm,
+        _ => RawPath::None,
+    };
+    let (raw_gbps, raw_connections) = match raw_path {
+        RawPath::None => (None, 0),
+        path => {
+            let (gbps, streams) = raw_copy_gbps(raw_copy_bytes, path).await?;
+            (Some(gbps), streams)
         }
-        _ => (None, 0),
     };
 
     let mut faults = Vec::new();
@@ -780,6 +792,12 @@ pub async fn run_with_observer(
         raw_gbps,
         raw_copy_bytes,
         raw_connections,
+        raw_path: match raw_path {
+            RawPath::Tcp => "tcp",
+            RawPath::Shm => "shm",
+            RawPath::None => "",
+        }
+        .to_string(),
         model: model.name.to_string(),
         transport: cfg.transport.to_string(),
         path: cfg.path.to_string(),
@@ -926,20 +944,33 @@ async fn stop_cluster(nodes: &[Arc<PdNode>], ms: Option<MetaServerHandle>) {
     }
 }
 
-/// [`crate::transport::tcp::raw_loopback_copy`] of `bytes` over each of
-/// [`limits::TCP_RAW_COPY_CONNECTIONS`] connections, the fastest of
-/// [`limits::PD_RAW_COPY_REPS`] each: the best rate (GB/s) and the count
+/// Which plain copy T8 divides by.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum RawPath {
+    /// Not measured (verbs).
+    None,
+    /// [`crate::transport::tcp::raw_loopback_copy`].
+    Tcp,
+    /// [`crate::transport::shm::raw_memcpy`].
+    Shm,
+}
+
+/// The raw copy of `bytes` on `path` over each of
+/// [`limits::TCP_RAW_COPY_CONNECTIONS`] connections or threads, the fastest
+/// of [`limits::PD_RAW_COPY_REPS`] each: the best rate (GB/s) and the count
 /// that reached it.
-async fn raw_copy_gbps(bytes: u64) -> Result<(f64, usize), PdError> {
-    let fail = |e: String| PdError::Start(format!("raw loopback copy (T8 baseline): {e}"));
-    let raw = crate::rt::run_blocking(move || {
-        crate::transport::tcp::raw_loopback_copy(bytes, &limits::TCP_RAW_COPY_CONNECTIONS, limits::PD_RAW_COPY_REPS)
+async fn raw_copy_gbps(bytes: u64, path: RawPath) -> Result<(f64, usize), PdError> {
+    let fail = |e: String| PdError::Start(format!("raw copy (T8 baseline): {e}"));
+    let (counts, reps) = (limits::TCP_RAW_COPY_CONNECTIONS, limits::PD_RAW_COPY_REPS);
+    let raw = crate::rt::run_blocking(move || match path {
+        RawPath::Shm => crate::transport::shm::raw_memcpy(bytes, &counts, reps),
+        _ => crate::transport::tcp::raw_loopback_copy(bytes, &counts, reps),
     })
     .await
     .map_err(|e| fail(e.0))?
     .map_err(|e| fail(e.to_string()))?;
-    let best = raw.best().ok_or_else(|| fail("no connection count tried".into()))?;
-    Ok((best.gbps(), best.connections))
+    let best = raw.best().ok_or_else(|| fail("no count tried".into()))?;
+    Ok((best.gbps(), best.streams))
 }
 
 /// p50, p99 and mean of `values` (ms; sorted in place).

@@ -193,6 +193,42 @@ pub trait Transport: Send + Sync + 'static {
     ) -> ReadCompletion;
 }
 
+/// One stream count's result of a raw-copy baseline
+/// ([`tcp::raw_loopback_copy`], [`shm::raw_memcpy`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RawCopyRun {
+    /// Parallel streams: TCP connections (each its own sender and receiver
+    /// thread) or copying threads.
+    pub streams: usize,
+    /// Bytes moved in all (`total / streams * streams`).
+    pub bytes: u64,
+    /// The fastest of the repetitions: first byte copied to last byte
+    /// landed, connections open and memory touched before (seconds).
+    pub secs: f64,
+}
+
+impl RawCopyRun {
+    /// Rate in GB/s (10^9 B/s).
+    pub fn gbps(&self) -> f64 {
+        self.bytes as f64 / self.secs.max(1e-9) / 1e9
+    }
+}
+
+/// A raw-copy baseline's answer: every stream count tried, and the best.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RawCopy {
+    /// Per stream count, in the order tried.
+    pub runs: Vec<RawCopyRun>,
+}
+
+impl RawCopy {
+    /// The fastest count (the baseline's denominator); `None` when no
+    /// count was tried.
+    pub fn best(&self) -> Option<RawCopyRun> {
+        self.runs.iter().copied().max_by(|a, b| a.gbps().total_cmp(&b.gbps()))
+    }
+}
+
 /// Validates that every op lands inside its local extent.
 ///
 /// # Errors

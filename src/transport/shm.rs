@@ -969,6 +969,58 @@ fn copy_ops(map: &Mapping, ext: &mut Extent, ops: &[ReadOp]) {
     }
 }
 
+/// The shared-pool path's baseline: the best plain host copy this machine
+/// does of `total` bytes, for each count in `threads` (e.g.
+/// [`limits::TCP_RAW_COPY_CONNECTIONS`]) that many OS threads each copying
+/// its own `total / count` bytes from one buffer into another (`memcpy` of a
+/// slice), both touched before the clock starts; the fastest of `reps` per
+/// count. A shared-pool read is one such copy from the owner's pool into
+/// the reader's, so T8 over this path (`kvferry pd --path shm`) divides by
+/// the best of these.
+///
+/// # Errors
+/// A count of 0, or a size larger than memory can address.
+pub fn raw_memcpy(total: u64, threads: &[usize], reps: usize) -> std::io::Result<super::RawCopy> {
+    let total = usize::try_from(total).map_err(|_| std::io::Error::other("raw copy larger than memory"))?;
+    let src = vec![0x5Au8; total];
+    let mut dst = vec![1u8; total];
+    let mut runs = Vec::new();
+    for &n in threads {
+        if n == 0 {
+            return Err(std::io::Error::other("a raw copy on 0 threads"));
+        }
+        let per = (total / n).max(1);
+        let mut best = f64::MAX;
+        for _ in 0..reps.max(1) {
+            let go = std::sync::Barrier::new(n + 1);
+            let secs = std::thread::scope(|scope| {
+                let hs: Vec<_> = dst
+                    .chunks_mut(per)
+                    .zip(src.chunks(per))
+                    .take(n)
+                    .map(|(d, s)| {
+                        let go = &go;
+                        scope.spawn(move || {
+                            go.wait();
+                            d.copy_from_slice(s);
+                        })
+                    })
+                    .collect();
+                go.wait();
+                let t = std::time::Instant::now();
+                for h in hs {
+                    let _ = h.join();
+                }
+                t.elapsed().as_secs_f64()
+            });
+            best = best.min(secs);
+        }
+        runs.push(super::RawCopyRun { streams: n, bytes: (per * n).min(total) as u64, secs: best });
+    }
+    std::hint::black_box(&dst);
+    Ok(super::RawCopy { runs })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -41,7 +41,7 @@ use tokio::time::Instant;
 use super::AccessError;
 use super::frame::{self, ReadRequest, Request, ResponseHeader, Status};
 use super::handshake::{HandshakeMetadata, Region, TransportKind};
-use super::{DataSource, ReadCompletion, ReadOp, Transport, TransportError, validate_local};
+use super::{DataSource, RawCopy, RawCopyRun, ReadCompletion, ReadOp, Transport, TransportError, validate_local};
 use crate::limits;
 use crate::memory::pool::Extent;
 use crate::types::NodeAddr;
@@ -861,40 +861,6 @@ impl Transport for TcpTransport {
     }
 }
 
-/// One connection count's result in [`raw_loopback_copy`].
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct RawCopyRun {
-    /// Connections (each its own sender and receiver thread).
-    pub connections: usize,
-    /// Bytes moved in all (`total / connections * connections`).
-    pub bytes: u64,
-    /// The fastest of the repetitions: first byte sent to last byte
-    /// received, connections already open (seconds).
-    pub secs: f64,
-}
-
-impl RawCopyRun {
-    /// Rate in GB/s (10^9 B/s).
-    pub fn gbps(&self) -> f64 {
-        self.bytes as f64 / self.secs.max(1e-9) / 1e9
-    }
-}
-
-/// [`raw_loopback_copy`]'s answer: every count tried, and the best.
-#[derive(Debug, Clone, PartialEq)]
-pub struct RawCopy {
-    /// Per connection count, in the order tried.
-    pub runs: Vec<RawCopyRun>,
-}
-
-impl RawCopy {
-    /// The fastest count (the baseline's denominator); `None` when no
-    /// count was tried.
-    pub fn best(&self) -> Option<RawCopyRun> {
-        self.runs.iter().copied().max_by(|a, b| a.gbps().total_cmp(&b.gbps()))
-    }
-}
-
 /// The best plain loopback copy this machine does of `total` bytes: for each
 /// count in `connections` (e.g. [`limits::TCP_RAW_COPY_CONNECTIONS`]), that
 /// many TCP connections on 127.0.0.1, each with its own sender and receiver
@@ -972,7 +938,7 @@ pub fn raw_loopback_copy(total: u64, connections: &[usize], reps: usize) -> std:
             })?;
             best = best.min(secs);
         }
-        runs.push(RawCopyRun { connections: conns, bytes: (per * conns) as u64, secs: best });
+        runs.push(RawCopyRun { streams: conns, bytes: (per * conns) as u64, secs: best });
     }
     std::hint::black_box(&dst);
     Ok(RawCopy { runs })
@@ -1014,8 +980,8 @@ mod tests {
     #[test]
     fn raw_loopback_copy_reports_each_count_and_the_fastest() {
         let r = raw_loopback_copy(3 << 20, &[1, 2, 4], 2).expect("loopback copy");
-        assert_eq!(r.runs.iter().map(|x| x.connections).collect::<Vec<_>>(), vec![1, 2, 4]);
-        assert!(r.runs.iter().all(|x| x.bytes == (3 << 20) / x.connections as u64 * x.connections as u64));
+        assert_eq!(r.runs.iter().map(|x| x.streams).collect::<Vec<_>>(), vec![1, 2, 4]);
+        assert!(r.runs.iter().all(|x| x.bytes == (3 << 20) / x.streams as u64 * x.streams as u64));
         assert!(r.runs.iter().all(|x| x.secs > 0.0 && x.gbps() > 0.0));
         let best = r.best().expect("a best count");
         assert!(r.runs.iter().all(|x| x.gbps() <= best.gbps()));
