@@ -1130,6 +1130,12 @@ mod tests {
         assert_eq!(answer.same_host.as_ref().unwrap().socket, owner.t.socket_name());
         reader.t.attach(&owner.node, &answer, later()).await.unwrap();
         assert!(reader.t.is_attached(&owner.node));
+        // The owner counts the descriptor after its send returns, which can
+        // be after the reader already has it: wait for the count (bounded).
+        let until = std::time::Instant::now() + Duration::from_secs(2);
+        while owner.t.hooks.fds_sent.load(Ordering::Relaxed) == 0 && std::time::Instant::now() < until {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
         assert_eq!(owner.t.hooks.fds_sent.load(Ordering::Relaxed), 1);
         let ops = vec![
             op(big.offset(), 3 << 20, 0, 0),
