@@ -148,6 +148,19 @@ regression!(regression_connection_wait_bounded_329, 329, "Same bug as seed 91.")
 // a third RNG stream, so every seed's swarm plan and workload are unchanged,
 // but the runs differ; the seeds above still pass and were not re-found
 // with their fixes reverted since.
+regression!(
+    regression_orphan_grant_excused_2742,
+    2742,
+    Dense,
+    "inv_no_lock_leak_prompt (C8), a false positive (issue 29's mix, 16 TCP connections per peer): a \
+     safety-phase fetch (node3's or node4's: both gave up on node2, a slow owner, and ended 2-4 ms before) \
+     ended with its QueryBlocksForTransfer to node1 in flight; node1 granted it just after the eventual \
+     half had seen no lock left, so no fetch ever saw that session (by design it expires at the owner, \
+     engine::fetch::machine) and, with 1 s locks and a 2.3 s lock GC, it was still held when the prompt \
+     half checked 2 s later. Fix: the prompt half excuses exactly such orphan grants \
+     (invariants::orphan_grants: granted since the eventual half passed, never seen by a fetch, neither \
+     released nor expired); a lock any fetch saw granted is never excused. Found in a 20,000-seed sweep."
+);
 
 /// `MADSIM_TEST_CHECK_DETERMINISM` for seeds that diverged between two runs
 /// in one process: an unbiased `tokio::select!` draws from tokio's thread
