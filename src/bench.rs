@@ -27,7 +27,7 @@ use crate::gpu::Gpu;
 use crate::gpu::host::HostGpu;
 use crate::metaserver::store::{MetaStore, StoreConfig};
 use crate::metaserver::{self, MetaServerConfig};
-use crate::node::{self, NodeConfig};
+use crate::node::{self, NodeConfig, PathChoice};
 use crate::types::{BlockHash, NodeAddr, SessionId};
 
 const REPS: usize = 3;
@@ -137,12 +137,14 @@ async fn client_shutdown(engine: &Engine) {
 /// Seconds of the fastest of [`REPS`] fetches of `blocks` blocks of
 /// `block_bytes` between two fresh host-backend nodes on loopback whose TCP
 /// transport keeps at most `connections` connections per peer, the fetch
-/// keeping `reads_in_flight` read parts in flight.
+/// keeping `reads_in_flight` read parts in flight and reading through
+/// `path` (both nodes are on this host: `Shm` reads the owner's shared
+/// pool, `Tcp` loopback TCP).
 async fn fetch_secs(
     url: &str,
     blocks: u64,
     block_bytes: u64,
-    connections: usize,
+    (connections, path): (usize, PathChoice),
     reads_in_flight: usize,
     rep0: u64,
 ) -> Result<f64, String> {
@@ -154,6 +156,7 @@ async fn fetch_secs(
         cfg.engine.fetch_deadline = Duration::from_secs(60);
         cfg.tcp_connections_per_peer = connections;
         cfg.engine.fetch_reads_in_flight = reads_in_flight;
+        cfg.path = path;
         let gpu = Arc::new(HostGpu::new());
         let n = node::start(cfg, gpu.clone()).await.map_err(|e| e.to_string())?;
         // One layer, one segment: a block is one contiguous read.
@@ -224,8 +227,15 @@ pub async fn transport(
     let total = blocks * block_bytes;
     let mut fetch_s = Vec::new();
     for (i, &c) in pools.iter().enumerate() {
-        fetch_s.push((c, fetch_secs(&url, blocks, block_bytes, c, reads_in_flight, (i * REPS) as u64).await?));
+        let secs = fetch_secs(&url, blocks, block_bytes, (c, PathChoice::Tcp), reads_in_flight, (i * REPS) as u64);
+        fetch_s.push((c, secs.await?));
     }
+    // The same fetch through the owner's shared pool (same host), against
+    // the best plain memcpy of the same bytes.
+    let shm_rep0 = (pools.len() * REPS) as u64;
+    let shm_s = fetch_secs(&url, blocks, block_bytes, (default_conns, PathChoice::Shm), reads_in_flight, shm_rep0)
+        .await
+        .map_err(|e| format!("shared-pool fetch: {e}"))?;
     let _ = ms.shutdown().await;
     let counts = crate::limits::TCP_RAW_COPY_CONNECTIONS;
     let raw = tokio::task::spawn_blocking(move || crate::transport::tcp::raw_loopback_copy(total, &counts, REPS))
@@ -233,6 +243,12 @@ pub async fn transport(
         .map_err(|e| e.to_string())?
         .map_err(|e| format!("raw loopback copy: {e}"))?;
     let best = raw.best().ok_or("no raw copy ran")?;
+    let mem = tokio::task::spawn_blocking(move || crate::transport::shm::raw_memcpy(total, &counts, REPS))
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| format!("raw memcpy: {e}"))?;
+    let mem_best = mem.best().ok_or("no raw memcpy ran")?;
+    let shm_ratio = gbps(total, shm_s) / mem_best.gbps();
     let fetch_default = fetch_s.iter().find(|(c, _)| *c == default_conns).map(|(_, s)| *s).unwrap_or(f64::MAX);
     let t4 = gbps(total, fetch_default) / best.gbps();
     println!(
@@ -258,6 +274,11 @@ pub async fn transport(
         );
     }
     println!("  T4 = fetch / best raw ({} connections) {t4:>7.3}   {}", best.streams, target_note(">= 0.8", t4 >= 0.8));
+    println!("  plain memcpy, best of 1-16 threads {:>7.2} GB/s ({} threads)", mem_best.gbps(), mem_best.streams);
+    println!(
+        "  kvferry fetch, shared pool    {:>7.2} GB/s = {shm_ratio:.3} x best memcpy (same host, path shm)",
+        gbps(total, shm_s)
+    );
     Ok(json!({
         "blocks": blocks, "block_bytes": block_bytes, "bytes": total,
         "connections": default_conns, "reads_in_flight": reads_in_flight,
@@ -266,6 +287,8 @@ pub async fn transport(
         "fetch_gbps": gbps(total, fetch_default),
         "fetch_by_connections": fetch_s.iter().map(|&(c, s)| json!({"connections": c, "gbps": gbps(total, s)})).collect::<Vec<_>>(),
         "T4": t4,
+        "memcpy_gbps": mem_best.gbps(), "memcpy_threads": mem_best.streams,
+        "shm_fetch_gbps": gbps(total, shm_s), "shm_fetch_ratio": shm_ratio,
     }))
 }
 

@@ -46,6 +46,11 @@ fn bench_transport_reports_t4_against_the_best_raw_copy() {
     assert!(raw > 0.0 && fetch > 0.0, "{v}");
     let t4 = num(&v, "T4");
     assert!((t4 - fetch / raw).abs() < 1e-9 * t4.max(1.0), "T4 {t4} is fetch {fetch} / raw {raw}");
+    // The shared-pool fetch against the best memcpy, side by side.
+    let (shm, mem) = (num(&v, "shm_fetch_gbps"), num(&v, "memcpy_gbps"));
+    assert!(shm > 0.0 && mem > 0.0, "{v}");
+    let r = num(&v, "shm_fetch_ratio");
+    assert!((r - shm / mem).abs() < 1e-9 * r.max(1.0), "{v}");
 }
 
 #[test]

@@ -907,33 +907,41 @@ pub fn raw_loopback_copy(total: u64, connections: &[usize], reps: usize) -> std:
             let go = std::sync::Barrier::new(2 * conns + 1);
             let secs = std::thread::scope(|scope| -> std::io::Result<f64> {
                 let mut hs = Vec::with_capacity(2 * conns);
+                // Each thread clocks its own copy (the main thread may run
+                // only after the workers on a busy machine): the copy took
+                // from the first start to the last end.
                 for (mut s, chunk) in senders.drain(..).zip(src.chunks(per.max(1))) {
                     let go = &go;
                     hs.push(scope.spawn(move || {
                         go.wait();
-                        s.write_all(&chunk[..per.min(chunk.len())])
+                        let t = std::time::Instant::now();
+                        s.write_all(&chunk[..per.min(chunk.len())]).map(|()| (t, std::time::Instant::now()))
                     }));
                 }
                 for (mut r, chunk) in receivers.drain(..).zip(dst.chunks_mut(per.max(1))) {
                     let go = &go;
                     hs.push(scope.spawn(move || {
                         go.wait();
+                        let t = std::time::Instant::now();
                         let n = per.min(chunk.len());
-                        r.read_exact(&mut chunk[..n])
+                        r.read_exact(&mut chunk[..n]).map(|()| (t, std::time::Instant::now()))
                     }));
                 }
                 go.wait();
-                let t = std::time::Instant::now();
+                let mut span: Option<(std::time::Instant, std::time::Instant)> = None;
                 let mut first_err = None;
                 for h in hs {
-                    let r = h.join().unwrap_or_else(|_| Err(std::io::Error::other("a raw copy thread panicked")));
-                    if let (Err(e), None) = (r, &first_err) {
-                        first_err = Some(e);
+                    match h.join().unwrap_or_else(|_| Err(std::io::Error::other("a raw copy thread panicked"))) {
+                        Ok((a, b)) => span = Some(span.map_or((a, b), |(s0, e0)| (s0.min(a), e0.max(b)))),
+                        Err(e) => {
+                            first_err.get_or_insert(e);
+                        }
                     }
                 }
-                match first_err {
-                    Some(e) => Err(e),
-                    None => Ok(t.elapsed().as_secs_f64()),
+                match (first_err, span) {
+                    (Some(e), _) => Err(e),
+                    (None, Some((a, b))) => Ok((b - a).as_secs_f64()),
+                    (None, None) => Ok(0.0),
                 }
             })?;
             best = best.min(secs);
