@@ -90,13 +90,13 @@ enum BenchCmd {
         #[arg(long, default_value_t = 128)]
         blocks: u64,
     },
-    /// TCP fetch vs raw socket copy on loopback (T4).
+    /// TCP fetch vs the best raw loopback copy over 1-16 connections (T4), and the shared-pool fetch vs the best memcpy.
     Transport {
-        /// Blocks to fetch.
-        #[arg(long, default_value_t = 64)]
+        /// Blocks to fetch (at least 1).
+        #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..))]
         blocks: u64,
-        /// MiB per block.
-        #[arg(long, default_value_t = 8)]
+        /// MiB per block (1..=64, a TCP read's limit).
+        #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..=64))]
         block_mib: u64,
         /// Connection pools per peer to time the fetch with, e.g. 4,8,16
         /// (1..=16; the default pool is always timed too).
@@ -362,14 +362,15 @@ fn report_text(r: &pd::PdReport) -> String {
     }
     let gib = r.bytes_transferred as f64 / (1u64 << 30) as f64;
     println!(
-        "kvferry pd — {} request{}{}, model {} ({} tokens/block, {} KiB/block), transport {}",
+        "kvferry pd — {} request{}{}, model {} ({} tokens/block, {} KiB/block), transport {}, path {}",
         r.requests,
         if r.requests == 1 { "" } else { "s" },
         if r.interrupted { " (INTERRUPTED: the figures cover the requests replayed)" } else { "" },
         r.model,
         r.block_tokens,
         r.block_bytes >> 10,
-        r.transport
+        r.transport,
+        r.path
     );
     println!(
         "  prefix hit rate        {:>8.1} %   (oracle for this window {:.1} %)",
