@@ -709,7 +709,7 @@ fn peer_cred(s: &UnixStream) -> Result<libc::ucred, ShmError> {
 
 /// Reader: connects to `socket`, checks the owner's uid, presents `token`
 /// and receives the descriptor, each step within `io`.
-#[cfg(test)]
+#[cfg(all(test, not(madsim)))]
 fn fetch_fd(socket: &str, token: &[u8; TOKEN_BYTES], uid: u32, io: Duration) -> Result<OwnedFd, ShmError> {
     fetch_fd_and_owner(socket, token, uid, io).map(|(fd, _)| fd)
 }
@@ -1025,7 +1025,9 @@ pub fn raw_memcpy(total: u64, threads: &[usize], reps: usize) -> std::io::Result
     Ok(super::RawCopy { runs })
 }
 
-#[cfg(test)]
+// Real sockets, memfds and processes: the simulator has none of them (the
+// shared pool is unavailable there, see the module doc).
+#[cfg(all(test, not(madsim)))]
 mod tests {
     use super::*;
     use crate::memory::pool::SealedExtent;
