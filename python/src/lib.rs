@@ -648,7 +648,8 @@ impl Node {
             q.dropped_queue_full + q.dropped_rpc_failed + q.dropped_rejected + q.dropped_shutdown,
         )?;
         // Per data path (shared pool, TCP): blocks, bytes, fallbacks.
-        let paths = self.live.lock().expect("live lock").as_ref().and_then(|l| l.handle.path.as_ref().map(|p| p.stats()));
+        let paths =
+            self.live.lock().expect("live lock").as_ref().and_then(|l| l.handle.path.as_ref().map(|p| p.stats()));
         if let Some(s) = paths {
             for (name, c) in [("shm", s.shm), ("tcp", s.tcp)] {
                 d.set_item(format!("path_{name}_blocks"), c.extents)?;
