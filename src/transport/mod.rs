@@ -140,6 +140,13 @@ pub struct ReadCompletion {
     pub results: Vec<Result<(), TransportError>>,
 }
 
+impl ReadCompletion {
+    /// Every extent of `local` handed back failed with `e` (nothing was read).
+    pub fn all_failed(local: Vec<Extent>, e: TransportError) -> Self {
+        Self { results: vec![Err(e); local.len()], local }
+    }
+}
+
 /// The transport trait. See the module doc for the failure contract.
 #[async_trait]
 pub trait Transport: Send + Sync + 'static {

@@ -863,8 +863,7 @@ impl Transport for ShmTransport {
         local: Vec<Extent>,
         deadline: Instant,
     ) -> ReadCompletion {
-        let fail_all =
-            |local: Vec<Extent>, e: TransportError| ReadCompletion { results: vec![Err(e); local.len()], local };
+        let fail_all = ReadCompletion::all_failed;
         if let Err(e) = validate_local(&ops, &local) {
             return fail_all(local, e);
         }

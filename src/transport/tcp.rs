@@ -763,8 +763,7 @@ impl Transport for TcpTransport {
         deadline: Instant,
     ) -> ReadCompletion {
         let n = local.len();
-        let fail_all =
-            |local: Vec<Extent>, e: TransportError| ReadCompletion { results: vec![Err(e); local.len()], local };
+        let fail_all = ReadCompletion::all_failed;
         let deadline = if crate::canary::active(crate::canary::Canary::C9ReadPastDeadline) {
             deadline + std::time::Duration::from_secs(5) // C9 canary: the deadline is not honoured
         } else {
