@@ -17,12 +17,12 @@
 //! ([`HostGpu::with_device_checksums`]).
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::{
     BatchPin, BufferTable, ChecksumRange, Completed, Completion, CopyBatch, CopyOp, Direction, Gpu, GpuError, HostBuf,
-    HostMemory, KvMemory, checked_range, crc, par, pin_and_validate,
+    HostMemory, KvMemory, checked_range, crc, par, peer, pin_and_validate,
 };
 use crate::memory::DeviceBufferId;
 
@@ -155,6 +155,62 @@ impl HostGpu {
             f.iter().zip(checksums.iter()).all(|(f, r)| f.0 == r.len).then(|| f.into_iter().map(|f| f.1).collect())
         });
         Ok((pin, sums))
+    }
+
+    /// A peer batch, synchronously: every source pinned in its owner's
+    /// table and every destination in ours for the whole copy (neither side
+    /// can unregister and free a buffer under it, C15), then a `memcpy` per
+    /// op and the CRC-32C of each checksum range over the destination bytes.
+    /// Injected failures ([`HostGpu::fail_next_batches`]) apply here too.
+    fn run_peer(&self, batch: &peer::PeerCopyBatch) -> Result<Vec<u32>, GpuError> {
+        peer::validate_peer_batch(batch)?;
+        let mut src = Vec::with_capacity(batch.sources.len());
+        for s in &batch.sources {
+            let p = s
+                .as_any()
+                .downcast_ref::<peer::ProcessPeerBuffer>()
+                .ok_or_else(|| GpuError::Unsupported("a peer buffer another backend opened".into()))?;
+            let (pin, addr, len) =
+                p.table.pin(p.id).ok_or_else(|| GpuError::Peer("the owner's buffer is no longer registered".into()))?;
+            if len != p.len {
+                return Err(GpuError::Peer(format!("the owner's buffer is {len} bytes, exported as {}", p.len)));
+            }
+            src.push((pin, addr));
+        }
+        let pin = self.buffers.pin_batch(batch.ops.iter().map(|op| op.dst));
+        let mut dst = Vec::with_capacity(batch.ops.len());
+        for op in &batch.ops {
+            let (addr, len) = pin.get(op.dst).ok_or(GpuError::UnknownBuffer(op.dst))?;
+            checked_range(op.dst_offset, op.len, len)?;
+            dst.push(addr + op.dst_offset);
+        }
+        let passing = self.pass_first.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok();
+        if !passing && self.fail_next.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok() {
+            return Err(GpuError::Device("injected failure".into()));
+        }
+        for (op, &to) in batch.ops.iter().zip(&dst) {
+            let from = src[op.src].1 + op.src_offset;
+            // SAFETY: both ranges validated inside live buffers pinned for
+            // the copy; registered memory is valid (C15); a peer's buffer and
+            // ours are different registrations (an engine never reads its own
+            // buffers this way, and overlapping ranges are refused by each
+            // table), so the ranges do not overlap.
+            unsafe { std::ptr::copy_nonoverlapping(from as *const u8, to as *mut u8, op.len as usize) };
+        }
+        let sums = batch
+            .checksums
+            .iter()
+            .map(|r| {
+                r.clone().fold(0u32, |c, i| {
+                    // SAFETY: as above; the copy is done and nothing writes it.
+                    let d = unsafe { device_slice(dst[i], 0, batch.ops[i].len) };
+                    crc32c::crc32c_append(c, d)
+                })
+            })
+            .collect();
+        drop(src);
+        drop(pin);
+        Ok(sums)
     }
 
     /// `(addr, len)` of a live buffer, with `offset..offset+n` checked.
@@ -328,6 +384,7 @@ impl Gpu for HostGpu {
 
     fn unregister(&self, id: DeviceBufferId) -> Result<(), GpuError> {
         let entry = self.buffers.unregister(id)?;
+        peer::revoke_process(&self.buffers, id);
         if entry.owned {
             self.owned.lock().expect("owned lock").remove(&id.0);
         }
@@ -362,6 +419,22 @@ impl Gpu for HostGpu {
     /// [`HostGpu::with_device_checksums`], by the model of the CUDA kernel).
     fn checksums_on_device(&self) -> bool {
         true
+    }
+
+    fn peer_kind(&self) -> Option<peer::PeerKind> {
+        Some(peer::PeerKind::Process)
+    }
+
+    fn export_buffer(&self, id: DeviceBufferId) -> Result<peer::BufferExport, GpuError> {
+        peer::export_process(&self.buffers, id)
+    }
+
+    fn open_peer_buffer(&self, export: &peer::BufferExport) -> Result<Arc<dyn peer::PeerBuffer>, GpuError> {
+        peer::open_process(export)
+    }
+
+    fn submit_peer(&self, batch: peer::PeerCopyBatch) -> peer::PeerCompletion {
+        Box::pin(std::future::ready(self.run_peer(&batch)))
     }
 
     fn write(&self, id: DeviceBufferId, offset: u64, data: &[u8]) -> Result<(), GpuError> {

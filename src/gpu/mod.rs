@@ -37,6 +37,7 @@ pub mod crc;
 pub mod cuda;
 pub mod host;
 pub mod par;
+pub mod peer;
 
 pub use crc::ChecksumRange;
 
@@ -167,6 +168,14 @@ pub enum GpuError {
     /// The backend reported a failure while copying.
     #[error("device copy failed: {0}")]
     Device(String),
+    /// The backend cannot do this (e.g. device-direct peer copies on a
+    /// backend without them, or a handle kind it does not open).
+    #[error("not supported by this gpu backend: {0}")]
+    Unsupported(String),
+    /// A peer's exported buffer cannot be opened or read (malformed,
+    /// another host's or process's handle, revoked, its owner gone).
+    #[error("peer buffer: {0}")]
+    Peer(String),
 }
 
 /// Why the `cuda` backend refused an external range (checked with the
@@ -328,6 +337,41 @@ pub trait Gpu: Send + Sync + 'static {
     /// (when the ops tile each range in host order). Default: no.
     fn checksums_on_device(&self) -> bool {
         false
+    }
+
+    /// The kind of handle this backend exports and opens for device-direct
+    /// copies between engines on one host ([`peer`]); `None`: no such
+    /// copies.
+    fn peer_kind(&self) -> Option<peer::PeerKind> {
+        None
+    }
+
+    /// Exports registered buffer `id` for a same-host peer to open
+    /// ([`peer::BufferExport`]).
+    ///
+    /// # Errors
+    /// [`GpuError::Unsupported`] (default), [`GpuError::UnknownBuffer`], or
+    /// the driver's refusal.
+    fn export_buffer(&self, id: DeviceBufferId) -> Result<peer::BufferExport, GpuError> {
+        Err(GpuError::Unsupported(format!("exporting buffer {id:?}: {} has no peer copies", self.name())))
+    }
+
+    /// Opens a peer's export for [`Gpu::submit_peer`].
+    ///
+    /// # Errors
+    /// [`GpuError::Unsupported`] (default, or a kind this backend does not
+    /// open), [`GpuError::Peer`] (malformed, foreign, revoked).
+    fn open_peer_buffer(&self, export: &peer::BufferExport) -> Result<std::sync::Arc<dyn peer::PeerBuffer>, GpuError> {
+        let _ = export;
+        Err(GpuError::Unsupported(format!("{} has no peer copies", self.name())))
+    }
+
+    /// Copies from opened peer buffers into this backend's buffers and
+    /// checksums the destination runs the batch names ([`peer`]).
+    fn submit_peer(&self, batch: peer::PeerCopyBatch) -> peer::PeerCompletion {
+        drop(batch);
+        let name = self.name();
+        Box::pin(std::future::ready(Err(GpuError::Unsupported(format!("{name} has no peer copies")))))
     }
 
     /// Writes `data` into a device buffer synchronously (workload set-up:

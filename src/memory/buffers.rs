@@ -232,6 +232,11 @@ impl BufferTable {
         t.entries.iter_mut().filter_map(Option::take).collect()
     }
 
+    /// A weak reference for peer copies ([`WeakBufferTable`]).
+    pub fn downgrade(&self) -> WeakBufferTable {
+        WeakBufferTable { inner: Arc::downgrade(&self.inner) }
+    }
+
     /// Marks every buffer `ids` names busy and returns the pin with a
     /// snapshot of the table. Call after validating the batch against
     /// [`BatchPin::get`]; ids that are not live are skipped (validation
@@ -251,6 +256,43 @@ impl BufferTable {
             t.busy[i as usize] += 1;
         }
         BatchPin { table: self.inner.clone(), ids: pinned, entries: t.entries.clone() }
+    }
+}
+
+/// A weak reference to a [`BufferTable`] (another backend's peer copies
+/// pin the owner's buffers through it; it reaches nothing once the owner's
+/// backend dropped).
+#[derive(Clone, Debug)]
+pub struct WeakBufferTable {
+    inner: std::sync::Weak<Mutex<Inner>>,
+}
+
+impl WeakBufferTable {
+    /// Whether `id` is still registered (false once the table is gone).
+    pub fn is_live(&self, id: DeviceBufferId) -> bool {
+        self.len_of(id).is_some()
+    }
+
+    /// Length of live buffer `id`.
+    pub fn len_of(&self, id: DeviceBufferId) -> Option<u64> {
+        let t = self.inner.upgrade()?;
+        let t = t.lock().expect("buffer table lock");
+        t.entries.get(id.0 as usize).copied().flatten().map(|e| e.len)
+    }
+
+    /// Whether both name the same table.
+    pub fn same_table(&self, other: &WeakBufferTable) -> bool {
+        std::sync::Weak::ptr_eq(&self.inner, &other.inner)
+    }
+
+    /// Pins live buffer `id` (it cannot be unregistered until the pin
+    /// drops) and returns the pin with the buffer's `(addr, len)`; `None`
+    /// when the table or the buffer is gone.
+    pub fn pin(&self, id: DeviceBufferId) -> Option<(BatchPin, u64, u64)> {
+        let table = BufferTable { inner: self.inner.upgrade()? };
+        let pin = table.pin_batch(std::iter::once(id));
+        let (addr, len) = pin.get(id)?;
+        Some((pin, addr, len))
     }
 }
 

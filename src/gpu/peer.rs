@@ -1,0 +1,266 @@
+//! Device-direct copies between two engines on one host (issue 28 item 2,
+//! contract C19): a decode engine copies KV blocks straight out of the
+//! owner engine's device buffers into its own, with no host staging and no
+//! socket.
+//!
+//! The owner *exports* a registered buffer ([`Gpu::export_buffer`]): a
+//! [`BufferExport`] names what to map and where the buffer sits in it. The
+//! reader *opens* it ([`Gpu::open_peer_buffer`]), which succeeds only where
+//! the handle means something — the same host for CUDA IPC (the driver
+//! refuses a handle from another machine), the same process for
+//! [`PeerKind::Process`] — and gets a [`PeerBuffer`]. A [`PeerCopyBatch`]
+//! then copies from opened peer buffers into this backend's registered
+//! buffers and, in the same pass, answers the CRC-32C of chosen runs of
+//! destination bytes (the slot checksums the owner advertised, C10), so a
+//! block whose source changed under the copy is caught.
+//!
+//! Who may read is not decided here: the engine hands exports only to a
+//! peer that asked for them under a transfer lock and holds a *device
+//! lease* the owner's engine granted ([`crate::engine::leases`]); this
+//! module only maps and copies.
+//!
+//! Backends:
+//! - `cuda`: `cuIpcGetMemHandle` of the allocation that holds the buffer
+//!   (the handle covers the whole `cudaMalloc` allocation, so `offset` is
+//!   the buffer's start minus the allocation's) and `cuIpcOpenMemHandle` on
+//!   the reader (one mapping per allocation, shared by every buffer in it).
+//!   The idea of handing a peer process an IPC handle to the engine's KV
+//!   comes from the CUDA IPC paths of Mooncake's transfer engine and NIXL
+//!   (`../shared/docs/perf.md`).
+//! - `host` (the embedded default and the simulator's GPU):
+//!   [`PeerKind::Process`] — the "device" is this process's memory, so an
+//!   export is a random 128-bit token in a process-wide registry and only an
+//!   engine of the same process can open it (in-process clusters, tests,
+//!   the simulator). Each copy pins the owner's buffer in the owner's own
+//!   buffer table, so the owner cannot unregister (and free) it while the
+//!   copy reads it (C15).
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::ops::Range;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use super::GpuError;
+use crate::memory::DeviceBufferId;
+use crate::memory::buffers::WeakBufferTable;
+
+/// Longest handle a [`BufferExport`] may carry (bytes): a CUDA IPC handle
+/// is 64 bytes; anything longer from the network is refused.
+pub const HANDLE_BYTES_MAX: usize = 64;
+
+/// What kind of handle a [`BufferExport`] carries (wire values 1 and 2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PeerKind {
+    /// A CUDA IPC memory handle (`CUipcMemHandle`, 64 bytes) of the
+    /// allocation holding the buffer: opens on the same host.
+    CudaIpc,
+    /// A token of this process's export registry (`host` backend): 4 bytes
+    /// of process id (little-endian) then 16 random bytes; opens only in
+    /// the same process.
+    Process,
+}
+
+impl PeerKind {
+    /// Wire value.
+    pub fn to_u32(self) -> u32 {
+        match self {
+            PeerKind::CudaIpc => 1,
+            PeerKind::Process => 2,
+        }
+    }
+
+    /// From a wire value; `None` for an unknown one.
+    pub fn from_u32(v: u32) -> Option<Self> {
+        match v {
+            1 => Some(PeerKind::CudaIpc),
+            2 => Some(PeerKind::Process),
+            _ => None,
+        }
+    }
+}
+
+/// A registered device buffer as the owner offers it to a same-host reader.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BufferExport {
+    /// Kind of `handle`.
+    pub kind: PeerKind,
+    /// The handle (at most [`HANDLE_BYTES_MAX`] bytes; layout per
+    /// [`PeerKind`]).
+    pub handle: Vec<u8>,
+    /// Where the buffer starts inside what the handle maps (bytes).
+    pub offset: u64,
+    /// Length of the buffer (bytes): no read may pass `offset + len`.
+    pub len: u64,
+}
+
+/// A peer's buffer opened by this backend. Dropping the last reference
+/// unmaps it (CUDA: `cuIpcCloseMemHandle` once no buffer of that allocation
+/// is open). Backend-specific; a backend accepts only its own kind in
+/// [`PeerCopyBatch::sources`].
+pub trait PeerBuffer: Send + Sync + 'static {
+    /// Readable bytes (the export's `len`).
+    fn len(&self) -> u64;
+    /// True when zero-length.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// For the backend's downcast.
+    fn as_any(&self) -> &dyn std::any::Any;
+}
+
+/// One contiguous copy from an opened peer buffer into a local one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PeerCopyOp {
+    /// Index into [`PeerCopyBatch::sources`].
+    pub src: usize,
+    /// Byte offset in that peer buffer.
+    pub src_offset: u64,
+    /// Local destination buffer.
+    pub dst: DeviceBufferId,
+    /// Byte offset in it.
+    pub dst_offset: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// A batch of peer → local device copies.
+pub struct PeerCopyBatch {
+    /// Opened peer buffers the ops read from.
+    pub sources: Vec<Arc<dyn PeerBuffer>>,
+    /// The copies (any order; destinations must not overlap).
+    pub ops: Vec<PeerCopyOp>,
+    /// Runs of ops (index ranges into `ops`) whose *destination* bytes, in
+    /// op order, the completion checksums (standard CRC-32C, as
+    /// [`crc32c::crc32c`]): one slot per range when the engine asks for slot
+    /// checksums.
+    pub checksums: Vec<Range<usize>>,
+}
+
+/// A pending peer batch: the CRC-32C of each [`PeerCopyBatch::checksums`]
+/// range, in order, once every copy landed; an error fails the whole batch
+/// (treat every destination as garbage). Dropping it early never frees
+/// memory a copy may still touch (C11): the backend keeps the sources and
+/// its destination pins until the hardware is done.
+pub type PeerCompletion = Pin<Box<dyn Future<Output = Result<Vec<u32>, GpuError>> + Send>>;
+
+/// Checks a batch's shape before anything is copied: every op names a
+/// source, stays inside it, and every checksum range lies inside `ops`.
+/// Destinations are checked by the backend against its buffer table.
+///
+/// # Errors
+/// [`GpuError::OutOfRange`] naming the first bad op or range.
+pub fn validate_peer_batch(batch: &PeerCopyBatch) -> Result<(), GpuError> {
+    for (i, op) in batch.ops.iter().enumerate() {
+        let src = batch
+            .sources
+            .get(op.src)
+            .ok_or_else(|| GpuError::OutOfRange(format!("peer op {i}: source {} of {}", op.src, batch.sources.len())))?;
+        if op.src_offset.checked_add(op.len).is_none_or(|e| e > src.len()) {
+            return Err(GpuError::OutOfRange(format!(
+                "peer op {i}: [{}, +{}) beyond the peer buffer's {} bytes",
+                op.src_offset,
+                op.len,
+                src.len()
+            )));
+        }
+    }
+    for r in &batch.checksums {
+        if r.start > r.end || r.end > batch.ops.len() {
+            return Err(GpuError::OutOfRange(format!("checksum range {r:?} of {} ops", batch.ops.len())));
+        }
+    }
+    Ok(())
+}
+
+/// The `host` backend's export registry: token → the owner's buffer table
+/// (weak: a dropped backend's exports open nothing) and buffer id. One per
+/// process.
+fn registry() -> &'static Mutex<HashMap<[u8; 16], (WeakBufferTable, DeviceBufferId)>> {
+    static R: OnceLock<Mutex<HashMap<[u8; 16], (WeakBufferTable, DeviceBufferId)>>> = OnceLock::new();
+    R.get_or_init(Default::default)
+}
+
+/// Most exports the process registry holds (tokens of buffers that were
+/// unregistered are dropped when their backend forgets them).
+pub const PROCESS_EXPORTS_MAX: usize = 1 << 16;
+
+/// Exports `id` of `table` as a [`PeerKind::Process`] handle with a fresh
+/// unpredictable token (the `host` backend's [`Gpu::export_buffer`]).
+///
+/// # Errors
+/// [`GpuError::UnknownBuffer`]; [`GpuError::Unavailable`] when the registry
+/// is full.
+pub fn export_process(table: &super::BufferTable, id: DeviceBufferId) -> Result<BufferExport, GpuError> {
+    let entry = table.get(id).ok_or(GpuError::UnknownBuffer(id))?;
+    let mut token = [0u8; 16];
+    rand::RngCore::fill_bytes(&mut <rand::rngs::StdRng as rand::SeedableRng>::from_os_rng(), &mut token);
+    let mut r = registry().lock().expect("export registry lock");
+    r.retain(|_, (t, id)| t.is_live(*id));
+    if r.len() >= PROCESS_EXPORTS_MAX {
+        return Err(GpuError::Unavailable(format!("{PROCESS_EXPORTS_MAX} buffer exports outstanding")));
+    }
+    r.insert(token, (table.downgrade(), id));
+    let mut handle = std::process::id().to_le_bytes().to_vec();
+    handle.extend_from_slice(&token);
+    Ok(BufferExport { kind: PeerKind::Process, handle, offset: 0, len: entry.len })
+}
+
+/// A [`PeerKind::Process`] buffer opened by the `host` backend.
+pub struct ProcessPeerBuffer {
+    /// The owner's buffer table (weak: the owner's backend may be gone).
+    pub table: WeakBufferTable,
+    /// The owner's buffer.
+    pub id: DeviceBufferId,
+    /// Its length at export.
+    pub len: u64,
+}
+
+impl PeerBuffer for ProcessPeerBuffer {
+    fn len(&self) -> u64 {
+        self.len
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+/// Opens a [`PeerKind::Process`] export (the `host` backend's
+/// [`Gpu::open_peer_buffer`]).
+///
+/// # Errors
+/// [`GpuError::Unsupported`] for another kind; [`GpuError::Peer`] for a
+/// malformed handle, another process's handle, an unknown or revoked token,
+/// or a length that disagrees with the owner's buffer.
+pub fn open_process(e: &BufferExport) -> Result<Arc<dyn PeerBuffer>, GpuError> {
+    if e.kind != PeerKind::Process {
+        return Err(GpuError::Unsupported(format!("{:?} handles on the host backend", e.kind)));
+    }
+    if e.handle.len() != 20 {
+        return Err(GpuError::Peer(format!("process handle of {} bytes, want 20", e.handle.len())));
+    }
+    let pid = u32::from_le_bytes(e.handle[..4].try_into().expect("4 bytes"));
+    if pid != std::process::id() {
+        return Err(GpuError::Peer(format!("handle of process {pid}: only process {} can open it", std::process::id())));
+    }
+    let token: [u8; 16] = e.handle[4..].try_into().expect("16 bytes");
+    let (table, id) = registry()
+        .lock()
+        .expect("export registry lock")
+        .get(&token)
+        .cloned()
+        .ok_or_else(|| GpuError::Peer("unknown or revoked export token".into()))?;
+    let live = table.len_of(id).ok_or_else(|| GpuError::Peer("the exported buffer is no longer registered".into()))?;
+    if e.offset != 0 || e.len != live {
+        return Err(GpuError::Peer(format!("export says [{}, +{}), the buffer has {live} bytes", e.offset, e.len)));
+    }
+    Ok(Arc::new(ProcessPeerBuffer { table, id, len: live }))
+}
+
+/// Drops every export token of `id` in `table`'s registry entries (the
+/// owner unregistered the buffer: its handles open nothing afterwards).
+pub fn revoke_process(table: &super::BufferTable, id: DeviceBufferId) {
+    let weak = table.downgrade();
+    registry().lock().expect("export registry lock").retain(|_, (t, i)| !(t.same_table(&weak) && *i == id));
+}
