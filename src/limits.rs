@@ -100,6 +100,31 @@ pub const TRANSFER_LOCK_GC_INTERVAL_MS_DEFAULT: u64 = 1_000;
 /// `QueryBlocksForTransfer` answers RESOURCE_EXHAUSTED instead of growing.
 pub const TRANSFER_SESSIONS_MAX: usize = 65_536;
 
+/// Most live device leases one engine holds (C19): a grant beyond this is
+/// refused ([`crate::engine::leases::LeaseError::TooMany`]).
+pub const DEVICE_LEASES_MAX: usize = 65_536;
+
+/// Most lease ends queued for the engine to drain
+/// ([`crate::engine::Engine::ended_device_leases`]); while this many wait,
+/// new grants are refused (an end is never dropped).
+pub const DEVICE_LEASES_ENDED_MAX: usize = 65_536;
+
+/// Most blocks one device lease covers (one request's prefix: as many
+/// hashes as one transfer request may name).
+pub const DEVICE_LEASE_BLOCKS_MAX: usize = HASHES_PER_REQUEST_MAX;
+
+/// Longest a device lease may live (ms): a reader that never comes keeps
+/// the engine's blocks at most this long.
+pub const DEVICE_LEASE_TTL_MS_MAX: u64 = 600_000;
+
+/// A reader starts a device-direct copy only while at least this much of
+/// its lease is left (ms), so a copy does not run into the lease's end;
+/// otherwise it reads the owner's pool.
+pub const DEVICE_LEASE_MARGIN_MS: u64 = 50;
+
+/// Most exported device buffers one transfer answer names.
+pub const DEVICE_EXPORTS_PER_ANSWER_MAX: usize = 4_096;
+
 /// Most blocks an eviction pass inspects before giving up (bounded scan): a
 /// pool full of pinned blocks fails an allocation fast instead of walking
 /// millions of entries.

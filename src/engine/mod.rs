@@ -9,6 +9,7 @@
 pub mod cache;
 pub mod fetch;
 pub mod layout;
+pub mod leases;
 pub mod locks;
 pub use crate::memory::pool;
 
