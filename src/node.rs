@@ -445,6 +445,7 @@ async fn start_bound(
     // Only a pool that may be shared goes into a memfd (a private heap arena
     // gets transparent huge pages where shared memory may not).
     ecfg.pool_shared &= cfg.path != PathChoice::Tcp && matches!(cfg.transport, TransportChoice::Tcp);
+    ecfg.device_direct &= matches!(cfg.path, PathChoice::Auto | PathChoice::Ipc);
     let engine = match Engine::new(node.clone(), ecfg, gpu, client.clone()) {
         Ok(e) => e,
         Err(e) => {

@@ -9,7 +9,9 @@ use std::pin::Pin;
 use tonic::{Request, Response, Status};
 
 use crate::engine::Engine;
+use crate::engine::device::DeviceAsk;
 use crate::engine::fetch::transfer_block_info;
+use crate::gpu::peer::PeerKind;
 use crate::limits;
 use crate::proto::engine_server::{Engine as EngineRpc, EngineServer};
 use crate::proto::*;
@@ -27,6 +29,16 @@ impl P2pTransferService {
     /// Wraps an engine.
     pub fn new(engine: Engine) -> Self {
         Self { engine }
+    }
+
+    /// What a requester's [`DeviceCapability`] asks for, with the
+    /// transport's word on whether it runs on this host (C19); `None` for an
+    /// unknown kind or a malformed requester id.
+    fn device_ask(&self, d: &DeviceCapability, requester: &str) -> Option<DeviceAsk> {
+        let kind = PeerKind::from_u32(d.kind)?;
+        let requester = NodeAddr::parse(requester).ok()?;
+        let proven_same_host = self.engine.transport().is_some_and(|t| t.proven_same_host(&requester));
+        Some(DeviceAsk { kind, pid: d.pid, proven_same_host })
     }
 
     /// The tonic router serving this service with 64 MiB message limits.
@@ -187,18 +199,49 @@ impl EngineRpc for P2pTransferService {
                 blocks: Vec::new(),
                 transfer_session_id: String::new(),
                 lock_timeout_secs: 0,
+                device_buffers: Vec::new(),
+                device_lease_ms_left: 0,
             }));
         };
         let (session, found) = self
             .engine
             .lock_for_transfer(&r.namespace, &hashes)
             .map_err(|e| Status::resource_exhausted(e.to_string()))?;
-        let blocks = found.iter().map(|(h, b)| transfer_block_info(&layout, h, b)).collect();
+        let mut blocks: Vec<_> = found.iter().map(|(h, b)| transfer_block_info(&layout, h, b)).collect();
+        let grant = match (&session, r.device.as_ref().and_then(|d| self.device_ask(d, &r.requester_id))) {
+            (Some(s), Some(ask)) => {
+                let hashes: Vec<BlockHash> = found.iter().map(|(h, _)| h.clone()).collect();
+                self.engine.device_grant(&r.namespace, &hashes, s, &ask)
+            }
+            _ => None,
+        };
+        let (device_buffers, device_lease_ms_left) = match grant {
+            None => (Vec::new(), 0),
+            Some(g) => {
+                for (b, segs) in blocks.iter_mut().zip(g.segments) {
+                    b.device_segments =
+                        segs.into_iter().map(|(buffer, offset, len)| DeviceSegment { buffer, offset, len }).collect();
+                }
+                let exports = g
+                    .exports
+                    .into_iter()
+                    .map(|e| DeviceBufferExport {
+                        kind: e.kind.to_u32(),
+                        handle: e.handle.into(),
+                        offset: e.offset,
+                        len: e.len,
+                    })
+                    .collect();
+                (exports, g.ms_left)
+            }
+        };
         Ok(Response::new(QueryBlocksForTransferResponse {
             status: ok(),
             blocks,
             transfer_session_id: session.unwrap_or_default(),
             lock_timeout_secs: self.engine.lock_timeout_secs(),
+            device_buffers,
+            device_lease_ms_left,
         }))
     }
 

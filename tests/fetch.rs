@@ -902,6 +902,7 @@ async fn p2p_grpc_surface() {
             namespace: ns.into(),
             block_hashes: hashes,
             requester_id: d.node.0.clone(),
+            device: None,
         };
         let err = c.query_blocks_for_transfer(q(vec![], NS)).await.unwrap_err();
         assert_eq!(err.code(), Code::InvalidArgument);

@@ -7,6 +7,7 @@
 //! GC, fetch) are tasks, so the simulator runs the same code.
 
 pub mod cache;
+pub mod device;
 pub mod fetch;
 pub mod layout;
 pub mod leases;
@@ -83,6 +84,10 @@ pub struct EngineConfig {
     /// `Some` only for simulations and tests that must replay ids; two
     /// engines given the same seed issue the same ids.
     pub seed: Option<u64>,
+    /// Let [`Engine::fetch_into`] copy blocks device to device from a
+    /// same-host owner that granted a device lease on them (C19); on by
+    /// default. A node whose path is forced to `shm` or `tcp` turns it off.
+    pub device_direct: bool,
 }
 
 impl Default for EngineConfig {
@@ -100,6 +105,7 @@ impl Default for EngineConfig {
             fetch_reads_in_flight: limits::FETCH_READS_IN_FLIGHT,
             fetch_verify_task_bytes_min: limits::FETCH_VERIFY_PART_BYTES_MIN,
             seed: None,
+            device_direct: true,
         }
     }
 }
@@ -168,6 +174,9 @@ pub enum EngineError {
     /// The transfer-lock table refused.
     #[error(transparent)]
     Lock(#[from] LockError),
+    /// A device lease was refused (C19).
+    #[error(transparent)]
+    Lease(leases::LeaseError),
     /// The task finishing a save ended without a result (only under the
     /// simulator, where the save runs on a task of its own: its node was
     /// killed; see [`crate::rt::run_to_completion`]).
@@ -276,6 +285,18 @@ pub struct EngineMetrics {
     pub load_copy_bytes: AtomicU64,
     /// Nanoseconds load batches spent from submit to completion.
     pub load_copy_ns: AtomicU64,
+    /// Owner side: transfer locks whose reader took device leases (C19).
+    pub device_leases_taken: AtomicU64,
+    /// Reader side: blocks copied device to device from a same-host owner
+    /// and verified (path `ipc`).
+    pub device_blocks: AtomicU64,
+    /// Bytes of those blocks.
+    pub device_bytes: AtomicU64,
+    /// Nanoseconds device-direct batches took, submit to verified.
+    pub device_ns: AtomicU64,
+    /// Device-direct parts that fell back to the pool path (copy failed,
+    /// a checksum differed, the lease was too short, a handle did not open).
+    pub device_fallbacks: AtomicU64,
 }
 
 /// A point-in-time view of the engine's gauges.
@@ -321,6 +342,10 @@ pub(crate) struct EngineInner {
     saves_done: watch::Sender<u64>,
     metrics: EngineMetrics,
     pub(crate) peers: fetch::PeerTable,
+    /// Device leases granted on this engine's KV blocks (C19).
+    leases: Mutex<leases::DeviceLeases>,
+    /// Exports of this engine's device buffers, made once per buffer.
+    exports: Mutex<HashMap<DeviceBufferId, crate::gpu::peer::BufferExport>>,
 }
 
 /// The engine. Cheap to clone (one `Arc`).
@@ -439,6 +464,8 @@ impl Engine {
             saves_done,
             metrics: EngineMetrics::default(),
             peers: fetch::PeerTable::default(),
+            leases: Mutex::new(leases::DeviceLeases::new()),
+            exports: Mutex::new(HashMap::new()),
             cfg,
         });
         client.set_ownership_source(Arc::new(Source(Arc::downgrade(&inner))));
@@ -541,7 +568,9 @@ impl Engine {
         {
             return Err(EngineError::BufferInUse { buffer, namespace: ns.to_string() });
         }
-        Ok(self.inner.gpu.unregister(buffer)?)
+        self.inner.gpu.unregister(buffer)?;
+        self.forget_export(buffer);
+        Ok(())
     }
 
     /// Registers the layout of a namespace, validated against the device
@@ -605,7 +634,14 @@ impl Engine {
     /// [`EngineError::UnknownNamespace`].
     pub fn unregister_layout(&self, namespace: &str) -> Result<(), EngineError> {
         let mut map = self.inner.layouts.write().expect("layouts lock");
-        map.live.remove(namespace).map(|_| ()).ok_or_else(|| EngineError::UnknownNamespace(namespace.to_string()))
+        map.live.remove(namespace).ok_or_else(|| EngineError::UnknownNamespace(namespace.to_string()))?;
+        // A device lease never outlives the layout it names (C15, C19).
+        let now = self.now_ms();
+        let n = self.inner.leases.lock().expect("leases lock").revoke_namespace(namespace, now);
+        if n > 0 {
+            tracing::trace!(target: device::DEVICE_LEASE_TRACE_TARGET, owner = %self.node(), namespace, leases = n, now_ms = now, "revoked");
+        }
+        Ok(())
     }
 
     /// The layout of a namespace.
@@ -1101,6 +1137,9 @@ impl Engine {
     /// address): nothing is released (C16).
     pub fn release_transfer(&self, session: &str) -> Result<usize, AccessError> {
         let r = self.inner.locks.lock().expect("locks lock").release(session);
+        if r.is_ok() {
+            self.release_device_leases(session);
+        }
         // The simulator counts the releases each session gets (C8: exactly
         // one, by its requester).
         tracing::trace!(
@@ -1245,6 +1284,7 @@ async fn lock_gc(engine: Weak<EngineInner>) {
         let Some(e) = engine.upgrade() else { return };
         let now = crate::rt::elapsed_ms(e.origin);
         let gone = e.locks.lock().expect("locks lock").expire_ids(now);
+        e.leases.lock().expect("leases lock").expire(now);
         for session in &gone {
             tracing::trace!(target: TRANSFER_EXPIRED_TRACE_TARGET, session = %session, now_ms = now, "expired");
         }

@@ -17,8 +17,8 @@
 //! ([`HostGpu::with_device_checksums`]).
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use super::{
     BatchPin, BufferTable, ChecksumRange, Completed, Completion, CopyBatch, CopyOp, Direction, Gpu, GpuError, HostBuf,

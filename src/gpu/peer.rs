@@ -152,10 +152,9 @@ pub type PeerCompletion = Pin<Box<dyn Future<Output = Result<Vec<u32>, GpuError>
 /// [`GpuError::OutOfRange`] naming the first bad op or range.
 pub fn validate_peer_batch(batch: &PeerCopyBatch) -> Result<(), GpuError> {
     for (i, op) in batch.ops.iter().enumerate() {
-        let src = batch
-            .sources
-            .get(op.src)
-            .ok_or_else(|| GpuError::OutOfRange(format!("peer op {i}: source {} of {}", op.src, batch.sources.len())))?;
+        let src = batch.sources.get(op.src).ok_or_else(|| {
+            GpuError::OutOfRange(format!("peer op {i}: source {} of {}", op.src, batch.sources.len()))
+        })?;
         if op.src_offset.checked_add(op.len).is_none_or(|e| e > src.len()) {
             return Err(GpuError::OutOfRange(format!(
                 "peer op {i}: [{}, +{}) beyond the peer buffer's {} bytes",
@@ -242,7 +241,10 @@ pub fn open_process(e: &BufferExport) -> Result<Arc<dyn PeerBuffer>, GpuError> {
     }
     let pid = u32::from_le_bytes(e.handle[..4].try_into().expect("4 bytes"));
     if pid != std::process::id() {
-        return Err(GpuError::Peer(format!("handle of process {pid}: only process {} can open it", std::process::id())));
+        return Err(GpuError::Peer(format!(
+            "handle of process {pid}: only process {} can open it",
+            std::process::id()
+        )));
     }
     let token: [u8; 16] = e.handle[4..].try_into().expect("16 bytes");
     let (table, id) = registry()

@@ -198,6 +198,15 @@ pub trait Transport: Send + Sync + 'static {
         local: Vec<Extent>,
         deadline: Instant,
     ) -> ReadCompletion;
+
+    /// Whether `peer` proved it runs on this host as this user (the shared
+    /// pool's credential-checked local socket: it redeemed a token this
+    /// node issued to it). Device handles go only to such peers (C19).
+    /// Default: never.
+    fn proven_same_host(&self, peer: &NodeAddr) -> bool {
+        let _ = peer;
+        false
+    }
 }
 
 /// One stream count's result of a raw-copy baseline

@@ -51,6 +51,11 @@ pub enum PathChoice {
     Shm,
     /// TCP only (no shared pool offered or used).
     Tcp,
+    /// Device to device from a same-host owner's KV wherever the owner
+    /// granted a device lease (C19; [`crate::gpu::peer`]), everything else
+    /// as [`PathChoice::Auto`]. `Auto` copies device to device too; `Shm`
+    /// and `Tcp` never do (for benchmarks of those paths).
+    Ipc,
 }
 
 impl std::fmt::Display for PathChoice {
@@ -60,6 +65,7 @@ impl std::fmt::Display for PathChoice {
             PathChoice::Auto => "auto",
             PathChoice::Shm => "shm",
             PathChoice::Tcp => "tcp",
+            PathChoice::Ipc => "ipc",
         })
     }
 }
@@ -73,7 +79,8 @@ impl std::str::FromStr for PathChoice {
             "auto" => Ok(PathChoice::Auto),
             "shm" => Ok(PathChoice::Shm),
             "tcp" => Ok(PathChoice::Tcp),
-            _ => Err(format!("unknown path {s:?} (want auto, shm or tcp)")),
+            "ipc" => Ok(PathChoice::Ipc),
+            _ => Err(format!("unknown path {s:?} (want auto, ipc, shm or tcp)")),
         }
     }
 }
@@ -186,6 +193,17 @@ impl PathTransport {
         }
     }
 
+    /// Whether `peer` proved it runs on this host as this user (it attached
+    /// to this node's shared pool).
+    pub fn proves_same_host(&self, peer: &NodeAddr) -> bool {
+        #[cfg(target_os = "linux")]
+        if let Some(s) = &self.shm {
+            return s.proven_same_host(peer);
+        }
+        let _ = peer;
+        false
+    }
+
     /// Whether reads from `peer` go through its shared pool.
     pub fn uses_shm(&self, peer: &NodeAddr) -> bool {
         #[cfg(target_os = "linux")]
@@ -231,6 +249,10 @@ fn retry_subset(
 impl Transport for PathTransport {
     fn kind(&self) -> TransportKind {
         self.tcp.kind()
+    }
+
+    fn proven_same_host(&self, peer: &NodeAddr) -> bool {
+        self.proves_same_host(peer)
     }
 
     fn local_metadata(&self) -> HandshakeMetadata {
@@ -375,7 +397,7 @@ mod tests {
 
     #[test]
     fn path_choice_parses_and_prints() {
-        for c in [PathChoice::Auto, PathChoice::Shm, PathChoice::Tcp] {
+        for c in [PathChoice::Auto, PathChoice::Shm, PathChoice::Tcp, PathChoice::Ipc] {
             assert_eq!(c.to_string().parse::<PathChoice>(), Ok(c));
         }
         assert!("ipc".parse::<PathChoice>().is_err());

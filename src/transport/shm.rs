@@ -289,6 +289,10 @@ struct Grant {
 #[derive(Default)]
 struct Grants {
     list: std::collections::VecDeque<Grant>,
+    /// Requesters that redeemed a token (same host and user, proven by the
+    /// socket and its credentials), newest last, at most
+    /// [`limits::SHM_TOKENS_MAX`]: device handles go only to them (C19).
+    proven: std::collections::VecDeque<NodeAddr>,
 }
 
 impl Grants {
@@ -315,7 +319,13 @@ impl Grants {
                 found = Some(i);
             }
         }
-        found.and_then(|i| self.list.remove(i)).is_some()
+        let Some(g) = found.and_then(|i| self.list.remove(i)) else { return false };
+        self.proven.retain(|p| *p != g.requester);
+        if self.proven.len() >= limits::SHM_TOKENS_MAX {
+            self.proven.pop_front();
+        }
+        self.proven.push_back(g.requester);
+        true
     }
 }
 
@@ -445,6 +455,12 @@ impl ShmTransport {
             .spawn(move || server.accept_loop(&listener, &stop, &grants))
             .map_err(|e| io_err("thread", e))?;
         Ok(t)
+    }
+
+    /// Whether `peer` redeemed a token this node issued to it: it reached
+    /// the abstract socket (same host, same net namespace) as this user.
+    pub fn proven_same_host(&self, peer: &NodeAddr) -> bool {
+        self.grants.lock().unwrap_or_else(std::sync::PoisonError::into_inner).proven.contains(peer)
     }
 
     /// Stops serving: the socket closes; peers already attached keep their

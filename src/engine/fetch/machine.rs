@@ -294,6 +294,15 @@ impl FetchMachine {
         }
     }
 
+    /// The request index of plan block 0 (the current transfer's base);
+    /// `None` outside a transfer.
+    pub fn plan_base(&self) -> Option<usize> {
+        match &self.stage {
+            Stage::Allocating(t) | Stage::Reading(t) => Some(t.base),
+            _ => None,
+        }
+    }
+
     /// The owner and session of the granted lock being read under (until its
     /// release is emitted).
     pub fn transfer_session(&self) -> Option<(&NodeAddr, &str)> {
@@ -652,7 +661,7 @@ mod tests {
         let s = sums(i);
         let slot =
             |c: u32| TransferSlotInfo { k_ptr: 0, k_size: seg, v_ptr: seg, v_size: seg, numa_node: 0, crc32c: c };
-        TransferBlockInfo { block_hash: hash(i).0, slots: vec![slot(s[0]), slot(s[1])] }
+        TransferBlockInfo { block_hash: hash(i).0, slots: vec![slot(s[0]), slot(s[1])], device_segments: Vec::new() }
     }
 
     /// Draws from the script; once it runs out every draw is "nothing goes

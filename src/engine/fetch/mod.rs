@@ -25,6 +25,7 @@
 //! [`Engine::fetch_into`], starts each sealed part's load into the caller's
 //! blocks at once so the device copy runs behind the next reads.
 
+mod device;
 mod machine;
 
 use std::collections::{HashMap, VecDeque};
@@ -48,7 +49,8 @@ use super::pool::Extent;
 use super::{Engine, EngineError, LoadError, LoadReport, slot_checksums};
 use crate::proto::engine_client::EngineClient;
 use crate::proto::{
-    QueryBlocksForTransferRequest, RdmaHandshakeRequest, ReleaseTransferLockRequest, TransferBlockInfo,
+    DeviceCapability, QueryBlocksForTransferRequest, RdmaHandshakeRequest, ReleaseTransferLockRequest,
+    TransferBlockInfo,
 };
 use crate::rt::timeout_at;
 use crate::transport::{HandshakeMetadata, ReadCompletion, ReadOp, Transport, TransportError};
@@ -58,6 +60,8 @@ use crate::types::{BlockHash, NodeAddr};
 pub(crate) struct PeerState {
     grpc: EngineClient<Channel>,
     handshake: OnceCell<()>,
+    /// Its device buffers this node opened (C19), kept while the entry is.
+    opened: Mutex<device::Opened>,
 }
 
 /// Peers this engine fetches from.
@@ -76,7 +80,7 @@ impl PeerTable {
         let grpc = EngineClient::new(ch)
             .max_decoding_message_size(crate::limits::GRPC_MESSAGE_BYTES_MAX)
             .max_encoding_message_size(crate::limits::GRPC_MESSAGE_BYTES_MAX);
-        let p = Arc::new(PeerState { grpc, handshake: OnceCell::new() });
+        let p = Arc::new(PeerState { grpc, handshake: OnceCell::new(), opened: Mutex::default() });
         map.insert(peer.clone(), p.clone());
         Ok(p)
     }
@@ -224,8 +228,27 @@ enum Rpc {
 /// slots a read or a CRC pass had taken out of the slot table.
 enum Outcome {
     Rpc(Event),
-    Read { part: usize, first: usize, done: ReadCompletion },
-    Verified { part: usize, first: usize, local: Vec<Extent>, sums: Vec<Option<Arc<[u32]>>> },
+    /// The lock's answer, with its device half (C19) when it had one.
+    Locked(Result<LockGrant, FetchError>, Option<device::DeviceSide>),
+    /// A part copied device to device and verified: the slots it did not
+    /// use, and each block's slot checksums.
+    DeviceRead {
+        part: usize,
+        first: usize,
+        local: Vec<Extent>,
+        sums: Vec<Arc<[u32]>>,
+    },
+    Read {
+        part: usize,
+        first: usize,
+        done: ReadCompletion,
+    },
+    Verified {
+        part: usize,
+        first: usize,
+        local: Vec<Extent>,
+        sums: Vec<Option<Arc<[u32]>>>,
+    },
 }
 
 type Pending<'a> = FuturesUnordered<Pin<Box<dyn Future<Output = Outcome> + Send + 'a>>>;
@@ -258,6 +281,14 @@ struct Driver<'a> {
     /// Transfer sessions granted to this fetch (for the end-of-fetch trace
     /// event the simulator checks C8 with).
     granted: Vec<String>,
+    /// The current lock's device half (C19), if the owner offered one.
+    device: Option<device::DeviceSide>,
+    /// Parts copied device to device, with their blocks' slot checksums,
+    /// until their verify action takes them.
+    device_parts: HashMap<usize, Vec<Arc<[u32]>>>,
+    /// Request indices whose block landed device to device (sealed as
+    /// loaded, never into the pool).
+    device_done: std::collections::HashSet<usize>,
 }
 
 /// The loads of a [`Engine::fetch_into`], started part by part as blocks
@@ -378,6 +409,9 @@ impl Engine {
                 phases: FetchPhases::default(),
                 load: pipe.take(),
                 granted: Vec::new(),
+                device: None,
+                device_parts: HashMap::new(),
+                device_done: std::collections::HashSet::new(),
             };
             d.run(first).await;
             rep = d.m.report().clone();
@@ -514,6 +548,18 @@ impl<'a> Driver<'a> {
                 }
                 ev
             }
+            Outcome::Locked(res, device) => {
+                self.rpc = None;
+                self.device = device;
+                Event::Locked(res)
+            }
+            Outcome::DeviceRead { part, first, local, sums } => {
+                self.reads -= 1;
+                self.put_back(first, local);
+                let results = vec![Ok(()); sums.len()];
+                self.device_parts.insert(part, sums);
+                Event::ReadDone { part, results }
+            }
             Outcome::Read { part, first, done } => {
                 self.reads -= 1;
                 self.put_back(first, done.local);
@@ -571,25 +617,38 @@ impl<'a> Driver<'a> {
                 let Some(mut grpc) = self.grpc(&owner) else {
                     return Some(Event::Locked(Err(FetchError::Peer("no client for the owner".into()))));
                 };
+                // Device ranges are asked for only where they can land: a
+                // fetch into the engine's KV, a backend with peer copies.
+                let device = (self.load.is_some() && engine.inner.cfg.device_direct)
+                    .then(|| engine.gpu().peer_kind())
+                    .flatten()
+                    .map(|kind| DeviceCapability { kind: kind.to_u32(), pid: std::process::id() });
                 let req = QueryBlocksForTransferRequest {
                     namespace: self.namespace.to_string(),
                     block_hashes: self.hashes[blocks].iter().map(|h| h.0.clone()).collect(),
                     requester_id: engine.node().0.clone(),
+                    device,
                 };
                 self.rpc = Some(Rpc::Lock);
+                self.device = None;
                 pending.push(Box::pin(async move {
-                    let res = match grpc.query_blocks_for_transfer(req).await {
-                        Err(s) => Err(FetchError::Peer(s.to_string())),
+                    let (res, device) = match grpc.query_blocks_for_transfer(req).await {
+                        Err(s) => (Err(FetchError::Peer(s.to_string())), None),
                         Ok(r) => {
                             let r = r.into_inner();
                             if r.transfer_session_id.is_empty() {
-                                Err(FetchError::Stale)
+                                (Err(FetchError::Stale), None)
                             } else {
-                                Ok(LockGrant { session: r.transfer_session_id, blocks: r.blocks })
+                                let device = device::DeviceSide::from_answer(
+                                    &r.device_buffers,
+                                    r.device_lease_ms_left,
+                                    Instant::now(),
+                                );
+                                (Ok(LockGrant { session: r.transfer_session_id, blocks: r.blocks }), device)
                             }
                         }
                     };
-                    Outcome::Rpc(Event::Locked(res))
+                    Outcome::Locked(res, device)
                 }));
                 None
             }
@@ -606,16 +665,34 @@ impl<'a> Driver<'a> {
                 let (owner, session) = (owner.clone(), session.to_string());
                 let plan: Vec<&TransferBlockInfo> = self.m.plan()[blocks.clone()].iter().collect();
                 let ops = read_ops(&self.layout, &plan);
+                let direct = self.device_copy(&blocks);
                 let local = self.take(&blocks);
                 let (transport, deadline) = (self.transport.clone(), self.deadline);
                 self.reads += 1;
+                let first = blocks.start;
                 pending.push(Box::pin(async move {
+                    if let Some(copy) = direct {
+                        match copy.await {
+                            Ok(sums) => return Outcome::DeviceRead { part, first, local, sums },
+                            Err(e) => {
+                                engine.inner.metrics.device_fallbacks.fetch_add(1, Ordering::Relaxed);
+                                tracing::debug!(error = %e, "device-direct part falls back to the pool path");
+                            }
+                        }
+                    }
                     let done = transport.read(&owner, &session, ops, local, deadline).await;
-                    Outcome::Read { part, first: blocks.start, done }
+                    Outcome::Read { part, first, done }
                 }));
                 None
             }
             Action::Verify { part, blocks, read_ok } => {
+                if let Some(sums) = self.device_parts.remove(&part) {
+                    // Checked on the device against the owner's checksums
+                    // as they landed in this engine's KV.
+                    let base = self.m.plan_base().unwrap_or(0);
+                    self.device_done.extend(blocks.clone().map(|i| base + i));
+                    return Some(Event::Verified { part, sums: sums.into_iter().map(Some).collect() });
+                }
                 let local = self.take(&blocks);
                 let layout = self.layout.clone();
                 let task_bytes_min = engine.inner.cfg.fetch_verify_task_bytes_min;
@@ -644,20 +721,34 @@ impl<'a> Driver<'a> {
             }
             Action::Seal { blocks, hashes, sums } => {
                 let mut bytes = 0;
+                let mut pooled = Vec::new();
                 for ((i, h), sums) in blocks.clone().zip(hashes.clone()).zip(sums) {
                     let Some(ext) = self.slots[i].take() else { continue };
+                    if self.device_done.contains(&h) {
+                        // Already in the engine's KV, verified there: the
+                        // slot was only the fallback's.
+                        drop(ext);
+                        continue;
+                    }
                     bytes += ext.len();
                     let block = CachedBlock { extent: ext.seal(), checksums: sums };
                     engine.insert_sealed(&self.ns, self.hashes[h].clone(), block);
+                    pooled.push(h);
                 }
                 // Registered in the same synchronous step that sealed them
                 // (as `save` does): deferring it let an eviction in between
                 // enqueue the removal before the insert, leaving a stale
                 // owner entry; a cancel there left resident blocks never
                 // registered (found by the simulator).
-                engine.advertise(&self.ns, &self.hashes[hashes.clone()]);
+                let advertised: Vec<BlockHash> = pooled.iter().map(|&h| self.hashes[h].clone()).collect();
+                engine.advertise(&self.ns, &advertised);
                 if let Some(p) = &mut self.load {
-                    p.start(engine, self.namespace, hashes);
+                    for h in hashes.clone().filter(|h| self.device_done.contains(h)) {
+                        p.results[h] = Some(Ok(()));
+                    }
+                    for run in runs(&pooled) {
+                        p.start(engine, self.namespace, run);
+                    }
                 }
                 let m = &engine.inner.metrics;
                 m.fetched_blocks.fetch_add(blocks.len() as u64, Ordering::Relaxed);
@@ -710,6 +801,78 @@ impl<'a> Driver<'a> {
         }
     }
 
+    /// The device copy of read part `blocks` (plan indices), when the
+    /// current lock offered device ranges for every block of it, enough of
+    /// the lease is left, and this is a fetch into the engine's KV: opens
+    /// the owner's buffers (once per owner), submits one peer batch and
+    /// resolves to each block's slot checksums once they match the owner's
+    /// (C10), or to why the part must be read from the pool instead.
+    fn device_copy(
+        &mut self,
+        blocks: &std::ops::Range<usize>,
+    ) -> Option<Pin<Box<dyn Future<Output = Result<Vec<Arc<[u32]>>, String>> + Send + 'a>>> {
+        let side = self.device.as_ref()?;
+        let load = self.load.as_ref()?;
+        let base = self.m.plan_base()?;
+        let plan: Vec<&TransferBlockInfo> = self.m.plan()[blocks.clone()].iter().collect();
+        if plan.iter().any(|b| b.device_segments.is_empty()) {
+            return None;
+        }
+        let fallback = |why: String| -> Option<Pin<Box<dyn Future<Output = _> + Send + 'a>>> {
+            Some(Box::pin(std::future::ready(Err(why))))
+        };
+        if Instant::now() >= side.until {
+            return fallback("too little of the device lease is left".into());
+        }
+        let dst: Vec<u64> = blocks.clone().map(|i| load.blocks[base + i].1).collect();
+        let plan = match device::plan_part(&self.layout, &plan, &dst, side.exports.len()) {
+            Ok(p) => p,
+            Err(e) => return fallback(format!("owner's device ranges: {e}")),
+        };
+        let gpu = self.engine.gpu().clone();
+        let peer = self.peer.as_ref().map(|(_, p)| p.clone())?;
+        let mut used: HashMap<usize, usize> = HashMap::new();
+        let mut sources = Vec::new();
+        let mut ops = plan.ops;
+        {
+            let mut opened = peer.opened.lock().expect("opened lock");
+            for op in &mut ops {
+                let next = used.len();
+                let at = *used.entry(op.src).or_insert(next);
+                if at == sources.len() {
+                    match opened.get(gpu.as_ref(), &side.exports[op.src]) {
+                        Ok(b) => sources.push(b),
+                        Err(e) => return fallback(format!("opening the owner's buffer: {e}")),
+                    }
+                }
+                op.src = at;
+            }
+        }
+        let (expected, bytes) = (plan.expected, plan.bytes);
+        let batch = crate::gpu::peer::PeerCopyBatch { sources, ops, checksums: plan.checksums };
+        let engine = self.engine;
+        Some(Box::pin(async move {
+            let t0 = Instant::now();
+            let sums = gpu.submit_peer(batch).await.map_err(|e| format!("device copy: {e}"))?;
+            let mut out = Vec::with_capacity(expected.len());
+            let mut at = 0;
+            for want in expected {
+                let got = sums.get(at..at + want.len()).ok_or("too few checksums")?;
+                if got != &*want {
+                    engine.inner.metrics.checksum_failures.fetch_add(1, Ordering::Relaxed);
+                    return Err("a slot checksum differs from the owner's (C10)".to_string());
+                }
+                at += want.len();
+                out.push(want);
+            }
+            let m = &engine.inner.metrics;
+            m.device_blocks.fetch_add(out.len() as u64, Ordering::Relaxed);
+            m.device_bytes.fetch_add(bytes, Ordering::Relaxed);
+            m.device_ns.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            Ok(out)
+        }))
+    }
+
     /// The gRPC client of `owner` (the current peer entry, else the table's).
     fn grpc(&self, owner: &NodeAddr) -> Option<EngineClient<Channel>> {
         match &self.peer {
@@ -747,6 +910,18 @@ impl Drop for Driver<'_> {
             }
         }
     }
+}
+
+/// Maximal runs of consecutive indices in `v` (ascending).
+fn runs(v: &[usize]) -> Vec<std::ops::Range<usize>> {
+    let mut out: Vec<std::ops::Range<usize>> = Vec::new();
+    for &i in v {
+        match out.last_mut() {
+            Some(r) if r.end == i => r.end += 1,
+            _ => out.push(i..i + 1),
+        }
+    }
+    out
 }
 
 /// `ReleaseTransferLock(session)`, bounded by `timeout`; the outcome is not
@@ -928,7 +1103,7 @@ pub fn transfer_block_info(layout: &super::layout::Layout, hash: &BlockHash, blo
             }
         })
         .collect();
-    TransferBlockInfo { block_hash: hash.0.clone(), slots }
+    TransferBlockInfo { block_hash: hash.0.clone(), slots, device_segments: Vec::new() }
 }
 
 #[cfg(test)]

@@ -1,0 +1,235 @@
+//! The owner's half of device-direct reads on one host (contract C19): the
+//! engine grants device leases on its KV blocks ([`Engine::grant_device_lease`]),
+//! hands a same-host reader that locked those blocks for transfer the
+//! device ranges and buffer exports to copy them from
+//! ([`Engine::device_grant`]), and tells its embedder when each lease ended
+//! ([`Engine::ended_device_leases`]). The lease rules are in
+//! [`super::leases`]; the copies in [`crate::gpu::peer`]; the reader's half
+//! in [`super::fetch`].
+//!
+//! Who gets device ranges (never assumed from an address):
+//! - the reader must say which handle kind it opens, and it must be this
+//!   backend's kind;
+//! - a [`PeerKind::Process`] handle goes only to a reader that says it runs
+//!   in this process (and opens only there: the export registry is
+//!   per-process);
+//! - a [`PeerKind::CudaIpc`] handle goes only to a reader the transport has
+//!   proven to run on this host as this user (it redeemed a shared-pool
+//!   token over the credential-checked local socket:
+//!   [`crate::transport::Transport::proven_same_host`]).
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use super::leases::{DeviceLeaseId, LeaseEnded, LeaseError};
+use super::{Engine, EngineError};
+use crate::gpu::peer::{BufferExport, PeerKind};
+use crate::memory::DeviceBufferId;
+use crate::types::BlockHash;
+
+/// Trace target of lease events (granted, taken, ended), which the
+/// simulator checks C19 with: no device read after the lease ended, every
+/// lease ended exactly once.
+pub const DEVICE_LEASE_TRACE_TARGET: &str = "kvferry::device_lease";
+
+/// What a reader asks for with a transfer lock: the handle kind it opens,
+/// its process id, and whether the transport proved it runs on this host.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceAsk {
+    /// The kind it opens.
+    pub kind: PeerKind,
+    /// Its process id (as it says).
+    pub pid: u32,
+    /// The transport proved same host and user (credential-checked socket).
+    pub proven_same_host: bool,
+}
+
+/// The device half of a transfer lock's answer.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DeviceGrant {
+    /// Exports the segments name (by index).
+    pub exports: Vec<BufferExport>,
+    /// Per locked block (same order), its device ranges
+    /// `(export index, offset, len)` in pool byte order; empty for a block
+    /// no lease of this session covers.
+    pub segments: Vec<Vec<(u32, u64, u64)>>,
+    /// Time left on the earliest of the taken leases (ms).
+    pub ms_left: u64,
+}
+
+impl Engine {
+    /// Grants a device lease on `blocks` (`(hash, device block index)`) of
+    /// `namespace` for `ttl`: until a reader that took it releases its
+    /// transfer session, or `ttl` passes, or the engine ends it or
+    /// unregisters the layout, the engine promises not to write those
+    /// device blocks, and a same-host reader may copy them device to device
+    /// ([`crate::gpu::peer`]). Grant after the blocks were saved (their
+    /// checksums come from the save) and learn when to reuse them from
+    /// [`Engine::ended_device_leases`].
+    ///
+    /// # Errors
+    /// [`EngineError::UnknownNamespace`], [`EngineError::BlockIndex`],
+    /// [`EngineError::Gpu`] with [`crate::gpu::GpuError::Unsupported`] when
+    /// the backend has no peer copies, [`EngineError::Lease`] (bad count or
+    /// ttl, a block already leased, too many leases); nothing changes.
+    pub fn grant_device_lease(
+        &self,
+        namespace: &str,
+        blocks: &[(BlockHash, u64)],
+        ttl: Duration,
+    ) -> Result<DeviceLeaseId, EngineError> {
+        let (ns, layout) = self.layout(namespace)?;
+        Self::check_indices(&layout, blocks.iter().map(|(_, i)| i))?;
+        for (h, _) in blocks {
+            h.validate()?;
+        }
+        if self.inner.gpu.peer_kind().is_none() {
+            return Err(crate::gpu::GpuError::Unsupported(format!(
+                "device leases: the {} backend has no peer copies",
+                self.inner.gpu.name()
+            ))
+            .into());
+        }
+        let id = DeviceLeaseId(u128::from_le_bytes({
+            let mut b = [0u8; 16];
+            rand::RngCore::fill_bytes(&mut *self.inner.rng.lock().expect("rng lock"), &mut b);
+            b
+        }));
+        let now = self.now_ms();
+        let ttl_ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX);
+        let mut leases = self.inner.leases.lock().expect("leases lock");
+        leases.expire(now);
+        leases.grant(id, ns, blocks.to_vec(), now, ttl_ms)?;
+        tracing::trace!(
+            target: DEVICE_LEASE_TRACE_TARGET,
+            owner = %self.node(),
+            lease = %id,
+            blocks = blocks.len(),
+            now_ms = now,
+            expires_at_ms = now.saturating_add(ttl_ms),
+            "granted"
+        );
+        Ok(id)
+    }
+
+    /// Ends lease `id` early (the engine needs its blocks back); false when
+    /// it already ended. A reader that took it may have copies in flight:
+    /// their bytes are judged by the block checksums (C10).
+    pub fn end_device_lease(&self, id: DeviceLeaseId) -> bool {
+        let now = self.now_ms();
+        self.inner.leases.lock().expect("leases lock").end(id, now)
+    }
+
+    /// Every lease that ended since the last call (oldest first): the
+    /// device blocks the engine may write again. Expires due leases first.
+    /// Drain it regularly: while [`crate::limits::DEVICE_LEASES_ENDED_MAX`]
+    /// ends wait, new grants are refused.
+    pub fn ended_device_leases(&self) -> Vec<LeaseEnded> {
+        let now = self.now_ms();
+        let mut leases = self.inner.leases.lock().expect("leases lock");
+        leases.expire(now);
+        leases.drain_ended()
+    }
+
+    /// Live device leases.
+    pub fn device_leases_live(&self) -> usize {
+        self.inner.leases.lock().expect("leases lock").live()
+    }
+
+    /// The device half of a transfer lock for `session` (which locked
+    /// `found`, in request order): takes the leases covering them for the
+    /// session and describes where each leased block sits in this engine's
+    /// device buffers. `None` when the asker may not have device ranges
+    /// (module doc), no lease covers a found block, or a buffer cannot be
+    /// exported (the reader then reads the pool).
+    pub fn device_grant(
+        &self,
+        namespace: &str,
+        found: &[BlockHash],
+        session: &str,
+        ask: &DeviceAsk,
+    ) -> Option<DeviceGrant> {
+        let mine = self.inner.gpu.peer_kind()?;
+        let allowed = ask.kind == mine
+            && match mine {
+                PeerKind::Process => ask.pid == std::process::id(),
+                PeerKind::CudaIpc => ask.proven_same_host,
+            };
+        if !allowed {
+            return None;
+        }
+        let (_, layout) = self.layout(namespace).ok()?;
+        // Export every buffer the layout names before any lease is taken,
+        // so a failed export takes nothing.
+        let mut index: HashMap<DeviceBufferId, u32> = HashMap::new();
+        let mut exports = Vec::new();
+        {
+            let mut cache = self.inner.exports.lock().expect("exports lock");
+            for l in layout.layers() {
+                for base in l.segment_bases() {
+                    if index.contains_key(&base.buffer) {
+                        continue;
+                    }
+                    let e = match cache.get(&base.buffer) {
+                        Some(e) => e.clone(),
+                        None => {
+                            let e = self.inner.gpu.export_buffer(base.buffer).ok()?;
+                            cache.insert(base.buffer, e.clone());
+                            e
+                        }
+                    };
+                    index.insert(base.buffer, exports.len() as u32);
+                    exports.push(e);
+                }
+            }
+        }
+        if exports.len() > crate::limits::DEVICE_EXPORTS_PER_ANSWER_MAX {
+            return None;
+        }
+        let now = self.now_ms();
+        let taken = self.inner.leases.lock().expect("leases lock").take(namespace, found, session, now);
+        if taken.blocks.is_empty() {
+            return None;
+        }
+        let mut segments = vec![Vec::new(); found.len()];
+        for &(i, b) in &taken.blocks {
+            if layout.check_block(b).is_err() {
+                continue;
+            }
+            segments[i] =
+                layout.coalesced_copies(b).iter().map(|c| (index[&c.buffer], c.device_offset, c.len)).collect();
+        }
+        self.inner.metrics.device_leases_taken.fetch_add(1, Ordering::Relaxed);
+        tracing::trace!(
+            target: DEVICE_LEASE_TRACE_TARGET,
+            owner = %self.node(),
+            session,
+            blocks = taken.blocks.len(),
+            now_ms = now,
+            expires_at_ms = taken.expires_ms,
+            "taken"
+        );
+        Some(DeviceGrant { exports, segments, ms_left: taken.expires_ms.saturating_sub(now) })
+    }
+
+    /// Ends the leases `session` took (its reader released it).
+    pub(crate) fn release_device_leases(&self, session: &str) {
+        let now = self.now_ms();
+        let n = self.inner.leases.lock().expect("leases lock").release_session(session, now);
+        if n > 0 {
+            tracing::trace!(target: DEVICE_LEASE_TRACE_TARGET, owner = %self.node(), session, leases = n, now_ms = now, "released");
+        }
+    }
+
+    /// Forgets the cached export of `buffer` (it is being unregistered).
+    pub(crate) fn forget_export(&self, buffer: DeviceBufferId) {
+        self.inner.exports.lock().expect("exports lock").remove(&buffer);
+    }
+}
+
+impl From<LeaseError> for EngineError {
+    fn from(e: LeaseError) -> Self {
+        EngineError::Lease(e)
+    }
+}

@@ -1,0 +1,247 @@
+//! Device-direct reads on one host (issue 28 item 2, contract C19), on the
+//! host backend: two nodes in one process, the owner granting device leases
+//! on its saved KV blocks, the decode node's `fetch_into` copying them
+//! straight from the owner's KV into its own (the in-process peer kind of
+//! `gpu::peer`; the CUDA IPC kind runs the same engine code on the H200).
+//!
+//! | test | contract |
+//! | --- | --- |
+//! | `leased_blocks_land_device_to_device_and_the_lease_ends_once` | C19 path, C10, C8/C19 released once |
+//! | `a_block_changed_under_its_lease_is_read_from_the_pool` | C10 on the device path, fallback |
+//! | `expired_revoked_and_unleased_blocks_take_the_pool_path` | C19 expiry and revocation, C15 |
+//! | `forced_paths_and_foreign_askers_get_no_device_ranges` | C19 who may read |
+//! | `bad_grants_are_refused_and_change_nothing` | bad input |
+
+#![cfg(not(madsim))]
+
+mod common;
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use common::*;
+
+const MIB: u64 = 1 << 20;
+use kvferry::engine::leases::LeaseEnd;
+use kvferry::engine::{Engine, EngineError};
+use kvferry::node::{NodeConfig, PathChoice};
+use kvferry::proto::engine_client::EngineClient;
+use kvferry::proto::{DeviceCapability, QueryBlocksForTransferRequest};
+use kvferry::types::BlockHash;
+
+fn cfg(ms: &kvferry::metaserver::MetaServerHandle, path: PathChoice) -> NodeConfig {
+    let mut c = node_cfg(ms.local_addr, 4 * MIB);
+    c.path = path;
+    c
+}
+
+/// Saves `hs` from device blocks `0..` of the owner, waits for their
+/// registration, and grants a device lease on them.
+async fn prefill_leased(
+    e: &Engine,
+    kv: &Kv,
+    hs: &[BlockHash],
+    ttl: Duration,
+) -> kvferry::engine::leases::DeviceLeaseId {
+    let blocks = fill_blocks(e, kv, 0, hs);
+    let rep = e.save(NS, &blocks).await.expect("save");
+    assert_eq!(rep.saved.len(), hs.len());
+    let fr = e.flush_saves_and_registrations(Duration::from_secs(3)).await;
+    assert_eq!(fr.delivered, hs.len() as u64, "{fr:?}");
+    e.grant_device_lease(NS, &blocks, ttl).expect("grant")
+}
+
+/// The decode node arranges its KV differently (one buffer, layer-first)
+/// from the owner (a K and a V tensor per layer): the copy is cut where
+/// either side's ranges end. Every block lands byte-identical at the
+/// caller's index without touching the pool (nothing cached or advertised
+/// by the reader), the metrics count the device path, and the owner's
+/// lease ends exactly once, as released, listing the leased device blocks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leased_blocks_land_device_to_device_and_the_lease_ends_once() {
+    bounded(async {
+        let ms = start_ms().await;
+        let (p, _) = start_node_cfg(cfg(&ms, PathChoice::Ipc)).await;
+        let (d, _) = start_node_cfg(cfg(&ms, PathChoice::Ipc)).await;
+        let kp = register_paged(&p.engine, NS, 32);
+        let kd = register_default(&d.engine, 32);
+        let hs = hashes(7100..7112);
+        let lease = prefill_leased(&p.engine, &kp, &hs, Duration::from_secs(30)).await;
+        assert_eq!(p.engine.device_leases_live(), 1);
+        let wanted: Vec<(BlockHash, u64)> = hs.iter().cloned().zip(10u64..).collect();
+        let got = d.engine.fetch_into(NS, &wanted).await.unwrap();
+        assert_eq!((got.fetch.fetched, got.ready()), (12, 12), "{:?}", got.fetch);
+        for (i, h) in hs.iter().enumerate() {
+            assert!(verify(&d.engine, &kd, 10 + i as u64, h), "block {i} byte-identical at its index");
+        }
+        let m = d.engine.metrics();
+        assert_eq!(m.device_blocks.load(Ordering::Relaxed), 12);
+        assert_eq!(m.device_bytes.load(Ordering::Relaxed), 12 * kd.block_bytes());
+        assert_eq!(m.device_fallbacks.load(Ordering::Relaxed), 0);
+        assert_eq!(m.fetched_bytes.load(Ordering::Relaxed), 0, "no block went through the pool");
+        assert_eq!(d.engine.query_prefix(NS, &hs), 0, "device-direct blocks are not cached by the reader");
+        assert!(
+            eventually(Duration::from_secs(5), || p.engine.device_leases_live() == 0).await,
+            "the reader's release ends the lease"
+        );
+        let ended = p.engine.ended_device_leases();
+        assert_eq!(ended.len(), 1);
+        assert_eq!((ended[0].id, ended[0].end), (lease, LeaseEnd::Released));
+        assert_eq!(ended[0].blocks, (0..12).collect::<Vec<u64>>());
+        assert!(p.engine.ended_device_leases().is_empty(), "ended exactly once");
+        // A second reader finds no lease: the pool path serves it.
+        let (e, _) = start_node_cfg(cfg(&ms, PathChoice::Ipc)).await;
+        let ke = register_default(&e.engine, 32);
+        let got = e.engine.fetch_into(NS, &wanted).await.unwrap();
+        assert_eq!(got.ready(), 12);
+        assert_eq!(e.engine.metrics().device_blocks.load(Ordering::Relaxed), 0);
+        for (i, h) in hs.iter().enumerate() {
+            assert!(verify(&e.engine, &ke, 10 + i as u64, h));
+        }
+    })
+    .await;
+}
+
+/// The owner breaks its promise: it overwrites a leased device block
+/// after the save. The device copy's slot checksums differ from the
+/// owner's, the part falls back to the owner's pool (which kept the saved
+/// bytes), and every block still lands byte-identical.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_block_changed_under_its_lease_is_read_from_the_pool() {
+    bounded(async {
+        let ms = start_ms().await;
+        let (p, _) = start_node_cfg(cfg(&ms, PathChoice::Auto)).await;
+        let (d, _) = start_node_cfg(cfg(&ms, PathChoice::Auto)).await;
+        let kp = register_default(&p.engine, 16);
+        let kd = register_default(&d.engine, 16);
+        let hs = hashes(7200..7206);
+        prefill_leased(&p.engine, &kp, &hs, Duration::from_secs(30)).await;
+        clear(&p.engine, &kp, 3);
+        let wanted: Vec<(BlockHash, u64)> = hs.iter().cloned().zip(0u64..).collect();
+        let got = d.engine.fetch_into(NS, &wanted).await.unwrap();
+        assert_eq!(got.ready(), 6, "{:?}", got.fetch);
+        for (i, h) in hs.iter().enumerate() {
+            assert!(verify(&d.engine, &kd, i as u64, h), "block {i}");
+        }
+        let m = d.engine.metrics();
+        assert!(m.device_fallbacks.load(Ordering::Relaxed) >= 1);
+        assert!(m.checksum_failures.load(Ordering::Relaxed) >= 1);
+        assert!(m.fetched_bytes.load(Ordering::Relaxed) > 0, "the fallback read the pool");
+    })
+    .await;
+}
+
+/// A lease that expired before the fetch, one the owner revoked by
+/// unregistering its layout, and blocks never leased: the fetch reads the
+/// pool, the ends are reported as expired and revoked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expired_revoked_and_unleased_blocks_take_the_pool_path() {
+    bounded(async {
+        let ms = start_ms().await;
+        let (p, _) = start_node_cfg(cfg(&ms, PathChoice::Ipc)).await;
+        let (d, _) = start_node_cfg(cfg(&ms, PathChoice::Ipc)).await;
+        let kp = register_default(&p.engine, 16);
+        let kd = register_default(&d.engine, 16);
+        let hs = hashes(7300..7304);
+        let lease = prefill_leased(&p.engine, &kp, &hs, Duration::from_millis(1)).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let wanted: Vec<(BlockHash, u64)> = hs.iter().cloned().zip(0u64..).collect();
+        let got = d.engine.fetch_into(NS, &wanted).await.unwrap();
+        assert_eq!(got.ready(), 4);
+        assert_eq!(d.engine.metrics().device_blocks.load(Ordering::Relaxed), 0);
+        let ended = p.engine.ended_device_leases();
+        assert_eq!(ended.iter().map(|e| (e.id, e.end)).collect::<Vec<_>>(), vec![(lease, LeaseEnd::Expired)]);
+        for (i, h) in hs.iter().enumerate() {
+            assert!(verify(&d.engine, &kd, i as u64, h));
+        }
+        // Revocation: unregistering the layout ends the lease at once.
+        let lease = p.engine.grant_device_lease(NS, &[(hs[0].clone(), 0)], Duration::from_secs(30)).unwrap();
+        p.engine.unregister_layout(NS).unwrap();
+        let ended = p.engine.ended_device_leases();
+        assert_eq!(ended.iter().map(|e| (e.id, e.end)).collect::<Vec<_>>(), vec![(lease, LeaseEnd::Revoked)]);
+        assert!(!p.engine.end_device_lease(lease), "a lease ends once");
+    })
+    .await;
+}
+
+/// Readers that must not get device ranges do not: a node forced to TCP,
+/// and — straight over gRPC — an asker that names another handle kind or
+/// another process. The lease stays untaken for a reader that may.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forced_paths_and_foreign_askers_get_no_device_ranges() {
+    bounded(async {
+        let ms = start_ms().await;
+        let (p, _) = start_node_cfg(cfg(&ms, PathChoice::Auto)).await;
+        let (t, _) = start_node_cfg(cfg(&ms, PathChoice::Tcp)).await;
+        let kp = register_default(&p.engine, 16);
+        let _kt = register_default(&t.engine, 16);
+        let hs = hashes(7400..7403);
+        prefill_leased(&p.engine, &kp, &hs, Duration::from_secs(30)).await;
+        let wanted: Vec<(BlockHash, u64)> = hs.iter().cloned().zip(0u64..).collect();
+        assert_eq!(t.engine.fetch_into(NS, &wanted).await.unwrap().ready(), 3);
+        assert_eq!(
+            t.engine.metrics().device_blocks.load(Ordering::Relaxed),
+            0,
+            "--path tcp never copies device to device"
+        );
+        let mut c = EngineClient::connect(format!("http://{}", p.node.0)).await.unwrap();
+        let ask = |kind, pid| QueryBlocksForTransferRequest {
+            namespace: NS.into(),
+            block_hashes: hs.iter().map(|h| h.0.clone()).collect(),
+            requester_id: t.node.0.clone(),
+            device: Some(DeviceCapability { kind, pid }),
+        };
+        for (kind, pid) in [(1, std::process::id()), (2, std::process::id() + 1), (99, std::process::id())] {
+            let r = c.query_blocks_for_transfer(ask(kind, pid)).await.unwrap().into_inner();
+            assert!(!r.transfer_session_id.is_empty());
+            assert!(r.device_buffers.is_empty(), "kind {kind} pid {pid}");
+            assert!(r.blocks.iter().all(|b| b.device_segments.is_empty()));
+        }
+        assert_eq!(p.engine.device_leases_live(), 1);
+        // The right asker gets every block's ranges.
+        let r = c.query_blocks_for_transfer(ask(2, std::process::id())).await.unwrap().into_inner();
+        assert_eq!(r.device_buffers.len(), 1);
+        assert!(r.device_lease_ms_left > 0);
+        assert!(r.blocks.iter().all(|b| !b.device_segments.is_empty()));
+        // ...and a second session asking again gets none: one reader.
+        let r = c.query_blocks_for_transfer(ask(2, std::process::id())).await.unwrap().into_inner();
+        assert!(r.device_buffers.is_empty());
+    })
+    .await;
+}
+
+/// Bad grants: unknown namespace, an index past the layout, a ttl of 0 or
+/// past the limit, a block named twice or already leased — each a typed
+/// error, and nothing leased.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_grants_are_refused_and_change_nothing() {
+    bounded(async {
+        let ms = start_ms().await;
+        let (p, _) = start_node(&ms, 4 * MIB).await;
+        let kp = register_default(&p.engine, 8);
+        let hs = hashes(7500..7502);
+        let e = &p.engine;
+        let sec = Duration::from_secs(1);
+        assert!(matches!(
+            e.grant_device_lease("nope", &[(hs[0].clone(), 0)], sec),
+            Err(EngineError::UnknownNamespace(_))
+        ));
+        assert!(matches!(e.grant_device_lease(NS, &[(hs[0].clone(), 8)], sec), Err(EngineError::BlockIndex { .. })));
+        assert!(matches!(e.grant_device_lease(NS, &[(hs[0].clone(), 0)], Duration::ZERO), Err(EngineError::Lease(_))));
+        assert!(matches!(
+            e.grant_device_lease(NS, &[(hs[0].clone(), 0)], Duration::from_secs(3600)),
+            Err(EngineError::Lease(_))
+        ));
+        assert!(matches!(e.grant_device_lease(NS, &[], sec), Err(EngineError::Lease(_))));
+        assert!(matches!(
+            e.grant_device_lease(NS, &[(hs[0].clone(), 0), (hs[1].clone(), 0)], sec),
+            Err(EngineError::Lease(_))
+        ));
+        assert_eq!(e.device_leases_live(), 0);
+        e.grant_device_lease(NS, &[(hs[0].clone(), 0)], sec).unwrap();
+        assert!(matches!(e.grant_device_lease(NS, &[(hs[0].clone(), 1)], sec), Err(EngineError::Lease(_))));
+        assert_eq!(e.device_leases_live(), 1);
+        drop(kp);
+    })
+    .await;
+}
