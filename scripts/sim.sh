@@ -13,12 +13,13 @@
 # 3. determinism sample: DET_SEEDS seeds (default 6) under
 #    MADSIM_TEST_CHECK_DETERMINISM=1 (madsim checks one seed per run), and
 #    each run twice more with byte-identical output required;
-# 4. every starred contract (C1 C2 C4 C6 C8 C9 C10 C11 C15 C16) has
+# 4. every starred contract (C1 C2 C4 C6 C8 C9 C10 C11 C15 C16 C19) has
 #    invariants that checked at least one case over the sweep (the per-seed
 #    `checks=` counts, summed); a starred invariant that checked nothing
 #    fails the sweep, so the suite cannot pass vacuously; likewise issue
 #    29's reach counters (SIM-SUMMARY `c8_partial_read_errors`,
-#    `c9_deadline_fetches`, `c13_expired_reads`, `c15_busy_refusals`: the
+#    `c9_deadline_fetches`, `c13_expired_reads`, `c15_busy_refusals`, and
+#    issue 28's `c19_device_reads`: the
 #    paths its four bug classes live on) must each be non-zero over the
 #    sweep, and the seeds with a deadline-bound fetch are counted;
 # 5. canaries (skip with SIM_BROKEN=0): the `--features canaries` build is
@@ -138,7 +139,8 @@ C9:inv_degrade_bounded C9:inv_fetch_progress C10:inv_corruption_rejected C10:inv
 C11:inv_no_early_free_pool C11:inv_no_early_free_lease C11:inv_no_early_free_load
 C11:inv_no_early_free_checksum C11:inv_no_early_free_resident C15:inv_embedder_memory
 C16:inv_session_ids_unique C8:inv_lock_released_once C8:inv_no_lock_expiry_after_fetch
-C16:inv_no_read_after_expiry C15:inv_no_access_after_unregister"
+C16:inv_no_read_after_expiry C15:inv_no_access_after_unregister
+C19:inv_device_read_under_lease C19:inv_lease_ends_once"
 if [ "$passed" -gt 0 ]; then
     for ci in $STARRED; do
         inv=${ci#*:}
@@ -149,7 +151,7 @@ if [ "$passed" -gt 0 ]; then
         fi
     done
     # Issue 29: the path each of its bug classes lives on was reached.
-    for ck in C8:c8_partial_read_errors C9:c9_deadline_fetches C13:c13_expired_reads C15:c15_busy_refusals; do
+    for ck in C8:c8_partial_read_errors C9:c9_deadline_fetches C13:c13_expired_reads C15:c15_busy_refusals C19:c19_device_reads; do
         k=${ck#*:}
         n=$(grep -o " $k=[0-9]*" "$LOGS/totals.txt" | cut -d= -f2)
         if [ -z "$n" ] || [ "$n" -eq 0 ]; then
@@ -195,7 +197,7 @@ if [ "${SIM_BROKEN:-1}" != 0 ]; then
     canaries=$("$CB" --list 2>/dev/null | grep -o '^broken_[a-z0-9]*_is_caught' || true)
     require_tests "$CB" $canaries
     n_canaries=$(printf '%s\n' $canaries | grep -c . || true)
-    if [ "$n_canaries" -lt 15 ]; then
+    if [ "$n_canaries" -lt 16 ]; then
         echo "FAIL: the canary build lists $n_canaries canary tests, expected one per starred contract"
         FAIL=1
     fi

@@ -224,6 +224,22 @@ pub struct Shared {
     /// Fetches that ended on their deadline (stopped by `Deadline` or a
     /// transport timeout; C9).
     pub deadline_fetches: AtomicU64,
+    /// Device leases (C19): per node, the ids its engines granted and the
+    /// ends drained so far.
+    pub leases: Mutex<LeaseBook>,
+}
+
+/// What the workload knows of device leases (C19), per node index.
+#[derive(Default)]
+pub struct LeaseBook {
+    /// Lease ids granted, per node.
+    pub granted: Vec<std::collections::BTreeSet<String>>,
+    /// Lease ids reported ended, per node.
+    pub ended: Vec<std::collections::BTreeSet<String>>,
+    /// Grants made.
+    pub grants: u64,
+    /// `fetch_into` calls (the only fetches that may copy device to device).
+    pub fetch_intos: u64,
 }
 
 impl Shared {
@@ -399,6 +415,11 @@ impl Cluster {
             graveyard: Mutex::new(Vec::new()),
             partial_read_errors: AtomicU64::new(0),
             deadline_fetches: AtomicU64::new(0),
+            leases: Mutex::new(LeaseBook {
+                granted: vec![Default::default(); NODES],
+                ended: vec![Default::default(); NODES],
+                ..LeaseBook::default()
+            }),
             checker,
         });
         let c = Cluster {
@@ -627,6 +648,10 @@ async fn boot_node(i: usize, incarnation: u64, p: &Params, watch: Arc<GpuWatch>)
         fetch_reads_in_flight: 1 + ((p.seed / 2).wrapping_add(i as u64) % 3) as usize,
         fetch_verify_task_bytes_min: 2 * p.block_bytes(),
         seed: Some(p.seed ^ ((i as u64 + 1) << 40) ^ (incarnation << 56)),
+        // Production's default: `fetch_into` copies device to device where
+        // an owner granted a device lease (C19; the host backend's
+        // in-process kind, every simulated node being in this process).
+        device_direct: true,
     };
     let h = node::start(cfg, gpu.clone() as Arc<dyn Gpu>).await.expect("node start");
     // C11: freed pool memory is poisoned, so a read of freed (or freed and
@@ -791,6 +816,33 @@ impl Gpu for SimGpu {
 
     fn register_host(&self, base: *mut u8, len: u64) -> Result<(), kvferry::gpu::GpuError> {
         self.0.host.register_host(base, len)
+    }
+
+    // Device-direct copies between simulated nodes (C19): the host
+    // backend's in-process kind (every simulated node lives in this
+    // process); the owner's buffers stay pinned in its own table for the
+    // copy.
+    fn peer_kind(&self) -> Option<kvferry::gpu::peer::PeerKind> {
+        self.0.host.peer_kind()
+    }
+
+    fn export_buffer(&self, id: DeviceBufferId) -> Result<kvferry::gpu::peer::BufferExport, kvferry::gpu::GpuError> {
+        self.0.host.export_buffer(id)
+    }
+
+    fn open_peer_buffer(
+        &self,
+        export: &kvferry::gpu::peer::BufferExport,
+    ) -> Result<Arc<dyn kvferry::gpu::peer::PeerBuffer>, kvferry::gpu::GpuError> {
+        self.0.host.open_peer_buffer(export)
+    }
+
+    fn submit_peer(&self, batch: kvferry::gpu::peer::PeerCopyBatch) -> kvferry::gpu::peer::PeerCompletion {
+        let mut ids: Vec<u32> = batch.ops.iter().map(|o| o.dst.0).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        self.0.check_access(&ids, "a peer copy batch");
+        self.0.host.submit_peer(batch)
     }
 
     fn submit(&self, batch: kvferry::gpu::CopyBatch) -> kvferry::gpu::Completion {

@@ -131,6 +131,15 @@
 //!   authorization; reads that reached an owner between expiry and
 //!   collection are counted (`c13_expired_reads`): the expiry mix (1 s
 //!   locks, a lock GC every 1.5..3 s) and `slow_owner` holds put them there.
+//! - `inv_device_read_under_lease` (C19, issue 28): every device-direct copy
+//!   a reader submitted (`kvferry::device_read`, with its transfer
+//!   session) ran under the device leases that session took
+//!   (`kvferry::device_lease` "taken"): before each lease's deadline (its
+//!   grant's `expires_at_ms`, in simulated time) and not after the lease
+//!   was released or revoked. One case per device read.
+//! - `inv_lease_ends_once` (C19): every lease an owner reported ended
+//!   ([`kvferry::engine::Engine::ended_device_leases`], drained by the
+//!   workload) was granted by that owner and ends once; one case per end.
 //! - `inv_no_access_after_unregister` (C15, issue 29): the simulated GPU
 //!   (`cluster::SimGpu`: the host backend with asynchronous copies on the
 //!   churned buffers) saw no copy, read or write reach a buffer after its
@@ -826,6 +835,13 @@ struct Grants {
     expired_reads: u64,
     /// Authorizations granted under an expired or released session.
     served_expired: Vec<String>,
+    /// Device leases by id (C19): deadline and end, in simulated ms.
+    leases: BTreeMap<String, (u64, Option<u64>)>,
+    /// Leases each transfer session took.
+    session_leases: BTreeMap<String, Vec<String>>,
+    /// Device-direct copies seen, and those outside their leases.
+    device_reads: u64,
+    device_bad: Vec<String>,
 }
 
 /// One transfer session, from the engines' trace events. Times: `*_sim`
@@ -876,6 +892,8 @@ impl SessionGrants {
                 kvferry::engine::fetch::FETCH_LOCK_TRACE_TARGET,
                 kvferry::engine::fetch::FETCH_RELEASE_TRACE_TARGET,
                 kvferry::engine::fetch::FETCH_END_TRACE_TARGET,
+                kvferry::engine::device::DEVICE_LEASE_TRACE_TARGET,
+                kvferry::engine::device::DEVICE_READ_TRACE_TARGET,
             ]
             .contains(&m.target())
         }))
@@ -944,6 +962,12 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for GrantLayer {
 fn life_event(g: &mut Grants, target: &str, f: &BTreeMap<&'static str, String>) {
     let num = |k: &str| f.get(k).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
     let now = now_ms();
+    if target == kvferry::engine::device::DEVICE_LEASE_TRACE_TARGET
+        || target == kvferry::engine::device::DEVICE_READ_TRACE_TARGET
+    {
+        lease_event(g, target, f, now, num("now_ms"), num("expires_at_ms"));
+        return;
+    }
     if target == kvferry::engine::fetch::FETCH_END_TRACE_TARGET {
         for s in f.get("sessions").map(String::as_str).unwrap_or("").split(',').filter(|s| !s.is_empty()) {
             if let Some(l) = g.lives.get_mut(s) {
@@ -990,6 +1014,86 @@ fn life_event(g: &mut Grants, target: &str, f: &BTreeMap<&'static str, String>) 
         }
         _ => {}
     }
+}
+
+/// Folds one C19 event into `g`; judges device reads as they happen.
+fn lease_event(g: &mut Grants, target: &str, f: &BTreeMap<&'static str, String>, now: u64, at_ms: u64, until_ms: u64) {
+    let list = |k: &str| -> Vec<String> {
+        f.get(k).map(|v| v.split(',').filter(|x| !x.is_empty()).map(str::to_string).collect()).unwrap_or_default()
+    };
+    let session = f.get("session").cloned().unwrap_or_default();
+    if target == kvferry::engine::device::DEVICE_READ_TRACE_TARGET {
+        g.device_reads += 1;
+        let leases = g.session_leases.get(&session).cloned().unwrap_or_default();
+        if leases.is_empty() {
+            g.device_bad.push(format!("device read at {now} ms under session {session}, which took no lease"));
+        }
+        for l in leases {
+            match g.leases.get(&l) {
+                Some(&(deadline, ended)) if now < deadline && ended.is_none_or(|e| now <= e) => {}
+                Some(&(deadline, ended)) => g.device_bad.push(format!(
+                    "device read at {now} ms under session {session}: lease {l} ends at {deadline} ms, ended {ended:?}"
+                )),
+                None => g.device_bad.push(format!("device read under unknown lease {l}")),
+            }
+        }
+        return;
+    }
+    let message = f.get("message").map(String::as_str).unwrap_or("");
+    if let Some(id) = f.get("lease") {
+        g.leases.insert(id.clone(), (now + until_ms.saturating_sub(at_ms), None));
+    } else if message == "taken" {
+        g.session_leases.entry(session).or_default().extend(list("leases"));
+    } else if message == "released" {
+        for l in g.session_leases.get(&session).cloned().unwrap_or_default() {
+            if let Some(e) = g.leases.get_mut(&l) {
+                e.1.get_or_insert(now);
+            }
+        }
+    } else if message == "revoked" {
+        for l in list("leases") {
+            if let Some(e) = g.leases.get_mut(&l) {
+                e.1.get_or_insert(now);
+            }
+        }
+    }
+}
+
+/// C19 (issue 28): no device-direct copy outside the leases its session
+/// took; one case per device read. Returns the reads seen.
+pub fn inv_device_read_under_lease(shared: &Shared, grants: &SessionGrants) -> (Result<(), Violation>, u64) {
+    let g = grants.0.lock().expect("grants");
+    if let Some(first) = g.device_bad.first() {
+        let v = violation(
+            "inv_device_read_under_lease",
+            format!("{} bad device read(s); first: {first}", g.device_bad.len()),
+        );
+        return (Err(v), g.device_reads);
+    }
+    for _ in 0..g.device_reads {
+        shared.checker.count("inv_device_read_under_lease", false);
+    }
+    (Ok(()), g.device_reads)
+}
+
+/// C19: each lease end an owner reported names a lease that owner granted
+/// and was not reported before (`granted`: lease ids per node; `ended`:
+/// ids drained so far per node). One case per end.
+pub fn inv_lease_ends_once(
+    node: usize,
+    granted: &BTreeSet<String>,
+    ended: &mut BTreeSet<String>,
+    now_ended: &[String],
+) -> Result<(), Violation> {
+    for id in now_ended {
+        if !granted.contains(id) || !ended.insert(id.clone()) {
+            return Err(violation(
+                "inv_lease_ends_once",
+                format!("node{}: lease {id} reported ended twice or never granted", node + 1),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Node index of an advertise address of the address plan (`10.0.1.i:port`).

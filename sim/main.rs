@@ -143,6 +143,15 @@ regression!(
      deadline, which alone does not fix this seed)."
 );
 regression!(regression_connection_wait_bounded_329, 329, "Same bug as seed 91.");
+regression!(
+    regression_device_blocks_not_counted_as_pooled_2,
+    2,
+    "inv_accounting (C4), issue 28: the first device-lease runs counted blocks a `fetch_into` copied device \
+     to device as `fetched_blocks` (pool blocks, each offered as a registration), although they never enter \
+     the pool and are not advertised: node3 offered 35 inserts for 4 saved + 40 fetched. Fix: \
+     src/engine/fetch/mod.rs counts only the blocks it sealed into the pool; device-direct ones count in \
+     `device_blocks`."
+);
 
 // Issue 29's mix (slow owners, the expiry mix, the buffer churn) comes from
 // a third RNG stream, so every seed's swarm plan and workload are unchanged,
@@ -337,6 +346,13 @@ canary!(
     C15UnregisterInUse,
     ["inv_embedder_memory"],
     "C15: the engine lets the embedder's device buffer be unregistered while a layout names it."
+);
+canary!(
+    broken_c19leaseexpiryignored_is_caught,
+    C19LeaseExpiryIgnored,
+    ["inv_device_read_under_lease"],
+    "C19 (issue 28): an owner that hands out device leases past their deadline (until its GC collects them) \
+     with a fresh lease's time left, so a reader copies device blocks after the lease ended."
 );
 canary!(
     broken_c16sessionidsrepeat_is_caught,

@@ -76,6 +76,10 @@ pub struct Reach {
     pub unregisters: u64,
     pub busy_refusals: u64,
     pub held_batches: u64,
+    /// C19: device leases granted, their ends drained, device-direct reads.
+    pub lease_grants: u64,
+    pub lease_ends: u64,
+    pub device_reads: u64,
 }
 
 /// A failed run.
@@ -198,8 +202,16 @@ fn summary_line(seed: u64, s: &Summary) -> String {
     let r = &s.reach;
     let _ = write!(
         out,
-        " c8_partial_read_errors={} c9_deadline_fetches={} c13_expired_reads={} c15_unregisters={} c15_busy_refusals={} c15_held_batches={}",
-        r.partial_read_errors, r.deadline_fetches, r.expired_reads, r.unregisters, r.busy_refusals, r.held_batches
+        " c8_partial_read_errors={} c9_deadline_fetches={} c13_expired_reads={} c15_unregisters={} c15_busy_refusals={} c15_held_batches={} c19_lease_grants={} c19_lease_ends={} c19_device_reads={}",
+        r.partial_read_errors,
+        r.deadline_fetches,
+        r.expired_reads,
+        r.unregisters,
+        r.busy_refusals,
+        r.held_batches,
+        r.lease_grants,
+        r.lease_ends,
+        r.device_reads
     );
     out.push_str(" faults=");
     let f: Vec<String> = s.faults.iter().map(|(k, (a, sk))| format!("{k}:{a}:{sk}")).collect();
@@ -281,6 +293,9 @@ async fn run_plan(
         lease_pressure: plan.lease_pressure,
         cancel_fetches: plan.has(Kind::FetchCancel),
         serial_prefill: plan.serial_prefill,
+        // Every other seed (not drawn from the plan's streams, so a seed's
+        // faults are what they were before device leases existed).
+        device_leases: seed % 2 == 0,
     };
 
     // ---- safety phase
@@ -382,6 +397,18 @@ async fn run_plan(
     shared.checker.record(invariants::inv_no_lock_expiry_after_fetch(&shared, grants));
     let (r, expired_reads) = invariants::inv_no_read_after_expiry(&shared, grants);
     shared.checker.record(r);
+    // Issue 28: device-direct copies only under their leases (C19).
+    let (r, device_reads) = invariants::inv_device_read_under_lease(&shared, grants);
+    shared.checker.record(r);
+    for i in 0..shared.nodes.len() {
+        if let Some(n) = shared.node(i) {
+            workload::drain_leases(&shared, &n, i);
+        }
+    }
+    let (lease_grants, lease_ends) = {
+        let book = shared.leases.lock().expect("leases");
+        (book.grants, book.ended.iter().map(std::collections::BTreeSet::len).sum::<usize>() as u64)
+    };
     shared.checker.record(invariants::inv_no_access_after_unregister(&shared));
     let w = &shared.gpu_watch;
     summary.reach = Reach {
@@ -391,6 +418,9 @@ async fn run_plan(
         unregisters: w.unregisters_ok.load(Ordering::SeqCst),
         busy_refusals: w.busy_refusals.load(Ordering::SeqCst),
         held_batches: w.held_batches.load(Ordering::SeqCst),
+        lease_grants,
+        lease_ends,
+        device_reads,
     };
     // Last: under the C15 canary this unregisters the nodes' device buffers.
     for i in 0..NODES {

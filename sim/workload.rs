@@ -149,6 +149,11 @@ pub struct WorkloadKnobs {
     pub cancel_fetches: bool,
     /// One prefill at a time per node.
     pub serial_prefill: bool,
+    /// Device leases (C19): prefills grant leases on what they saved (some
+    /// short enough to expire before the decode comes), and half the
+    /// decodes use `fetch_into`, which copies leased blocks device to
+    /// device.
+    pub device_leases: bool,
 }
 
 /// Outcome of one fetch-and-verify.
@@ -329,6 +334,9 @@ pub async fn prefill(
         (k..req.hashes.len()).map(|i| (req.hashes[i].clone(), req.slot_base() + i as u64)).collect();
     let saved =
         if blocks.is_empty() { Vec::new() } else { n.engine.save(NAMESPACE, &blocks).await.expect("valid save").saved };
+    if knobs.device_leases {
+        grant_and_drain_leases(&shared, &n, node, &blocks, &saved);
+    }
     let bound = FLUSH_DEADLINE + invariants::FLUSH_SLACK;
     let t0 = Instant::now();
     let report = tokio::time::timeout(bound * 2, n.engine.flush_saves_and_registrations(FLUSH_DEADLINE)).await.ok();
@@ -340,6 +348,88 @@ pub async fn prefill(
         shared.checker.record(r.map(|_| ()));
     }
     PrefillOutcome { reused: k, saved: saved.len() }
+}
+
+/// C19: leases the device blocks of what this prefill saved, for a ttl
+/// drawn short (often expired before the decode comes) or long; then
+/// drains the node's ended leases and checks `inv_lease_ends_once`.
+fn grant_and_drain_leases(
+    shared: &Shared,
+    n: &NodeSlot,
+    node: usize,
+    blocks: &[(BlockHash, u64)],
+    saved: &[BlockHash],
+) {
+    let leased: Vec<(BlockHash, u64)> = blocks.iter().filter(|(h, _)| saved.contains(h)).cloned().collect();
+    let ttl = {
+        let mut rng = shared.rng.lock().expect("rng");
+        if rng.random_bool(0.5) { rng.random_range(1..400) } else { rng.random_range(1_000..3_000) }
+    };
+    if !leased.is_empty() {
+        match n.engine.grant_device_lease(NAMESPACE, &leased, Duration::from_millis(ttl)) {
+            Ok(id) => {
+                let mut book = shared.leases.lock().expect("leases");
+                book.granted[node].insert(id.to_string());
+                book.grants += 1;
+            }
+            // A block still under a lease from an earlier request of this
+            // node: the engine refuses, nothing changes.
+            Err(kvferry::engine::EngineError::Lease(_)) => {}
+            Err(e) => shared.checker.record(Err(invariants::violation(
+                "inv_lease_ends_once",
+                format!("node{}: a valid device lease was refused: {e}", node + 1),
+            ))),
+        }
+    }
+    drain_leases(shared, n, node);
+}
+
+/// Drains the node's ended leases into the book, checking each ends once.
+pub fn drain_leases(shared: &Shared, n: &NodeSlot, node: usize) {
+    let ends: Vec<String> = n.engine.ended_device_leases().iter().map(|e| e.id.to_string()).collect();
+    let mut book = shared.leases.lock().expect("leases");
+    let book = &mut *book;
+    let r = invariants::inv_lease_ends_once(node, &book.granted[node], &mut book.ended[node], &ends);
+    for _ in 0..ends.len() {
+        shared.checker.count("inv_lease_ends_once", false);
+    }
+    shared.checker.record(r);
+}
+
+/// `fetch_into` the request's device slots (the path that may copy device
+/// to device from a same-host owner, C19) and verify every ready block's
+/// bytes in place. Checks `inv_degrade_bounded` and `inv_fetch_integrity`.
+async fn fetch_into_and_verify(shared: &Shared, n: &NodeSlot, node: usize, req: &Request) -> Fetched {
+    let bound = invariants::fetch_bound(&shared.params);
+    let blocks: Vec<(BlockHash, u64)> =
+        req.hashes.iter().enumerate().map(|(i, h)| (h.clone(), req.slot_base() + i as u64)).collect();
+    for (_, slot) in &blocks {
+        poison_block(n, *slot);
+    }
+    shared.leases.lock().expect("leases").fetch_intos += 1;
+    let t0 = Instant::now();
+    let got = match tokio::time::timeout(bound * 2, n.engine.fetch_into(NAMESPACE, &blocks)).await {
+        Ok(r) => r.expect("valid fetch_into"),
+        Err(_) => {
+            shared.checker.record(Err(invariants::violation(
+                "inv_degrade_bounded",
+                format!("node{} request {}: fetch_into still running after {:?}", node + 1, req.id, bound * 2),
+            )));
+            return Fetched::default();
+        }
+    };
+    count_report(shared, &got.fetch);
+    shared.checker.record(invariants::inv_degrade_bounded(node, req.id, &got.fetch, t0.elapsed(), bound, None));
+    let mut ok = 0;
+    for i in 0..got.ready() {
+        let good = device_block_ok(n, req.slot_base() + i as u64, &req.hashes[i]);
+        shared.checker.record(invariants::inv_fetch_integrity(node, req.id, i, good, "after fetch_into"));
+        if !good {
+            break;
+        }
+        ok += 1;
+    }
+    Fetched { report: Some(got.fetch), verified: ok }
 }
 
 /// What a decode produced.
@@ -361,7 +451,12 @@ pub async fn decode(
     req: Request,
     knobs: WorkloadKnobs,
 ) -> DecodeOutcome {
-    let f = fetch_and_verify(&shared, &n, node, &req, knobs, Duration::from_millis(20)).await;
+    let into = knobs.device_leases && shared.rng.lock().expect("rng").random_bool(0.5);
+    let f = if into {
+        fetch_into_and_verify(&shared, &n, node, &req).await
+    } else {
+        fetch_and_verify(&shared, &n, node, &req, knobs, Duration::from_millis(20)).await
+    };
     let k = f.verified;
     for i in k..req.hashes.len() {
         compute_block(&n, req.slot_base() + i as u64, &req.hashes[i]);

@@ -62,11 +62,16 @@ pub enum Canary {
     /// C16: the engine's transfer-session ids stop advancing and carry no
     /// secret, so a released id is granted again.
     C16SessionIdsRepeat,
+    /// C19: the owner hands out device leases past their deadline until
+    /// its GC collects them (the lease table's take skips expiry), with the
+    /// full time left of a fresh lease, so a reader copies an owner's
+    /// device blocks after the lease ended.
+    C19LeaseExpiryIgnored,
 }
 
 impl Canary {
     /// Every canary, in contract order.
-    pub const ALL: [Canary; 15] = [
+    pub const ALL: [Canary; 16] = [
         Canary::C1FlushAcksEarly,
         Canary::C2FlushUnbounded,
         Canary::C4RemovalLost,
@@ -82,6 +87,7 @@ impl Canary {
         Canary::C15UnregisterInUse,
         Canary::C15UnregisterWhileBusy,
         Canary::C16SessionIdsRepeat,
+        Canary::C19LeaseExpiryIgnored,
     ];
 
     /// The contract this canary violates (`"C1"`, `"C8"`, ...).
@@ -98,6 +104,7 @@ impl Canary {
             Canary::C13ServeExpiredSession => "C13",
             Canary::C15UnregisterInUse | Canary::C15UnregisterWhileBusy => "C15",
             Canary::C16SessionIdsRepeat => "C16",
+            Canary::C19LeaseExpiryIgnored => "C19",
         }
     }
 

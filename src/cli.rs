@@ -203,7 +203,7 @@ struct PdArgs {
     /// Data plane of every node: tcp, or verbs (RDMA READ; needs the `rdma` build feature and an RDMA device).
     #[arg(long, value_enum, default_value = "tcp")]
     transport: TransportArg,
-    /// Paths a TCP node reads a peer's blocks through: auto (the owner's shared pool when it is on this host, else TCP, falling back to TCP), shm (shared pool only), tcp (loopback TCP only).
+    /// Paths a TCP node reads a peer's blocks through: auto (the owner's shared pool when it is on this host, else TCP, falling back to TCP), ipc (prefill nodes grant device leases and decode copies device to device from their KV, falling back as auto), shm (shared pool only), tcp (loopback TCP only).
     #[arg(long, default_value = "auto", value_parser = parse_path)]
     path: kvferry::node::PathChoice,
     /// RDMA device of every node with --transport verbs, as `ibv_devices` lists it (e.g. mlx5_0).

@@ -651,6 +651,45 @@ class Node:
         f, lrep = self._node.fetch_into(namespace, [bytes(h) for h in hashes], [int(i) for i in block_ids], t)
         return FetchReport(**f), LoadReport(int(lrep["loaded"]), [tuple(x) for x in lrep["failed"]])
 
+    # -- device leases (same-host device-direct handoff) ----------------
+    def grant_device_lease(
+        self, namespace: str, hashes: BlockHashes, block_ids: Sequence[int], *, ttl: float = 30.0
+    ) -> str:
+        """Promises not to overwrite the cache blocks ``block_ids`` (which hold
+        ``hashes``, saved with :meth:`save`) for up to ``ttl`` seconds, so a
+        decode node on the same host can copy them device to device from
+        this node's cache (CUDA IPC on the ``cuda`` backend) instead of
+        reading the pool. The lease ends once: when that reader is done,
+        when ``ttl`` passes, on :meth:`end_device_lease`, or when the
+        namespace's cache is unregistered; :meth:`ended_device_leases` says
+        when the blocks may be reused.
+
+        Returns:
+            The lease id (32 hex characters).
+
+        Raises:
+            UnknownNamespaceError, BlockIndexError;
+            ConfigError: no blocks, a ttl of 0 or above 600 s, a block
+            named twice or already leased;
+            GpuError: the backend cannot share device memory.
+        """
+        return str(
+            self._node.grant_device_lease(namespace, [bytes(h) for h in hashes], [int(i) for i in block_ids], float(ttl))
+        )
+
+    def end_device_lease(self, lease_id: str) -> bool:
+        """Ends a lease early (the blocks are needed back); ``False`` when it
+        had already ended."""
+        return bool(self._node.end_device_lease(str(lease_id)))
+
+    def ended_device_leases(self) -> List[Tuple[str, str, List[int], str]]:
+        """Leases that ended since the last call, oldest first:
+        ``(lease_id, namespace, block_ids, how)`` with ``how`` one of
+        ``"released"`` (the reader is done), ``"expired"``, ``"revoked"``.
+        Those ``block_ids`` may be written again. Call it regularly: while
+        65,536 ends wait undrained, new grants are refused."""
+        return [(i, ns, list(b), how) for i, ns, b, how in self._node.ended_device_leases()]
+
     def metrics(self) -> Dict[str, int]:
         """Engine counters and gauges (saves, fetched blocks and bytes, pool
         use, registrations delivered/dropped, ...)."""

@@ -144,6 +144,10 @@ fn engine_fail(e: EngineError) -> Fail {
         EngineError::Id(i) => Fail::new("ConfigError", cause, i.to_string()),
         e @ EngineError::FamilyMismatch { .. } => Fail::new("LayoutError", cause, e.to_string()),
         e @ EngineError::BufferInUse { .. } => Fail::new("LayoutError", cause, e.to_string()),
+        e @ EngineError::Lease(kvferry::engine::leases::LeaseError::TooMany { .. }) => {
+            Fail::new("KvferryError", cause, format!("{e}: drain Node.ended_device_leases()"))
+        }
+        e @ EngineError::Lease(_) => Fail::new("ConfigError", cause, e.to_string()),
         e @ EngineError::NamespaceMismatch { .. } => {
             Fail::new("LayoutError", cause, format!("{e}: register one K (and V) tensor per layer the namespace names"))
         }
@@ -610,7 +614,44 @@ impl Node {
         Ok((fetch_dict(py, &r.fetch)?, load_dict(py, &r.load)?))
     }
 
-    /// Counters and gauges; with the TCP data plane also `path_{shm,tcp}_{blocks,bytes,fallbacks}` (which path moved the fetched blocks).
+    /// Grants a device lease on `blocks` (this engine's block indices) of
+    /// `hashes` for `ttl_s` seconds; its id as 32 hex characters.
+    fn grant_device_lease(
+        &self,
+        namespace: &str,
+        hashes: Vec<Vec<u8>>,
+        blocks: Vec<u64>,
+        ttl_s: f64,
+    ) -> PyResult<String> {
+        let ttl = secs(ttl_s)?;
+        let (_, engine) = self.engine()?;
+        let p = pairs(hashes, blocks)?;
+        engine.grant_device_lease(namespace, &p, ttl).map(|id| id.to_string()).map_err(|e| engine_fail(e).into())
+    }
+
+    /// Ends a device lease early; false when it already ended or `id` is
+    /// not one of this node's.
+    fn end_device_lease(&self, id: &str) -> PyResult<bool> {
+        let (_, engine) = self.engine()?;
+        let Ok(n) = u128::from_str_radix(id, 16) else {
+            return Err(Fail::new("ConfigError", "LeaseId", format!("{id:?} is not a device lease id (32 hex characters)")).into());
+        };
+        Ok(id.len() == 32 && engine.end_device_lease(kvferry::engine::leases::DeviceLeaseId(n)))
+    }
+
+    /// Device leases that ended since the last call:
+    /// `[(id, namespace, blocks, how)]`, `how` one of `released`,
+    /// `expired`, `revoked`.
+    fn ended_device_leases(&self) -> PyResult<Vec<(String, String, Vec<u64>, &'static str)>> {
+        let (_, engine) = self.engine()?;
+        Ok(engine
+            .ended_device_leases()
+            .into_iter()
+            .map(|e| (e.id.to_string(), e.namespace.to_string(), e.blocks, e.end.as_str()))
+            .collect())
+    }
+
+    /// Counters and gauges; with the TCP data plane also `path_{shm,tcp}_{blocks,bytes,fallbacks}` (which path moved the fetched blocks), and `path_ipc_*` for blocks copied device to device from a same-host owner.
     fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let (_, engine) = self.engine()?;
         let m = engine.metrics();
@@ -631,6 +672,11 @@ impl Node {
             ("transfer_locks_created", c(&m.transfer_locks_created)),
             ("save_copy_bytes", c(&m.save_copy_bytes)),
             ("load_copy_bytes", c(&m.load_copy_bytes)),
+            ("path_ipc_blocks", c(&m.device_blocks)),
+            ("path_ipc_bytes", c(&m.device_bytes)),
+            ("path_ipc_fallbacks", c(&m.device_fallbacks)),
+            ("path_ipc_ns", c(&m.device_ns)),
+            ("device_leases_taken", c(&m.device_leases_taken)),
         ] {
             d.set_item(k, v)?;
         }

@@ -28,10 +28,14 @@ use crate::gpu::peer::{BufferExport, PeerKind};
 use crate::memory::DeviceBufferId;
 use crate::types::BlockHash;
 
-/// Trace target of lease events (granted, taken, ended), which the
-/// simulator checks C19 with: no device read after the lease ended, every
-/// lease ended exactly once.
+/// Trace target of the owner's lease events (`granted`: fields `lease`,
+/// `now_ms`, `expires_at_ms`; `taken`: `session`, `leases`; `released`:
+/// `session`; `revoked`: `leases`), which the simulator checks C19 with.
 pub const DEVICE_LEASE_TRACE_TARGET: &str = "kvferry::device_lease";
+
+/// Trace target of the reader's event as a device-direct copy is submitted
+/// (fields `me`, `session`): no device read after its lease ended (C19).
+pub const DEVICE_READ_TRACE_TARGET: &str = "kvferry::device_read";
 
 /// What a reader asks for with a transfer lock: the handle kind it opens,
 /// its process id, and whether the transport proved it runs on this host.
@@ -201,16 +205,24 @@ impl Engine {
                 layout.coalesced_copies(b).iter().map(|c| (index[&c.buffer], c.device_offset, c.len)).collect();
         }
         self.inner.metrics.device_leases_taken.fetch_add(1, Ordering::Relaxed);
+        let ids: Vec<String> = taken.leases.iter().map(ToString::to_string).collect();
         tracing::trace!(
             target: DEVICE_LEASE_TRACE_TARGET,
             owner = %self.node(),
             session,
+            leases = %ids.join(","),
             blocks = taken.blocks.len(),
             now_ms = now,
             expires_at_ms = taken.expires_ms,
             "taken"
         );
-        Some(DeviceGrant { exports, segments, ms_left: taken.expires_ms.saturating_sub(now) })
+        // C19 canary: the reader is told a fresh lease's time left.
+        let ms_left = if crate::canary::active(crate::canary::Canary::C19LeaseExpiryIgnored) {
+            crate::limits::DEVICE_LEASE_TTL_MS_MAX
+        } else {
+            taken.expires_ms.saturating_sub(now)
+        };
+        Some(DeviceGrant { exports, segments, ms_left })
     }
 
     /// Ends the leases `session` took (its reader released it).

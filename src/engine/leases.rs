@@ -145,6 +145,8 @@ pub struct Taken {
     pub blocks: Vec<(usize, u64)>,
     /// Earliest deadline among the taken leases (ms, engine clock).
     pub expires_ms: u64,
+    /// The leases the session holds that cover requested hashes.
+    pub leases: Vec<DeviceLeaseId>,
 }
 
 /// The lease table of one engine.
@@ -227,8 +229,12 @@ impl DeviceLeases {
     /// Returns the device blocks of the requested hashes covered by leases
     /// this session holds now (including ones it took before).
     pub fn take(&mut self, namespace: &str, hashes: &[BlockHash], session: &str, now_ms: u64) -> Taken {
-        self.expire(now_ms);
-        let mut out = Taken { blocks: Vec::new(), expires_ms: u64::MAX };
+        // C19 canary: leases past their deadline are handed out until the
+        // GC collects them.
+        if !crate::canary::active(crate::canary::Canary::C19LeaseExpiryIgnored) {
+            self.expire(now_ms);
+        }
+        let mut out = Taken { blocks: Vec::new(), expires_ms: u64::MAX, leases: Vec::new() };
         let ns: Arc<str> = Arc::from(namespace);
         for (i, h) in hashes.iter().enumerate() {
             let Some(id) = self.by_hash.get(&(ns.clone(), h.clone())).copied() else { continue };
@@ -244,6 +250,9 @@ impl DeviceLeases {
             let b = lease.blocks.iter().find(|(lh, _)| lh == h).map(|(_, b)| *b).expect("index matches the lease");
             out.blocks.push((i, b));
             out.expires_ms = out.expires_ms.min(lease.expires_ms);
+            if !out.leases.contains(&id) {
+                out.leases.push(id);
+            }
         }
         if out.blocks.is_empty() {
             out.expires_ms = 0;
@@ -271,14 +280,15 @@ impl DeviceLeases {
     }
 
     /// Ends every lease of `namespace` ([`LeaseEnd::Revoked`]: its layout is
-    /// being unregistered); returns how many.
-    pub fn revoke_namespace(&mut self, namespace: &str, now_ms: u64) -> usize {
-        let ids: Vec<DeviceLeaseId> =
+    /// being unregistered); returns their ids.
+    pub fn revoke_namespace(&mut self, namespace: &str, now_ms: u64) -> Vec<DeviceLeaseId> {
+        let mut ids: Vec<DeviceLeaseId> =
             self.leases.iter().filter(|(_, l)| &*l.namespace == namespace).map(|(id, _)| *id).collect();
+        ids.sort_unstable();
         for id in &ids {
             self.finish(*id, LeaseEnd::Revoked, now_ms);
         }
-        ids.len()
+        ids
     }
 
     /// Ends every lease whose deadline is at or before `now_ms`.
@@ -394,7 +404,7 @@ mod tests {
         t.grant(DeviceLeaseId(1), ns(), vec![(h(1), 1)], 0, 10).unwrap();
         t.grant(DeviceLeaseId(2), Arc::from("x"), vec![(h(1), 1)], 0, 10).unwrap();
         assert_eq!(t.take("m", &[h(1)], "s", 1).blocks.len(), 1);
-        assert_eq!(t.revoke_namespace("m", 2), 1);
+        assert_eq!(t.revoke_namespace("m", 2), vec![DeviceLeaseId(1)]);
         assert_eq!(t.release_session("s", 3), 0, "a revoked lease is not released again");
         assert!(t.end(DeviceLeaseId(2), 3));
         assert!(!t.end(DeviceLeaseId(2), 4));

@@ -264,7 +264,8 @@ pub struct EngineMetrics {
     pub alloc_failures: AtomicU64,
     /// Fetch calls.
     pub fetches: AtomicU64,
-    /// Blocks fetched from peers (verified and sealed).
+    /// Blocks fetched from peers into the pool (verified and sealed);
+    /// blocks copied device to device count in `device_blocks` instead.
     pub fetched_blocks: AtomicU64,
     /// Bytes read from peers for fetched blocks.
     pub fetched_bytes: AtomicU64,
@@ -637,9 +638,17 @@ impl Engine {
         map.live.remove(namespace).ok_or_else(|| EngineError::UnknownNamespace(namespace.to_string()))?;
         // A device lease never outlives the layout it names (C15, C19).
         let now = self.now_ms();
-        let n = self.inner.leases.lock().expect("leases lock").revoke_namespace(namespace, now);
-        if n > 0 {
-            tracing::trace!(target: device::DEVICE_LEASE_TRACE_TARGET, owner = %self.node(), namespace, leases = n, now_ms = now, "revoked");
+        let ids = self.inner.leases.lock().expect("leases lock").revoke_namespace(namespace, now);
+        if !ids.is_empty() {
+            let ids: Vec<String> = ids.iter().map(ToString::to_string).collect();
+            tracing::trace!(
+                target: device::DEVICE_LEASE_TRACE_TARGET,
+                owner = %self.node(),
+                namespace,
+                leases = %ids.join(","),
+                now_ms = now,
+                "revoked"
+            );
         }
         Ok(())
     }

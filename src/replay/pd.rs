@@ -74,7 +74,8 @@ impl Role {
 /// still running at the end).
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct PathLine {
-    /// `shm` or `tcp`.
+    /// `ipc` (device to device from a same-host owner's KV: blocks
+    /// copied, parts that fell back), `shm` or `tcp`.
     pub path: String,
     /// Blocks read on this path.
     pub blocks: u64,
@@ -771,7 +772,8 @@ pub async fn run_with_observer(
         let p = prefill[p].clone();
         let shape = shape.clone();
         let flush_deadline = cfg.flush_deadline;
-        inflight.push(tokio::spawn(async move { serve_request(&p, &d, &shape, hashes, flush_deadline).await }));
+        let lease = cfg.path == PathChoice::Ipc;
+        inflight.push(tokio::spawn(async move { serve_request(&p, &d, &shape, hashes, flush_deadline, lease).await }));
         started = i + 1;
     }
     while let Some(r) = inflight.next().await {
@@ -869,17 +871,33 @@ pub async fn run_with_observer(
             }
         }
     }
-    rep.paths = [("shm", sum.shm), ("tcp", sum.tcp)]
-        .into_iter()
-        .map(|(name, c)| PathLine {
-            path: name.to_string(),
-            blocks: c.extents,
-            bytes: c.bytes,
-            gbps: if rep.fetch_busy_s > 0.0 { c.bytes as f64 / rep.fetch_busy_s / 1e9 } else { 0.0 },
-            fallbacks: c.fallbacks,
-            attach_failures: c.attach_failures,
-        })
-        .collect();
+    let busy_gbps = |bytes: u64| if rep.fetch_busy_s > 0.0 { bytes as f64 / rep.fetch_busy_s / 1e9 } else { 0.0 };
+    // Device to device from a same-host owner's KV (C19), before the pool
+    // paths it falls back to.
+    let (mut ipc_blocks, mut ipc_bytes, mut ipc_fallbacks) = (0, 0, 0);
+    for n in &nodes {
+        let m = n.engine.metrics();
+        ipc_blocks += m.device_blocks.load(Ordering::Relaxed);
+        ipc_bytes += m.device_bytes.load(Ordering::Relaxed);
+        ipc_fallbacks += m.device_fallbacks.load(Ordering::Relaxed);
+    }
+    rep.paths = std::iter::once(PathLine {
+        path: "ipc".into(),
+        blocks: ipc_blocks,
+        bytes: ipc_bytes,
+        gbps: busy_gbps(ipc_bytes),
+        fallbacks: ipc_fallbacks,
+        attach_failures: 0,
+    })
+    .chain([("shm", sum.shm), ("tcp", sum.tcp)].into_iter().map(|(name, c)| PathLine {
+        path: name.to_string(),
+        blocks: c.extents,
+        bytes: c.bytes,
+        gbps: busy_gbps(c.bytes),
+        fallbacks: c.fallbacks,
+        attach_failures: c.attach_failures,
+    }))
+    .collect();
 
     stop_cluster(&nodes, ms).await;
     rep.wall_s = wall.elapsed().as_secs_f64();
@@ -1085,12 +1103,34 @@ fn pick_prefill(
     pick
 }
 
+/// How long a prefill's device lease lives (`--path ipc`): far longer than
+/// a handoff; the next request on that prefill node waits for the decode's
+/// release (or this) before it writes the leased blocks again.
+const PD_DEVICE_LEASE_TTL: Duration = Duration::from_secs(10);
+
+/// Waits until no device lease of `e` is live (its blocks may be written),
+/// draining the ends; at most [`PD_DEVICE_LEASE_TTL`] and a little.
+async fn wait_for_leases(e: &Engine) {
+    let end = Instant::now() + PD_DEVICE_LEASE_TTL + Duration::from_millis(100);
+    while {
+        e.ended_device_leases();
+        e.device_leases_live() > 0
+    } && Instant::now() < end
+    {
+        tokio::time::sleep(Duration::from_micros(200)).await;
+    }
+}
+
+/// One request: prefill (reuse, compute, save, barrier; with `lease`, a
+/// device lease on the saved blocks: `--path ipc`), then decode
+/// (`fetch_into`, verify, recompute the rest).
 async fn serve_request(
     p: &PdNode,
     d: &PdNode,
     shape: &Shape,
     hashes: Vec<BlockHash>,
     flush_deadline: Duration,
+    lease: bool,
 ) -> Result<ReqOutcome, PdError> {
     let n = hashes.len();
     let mut o = ReqOutcome { blocks: n as u64, ..Default::default() };
@@ -1104,6 +1144,9 @@ async fn serve_request(
     let save_barrier;
     {
         let _dev = p.device.lock().await;
+        // The blocks an earlier request leased stay untouched until the
+        // lease ended (C19).
+        wait_for_leases(pe).await;
         let local = pe.query_prefix(&shape.ns, &hashes);
         let fetched = if local < n {
             let t = Instant::now();
@@ -1135,6 +1178,10 @@ async fn serve_request(
         handoff_start = Instant::now();
         let (fr, saves) = pe.flush_saves_and_registrations_timed(flush_deadline).await;
         save_barrier = saves;
+        if lease {
+            pe.grant_device_lease(&shape.ns, &to_save, PD_DEVICE_LEASE_TTL)
+                .map_err(|e| PdError::Device(format!("device lease: {e}")))?;
+        }
         o.delivered += fr.delivered;
         o.dropped += fr.dropped;
     }

@@ -751,7 +751,7 @@ impl<'a> Driver<'a> {
                     }
                 }
                 let m = &engine.inner.metrics;
-                m.fetched_blocks.fetch_add(blocks.len() as u64, Ordering::Relaxed);
+                m.fetched_blocks.fetch_add(pooled.len() as u64, Ordering::Relaxed);
                 m.fetched_bytes.fetch_add(bytes, Ordering::Relaxed);
                 None
             }
@@ -851,8 +851,12 @@ impl<'a> Driver<'a> {
         let (expected, bytes) = (plan.expected, plan.bytes);
         let batch = crate::gpu::peer::PeerCopyBatch { sources, ops, checksums: plan.checksums };
         let engine = self.engine;
+        let session = self.m.transfer_session().map(|(_, s)| s.to_string()).unwrap_or_default();
         Some(Box::pin(async move {
             let t0 = Instant::now();
+            // The simulator checks this against the owner's lease events
+            // (C19: no device read after the lease ended).
+            tracing::trace!(target: crate::engine::device::DEVICE_READ_TRACE_TARGET, me = %engine.node(), session, "device read");
             let sums = gpu.submit_peer(batch).await.map_err(|e| format!("device copy: {e}"))?;
             let mut out = Vec::with_capacity(expected.len());
             let mut at = 0;
