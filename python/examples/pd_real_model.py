@@ -87,6 +87,11 @@ Usage::
     python pd_real_model.py --device cpu --json out.json     # numpy model (CI)
     python pd_real_model.py --device cuda --json out.json    # Qwen3, bf16, H200
     python pd_real_model.py --device cpu --model qwen        # Qwen3 on the CPU (slow; a check of that path)
+    python pd_real_model.py --device cuda --device-lease     # decode copies the KV device to device (CUDA IPC)
+
+Per case, ``paths`` says how many fetched blocks each path moved (``ipc``:
+device to device from the prefill's cache under its device lease; ``shm``:
+the prefill's shared pool; ``tcp``).
 
 Exits 1 when any case fails, 3 when the reference was not reproducible
 (harness failure).
@@ -186,7 +191,24 @@ def _node_loop(role: str, conn, opts: Dict[str, Any]) -> None:
     node.shutdown()
 
 
+_LEASES: List[str] = []  # the prefill's device leases not yet seen ended
+
+
+def _wait_for_leases(node, ttl: float) -> None:
+    """Blocks the leased cache blocks were promised for stay untouched until
+    their lease ended (the decode read them, or the ttl passed)."""
+    end = time.monotonic() + ttl + 1.0
+    while _LEASES and time.monotonic() < end:
+        for lease_id, _ns, _blocks, _how in node.ended_device_leases():
+            if lease_id in _LEASES:
+                _LEASES.remove(lease_id)
+        if _LEASES:
+            time.sleep(0.001)
+
+
 def _prefill(kvferry, node, model, ns, pk, pv, bt, tokens, opts) -> Dict[str, Any]:
+    if opts["device_lease"]:
+        _wait_for_leases(node, opts["lease_ttl"])
     t0 = now_ms()
     kv = model.prefill(tokens)
     full = len(tokens) // bt
@@ -198,6 +220,10 @@ def _prefill(kvferry, node, model, ns, pk, pv, bt, tokens, opts) -> Dict[str, An
     save = node.save(ns, hashes, list(range(full)))
     t2 = now_ms()
     flush = node.flush_saves_and_registrations(timeout=opts["barrier_timeout"])
+    if opts["device_lease"] and full:
+        # A same-host decode may copy these blocks straight from this cache
+        # (CUDA IPC) until it is done or the lease's ttl passes.
+        _LEASES.append(node.grant_device_lease(ns, hashes, list(range(full)), ttl=opts["lease_ttl"]))
     t3 = now_ms()
     return {
         "blocks_saved": save.saved + save.already_resident,
@@ -271,6 +297,7 @@ def _decode(kvferry, node, model, ns, pk, pv, scratch, bt, tokens, ready, opts) 
     t0 = now_ms()
     k = 0
     handoff = {"query": 0.0, "fetch": 0.0, "load": 0.0}
+    m0 = node.metrics()
     if usable:
         q0 = now_ms()
         try:
@@ -299,6 +326,13 @@ def _decode(kvferry, node, model, ns, pk, pv, scratch, bt, tokens, ready, opts) 
                 k = 0
     r.setdefault("blocks_fetched", 0)
     r.setdefault("bytes", 0)
+    m1 = node.metrics()
+    # Which path moved the fetched blocks: device to device from the
+    # prefill's cache (ipc), its shared pool (shm) or TCP.
+    r["paths"] = {
+        p: m1.get(f"path_{p}_blocks", 0) - m0.get(f"path_{p}_blocks", 0) for p in ("ipc", "shm", "tcp")
+    }
+    r["ipc_fallbacks"] = m1.get("path_ipc_fallbacks", 0) - m0.get("path_ipc_fallbacks", 0)
     if k == usable and usable:
         kv = model.from_paged(pk, pv, k, bt)
         out, ttft, logits = _continue(model, kv, tokens, n, t0)
@@ -466,6 +500,8 @@ def run_case(cluster: Cluster, name: str, tokens: List[int], fault: Optional[str
         ttft_recompute_ms=round(ttft_r, 3),
         t9=round(ttft_f / ttft_r, 4) if ttft_r > 0 else None,
         path=d["path"],
+        paths=d["paths"],
+        ipc_fallbacks=d["ipc_fallbacks"],
         fetch=d["fetch"],
         query_error=d["query_error"],
         flush=ready["flush"],
@@ -538,6 +574,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--cases", help="comma-separated case names to run (default: all)")
     ap.add_argument("--model", choices=["numpy", "qwen"],
                     help="model (default: cpu numpy, cuda qwen; qwen on the cpu checks that path, slowly)")
+    ap.add_argument("--device-lease", action="store_true",
+                    help="the prefill grants a device lease on what it saved, so the decode (same host) copies "
+                    "the KV device to device from the prefill's cache (CUDA IPC with --kvferry-gpu cuda)")
     ap.add_argument("--inject", choices=["reference-drift"],
                     help="canary: reference B drifts (one prefix KV value changed); "
                     "the run must end in a harness failure")
@@ -552,6 +591,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     long_n = args.long_tokens or (8192 if cuda else 64 * bt + 7)
     kv_gpu = args.kvferry_gpu or ("cuda" if cuda else "host")
     opts = {
+        "device_lease": args.device_lease,
+        "lease_ttl": 30.0,
         "device": args.device,
         "size": args.size or ("large" if cuda else "small"),
         "model": model_kind,
@@ -624,7 +665,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 f"{case.get('blocks_total')} bytes={case.get('bytes', 0)} handoff(ms) barrier={h.get('barrier') or 0:.1f} "
                 f"query={h.get('query', 0):.1f} fetch={h.get('fetch', 0):.1f} load={h.get('load', 0):.1f} "
                 f"ttft fetch={case.get('ttft_fetch_ms')} recompute={case.get('ttft_recompute_ms')} "
-                f"T9={case.get('t9')} handoff/recompute={case.get('handoff_ratio')} {'; '.join(case['why'])}",
+                f"T9={case.get('t9')} handoff/recompute={case.get('handoff_ratio')} paths={case.get('paths')} "
+                f"{'; '.join(case['why'])}",
                 flush=True,
             )
     finally:
