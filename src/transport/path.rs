@@ -400,7 +400,8 @@ mod tests {
         for c in [PathChoice::Auto, PathChoice::Shm, PathChoice::Tcp, PathChoice::Ipc] {
             assert_eq!(c.to_string().parse::<PathChoice>(), Ok(c));
         }
-        assert!("ipc".parse::<PathChoice>().is_err());
+        assert!("rdma".parse::<PathChoice>().is_err());
+        assert!("".parse::<PathChoice>().is_err());
         assert_eq!(PathChoice::default(), PathChoice::Auto);
     }
 }
