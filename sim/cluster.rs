@@ -826,8 +826,12 @@ impl Gpu for SimGpu {
         self.0.host.peer_kind()
     }
 
-    fn export_buffer(&self, id: DeviceBufferId) -> Result<kvferry::gpu::peer::BufferExport, kvferry::gpu::GpuError> {
-        self.0.host.export_buffer(id)
+    fn export_buffer(
+        &self,
+        id: DeviceBufferId,
+        kind: kvferry::gpu::peer::PeerKind,
+    ) -> Result<kvferry::gpu::peer::BufferExport, kvferry::gpu::GpuError> {
+        self.0.host.export_buffer(id, kind)
     }
 
     fn open_peer_buffer(

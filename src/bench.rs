@@ -31,6 +31,9 @@ use crate::metaserver::{self, MetaServerConfig};
 use crate::node::{self, NodeConfig, PathChoice};
 use crate::types::{BlockHash, NodeAddr, SessionId};
 
+#[cfg(feature = "cuda")]
+pub mod ipc;
+
 const REPS: usize = 3;
 /// Repetitions of every `bench gpu` figure, raw copies and engine runs
 /// alike (best of; the engine runs get one more, unmeasured, first).
@@ -529,7 +532,8 @@ pub async fn gpu(device: usize) -> Result<serde_json::Value, String> {
     let owned = cuda.alloc(CONFORMANCE_BUFFER_BYTES).map_err(|e| e.to_string())?;
     crate::gpu::conformance(&*cuda, owned).await.map_err(|e| format!("conformance on cuda:{device}, owned: {e}"))?;
     drop(external);
-    let refusals = crate::gpu::cuda::external_memory_checks(&cuda, device)?;
+    let mut refusals = crate::gpu::cuda::external_memory_checks(&cuda, device)?;
+    refusals.extend(crate::gpu::cuda::peer_checks(&cuda).await?);
     let name = cuda.device_name();
     const RAW: u64 = 256 << 20;
     let raw_pool = Pool::new(2 * RAW, 4096).map_err(|e| e.to_string())?;

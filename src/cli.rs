@@ -112,6 +112,15 @@ enum BenchCmd {
         #[arg(long, default_value_t = 0)]
         device: usize,
     },
+    /// Device-direct copies between two processes on one GPU (CUDA IPC) vs the raw IPC device copy; needs the `cuda` feature and a GPU.
+    Ipc {
+        /// CUDA device.
+        #[arg(long, default_value_t = 0)]
+        device: usize,
+        /// Internal: run as the reader process of an export `HANDLE:OFFSET:LEN`.
+        #[arg(long, hide = true)]
+        child: Option<String>,
+    },
     /// MetaServer store and gRPC insert rates, unregister cost (T5–T7).
     Store {
         /// Keys inserted.
@@ -653,6 +662,26 @@ async fn bench_gpu(_device: usize) -> Result<serde_json::Value, String> {
     Err(NO_CUDA.to_string())
 }
 
+#[cfg(feature = "cuda")]
+async fn bench_ipc(device: usize) -> Result<serde_json::Value, String> {
+    kvferry::bench::ipc::run(device).await
+}
+
+#[cfg(not(feature = "cuda"))]
+async fn bench_ipc(_device: usize) -> Result<serde_json::Value, String> {
+    Err(NO_CUDA.to_string())
+}
+
+#[cfg(feature = "cuda")]
+async fn bench_ipc_child(device: usize, export: &str) -> Result<serde_json::Value, String> {
+    kvferry::bench::ipc::child(device, export).await
+}
+
+#[cfg(not(feature = "cuda"))]
+async fn bench_ipc_child(_device: usize, _export: &str) -> Result<serde_json::Value, String> {
+    Err(NO_CUDA.to_string())
+}
+
 async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
@@ -793,6 +822,13 @@ pub fn main() -> ExitCode {
                     }
                     BenchCmd::Store { keys } => kvferry::bench::store(keys).await,
                     BenchCmd::Gpu { device } => bench_gpu(device).await,
+                    BenchCmd::Ipc { device, child: Some(export) } => {
+                        // The reader process: one JSON line for the parent.
+                        let v = bench_ipc_child(device, &export).await?;
+                        println!("{v}");
+                        return Ok(ExitCode::SUCCESS);
+                    }
+                    BenchCmd::Ipc { device, child: None } => bench_ipc(device).await,
                 }?;
                 if let Some(path) = json {
                     let text = serde_json::to_string_pretty(&v).map_err(|e| e.to_string())?;

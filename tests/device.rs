@@ -165,8 +165,8 @@ async fn expired_revoked_and_unleased_blocks_take_the_pool_path() {
 }
 
 /// Readers that must not get device ranges do not: a node forced to TCP,
-/// and — straight over gRPC — an asker that names another handle kind or
-/// another process. The lease stays untaken for a reader that may.
+/// and — straight over gRPC — an asker of another process (not proven on
+/// this host) or of an unknown handle kind. The lease stays untaken for a reader that may.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forced_paths_and_foreign_askers_get_no_device_ranges() {
     bounded(async {
@@ -191,16 +191,20 @@ async fn forced_paths_and_foreign_askers_get_no_device_ranges() {
             requester_id: t.node.0.clone(),
             device: Some(DeviceCapability { kind, pid }),
         };
-        for (kind, pid) in [(1, std::process::id()), (2, std::process::id() + 1), (99, std::process::id())] {
+        let other = std::process::id() + 1;
+        for (kind, pid) in [(1, other), (2, other), (99, std::process::id())] {
             let r = c.query_blocks_for_transfer(ask(kind, pid)).await.unwrap().into_inner();
             assert!(!r.transfer_session_id.is_empty());
             assert!(r.device_buffers.is_empty(), "kind {kind} pid {pid}");
             assert!(r.blocks.iter().all(|b| b.device_segments.is_empty()));
         }
         assert_eq!(p.engine.device_leases_live(), 1);
-        // The right asker gets every block's ranges.
-        let r = c.query_blocks_for_transfer(ask(2, std::process::id())).await.unwrap().into_inner();
+        // The right asker gets every block's ranges: a reader in this
+        // process, as an in-process token even when it opens CUDA IPC
+        // handles (those do not open in the process that made them).
+        let r = c.query_blocks_for_transfer(ask(1, std::process::id())).await.unwrap().into_inner();
         assert_eq!(r.device_buffers.len(), 1);
+        assert_eq!(r.device_buffers[0].kind, 2, "an in-process token");
         assert!(r.device_lease_ms_left > 0);
         assert!(r.blocks.iter().all(|b| !b.device_segments.is_empty()));
         // ...and a second session asking again gets none: one reader.

@@ -8,14 +8,15 @@
 //! in [`super::fetch`].
 //!
 //! Who gets device ranges (never assumed from an address):
-//! - the reader must say which handle kind it opens, and it must be this
-//!   backend's kind;
-//! - a [`PeerKind::Process`] handle goes only to a reader that says it runs
-//!   in this process (and opens only there: the export registry is
-//!   per-process);
-//! - a [`PeerKind::CudaIpc`] handle goes only to a reader the transport has
-//!   proven to run on this host as this user (it redeemed a shared-pool
-//!   token over the credential-checked local socket:
+//! - the reader must say which handle kind it opens (a kind it does not
+//!   name is never sent);
+//! - a reader that says it runs in this process gets [`PeerKind::Process`]
+//!   handles, whatever the backend (they open only there: the export
+//!   registry is per-process; a CUDA IPC handle would not open in the
+//!   process that made it);
+//! - a [`PeerKind::CudaIpc`] handle goes only to a reader of that kind the
+//!   transport has proven to run on this host as this user (it redeemed a
+//!   shared-pool token over the credential-checked local socket:
 //!   [`crate::transport::Transport::proven_same_host`]).
 
 use std::collections::HashMap;
@@ -155,14 +156,15 @@ impl Engine {
         ask: &DeviceAsk,
     ) -> Option<DeviceGrant> {
         let mine = self.inner.gpu.peer_kind()?;
-        let allowed = ask.kind == mine
-            && match mine {
-                PeerKind::Process => ask.pid == std::process::id(),
-                PeerKind::CudaIpc => ask.proven_same_host,
-            };
-        if !allowed {
-            return None;
-        }
+        // The kind of export: a reader in this very process gets a process
+        // token (a CUDA IPC handle does not open in the process that made
+        // it), a proven same-host reader of our kind gets our kind.
+        let same_process = ask.pid == std::process::id();
+        let kind = match (mine, ask.kind) {
+            _ if same_process => PeerKind::Process,
+            (PeerKind::CudaIpc, PeerKind::CudaIpc) if ask.proven_same_host => PeerKind::CudaIpc,
+            _ => return None,
+        };
         let (_, layout) = self.layout(namespace).ok()?;
         // Export every buffer the layout names before any lease is taken,
         // so a failed export takes nothing.
@@ -175,11 +177,11 @@ impl Engine {
                     if index.contains_key(&base.buffer) {
                         continue;
                     }
-                    let e = match cache.get(&base.buffer) {
+                    let e = match cache.get(&(base.buffer, kind)) {
                         Some(e) => e.clone(),
                         None => {
-                            let e = self.inner.gpu.export_buffer(base.buffer).ok()?;
-                            cache.insert(base.buffer, e.clone());
+                            let e = self.inner.gpu.export_buffer(base.buffer, kind).ok()?;
+                            cache.insert((base.buffer, kind), e.clone());
                             e
                         }
                     };
@@ -236,7 +238,7 @@ impl Engine {
 
     /// Forgets the cached export of `buffer` (it is being unregistered).
     pub(crate) fn forget_export(&self, buffer: DeviceBufferId) {
-        self.inner.exports.lock().expect("exports lock").remove(&buffer);
+        self.inner.exports.lock().expect("exports lock").retain(|(b, _), _| *b != buffer);
     }
 }
 

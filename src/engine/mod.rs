@@ -345,8 +345,9 @@ pub(crate) struct EngineInner {
     pub(crate) peers: fetch::PeerTable,
     /// Device leases granted on this engine's KV blocks (C19).
     leases: Mutex<leases::DeviceLeases>,
-    /// Exports of this engine's device buffers, made once per buffer.
-    exports: Mutex<HashMap<DeviceBufferId, crate::gpu::peer::BufferExport>>,
+    /// Exports of this engine's device buffers, made once per buffer and
+    /// kind.
+    exports: Mutex<HashMap<(DeviceBufferId, crate::gpu::peer::PeerKind), crate::gpu::peer::BufferExport>>,
 }
 
 /// The engine. Cheap to clone (one `Arc`).

@@ -48,14 +48,22 @@
 //! would panic at the first call into a missing library, so presence is
 //! checked first).
 //!
+//! Device-direct copies from a peer engine's buffers (CUDA IPC, C19) live
+//! in [`ipc`].
+//!
 //! Not under the simulator: this module is `cfg(not(madsim))`.
 
+mod ipc;
+
 use std::sync::{Arc, Mutex};
+
+pub use ipc::{CudaPeerBuffer, peer_checks, time_raw_peer_copy};
 
 use cudarc::driver::sys;
 use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaStream, LaunchConfig, PushKernelArg, result};
 
 use super::crc::{self, PIECE_BYTES_MAX, RangeFolder, RangeIndex};
+use super::peer::{self, PeerKind};
 use super::{
     BatchPin, BufferTable, Completed, Completion, CopyBatch, Direction, ExternalMemoryError, Gpu, GpuError, HostBuf,
     KvMemory, pin_and_validate,
@@ -147,7 +155,8 @@ extern "C" __global__ void kvferry_crc(const unsigned long long* __restrict__ de
 /// Tuning of the CUDA backend. [`CudaConfig::from_env`] reads overrides
 /// (`KVFERRY_CUDA_BLOCKS_PER_SM`, `KVFERRY_CUDA_DMA_MIN_BYTES`,
 /// `KVFERRY_CUDA_LAUNCH_PIECES`, `KVFERRY_CUDA_DEVICE_CHECKSUMS=0|1`,
-/// `KVFERRY_CUDA_STAGING_BYTES`, `KVFERRY_CUDA_STAGING_SLOTS`), for
+/// `KVFERRY_CUDA_STAGING_BYTES`, `KVFERRY_CUDA_STAGING_SLOTS`,
+/// `KVFERRY_CUDA_PEER_BLOCKS_PER_SM`), for
 /// benchmarking on a new machine.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CudaConfig {
@@ -173,6 +182,10 @@ pub struct CudaConfig {
     /// Staging slots per direction (round robin; a slot is reused once the
     /// device finished with its previous chunk).
     pub staging_slots: usize,
+    /// Copy-kernel thread blocks per SM for device-direct peer copies
+    /// ([`ipc`]): device-to-device pieces want more blocks in flight than
+    /// a PCIe-bound save or load.
+    pub peer_blocks_per_sm: u32,
 }
 
 impl Default for CudaConfig {
@@ -184,6 +197,7 @@ impl Default for CudaConfig {
             device_checksums: true,
             staging_bytes: 32 << 20,
             staging_slots: 4,
+            peer_blocks_per_sm: 8,
         }
     }
 }
@@ -208,6 +222,9 @@ impl CudaConfig {
             device_checksums: var::<u8>("KVFERRY_CUDA_DEVICE_CHECKSUMS").map_or(d.device_checksums, |v| v != 0),
             staging_bytes: var("KVFERRY_CUDA_STAGING_BYTES").unwrap_or(d.staging_bytes),
             staging_slots: var("KVFERRY_CUDA_STAGING_SLOTS").filter(|&n: &usize| n > 0).unwrap_or(d.staging_slots),
+            peer_blocks_per_sm: var("KVFERRY_CUDA_PEER_BLOCKS_PER_SM")
+                .filter(|&n: &u32| n > 0)
+                .unwrap_or(d.peer_blocks_per_sm),
         }
     }
 }
@@ -261,6 +278,10 @@ struct Inner {
     scatter: Arc<CudaStream>,
     /// The checksum kernel's stream (runs beside a save's copy).
     crc: Arc<CudaStream>,
+    /// Device-direct peer copies.
+    peer: Arc<CudaStream>,
+    /// Peer allocations mapped through CUDA IPC, by handle.
+    ipc_maps: ipc::Mappings,
     /// Staging rings in device memory, per direction.
     stage_save: Mutex<Staging>,
     stage_load: Mutex<Staging>,
@@ -329,7 +350,7 @@ impl CudaGpu {
         unsafe { ctx.disable_event_tracking() };
         let stream = || ctx.new_stream().map_err(|e| unavailable(format!("stream: {e}")));
         let (d2h, h2d, crc_stream) = (stream()?, stream()?, stream()?);
-        let (gather, scatter) = (stream()?, stream()?);
+        let (gather, scatter, peer) = (stream()?, stream()?, stream()?);
         let ptx = cudarc::nvrtc::compile_ptx(KERNELS).map_err(|e| unavailable(format!("nvrtc: {e:?}")))?;
         let module = ctx.load_module(ptx).map_err(|e| unavailable(format!("load module: {e}")))?;
         let load = |name: &str| module.load_function(name).map_err(|e| unavailable(format!("load {name}: {e}")));
@@ -365,6 +386,8 @@ impl CudaGpu {
                 gather,
                 scatter,
                 crc: crc_stream,
+                peer,
+                ipc_maps: Mutex::default(),
                 stage_save,
                 stage_load,
                 copy_kernel,
@@ -950,11 +973,24 @@ impl Inner {
         n: usize,
         extra: &[u64],
     ) -> Result<(), GpuError> {
+        self.launch_with(stream, kernel, desc, n, extra, self.cfg.blocks_per_sm)
+    }
+
+    /// [`Inner::launch`] with a grid of `per_sm` thread blocks per SM.
+    fn launch_with(
+        &self,
+        stream: &CudaStream,
+        kernel: &CudaFunction,
+        desc: u64,
+        n: usize,
+        extra: &[u64],
+        per_sm: u32,
+    ) -> Result<(), GpuError> {
         if n == 0 {
             return Ok(());
         }
         let n = n as u64;
-        let grid = n.min(u64::from(self.sm_count * self.cfg.blocks_per_sm)).max(1) as u32;
+        let grid = n.min(u64::from(self.sm_count * per_sm)).max(1) as u32;
         let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
         let mut b = stream.launch_builder(kernel);
         b.arg(&desc);
@@ -1013,6 +1049,7 @@ impl Gpu for CudaGpu {
 
     fn unregister(&self, id: DeviceBufferId) -> Result<(), GpuError> {
         let entry = self.inner.buffers.unregister(id)?;
+        peer::revoke_process(&self.inner.buffers, id);
         if entry.owned {
             drop(DeviceMemory { ctx: self.inner.ctx.clone(), ptr: entry.addr, len: entry.len });
         }
@@ -1097,6 +1134,41 @@ impl Gpu for CudaGpu {
         let ptr = self.inner.checked_ptr(id, offset, out.len() as u64)?;
         // SAFETY: `checked_ptr` bounds the range inside the buffer.
         unsafe { result::memcpy_dtoh_sync(out, ptr) }.map_err(dev_err)
+    }
+
+    fn peer_kind(&self) -> Option<PeerKind> {
+        Some(PeerKind::CudaIpc)
+    }
+
+    fn export_buffer(&self, id: DeviceBufferId, kind: PeerKind) -> Result<peer::BufferExport, GpuError> {
+        self.inner.export(id, kind)
+    }
+
+    fn open_peer_buffer(&self, export: &peer::BufferExport) -> Result<Arc<dyn peer::PeerBuffer>, GpuError> {
+        self.inner.open(export)
+    }
+
+    fn submit_peer(&self, batch: peer::PeerCopyBatch) -> peer::PeerCompletion {
+        let ready = |r| -> peer::PeerCompletion { Box::pin(std::future::ready(r)) };
+        if let Err(e) = peer::validate_peer_batch(&batch) {
+            return ready(Err(e));
+        }
+        let src = match self.inner.resolve_sources(&batch) {
+            Ok(s) => s,
+            Err(e) => return ready(Err(e)),
+        };
+        // Destinations stay registered until the worker is done (C15).
+        let dst = self.inner.buffers.pin_batch(batch.ops.iter().map(|op| op.dst));
+        let inner = self.inner.clone();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        // The worker owns the batch, its sources and the pins until the
+        // device finished, whatever happens to the completion (C11).
+        inner.workers.clone().run(Box::new(move || {
+            let r = inner.run_peer(&batch, &src, &dst);
+            let _ = tx.send(r);
+            drop((src, dst, batch));
+        }));
+        Box::pin(async move { rx.await.unwrap_or_else(|_| Err(GpuError::Device("copy worker died".into()))) })
     }
 }
 

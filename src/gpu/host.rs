@@ -425,8 +425,11 @@ impl Gpu for HostGpu {
         Some(peer::PeerKind::Process)
     }
 
-    fn export_buffer(&self, id: DeviceBufferId) -> Result<peer::BufferExport, GpuError> {
-        peer::export_process(&self.buffers, id)
+    fn export_buffer(&self, id: DeviceBufferId, kind: peer::PeerKind) -> Result<peer::BufferExport, GpuError> {
+        match kind {
+            peer::PeerKind::Process => peer::export_process(&self.buffers, id),
+            other => Err(GpuError::Unsupported(format!("{other:?} exports on the host backend"))),
+        }
     }
 
     fn open_peer_buffer(&self, export: &peer::BufferExport) -> Result<Arc<dyn peer::PeerBuffer>, GpuError> {

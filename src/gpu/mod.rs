@@ -346,14 +346,16 @@ pub trait Gpu: Send + Sync + 'static {
         None
     }
 
-    /// Exports registered buffer `id` for a same-host peer to open
-    /// ([`peer::BufferExport`]).
+    /// Exports registered buffer `id` as a handle of `kind` for a peer to
+    /// open ([`peer::BufferExport`]): [`peer::PeerKind::Process`] for a
+    /// reader in this process, [`peer::PeerKind::CudaIpc`] for another
+    /// process on this host.
     ///
     /// # Errors
-    /// [`GpuError::Unsupported`] (default), [`GpuError::UnknownBuffer`], or
-    /// the driver's refusal.
-    fn export_buffer(&self, id: DeviceBufferId) -> Result<peer::BufferExport, GpuError> {
-        Err(GpuError::Unsupported(format!("exporting buffer {id:?}: {} has no peer copies", self.name())))
+    /// [`GpuError::Unsupported`] (default, or a kind this backend does not
+    /// export), [`GpuError::UnknownBuffer`], or the driver's refusal.
+    fn export_buffer(&self, id: DeviceBufferId, kind: peer::PeerKind) -> Result<peer::BufferExport, GpuError> {
+        Err(GpuError::Unsupported(format!("exporting buffer {id:?} as {kind:?}: {} has no peer copies", self.name())))
     }
 
     /// Opens a peer's export for [`Gpu::submit_peer`].

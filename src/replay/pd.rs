@@ -1142,6 +1142,7 @@ async fn serve_request(
     // Prefill: reuse the longest cached prefix (local, else fetched), compute the rest, save.
     let handoff_start;
     let save_barrier;
+    let mut leased = None;
     {
         let _dev = p.device.lock().await;
         // The blocks an earlier request leased stay untouched until the
@@ -1179,8 +1180,10 @@ async fn serve_request(
         let (fr, saves) = pe.flush_saves_and_registrations_timed(flush_deadline).await;
         save_barrier = saves;
         if lease {
-            pe.grant_device_lease(&shape.ns, &to_save, PD_DEVICE_LEASE_TTL)
-                .map_err(|e| PdError::Device(format!("device lease: {e}")))?;
+            leased = Some(
+                pe.grant_device_lease(&shape.ns, &to_save, PD_DEVICE_LEASE_TTL)
+                    .map_err(|e| PdError::Device(format!("device lease: {e}")))?,
+            );
         }
         o.delivered += fr.delivered;
         o.dropped += fr.dropped;
@@ -1198,6 +1201,13 @@ async fn serve_request(
     let wanted: Vec<(BlockHash, u64)> = hashes.iter().cloned().zip(0u64..).collect();
     let got = de.fetch_into(&shape.ns, &wanted).await.map_err(|e| PdError::Device(e.to_string()))?;
     let load_end = Instant::now();
+    // The request is done with the prefill's blocks: end the lease if the
+    // fetch did not (it takes a lease only when it locks a leased block,
+    // and a decode that had the prefix in its own pool locks none), as an
+    // engine's "request finished" on the decode side would.
+    if let Some(id) = leased {
+        pe.end_device_lease(id);
+    }
     let fetched = &got.fetch;
     let fetch_end = load_end - fetched.phases.load_tail.min(load_end - t);
     o.fetch_intervals.push((t, fetch_end));

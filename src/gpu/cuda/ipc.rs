@@ -1,0 +1,463 @@
+//! Device-direct copies of the `cuda` backend ([`super::super::peer`],
+//! contract C19): exports as CUDA IPC handles, opened peer allocations
+//! cached per handle, and peer batches copied and checksummed on the device.
+//!
+//! - **Export** ([`PeerKind::CudaIpc`]): `cuIpcGetMemHandle` of the
+//!   allocation that holds the buffer (the driver's `RANGE_START_ADDR`), so
+//!   the export's `offset` is the buffer's start minus the allocation's.
+//!   A reader in this very process gets a [`PeerKind::Process`] token
+//!   instead (an IPC handle does not open in the process that made it).
+//! - **Open**: `cuIpcOpenMemHandle` with lazy peer access, one mapping per
+//!   allocation shared by every buffer in it (the driver maps a handle once
+//!   per context); the mapping's size from the driver bounds the export's
+//!   `offset + len`, so a peer that lies about its buffer cannot make a
+//!   copy run past what was mapped. The mapping closes when the last
+//!   [`PeerBuffer`] of it and the last batch using it are gone.
+//! - **Copy**: ops of at least [`super::CudaConfig::dma_min_bytes`] go to
+//!   `cuMemcpyDtoDAsync` (the copy the raw baseline uses), smaller ones
+//!   (KV segments: 32 KiB for Qwen3-8B) become ≤ 64 KiB pieces of one copy
+//!   kernel launch per chunk, so a scattered block costs no driver call per
+//!   segment. The checksum kernel reads the *destination* bytes of each
+//!   finished chunk on its own stream while the next chunk copies, and the
+//!   host folds piece CRCs into the batch's ranges ([`super::super::crc`]).
+//!
+//! The idea of mapping the owner's device KV into the reader with CUDA IPC
+//! comes from the intra-node paths of Mooncake's transfer engine and NIXL
+//! (`../shared/docs/perf.md`).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, Weak};
+
+use cudarc::driver::sys;
+
+use super::{Inner, Table, dev_err, write3};
+use crate::gpu::crc::{ChecksumRange, PIECE_BYTES_MAX, RangeFolder};
+use crate::gpu::peer::{self, BufferExport, PeerBuffer, PeerCopyBatch, PeerKind};
+use crate::gpu::{GpuError, checked_range};
+use crate::memory::DeviceBufferId;
+use crate::memory::buffers::BatchPin;
+
+/// Bytes of a CUDA IPC memory handle.
+const IPC_HANDLE_BYTES: usize = 64;
+
+/// Copy bytes per chunk: the checksum kernel of a chunk runs while the next
+/// chunk copies.
+const CHUNK_BYTES: u64 = 64 << 20;
+
+/// Mapped peer allocations by handle (weak: a mapping closes with its last
+/// user).
+pub(super) type Mappings = Mutex<HashMap<[u8; IPC_HANDLE_BYTES], Weak<Mapping>>>;
+
+/// A peer allocation mapped into this context.
+pub(super) struct Mapping {
+    ctx: Arc<cudarc::driver::CudaContext>,
+    base: sys::CUdeviceptr,
+    size: u64,
+}
+
+// SAFETY: a device address and a context handle (`Send + Sync` in cudarc).
+unsafe impl Send for Mapping {}
+// SAFETY: as above; no interior mutability.
+unsafe impl Sync for Mapping {}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: opened by `open_ipc`, closed once; no batch uses it (every
+        // batch holds an `Arc` of its buffers until the device finished).
+        unsafe {
+            let _ = sys::cuIpcCloseMemHandle(self.base);
+        }
+    }
+}
+
+/// A [`PeerKind::CudaIpc`] buffer opened by the `cuda` backend: `len` bytes
+/// at `offset` of a mapped peer allocation.
+pub struct CudaPeerBuffer {
+    map: Arc<Mapping>,
+    offset: u64,
+    len: u64,
+}
+
+impl PeerBuffer for CudaPeerBuffer {
+    fn len(&self) -> u64 {
+        self.len
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+impl CudaPeerBuffer {
+    /// Device address of the buffer's first byte in this context.
+    pub fn device_ptr(&self) -> u64 {
+        self.map.base + self.offset
+    }
+}
+
+/// A batch's sources resolved to device addresses, with what keeps each
+/// alive (the mapping, or a pin in the owner's buffer table).
+pub(super) struct Sources {
+    addrs: Vec<u64>,
+    _keep: Vec<Arc<dyn PeerBuffer>>,
+    _pins: Vec<BatchPin>,
+}
+
+impl Inner {
+    /// [`crate::gpu::Gpu::export_buffer`] of this backend.
+    pub(super) fn export(&self, id: DeviceBufferId, kind: PeerKind) -> Result<BufferExport, GpuError> {
+        match kind {
+            PeerKind::Process => peer::export_process(&self.buffers, id),
+            PeerKind::CudaIpc => {
+                let b = self.buffers.get(id).ok_or(GpuError::UnknownBuffer(id))?;
+                let (_, _, start, _) = self.pointer_attributes(b.addr)?;
+                let mut h = sys::CUipcMemHandle_st { reserved: [0; IPC_HANDLE_BYTES] };
+                // SAFETY: `start` is the base of a live device allocation
+                // (the registered buffer lies in it: checked at registration).
+                unsafe { sys::cuIpcGetMemHandle(&mut h, start) }
+                    .result()
+                    .map_err(|e| GpuError::Unsupported(format!("cuIpcGetMemHandle of buffer {id:?}: {e}")))?;
+                Ok(BufferExport {
+                    kind,
+                    handle: h.reserved.iter().map(|&c| c as u8).collect(),
+                    offset: b.addr - start,
+                    len: b.len,
+                })
+            }
+        }
+    }
+
+    /// [`crate::gpu::Gpu::open_peer_buffer`] of this backend.
+    pub(super) fn open(&self, e: &BufferExport) -> Result<Arc<dyn PeerBuffer>, GpuError> {
+        match e.kind {
+            PeerKind::Process => peer::open_process(e),
+            PeerKind::CudaIpc => {
+                let handle: [u8; IPC_HANDLE_BYTES] = e.handle.as_slice().try_into().map_err(|_| {
+                    GpuError::Peer(format!("CUDA IPC handle of {} bytes, want {IPC_HANDLE_BYTES}", e.handle.len()))
+                })?;
+                let map = self.map_ipc(handle)?;
+                if e.offset.checked_add(e.len).is_none_or(|end| end > map.size) {
+                    return Err(GpuError::Peer(format!(
+                        "export [{}, +{}) overruns the peer allocation of {} bytes",
+                        e.offset, e.len, map.size
+                    )));
+                }
+                Ok(Arc::new(CudaPeerBuffer { map, offset: e.offset, len: e.len }))
+            }
+        }
+    }
+
+    /// The mapping of `handle`, opened once and shared while in use.
+    fn map_ipc(&self, handle: [u8; IPC_HANDLE_BYTES]) -> Result<Arc<Mapping>, GpuError> {
+        let mut maps = self.ipc_maps.lock().expect("ipc maps lock");
+        maps.retain(|_, m| m.strong_count() > 0);
+        if let Some(m) = maps.get(&handle).and_then(Weak::upgrade) {
+            return Ok(m);
+        }
+        self.ctx.bind_to_thread().map_err(dev_err)?;
+        let h = sys::CUipcMemHandle_st { reserved: handle.map(|b| b as std::ffi::c_char) };
+        let mut base: sys::CUdeviceptr = 0;
+        let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32;
+        // SAFETY: the driver validates the handle; `base` receives the
+        // mapping's address.
+        unsafe { sys::cuIpcOpenMemHandle_v2(&mut base, h, flags) }
+            .result()
+            .map_err(|e| GpuError::Peer(format!("cuIpcOpenMemHandle: {e}")))?;
+        // Closed on drop, also when the checks below fail.
+        let mut map = Mapping { ctx: self.ctx.clone(), base, size: 0 };
+        let (_, _, start, size) = self.pointer_attributes(base)?;
+        if start != base || size == 0 {
+            return Err(GpuError::Peer(format!("mapped peer allocation at {base:#x} reads as [{start:#x}, +{size})")));
+        }
+        map.size = size;
+        let map = Arc::new(map);
+        maps.insert(handle, Arc::downgrade(&map));
+        Ok(map)
+    }
+
+    /// Resolves a validated batch's sources to device addresses of this
+    /// device, keeping each alive for the batch.
+    pub(super) fn resolve_sources(&self, batch: &PeerCopyBatch) -> Result<Sources, GpuError> {
+        let mut s = Sources { addrs: Vec::new(), _keep: batch.sources.clone(), _pins: Vec::new() };
+        for src in &batch.sources {
+            let any = src.as_any();
+            if let Some(c) = any.downcast_ref::<CudaPeerBuffer>() {
+                s.addrs.push(c.device_ptr());
+            } else if let Some(p) = any.downcast_ref::<peer::ProcessPeerBuffer>() {
+                let (pin, addr, len) = p
+                    .table
+                    .pin(p.id)
+                    .ok_or_else(|| GpuError::Peer("the owner's buffer is no longer registered".into()))?;
+                if len != p.len {
+                    return Err(GpuError::Peer(format!("the owner's buffer is {len} bytes, exported as {}", p.len)));
+                }
+                // Same process: the owner's buffer must be device memory of
+                // this device (another backend's table says nothing of it).
+                let (memory_type, ordinal, _, _) = self.pointer_attributes(addr)?;
+                if memory_type != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32
+                    || ordinal < 0
+                    || ordinal as usize != self.ordinal
+                {
+                    return Err(GpuError::Unsupported(format!(
+                        "an in-process peer buffer that is not memory of device {}",
+                        self.ordinal
+                    )));
+                }
+                s.addrs.push(addr);
+                s._pins.push(pin);
+            } else {
+                return Err(GpuError::Unsupported("a peer buffer another backend opened".into()));
+            }
+        }
+        Ok(s)
+    }
+
+    /// Runs one peer batch to completion (on a worker thread): `src` and
+    /// `dst` hold the sources and destinations for its whole run.
+    pub(super) fn run_peer(&self, batch: &PeerCopyBatch, src: &Sources, dst: &BatchPin) -> Result<Vec<u32>, GpuError> {
+        let mut dst_addr = Vec::with_capacity(batch.ops.len());
+        for op in &batch.ops {
+            let (addr, len) = dst.get(op.dst).ok_or(GpuError::UnknownBuffer(op.dst))?;
+            checked_range(op.dst_offset, op.len, len)?;
+            dst_addr.push(addr + op.dst_offset);
+        }
+        // Per op: the checksum ranges holding it, with its offset in each.
+        let mut in_ranges: Vec<Vec<(u32, u64)>> = vec![Vec::new(); batch.ops.len()];
+        let mut ranges = Vec::with_capacity(batch.checksums.len());
+        for (r, span) in batch.checksums.iter().enumerate() {
+            let mut off = 0;
+            for i in span.clone() {
+                in_ranges[i].push((r as u32, off));
+                off += batch.ops[i].len;
+            }
+            ranges.push(ChecksumRange { extent: 0, offset: 0, len: off });
+        }
+        let pieces = |len: u64| len.div_ceil(PIECE_BYTES_MAX) as usize;
+        let dma_min = self.cfg.dma_min_bytes;
+        let copy_bound: usize = batch.ops.iter().filter(|o| o.len < dma_min).map(|o| pieces(o.len)).sum();
+        let crc_bound: usize = batch.ops.iter().zip(&in_ranges).map(|(o, r)| r.len() * pieces(o.len)).sum();
+        if copy_bound + crc_bound == 0 && batch.ops.iter().all(|o| o.len < dma_min) {
+            // Nothing to copy or checksum: every range is empty (CRC 0).
+            return Ok(vec![0; ranges.len()]);
+        }
+        self.ctx.bind_to_thread().map_err(dev_err)?;
+        let words = 3 * copy_bound + 3 * crc_bound + crc_bound.div_ceil(2) + 1;
+        let table = self.take_table(words)?;
+        let res = self.enqueue_peer(batch, src, &dst_addr, &in_ranges, &ranges, &table, copy_bound, crc_bound);
+        if res.is_err() {
+            // Do not reuse a table a failed batch might still touch.
+            let _ = self.ctx.synchronize();
+        }
+        self.put_table(table);
+        res
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn enqueue_peer(
+        &self,
+        batch: &PeerCopyBatch,
+        src: &Sources,
+        dst_addr: &[u64],
+        in_ranges: &[Vec<(u32, u64)>],
+        ranges: &[ChecksumRange],
+        table: &Table,
+        copy_bound: usize,
+        crc_bound: usize,
+    ) -> Result<Vec<u32>, GpuError> {
+        let (copy_at, crc_at, out_at) = (0, 3 * copy_bound, 3 * copy_bound + 3 * crc_bound);
+        let (mut n_copy, mut n_crc) = (0usize, 0usize);
+        let (mut copy_launched, mut crc_launched) = (0usize, 0usize);
+        let mut folds: Vec<(u32, u64, u64)> = Vec::with_capacity(crc_bound);
+        let mut chunk = 0u64;
+        let stream = &self.peer;
+        let per_sm = self.cfg.peer_blocks_per_sm;
+        // Launches the copies and checksums written since the last flush.
+        let flush = |n_copy: usize, n_crc: usize, copy_launched: &mut usize, crc_launched: &mut usize| {
+            if n_copy > *copy_launched {
+                let desc = table.device + 8 * (copy_at + 3 * *copy_launched) as u64;
+                self.launch_with(stream, &self.copy_kernel, desc, n_copy - *copy_launched, &[0, 0], per_sm)?;
+                *copy_launched = n_copy;
+            }
+            if n_crc > *crc_launched {
+                self.crc.wait(&stream.record_event(None).map_err(dev_err)?).map_err(dev_err)?;
+                let desc = table.device + 8 * (crc_at + 3 * *crc_launched) as u64;
+                let out = table.device + 8 * out_at as u64 + 4 * *crc_launched as u64;
+                self.launch(&self.crc, &self.crc_kernel, desc, n_crc - *crc_launched, &[out, self.crc_tables])?;
+                *crc_launched = n_crc;
+            }
+            Ok::<(), GpuError>(())
+        };
+        for (i, op) in batch.ops.iter().enumerate() {
+            let (from, to) = (src.addrs[op.src] + op.src_offset, dst_addr[i]);
+            if op.len >= self.cfg.dma_min_bytes {
+                // Earlier kernel pieces first: one stream keeps the order.
+                flush(n_copy, n_crc, &mut copy_launched, &mut crc_launched)?;
+                // SAFETY: the source lies in a mapped (or pinned) peer
+                // buffer, the destination in a pinned buffer of ours, both
+                // validated; they are different allocations.
+                unsafe { sys::cuMemcpyDtoDAsync_v2(to, from, op.len as usize, stream.cu_stream()) }
+                    .result()
+                    .map_err(dev_err)?;
+            } else {
+                let mut off = 0;
+                while off < op.len {
+                    let n = (op.len - off).min(PIECE_BYTES_MAX);
+                    // SAFETY: `n_copy < copy_bound`: the bound counts these pieces.
+                    unsafe { write3(table.host, copy_at + 3 * n_copy, [from + off, to + off, n]) };
+                    n_copy += 1;
+                    off += n;
+                }
+            }
+            for &(r, at) in &in_ranges[i] {
+                let mut off = 0;
+                while off < op.len {
+                    let n = (op.len - off).min(PIECE_BYTES_MAX);
+                    // SAFETY: `n_crc < crc_bound`, as above.
+                    unsafe { write3(table.host, crc_at + 3 * n_crc, [to + off, 0, n]) };
+                    folds.push((r, at + off, n));
+                    n_crc += 1;
+                    off += n;
+                }
+            }
+            chunk += op.len;
+            if chunk >= CHUNK_BYTES {
+                flush(n_copy, n_crc, &mut copy_launched, &mut crc_launched)?;
+                chunk = 0;
+            }
+        }
+        flush(n_copy, n_crc, &mut copy_launched, &mut crc_launched)?;
+        let copied = stream.record_event(None).map_err(dev_err)?;
+        let summed = self.crc.record_event(None).map_err(dev_err)?;
+        copied.synchronize().map_err(dev_err)?;
+        summed.synchronize().map_err(dev_err)?;
+        // SAFETY: the checksum kernels finished writing `n_crc` u32s at `out_at`.
+        let out = unsafe { std::slice::from_raw_parts(table.host.add(out_at).cast::<u32>(), n_crc) };
+        let mut folder = RangeFolder::new(ranges);
+        for (&(r, off, n), &raw) in folds.iter().zip(out) {
+            folder.add(r, off, n, raw);
+        }
+        folder.finish().ok_or_else(|| GpuError::Device("peer checksum pieces did not tile".into()))
+    }
+}
+
+/// Raw peer copy timing for `kvferry bench ipc`: `cuMemcpyDtoDAsync` of
+/// every `(src offset, dst offset, bytes)` part from an opened peer buffer
+/// into a local buffer, back to back on one stream; best of `reps`, in
+/// seconds, by device events and by the caller's clock (enqueue to done).
+///
+/// # Errors
+/// [`GpuError::Unsupported`] for a buffer another backend opened, range and
+/// driver errors.
+pub fn time_raw_peer_copy(
+    gpu: &super::CudaGpu,
+    src: &Arc<dyn PeerBuffer>,
+    dst: DeviceBufferId,
+    parts: &[(u64, u64, u64)],
+    reps: usize,
+) -> Result<(f64, f64), GpuError> {
+    let i = &gpu.inner;
+    let s = src
+        .as_any()
+        .downcast_ref::<CudaPeerBuffer>()
+        .ok_or_else(|| GpuError::Unsupported("a peer buffer the cuda backend did not open".into()))?;
+    let d = i.buffers.get(dst).ok_or(GpuError::UnknownBuffer(dst))?;
+    for &(so, doff, n) in parts {
+        checked_range(so, n, s.len)?;
+        checked_range(doff, n, d.len)?;
+    }
+    i.ctx.bind_to_thread().map_err(dev_err)?;
+    let timing = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let start = i.ctx.new_event(timing).map_err(dev_err)?;
+    let end = i.ctx.new_event(timing).map_err(dev_err)?;
+    let (mut best_ev, mut best_wall) = (f64::MAX, f64::MAX);
+    for _ in 0..reps {
+        i.peer.synchronize().map_err(dev_err)?;
+        let t = std::time::Instant::now();
+        start.record(&i.peer).map_err(dev_err)?;
+        for &(so, doff, n) in parts {
+            // SAFETY: both ranges checked above; different allocations.
+            unsafe { sys::cuMemcpyDtoDAsync_v2(d.addr + doff, s.device_ptr() + so, n as usize, i.peer.cu_stream()) }
+                .result()
+                .map_err(dev_err)?;
+        }
+        end.record(&i.peer).map_err(dev_err)?;
+        end.synchronize().map_err(dev_err)?;
+        best_wall = best_wall.min(t.elapsed().as_secs_f64());
+        best_ev = best_ev.min(f64::from(start.elapsed_ms(&end).map_err(dev_err)?) / 1e3);
+    }
+    Ok((best_ev, best_wall))
+}
+
+/// The peer-copy checks `kvferry bench gpu` runs on a real device (C19's
+/// bad inputs): an in-process export copies and checksums like the host
+/// backend; a CUDA IPC handle does not open in the process that made it,
+/// and malformed or forged handles and an export that overruns its
+/// allocation are refused with [`GpuError::Peer`], nothing copied. Returns
+/// one line per check.
+///
+/// # Errors
+/// The first check that went the wrong way, as text.
+pub async fn peer_checks(gpu: &super::CudaGpu) -> Result<Vec<String>, String> {
+    use crate::gpu::Gpu;
+    let s = |e: GpuError| e.to_string();
+    let mut out = Vec::new();
+    let (a, b) = (gpu.alloc(1 << 20).map_err(s)?, gpu.alloc(1 << 20).map_err(s)?);
+    let data: Vec<u8> = (0..1u32 << 20).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+    gpu.write(a, 0, &data).map_err(s)?;
+    let e = gpu.export_buffer(a, PeerKind::Process).map_err(s)?;
+    let src = gpu.open_peer_buffer(&e).map_err(s)?;
+    let op = |so: u64, d: u64, len: u64| peer::PeerCopyOp { src: 0, src_offset: so, dst: b, dst_offset: d, len };
+    let ops = vec![op(0, 4096, 300_000), op(500_000, 0, 4096), op(600_000, 400_000, 3 << 16)];
+    let batch = PeerCopyBatch { sources: vec![src.clone()], ops: ops.clone(), checksums: vec![0..2, 2..3] };
+    let sums = gpu.submit_peer(batch).await.map_err(s)?;
+    let mut back = vec![0u8; 1 << 20];
+    gpu.read(b, 0, &mut back).map_err(s)?;
+    let mut want = Vec::new();
+    for r in [0..2usize, 2..3] {
+        want.push(ops[r].iter().fold(0, |c, o| {
+            let (so, d, n) = (o.src_offset as usize, o.dst_offset as usize, o.len as usize);
+            if back[d..d + n] != data[so..so + n] {
+                return u32::MAX;
+            }
+            crc32c::crc32c_append(c, &data[so..so + n])
+        }));
+    }
+    if sums != want || want.contains(&u32::MAX) {
+        return Err(format!("in-process peer batch: checksums {sums:?}, want {want:?} (or the bytes differ)"));
+    }
+    out.push("in-process export: 3 ops copied, 2 destination checksums and the bytes verified".to_string());
+    let ipc = gpu.export_buffer(a, PeerKind::CudaIpc).map_err(s)?;
+    let mut expect = |what: &str, e: &BufferExport| match gpu.open_peer_buffer(e) {
+        Err(err @ GpuError::Peer(_)) => {
+            out.push(format!("{what}: refused ({err})"));
+            Ok(())
+        }
+        Err(err) => Err(format!("{what}: refused for the wrong reason: {err}")),
+        Ok(_) => Err(format!("{what}: opened")),
+    };
+    expect("a CUDA IPC handle opened in the process that made it", &ipc)?;
+    expect("a 63-byte handle", &BufferExport { handle: vec![7; 63], ..ipc.clone() })?;
+    expect("a forged handle", &BufferExport { handle: vec![0x5a; IPC_HANDLE_BYTES], ..ipc.clone() })?;
+    let mut forged = e.clone();
+    forged.handle[4] ^= 1;
+    match gpu.open_peer_buffer(&forged) {
+        Err(GpuError::Peer(m)) => out.push(format!("a process token that was never issued: refused ({m})")),
+        other => return Err(format!("a process token that was never issued: {:?}", other.map(|_| ()))),
+    }
+    // A batch reading past its peer buffer copies nothing.
+    let before = back.clone();
+    let bad =
+        PeerCopyBatch { sources: vec![src], ops: vec![op(0, 0, 4096), op((1 << 20) - 8, 8192, 16)], checksums: vec![] };
+    match gpu.submit_peer(bad).await {
+        Err(GpuError::OutOfRange(m)) => out.push(format!("an op past the peer buffer: refused ({m})")),
+        other => return Err(format!("an op past the peer buffer: {other:?}")),
+    }
+    gpu.read(b, 0, &mut back).map_err(s)?;
+    if back != before {
+        return Err("a refused peer batch wrote to its destination".into());
+    }
+    gpu.unregister(a).map_err(s)?;
+    gpu.unregister(b).map_err(s)?;
+    Ok(out)
+}
