@@ -425,11 +425,12 @@ impl MetaServer for MetaServerService {
 pub struct MetaServerHandle {
     /// The bound gRPC address.
     pub local_addr: SocketAddr,
-    /// The store (read by the simulator's invariants and the exporter).
-    /// [`MetaStore`] is a handle that locks itself; the `Mutex` guards only
-    /// this copy of the handle (kept so the simulator's checker, which
-    /// locks it, builds unchanged) — lock it just to clone the handle out.
-    pub store: Arc<Mutex<MetaStore>>,
+    /// The store. [`MetaStore`] is a handle that locks itself; the `Mutex`
+    /// guards only this copy of the handle — lock it just to clone the
+    /// handle out. Not public: embedders read [`MetaServerHandle::stats`];
+    /// the simulator's checker reads it through
+    /// [`MetaServerHandle::store_for_testing`].
+    pub(crate) store: Arc<Mutex<MetaStore>>,
     /// Fault switches.
     pub hooks: Arc<MetaServerHooks>,
     /// Counters.
@@ -439,29 +440,58 @@ pub struct MetaServerHandle {
     sweep: tokio::task::JoinHandle<()>,
 }
 
+/// Why a MetaServer stopped serving other than by
+/// [`MetaServerHandle::shutdown`]'s request.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// The gRPC transport failed while serving (the source is the
+    /// transport's own error).
+    #[error("metaserver serving failed: {0}")]
+    Transport(#[source] Box<dyn std::error::Error + Send + Sync + 'static>),
+}
+
+fn serve_result(r: Result<Result<(), tonic::transport::Error>, tokio::task::JoinError>) -> Result<(), ServeError> {
+    match r {
+        Ok(Ok(())) | Err(_) => Ok(()),
+        Ok(Err(e)) => Err(ServeError::Transport(Box::new(e))),
+    }
+}
+
 impl MetaServerHandle {
     /// Stops serving (graceful: in-flight RPCs finish) and waits for it.
+    /// Shut the nodes using this MetaServer down first when the whole
+    /// cluster stops (their unregisters then still land).
     ///
     /// # Errors
-    /// The transport error that ended serving, if any.
-    pub async fn shutdown(self) -> Result<(), tonic::transport::Error> {
+    /// [`ServeError::Transport`]: the transport failed while serving.
+    pub async fn shutdown(self) -> Result<(), ServeError> {
         let _ = self.shutdown.send(true);
         self.sweep.abort();
-        match self.serve.await {
-            Ok(r) => r,
-            Err(_) => Ok(()),
-        }
+        serve_result(self.serve.await)
     }
 
     /// Waits until serving ends on its own (e.g. a transport error).
     ///
     /// # Errors
-    /// The transport error that ended serving.
-    pub async fn wait(&mut self) -> Result<(), tonic::transport::Error> {
-        match (&mut self.serve).await {
-            Ok(r) => r,
-            Err(_) => Ok(()),
-        }
+    /// [`ServeError::Transport`]: the transport error that ended serving.
+    pub async fn wait(&mut self) -> Result<(), ServeError> {
+        serve_result((&mut self.serve).await)
+    }
+
+    /// The index's statistics now (namespaces, hashes, owner entries,
+    /// nodes, …); `None` only if reading it failed twice (a panic inside
+    /// the store, counted in `metrics`).
+    pub fn stats(&self) -> Option<crate::metaserver::store::StoreStats> {
+        let store = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+        read_store(&store, &self.metrics, |st| st.stats())
+    }
+
+    /// The store itself: a test seam for the simulator's invariant checker,
+    /// which inspects the index directly. Not part of the supported API —
+    /// embedders use [`MetaServerHandle::stats`] and the gRPC surface.
+    #[doc(hidden)]
+    pub fn store_for_testing(&self) -> Arc<Mutex<MetaStore>> {
+        self.store.clone()
     }
 }
 
