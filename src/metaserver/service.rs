@@ -117,6 +117,10 @@ pub struct MetaServerMetrics {
     /// Times a fault left the store inconsistent and it was reset to empty
     /// (clients then re-heartbeat and backfill, as after a restart: C6).
     pub store_resets: AtomicU64,
+    /// Hashes an insert could not record because the index could not grow
+    /// (the allocator refused the memory); the insert answered `ok: false`
+    /// naming the count, and the server kept serving.
+    pub inserts_refused_no_memory: AtomicU64,
 }
 
 /// The tonic service. Cheap to clone.
@@ -373,8 +377,20 @@ impl MetaServer for MetaServerService {
         let namespace = std::mem::take(&mut r.namespace);
         let out = self.apply_write(namespace, hashes, &r.node, &r.node_id, MetaStore::insert).await?;
         self.metrics.inserted_hashes.fetch_add(out.inserted, Ordering::Relaxed);
+        let status = if out.refused_no_memory == 0 {
+            ResponseStatus { ok: true, message: String::new() }
+        } else {
+            self.metrics.inserts_refused_no_memory.fetch_add(out.refused_no_memory, Ordering::Relaxed);
+            ResponseStatus {
+                ok: false,
+                message: format!(
+                    "{} of the hashes were not recorded: the index could not grow (out of memory)",
+                    out.refused_no_memory
+                ),
+            }
+        };
         Ok(Response::new(InsertBlockHashesResponse {
-            status: Some(ResponseStatus { ok: true, message: String::new() }),
+            status: Some(status),
             inserted_count: out.inserted,
             reclaimable_hashes: out.reclaimable.into_iter().map(|h| h.0).collect(),
         }))
@@ -575,6 +591,17 @@ pub enum ConfigError {
         /// The bound (hashes).
         max: u64,
     },
+    /// The memory [`MetaServerConfig::capacity_hashes`] needs (one
+    /// namespace's index sized up front) cannot be allocated now.
+    #[error("capacity_hashes ({value}) needs about {bytes} bytes per namespace, which cannot be allocated: {reason}")]
+    CapacityUnavailable {
+        /// The capacity asked for (hashes).
+        value: u64,
+        /// Bytes one namespace's index of that capacity takes.
+        bytes: u64,
+        /// The allocator's refusal.
+        reason: String,
+    },
     /// [`MetaServerConfig::shards`] is 0 or exceeds
     /// [`limits::METASERVER_SHARDS_MAX`].
     #[error("shards ({value}) must be 1 to {max}")]
@@ -621,6 +648,11 @@ impl ConfigError {
             ConfigError::CapacityTooLarge { value, max } => {
                 format!("{} ({value}) must be at most {max}", name(ConfigField::CapacityHashes))
             }
+            ConfigError::CapacityUnavailable { value, bytes, reason } => format!(
+                "{} ({value}) needs about {bytes} bytes per namespace, which cannot be allocated ({reason}): give a \
+                 smaller capacity, or 0 to grow on demand",
+                name(ConfigField::CapacityHashes)
+            ),
             ConfigError::Shards { value, max } => format!("{} ({value}) must be 1 to {max}", name(ConfigField::Shards)),
             ConfigError::IoThreads { value, max } => {
                 format!("{} ({value}) must be at most {max}", name(ConfigField::IoThreads))
@@ -702,6 +734,12 @@ fn tls_server_builder(tls: Option<&crate::tls::TlsIdentity>) -> Result<tonic::tr
 /// [`StartError::IoThreads`] when the I/O threads cannot be started.
 pub async fn start(config: MetaServerConfig) -> Result<MetaServerHandle, StartError> {
     config.validate()?;
+    // The first insert of a namespace sizes its index for the capacity: if
+    // that memory cannot be had, refuse now rather than say ready and fail
+    // (or abort) on the first insert.
+    crate::metaserver::store::check_capacity(config.capacity_hashes, config.shards).map_err(|(bytes, reason)| {
+        ConfigError::CapacityUnavailable { value: config.capacity_hashes, bytes, reason }
+    })?;
     let mut builder = tls_server_builder(config.tls.as_ref())?;
     let bound = crate::rt::bind(config.addr).await.map_err(|source| StartError::Bind { addr: config.addr, source })?;
     let local_addr = bound.local_addr;
