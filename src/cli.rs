@@ -932,7 +932,7 @@ mod tests {
             panic!("parsed as another command")
         };
         let t = std::time::Instant::now();
-        let e = run_pd(args).await.expect_err("a taken port is an error");
+        let e = run_pd(*args).await.expect_err("a taken port is an error");
         assert!(e.starts_with("--http-addr: cannot bind"), "{e}");
         assert!(t.elapsed() < std::time::Duration::from_secs(2), "took {:?}", t.elapsed());
     }

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import kvferry
-from conftest import BT, paged, tokens
+from conftest import BT, LAYERS, SHAPE, paged, tokens
 
 
 def two_nodes(ms, **kw):

@@ -466,7 +466,10 @@ pub enum ServeError {
     Transport(#[source] Box<dyn std::error::Error + Send + Sync + 'static>),
 }
 
-fn serve_result(r: Result<Result<(), tonic::transport::Error>, tokio::task::JoinError>) -> Result<(), ServeError> {
+/// The serving task's end as the handle reports it; a task that was
+/// cancelled or panicked (the join error, of whichever runtime) counts as
+/// stopped.
+fn serve_result<J>(r: Result<Result<(), tonic::transport::Error>, J>) -> Result<(), ServeError> {
     match r {
         Ok(Ok(())) | Err(_) => Ok(()),
         Ok(Err(e)) => Err(ServeError::Transport(Box::new(e))),
