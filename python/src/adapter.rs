@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use kvferry::engine::layout::{DeviceBufferId, LayerLayout, SegmentBase};
 use kvferry::engine::{Engine, EngineError, FetchIntoReport, LoadReport, SaveReport};
-use kvferry::gpu::{Gpu, GpuError};
 use kvferry::gpu::host::HostGpu;
+use kvferry::gpu::{Gpu, GpuError};
 use kvferry::hash::{HashError, KvFamily};
 use kvferry::types::BlockHash;
 

@@ -646,7 +646,12 @@ impl Node {
     fn end_device_lease(&self, id: &str) -> PyResult<bool> {
         let (_, engine) = self.engine()?;
         let Ok(n) = u128::from_str_radix(id, 16) else {
-            return Err(Fail::new("ConfigError", "LeaseId", format!("{id:?} is not a device lease id (32 hex characters)")).into());
+            return Err(Fail::new(
+                "ConfigError",
+                "LeaseId",
+                format!("{id:?} is not a device lease id (32 hex characters)"),
+            )
+            .into());
         };
         Ok(id.len() == 32 && engine.end_device_lease(kvferry::engine::leases::DeviceLeaseId(n)))
     }

@@ -74,7 +74,9 @@ impl ClientConfig {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AddressError {
     /// A scheme other than `http://` (or `https://`, TLS).
-    #[error("{addr:?}: scheme {scheme:?}:// is not one the MetaServer speaks; use host:port or http://host:port (https:// with TLS)")]
+    #[error(
+        "{addr:?}: scheme {scheme:?}:// is not one the MetaServer speaks; use host:port or http://host:port (https:// with TLS)"
+    )]
     Scheme {
         /// The address given.
         addr: String,
@@ -760,11 +762,10 @@ mod tests {
     fn good_metaserver_addresses_parse() {
         let p = |a| parse_metaserver_address(a).unwrap();
         assert_eq!(p("127.0.0.1:5"), MetaServerAddress { scheme: None, host: "127.0.0.1", port: 5 });
-        assert_eq!(p("http://meta-0.cluster:50051/"), MetaServerAddress {
-            scheme: Some("http"),
-            host: "meta-0.cluster",
-            port: 50051
-        });
+        assert_eq!(
+            p("http://meta-0.cluster:50051/"),
+            MetaServerAddress { scheme: Some("http"), host: "meta-0.cluster", port: 50051 }
+        );
         assert_eq!(p("https://[::1]:443"), MetaServerAddress { scheme: Some("https"), host: "::1", port: 443 });
         assert_eq!(p("localhost:65535").port, 65535);
     }

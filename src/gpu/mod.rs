@@ -456,9 +456,9 @@ pub fn group_ranges(
 ) -> Result<Vec<RangeGroup>, GpuError> {
     let mut order: Vec<(u64, u64, usize)> = Vec::with_capacity(ranges.len());
     for (i, &(addr, len)) in ranges.iter().enumerate() {
-        let end = addr
-            .checked_add(len)
-            .ok_or_else(|| GpuError::OutOfRange(format!("range {i} [{addr:#x}, +{len}) overflows the address space")))?;
+        let end = addr.checked_add(len).ok_or_else(|| {
+            GpuError::OutOfRange(format!("range {i} [{addr:#x}, +{len}) overflows the address space"))
+        })?;
         order.push((addr, end, i));
     }
     order.sort_unstable();
@@ -707,7 +707,9 @@ pub async fn conformance(gpu: &dyn Gpu, dev: DeviceBufferId) -> Result<(), Strin
 
 #[cfg(test)]
 mod tests {
-    use super::{CONFORMANCE_BUFFER_BYTES, Gpu, GpuError, RangeGroup, group_by_allocation, group_ranges, host::HostGpu};
+    use super::{
+        CONFORMANCE_BUFFER_BYTES, Gpu, GpuError, RangeGroup, group_by_allocation, group_ranges, host::HostGpu,
+    };
 
     /// A made-up allocator: allocations `[start, start + len)`.
     fn allocator(allocs: &[(u64, u64)]) -> impl FnMut(u64) -> Result<Option<(u64, u64)>, GpuError> + '_ {

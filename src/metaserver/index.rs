@@ -230,7 +230,6 @@ impl SlotIndex {
     pub(super) fn slots(&self) -> impl Iterator<Item = u32> + '_ {
         self.entries().map(|(_, s)| s)
     }
-
 }
 
 /// A table of `buckets` free buckets. On Linux, a table of at least

@@ -740,9 +740,8 @@ pub async fn start(config: MetaServerConfig) -> Result<MetaServerHandle, StartEr
     // The first insert of a namespace sizes its index for the capacity: if
     // that memory cannot be had, refuse now rather than say ready and fail
     // (or abort) on the first insert.
-    crate::metaserver::store::check_capacity(config.capacity_hashes, config.shards).map_err(|(bytes, reason)| {
-        ConfigError::CapacityUnavailable { value: config.capacity_hashes, bytes, reason }
-    })?;
+    crate::metaserver::store::check_capacity(config.capacity_hashes, config.shards)
+        .map_err(|(bytes, reason)| ConfigError::CapacityUnavailable { value: config.capacity_hashes, bytes, reason })?;
     let mut builder = tls_server_builder(config.tls.as_ref())?;
     let bound = crate::rt::bind(config.addr).await.map_err(|source| StartError::Bind { addr: config.addr, source })?;
     let local_addr = bound.local_addr;
