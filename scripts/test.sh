@@ -10,7 +10,8 @@
 #   1. cargo test (real tokio): unit tests (incl. seeded fuzz-body replays and
 #      fuzz/regressions/), integration tests on loopback, properties, the
 #      main job on a small trace window.
-#      Then the embedding example (examples/embed_pd.rs).
+#      Then the embedding examples (examples/embed_pd.rs, and
+#      examples/embed_readme.rs: the README's snippet, whole).
 #   1b. feature builds: `cuda` (no CUDA needed to build), the library
 #      without default features (an embedder's build), `rdma` (its
 #      device-free tests; scripts/hw-rdma.sh runs the device tests).
@@ -36,6 +37,7 @@ step "tier 1: cargo test (real tokio)"
 cargo test --all-targets
 # The embedding example (built above): two engines, each owning its KV memory.
 cargo run --quiet --example embed_pd
+cargo run --quiet --example embed_readme
 
 step "tier 1b: feature builds (cuda needs no CUDA to build; rdma's device-free tests)"
 cargo build --features cuda

@@ -361,7 +361,7 @@ impl Cluster {
                         let origin = Instant::now();
                         let h = metaserver::start(cfg).await.expect("metaserver start");
                         *slot.lock().expect("ms slot") =
-                            Some(MsSlot { store: h.store.clone(), hooks: h.hooks.clone(), origin, incarnation });
+                            Some(MsSlot { store: h.store_for_testing(), hooks: h.hooks.clone(), origin, incarnation });
                         std::future::pending::<()>().await;
                         drop(h);
                     }

@@ -80,7 +80,27 @@ where
 /// # Errors
 /// The bind error as text.
 pub fn serve(addr: SocketAddr, collect: Collect) -> Result<SocketAddr, String> {
-    let server = tiny_http::Server::http(addr).map_err(|e| format!("cannot bind HTTP address {addr}: {e}"))?;
+    let listener = bind(addr)?;
+    serve_on(listener, collect)
+}
+
+/// Binds the HTTP listener for [`serve_on`] (the CLI binds every listen
+/// address it was given before any slow start-up work, so a taken port
+/// fails at once).
+///
+/// # Errors
+/// The bind error as text, naming the address.
+pub fn bind(addr: SocketAddr) -> Result<std::net::TcpListener, String> {
+    std::net::TcpListener::bind(addr).map_err(|e| format!("cannot bind HTTP address {addr}: {e}"))
+}
+
+/// [`serve`] on a listener bound already ([`bind`]).
+///
+/// # Errors
+/// The listener's error as text.
+pub fn serve_on(listener: std::net::TcpListener, collect: Collect) -> Result<SocketAddr, String> {
+    let addr = listener.local_addr().map_err(|e| format!("HTTP listener: {e}"))?;
+    let server = tiny_http::Server::from_listener(listener, None).map_err(|e| format!("HTTP address {addr}: {e}"))?;
     let local = server.server_addr().to_ip().unwrap_or(addr);
     std::thread::Builder::new()
         .name("kvferry-http".into())
@@ -132,6 +152,11 @@ pub fn metaserver_samples(h: &crate::metaserver::MetaServerHandle) -> Collect {
             c("metaserver_store_panics", "Store operations that panicked (request answered INTERNAL)", &m.store_panics),
             c("metaserver_poison_recoveries", "Poisoned store locks recovered", &m.poison_recoveries),
             c("metaserver_store_resets", "Stores reset to empty after a fault left them inconsistent", &m.store_resets),
+            c(
+                "metaserver_inserts_refused_no_memory",
+                "Hashes an insert could not record: the index could not grow",
+                &m.inserts_refused_no_memory,
+            ),
             Sample { name: "metaserver_nodes", help: "Node records", counter: false, labels: l(), value: st.nodes },
             Sample {
                 name: "metaserver_hashes",

@@ -432,7 +432,7 @@ async fn handoff_barrier_sees_33_of_33_registered() {
         // Right after it returns, the MetaServer answers 33 of 33 — over gRPC
         // and in its store.
         assert_eq!(ms_prefix(e, NS, &hs).await, vec![(n.node.clone(), 33)]);
-        let entries = ms.store.lock().unwrap().visible_entries(0);
+        let entries = ms.store_for_testing().lock().unwrap().visible_entries(0);
         let mine = entries.iter().filter(|(ns, h, node)| ns == NS && hs.contains(h) && *node == n.node).count();
         assert_eq!(mine, 33);
         assert!(e.client().counters().identity_holds());

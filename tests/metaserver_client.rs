@@ -63,12 +63,12 @@ impl Server {
 
     fn owners(&self, ns: &str, h: &BlockHash) -> Vec<NodeAddr> {
         let now = self.now_ms();
-        self.handle.store.lock().unwrap().owners(ns, h, now)
+        self.handle.store_for_testing().lock().unwrap().owners(ns, h, now)
     }
 
     fn visible(&self) -> BTreeSet<(String, BlockHash, NodeAddr)> {
         let now = self.now_ms();
-        self.handle.store.lock().unwrap().visible_entries(now)
+        self.handle.store_for_testing().lock().unwrap().visible_entries(now)
     }
 }
 
@@ -688,7 +688,8 @@ async fn wire_round_trip_two_clients_prefix_order() {
     registered(&a).await;
     registered(&b).await;
     {
-        let st = srv.handle.store.lock().unwrap();
+        let store = srv.handle.store_for_testing();
+        let st = store.lock().unwrap();
         assert_eq!(st.node_session(&na).map(|x| x.0), Some(a.session().clone()));
         assert_eq!(st.node_session(&nb).map(|x| x.0), Some(b.session().clone()));
     }
@@ -714,7 +715,7 @@ async fn wire_round_trip_two_clients_prefix_order() {
 
     // Unregister (shutdown): A's record and ownerships are gone.
     a.shutdown(d).await;
-    assert_eq!(srv.handle.store.lock().unwrap().node_session(&na), None);
+    assert_eq!(srv.handle.store_for_testing().lock().unwrap().node_session(&na), None);
     assert_eq!(b.query_prefix(NS, &q, d).await.unwrap(), vec![(nb.clone(), 3)]);
     assert_eq!(srv.owners(NS, &h(4)), vec![]);
     b.shutdown(d).await;
@@ -752,7 +753,7 @@ async fn bad_input_malformed_node_id_is_invalid_argument() {
     // A malformed node address too.
     let req = proto::HeartbeatNodeRequest { node: "no-port".into(), node_id: "s1".into() };
     assert_eq!(code(g.heartbeat_node(req).await), Code::InvalidArgument);
-    assert!(srv.handle.store.lock().unwrap().node_session(&n).is_none());
+    assert!(srv.handle.store_for_testing().lock().unwrap().node_session(&n).is_none());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -800,7 +801,7 @@ async fn bad_input_too_many_hashes_is_invalid_argument_and_writes_nothing() {
     let max = limits::HASHES_PER_REQUEST_MAX as u64;
     let too_many = hs(0..max + 1);
     assert_eq!(code(g.insert_block_hashes(insert_req(&n, &s, &too_many)).await), Code::InvalidArgument);
-    assert_eq!(srv.handle.store.lock().unwrap().stats().hashes, 0, "nothing written");
+    assert_eq!(srv.handle.store_for_testing().lock().unwrap().stats().hashes, 0, "nothing written");
     let req = proto::QueryPrefixBlocksRequest {
         namespace: NS.into(),
         block_hashes: too_many.iter().map(|x| x.0.clone()).collect(),
@@ -810,12 +811,12 @@ async fn bad_input_too_many_hashes_is_invalid_argument_and_writes_nothing() {
     let mut mixed: Vec<BlockHash> = hs(0..10);
     mixed.push(BlockHash::new(vec![0u8; limits::BLOCK_HASH_BYTES_MAX + 1]));
     assert_eq!(code(g.insert_block_hashes(insert_req(&n, &s, &mixed)).await), Code::InvalidArgument);
-    assert_eq!(srv.handle.store.lock().unwrap().stats().hashes, 0, "nothing written");
+    assert_eq!(srv.handle.store_for_testing().lock().unwrap().stats().hashes, 0, "nothing written");
     // Exactly at the limit is accepted.
     let r = g.insert_block_hashes(insert_req(&n, &s, &too_many[..max as usize])).await.unwrap().into_inner();
     assert_eq!(r.inserted_count, max);
     assert_eq!(code(g.remove_block_hashes(remove_req(&n, &s, &too_many)).await), Code::InvalidArgument);
-    assert_eq!(srv.handle.store.lock().unwrap().stats().hashes, max, "remove over the limit removed nothing");
+    assert_eq!(srv.handle.store_for_testing().lock().unwrap().stats().hashes, max, "remove over the limit removed nothing");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -851,7 +852,7 @@ async fn bad_input_second_live_session_is_failed_precondition() {
     assert!(refused.message().contains("live session"), "{}", refused.message());
     let r = g.heartbeat_node(heartbeat_req(&n, &s1)).await.unwrap().into_inner();
     assert!(!r.new_session, "a refresh is not a new session");
-    assert_eq!(srv.handle.store.lock().unwrap().node_session(&n).map(|x| x.0), Some(s1));
+    assert_eq!(srv.handle.store_for_testing().lock().unwrap().node_session(&n).map(|x| x.0), Some(s1));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -871,7 +872,7 @@ async fn bad_input_late_unregister_of_old_session_is_a_noop() {
         .unwrap()
         .into_inner();
     assert_eq!(r.removed_owners, 0);
-    assert_eq!(srv.handle.store.lock().unwrap().node_session(&n).map(|x| x.0), Some(new.clone()));
+    assert_eq!(srv.handle.store_for_testing().lock().unwrap().node_session(&n).map(|x| x.0), Some(new.clone()));
     g.heartbeat_node(heartbeat_req(&n, &new)).await.unwrap(); // stay fresh for the checks below
     for x in hs(3..8) {
         assert_eq!(srv.owners(NS, &x), vec![n.clone()]);
@@ -1051,7 +1052,7 @@ async fn wire_status_table_every_metaserver_rpc() {
     );
     expect_code("heartbeat: other session after stale", g.heartbeat_node(heartbeat_req(&n, &s2)).await, Code::Ok);
     expect_code("unregister: own session", g.unregister_node(unreg(&n, &s2)).await, Code::Ok);
-    assert_eq!(srv.handle.store.lock().unwrap().node_session(&n), None, "unregistered");
+    assert_eq!(srv.handle.store_for_testing().lock().unwrap().node_session(&n), None, "unregistered");
 }
 
 // ---------------------------------------------------------------- client vs a refused heartbeat
@@ -1108,7 +1109,7 @@ async fn client_refused_heartbeat_backs_off_then_takes_over_and_backfills() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(c.is_registered());
-    assert_eq!(srv.handle.store.lock().unwrap().node_session(&me).map(|x| x.0), Some(c.session().clone()));
+    assert_eq!(srv.handle.store_for_testing().lock().unwrap().node_session(&me).map(|x| x.0), Some(c.session().clone()));
     c.shutdown(Duration::from_millis(300)).await;
 }
 
@@ -1135,7 +1136,7 @@ async fn fault_panic_in_a_request_answers_internal_and_service_keeps_serving() {
     let q = proto::QueryPrefixBlocksRequest { namespace: NS.into(), block_hashes: vec![h(0).0] };
     assert_eq!(code(g.query_prefix_blocks(q.clone()).await), Code::Internal);
     assert_eq!(m.store_panics.load(Ordering::Relaxed), 3);
-    assert!(!srv.handle.store.is_poisoned());
+    assert!(!srv.handle.store_for_testing().is_poisoned());
     assert_eq!(m.store_resets.load(Ordering::Relaxed), 0, "a consistent store is kept");
     // Still serving, data intact.
     g.heartbeat_node(heartbeat_req(&n, &s)).await.unwrap();
@@ -1158,17 +1159,17 @@ async fn fault_poisoned_handle_mutex_does_not_stop_serving() {
     let (n, s) = (node(1), session("s"));
     g.heartbeat_node(heartbeat_req(&n, &s)).await.unwrap();
     g.insert_block_hashes(insert_req(&n, &s, &hs(0..4))).await.unwrap();
-    let store = srv.handle.store.clone();
+    let store = srv.handle.store_for_testing();
     let _ = std::thread::spawn(move || {
         let _guard = store.lock().unwrap();
         panic!("injected: a holder of the store lock panics");
     })
     .join();
-    assert!(srv.handle.store.is_poisoned());
+    assert!(srv.handle.store_for_testing().is_poisoned());
     g.insert_block_hashes(insert_req(&n, &s, &hs(4..6))).await.unwrap();
     assert_eq!(srv.handle.metrics.poison_recoveries.load(Ordering::Relaxed), 0);
     assert_eq!(srv.handle.metrics.store_resets.load(Ordering::Relaxed), 0);
-    let index = srv.handle.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+    let index = srv.handle.store_for_testing().lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
     assert_eq!(index.visible_entries(0).len(), 6);
 }
 

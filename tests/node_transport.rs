@@ -84,7 +84,7 @@ async fn verbs_without_the_device_fails_start_up_and_leaves_nothing_behind() {
         // No heartbeat loop outlived the failed start: the address has no
         // record at the MetaServer, or (a first heartbeat that raced the
         // unregister) one that no heartbeat refreshes.
-        let session = || ms.store.lock().unwrap().node_session(&addr);
+        let session = || ms.store_for_testing().lock().unwrap().node_session(&addr);
         tokio::time::sleep(Duration::from_millis(1200)).await;
         let before = session();
         tokio::time::sleep(Duration::from_millis(1200)).await;

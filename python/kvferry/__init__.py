@@ -37,6 +37,7 @@ child).
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -79,6 +80,51 @@ __version__ = "0.1.0"
 
 BlockHashes = Sequence[bytes]
 
+_U32_MAX = (1 << 32) - 1
+_U64_MAX = (1 << 64) - 1
+# The smallest pool a node starts with: one page. Real KV blocks are larger;
+# a pool smaller than the cache's blocks is refused by register_kv_cache.
+_POOL_BYTES_MIN = 4096
+
+
+def _int_arg(value: Any, name: str, lo: int, hi: int, cls: type = ConfigError) -> int:
+    """``value`` as an int in ``[lo, hi]``, else ``cls`` naming ``name``
+    (instead of Python's ``OverflowError`` from the native layer)."""
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise ConfigError(f"{name} must be an integer, got {type(value).__name__} {value!r}", "Type") from None
+    if not lo <= v <= hi:
+        raise cls(f"{name} = {v} is out of range: it must be in [{lo}, {hi}]", "Range")
+    return v
+
+
+def _block_ids(block_ids: Sequence[int], *, distinct: bool = False) -> List[int]:
+    """Block indices as ints in u64 range, each named ``block_ids[i]`` in the
+    error; ``distinct``: a destination named twice is refused (it would
+    receive only the last of its blocks)."""
+    out = [_int_arg(b, f"block_ids[{i}]", 0, _U64_MAX, BlockIndexError) for i, b in enumerate(block_ids)]
+    if distinct and len(set(out)) != len(out):
+        seen: Dict[int, int] = {}
+        for i, b in enumerate(out):
+            if b in seen:
+                raise ConfigError(
+                    f"block_ids[{seen[b]}] and block_ids[{i}] both name destination block {b}: each destination "
+                    "block can receive one block, pass distinct block ids",
+                    "DuplicateBlock",
+                )
+            seen[b] = i
+    return out
+
+
+def _check_metaserver(addr: str) -> str:
+    """A ``host:port`` MetaServer address, else ``ConfigError`` naming
+    ``metaserver`` (the node would otherwise start and only fail later)."""
+    if not isinstance(addr, str):
+        raise ConfigError(f"metaserver must be a host:port string or a MetaServer, got {type(addr).__name__}", "Type")
+    _native.check_metaserver_address(addr)
+    return addr
+
 
 def block_hashes(namespace: str, tokens: Sequence[int], block_tokens: int) -> List[bytes]:
     """Chained hashes of the *full* blocks of ``tokens``.
@@ -97,19 +143,54 @@ def block_hashes(namespace: str, tokens: Sequence[int], block_tokens: int) -> Li
     Returns:
         ``len(tokens) // block_tokens`` hashes of 32 bytes.
     """
-    return _native.block_hashes(namespace, [int(t) for t in tokens], int(block_tokens))
+    bt = _int_arg(block_tokens, "block_tokens", 1, _U32_MAX)
+    try:
+        return _native.block_hashes(namespace, [operator.index(t) for t in tokens], bt)
+    except (OverflowError, TypeError):
+        # Find the token the native layer could not take, and name it.
+        for i, t in enumerate(tokens):
+            _int_arg(t, f"tokens[{i}]", 0, _U32_MAX)
+        raise
 
 
 def namespace(
-    model: str, dtype: str, block_tokens: int, tp_rank: int = 0, tp_size: int = 1, layers: int = 0
+    model: str,
+    dtype: str,
+    block_tokens: int,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    layers: Optional[int] = None,
 ) -> str:
     """The namespace naming one KV layout family.
 
     Blocks are only exchanged between nodes that use the same namespace, so
     it must change whenever the bytes of a block would: model, dtype, tokens
     per block, tensor-parallel rank and size, number of layers.
+
+    Args:
+        layers: the model's number of layers (required: the namespace names
+            it, and :meth:`Node.register_kv_cache` checks that one K (and V)
+            tensor per layer is given).
+
+    Raises:
+        ConfigError: ``layers`` missing, or an argument out of range (each
+            integer is in ``[0, 2**32)``; block_tokens, tp_size and layers at
+            least 1; tp_rank below tp_size).
     """
-    return _native.namespace(model, dtype, int(block_tokens), int(tp_rank), int(tp_size), int(layers))
+    if layers is None:
+        raise ConfigError(
+            "namespace() needs layers=N, the model's number of layers (part of the namespace, checked against the "
+            "tensors given to register_kv_cache)",
+            "Layers",
+        )
+    return _native.namespace(
+        model,
+        dtype,
+        _int_arg(block_tokens, "block_tokens", 1, _U32_MAX),
+        _int_arg(tp_rank, "tp_rank", 0, _U32_MAX),
+        _int_arg(tp_size, "tp_size", 1, _U32_MAX),
+        _int_arg(layers, "layers", 1, _U32_MAX),
+    )
 
 
 def cuda_built() -> bool:
@@ -226,6 +307,10 @@ class KvCacheInfo:
         block_stride: bytes between consecutive blocks in the tensors.
         dtype: element type.
         block_shape: shape of one block (e.g. ``(block_tokens, kv_heads, head_dim)``).
+        buffers: how many buffers the tensors were registered as: one per
+            group of tensors in one allocation (tensors that overlap, or
+            touch inside one allocation the backend can see); separate
+            allocations, even back to back, are separate buffers.
     """
 
     namespace: str
@@ -243,6 +328,7 @@ class KvCacheInfo:
         return self.layers * segments * self.bytes_per_block
 
     _has_v: bool = True
+    buffers: int = 0
 
 
 class MetaServer:
@@ -270,7 +356,12 @@ class MetaServer:
         ttl_s: int = 120,
         sweep_interval_s: int = 10,
     ) -> None:
-        self._ms = _native.MetaServer(addr, int(stale_after_s), int(ttl_s), int(sweep_interval_s))
+        self._ms = _native.MetaServer(
+            addr,
+            _int_arg(stale_after_s, "stale_after_s", 0, _U64_MAX),
+            _int_arg(ttl_s, "ttl_s", 0, _U64_MAX),
+            _int_arg(sweep_interval_s, "sweep_interval_s", 0, _U64_MAX),
+        )
 
     @property
     def address(self) -> str:
@@ -348,18 +439,19 @@ class Node:
             metaserver = metaserver.address
         if gpu not in ("host", "cuda"):
             raise ConfigError(f'unknown gpu backend {gpu!r}: use "host" or "cuda"', "Gpu")
-        self._device = int(device)
+        self._device = _int_arg(device, "device", 0, (1 << 31) - 1)
         self._fetch_timeout = float(fetch_timeout)
         self._rpc_timeout = float(rpc_timeout)
+        self._pool_bytes = _int_arg(pool_bytes, "pool_bytes", _POOL_BYTES_MIN, _U64_MAX)
         self._node = _native.Node(
-            str(metaserver),
-            int(pool_bytes),
+            _check_metaserver(metaserver),
+            self._pool_bytes,
             gpu,
             self._device,
             transport,
             host,
-            int(grpc_port),
-            int(data_port),
+            _int_arg(grpc_port, "grpc_port", 0, 65535),
+            _int_arg(data_port, "data_port", 0, 65535),
             self._fetch_timeout,
             self._rpc_timeout,
         )
@@ -488,23 +580,32 @@ class Node:
                 "or register the same tensors",
                 "EngineError::LayoutExists",
             )
-        # Tensors whose memory overlaps or touches (K and V views of one
-        # allocation) share one registered buffer; each segment is then an
-        # offset into it.
-        spans = sorted(((info.addr, info.addr + span, j) for j, (info, _) in enumerate(infos)))
-        groups: List[List[int]] = []  # [start, end, members...]
-        for start, end, j in spans:
-            if groups and start <= groups[-1][1]:
-                groups[-1][1] = max(groups[-1][1], end)
-                groups[-1].append(j)
-            else:
-                groups.append([start, end, j])
+        # A pool that cannot hold one block of this cache would report
+        # "no space" for every save: refuse it now.
+        block_bytes = len(ks) * (2 if vs is not None else 1) * bytes_per_block
+        gauges = self._node.metrics()
+        pool_capacity = int(gauges["pool_used_bytes"]) + int(gauges["pool_free_bytes"])
+        if block_bytes > pool_capacity:
+            raise ConfigError(
+                f"one block of this KV cache takes {block_bytes} bytes of pool ({len(ks)} layers x "
+                f"{2 if vs is not None else 1} segments x {bytes_per_block} bytes) but this node's pool_bytes "
+                f"holds {pool_capacity}: start the node with a pool_bytes of many blocks",
+                "PoolTooSmall",
+            )
+        # One registered buffer per group of tensors that lie in one
+        # allocation: tensors whose memory overlaps (K and V strided views of
+        # one tensor) always share one; tensors that only touch share one when
+        # the backend places both in the same allocation (K and V halves of one
+        # [2, num_blocks, ...] tensor on CUDA). Separate allocations an
+        # allocator placed back to back (per-layer torch tensors) stay
+        # separate buffers: CUDA refuses a buffer spanning two allocations.
+        # Each segment is an offset into its group's buffer.
+        groups = self._node.group_buffers([(info.addr, span) for info, _ in infos])
         seg: Dict[int, Tuple[int, int]] = {}
         registered: List[Tuple[int, Any]] = []
         try:
-            for g in groups:
-                start, end, members = g[0], g[1], g[2:]
-                bid = self._node.register_buffer(start, end - start)
+            for start, length, members in groups:
+                bid = self._node.register_buffer(start, length)
                 registered.append((bid, [infos[j][1] for j in members]))
                 for j in members:
                     seg[j] = (bid, infos[j][0].addr - start)
@@ -531,6 +632,7 @@ class Node:
             dtype=first.dtype,
             block_shape=first.shape[1:],
             _has_v=vs is not None,
+            buffers=len(registered),
         )
         self._caches[namespace] = (cache, registered)
         self._spans[namespace] = [(info.addr, span) for info, _ in infos]
@@ -583,7 +685,7 @@ class Node:
         Raises:
             UnknownNamespaceError, BlockIndexError, GpuError, DeadlineError.
         """
-        r = self._node.save(namespace, [bytes(h) for h in hashes], [int(i) for i in block_ids], float(timeout))
+        r = self._node.save(namespace, [bytes(h) for h in hashes], _block_ids(block_ids), float(timeout))
         return SaveReport(**r)
 
     def flush_saves_and_registrations(self, timeout: float = 5.0) -> FlushReport:
@@ -639,7 +741,7 @@ class Node:
         Raises:
             UnknownNamespaceError, BlockIndexError, DeadlineError.
         """
-        r = self._node.load(namespace, [bytes(h) for h in hashes], [int(i) for i in block_ids], float(timeout))
+        r = self._node.load(namespace, [bytes(h) for h in hashes], _block_ids(block_ids, distinct=True), float(timeout))
         return LoadReport(int(r["loaded"]), [tuple(f) for f in r["failed"]])
 
     def fetch_into(
@@ -648,7 +750,8 @@ class Node:
         """:meth:`fetch`, then :meth:`load` of the ``available`` prefix into
         ``block_ids[:available]``. Returns both reports."""
         t = self._fetch_timeout if timeout is None else float(timeout)
-        f, lrep = self._node.fetch_into(namespace, [bytes(h) for h in hashes], [int(i) for i in block_ids], t)
+        ids = _block_ids(block_ids, distinct=True)
+        f, lrep = self._node.fetch_into(namespace, [bytes(h) for h in hashes], ids, t)
         return FetchReport(**f), LoadReport(int(lrep["loaded"]), [tuple(x) for x in lrep["failed"]])
 
     # -- device leases (same-host device-direct handoff) ----------------
@@ -674,7 +777,7 @@ class Node:
             GpuError: the backend cannot share device memory.
         """
         return str(
-            self._node.grant_device_lease(namespace, [bytes(h) for h in hashes], [int(i) for i in block_ids], float(ttl))
+            self._node.grant_device_lease(namespace, [bytes(h) for h in hashes], _block_ids(block_ids), float(ttl))
         )
 
     def end_device_lease(self, lease_id: str) -> bool:

@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use kvferry::engine::layout::{DeviceBufferId, LayerLayout, SegmentBase};
 use kvferry::engine::{Engine, EngineError, FetchIntoReport, LoadReport, SaveReport};
-use kvferry::gpu::Gpu;
 use kvferry::gpu::host::HostGpu;
+use kvferry::gpu::{Gpu, GpuError};
 use kvferry::hash::{HashError, KvFamily};
 use kvferry::types::BlockHash;
 
@@ -49,6 +49,14 @@ impl Backend {
 pub unsafe fn register_buffer(engine: &Engine, addr: u64, len: u64) -> Result<DeviceBufferId, EngineError> {
     // SAFETY: forwarded contract.
     unsafe { engine.register_buffer(addr, len) }
+}
+
+/// The buffers to register for caller ranges `(addr, len)`: `(start, len,
+/// members)` per buffer, members indexing `ranges`. Touching ranges share a
+/// buffer only inside one allocation (`kvferry::gpu::group_by_allocation`).
+pub fn group_buffers(engine: &Engine, ranges: &[(u64, u64)]) -> Result<Vec<(u64, u64, Vec<usize>)>, GpuError> {
+    let groups = kvferry::gpu::group_by_allocation(engine.gpu().as_ref(), ranges)?;
+    Ok(groups.into_iter().map(|g| (g.start, g.len, g.members)).collect())
 }
 
 /// Forgets a registered buffer (refused while a layout names it).

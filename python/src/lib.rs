@@ -313,7 +313,7 @@ impl MetaServer {
         let d = PyDict::new(py);
         let guard = self.state.lock().expect("state lock");
         let Some((_, h)) = guard.as_ref() else { return Err(closed().into()) };
-        let s = h.store.lock().expect("store lock").stats();
+        let s = h.stats().unwrap_or_default();
         d.set_item("store", format!("{s:?}"))?;
         d.set_item("metrics", format!("{:?}", h.metrics))?;
         Ok(d)
@@ -441,6 +441,18 @@ impl Node {
             let mut f = engine_fail(e);
             f.class = "BufferError";
             f.msg = format!("cannot register [{addr:#x}, +{nbytes}): {}", f.msg);
+            f.into()
+        })
+    }
+
+    /// The buffers to register for caller ranges `[(addr, nbytes)]`:
+    /// `[(start, nbytes, [member index])]` in address order; touching
+    /// ranges share one only inside one allocation.
+    fn group_buffers(&self, ranges: Vec<(u64, u64)>) -> PyResult<Vec<(u64, u64, Vec<usize>)>> {
+        let (_, engine) = self.engine()?;
+        adapter::group_buffers(&engine, &ranges).map_err(|e| {
+            let mut f = gpu_fail(e);
+            f.class = "BufferError";
             f.into()
         })
     }
@@ -634,7 +646,12 @@ impl Node {
     fn end_device_lease(&self, id: &str) -> PyResult<bool> {
         let (_, engine) = self.engine()?;
         let Ok(n) = u128::from_str_radix(id, 16) else {
-            return Err(Fail::new("ConfigError", "LeaseId", format!("{id:?} is not a device lease id (32 hex characters)")).into());
+            return Err(Fail::new(
+                "ConfigError",
+                "LeaseId",
+                format!("{id:?} is not a device lease id (32 hex characters)"),
+            )
+            .into());
         };
         Ok(id.len() == 32 && engine.end_device_lease(kvferry::engine::leases::DeviceLeaseId(n)))
     }
@@ -771,6 +788,24 @@ fn namespace(model: &str, dtype: &str, block_tokens: u32, tp_rank: u32, tp_size:
         .map_err(|e| Fail::new("ConfigError", variant("HashError", &format!("{e:?}")), e.to_string()).into())
 }
 
+/// Checks a node's MetaServer address (`host:port`, no scheme: the Python
+/// API dials plain text) before the node starts; `ConfigError` naming the
+/// `metaserver` argument.
+#[pyfunction]
+fn check_metaserver_address(addr: &str) -> PyResult<()> {
+    let fail = |why: String| Fail::new("ConfigError", "AddressError", format!("metaserver: {why}"));
+    match kvferry::client::parse_metaserver_address(addr) {
+        Ok(a) if a.scheme.is_some() => Err(fail(format!(
+            "{addr:?}: pass the MetaServer as host:port without a scheme (e.g. {}:{}, or MetaServer().address)",
+            if a.host.contains(':') { format!("[{}]", a.host) } else { a.host.to_string() },
+            a.port
+        ))
+        .into()),
+        Ok(_) => Ok(()),
+        Err(e) => Err(fail(e.to_string()).into()),
+    }
+}
+
 /// Whether this build has the CUDA backend.
 #[pyfunction]
 fn cuda_built() -> bool {
@@ -784,5 +819,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(block_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(namespace, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_built, m)?)?;
+    m.add_function(wrap_pyfunction!(check_metaserver_address, m)?)?;
     Ok(())
 }

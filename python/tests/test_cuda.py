@@ -85,6 +85,41 @@ def test_freed_cuda_memory_is_refused():
             n.register_kv_cache(ns, [stale])
 
 
+def test_per_layer_tensors_allocated_back_to_back_register():
+    # Issue 30, the engine's shape: 16 layers x K and V of [2048, 32, 4, 128]
+    # bf16 (64 MiB each) from torch.zeros. PyTorch's caching allocator places
+    # them back to back; each is its own allocation, so each must be its own
+    # buffer (one buffer spanning two allocations is refused by the driver
+    # check). K and V halves of one [2, ...] tensor touch inside one
+    # allocation and share a buffer.
+    layers, shape = 16, (2048, 32, 4, 128)
+    ns = kvferry.namespace("cuda-b2b", "bfloat16", 32, 0, 1, layers)
+    ks = [torch.zeros(shape, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
+    vs = [torch.zeros(shape, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
+    touching = sum(
+        1 for a, b in zip(ks + vs, (ks + vs)[1:]) if a.data_ptr() + a.numel() * 2 == b.data_ptr()
+    )
+    with kvferry.MetaServer() as ms, kvferry.Node(ms, gpu="cuda", pool_bytes=1 << 30) as n:
+        info = n.register_kv_cache(ns, ks, vs, dtype="bfloat16")
+        assert info.buffers == 2 * layers, (info, touching)
+        for t in ks + vs:
+            t.fill_(1.5)
+        torch.cuda.synchronize()
+        hs = kvferry.block_hashes(ns, list(range(4 * 32)), 32)
+        assert n.save(ns, hs, [0, 1, 2, 3]).saved == 4
+        for t in ks + vs:
+            t.zero_()
+        torch.cuda.synchronize()
+        assert n.load(ns, hs, [10, 11, 12, 13]).loaded == 4
+        torch.cuda.synchronize()
+        assert all(bool((t[10:14] == 1.5).all()) and bool((t[:10] == 0).all()) for t in ks + vs)
+        n.unregister_kv_cache(ns)
+        kv = torch.zeros((2, 8) + shape[1:], device="cuda", dtype=torch.bfloat16)
+        ns2 = kvferry.namespace("cuda-b2b-kv", "bfloat16", 32, 0, 1, 1)
+        info2 = n.register_kv_cache(ns2, [kv[0]], [kv[1]])
+        assert info2.buffers == 1, info2
+
+
 def test_cuda_tensor_on_a_host_node():
     ns = kvferry.namespace("cuda-test", "bfloat16", BT, 0, 1, 1)
     with kvferry.MetaServer() as ms, kvferry.Node(ms, gpu="host") as n:

@@ -102,5 +102,5 @@ def test_hash_and_namespace_match_the_rust_test_vectors():
         "0af1f7381c2ab5e5c01e4f0c2b86bb942a9275c80c161334e34e16bc13ee160c"
     ]
     with pytest.raises(kvferry.ConfigError) as e:
-        kvferry.namespace("", "bf16", 4)
+        kvferry.namespace("", "bf16", 4, layers=1)
     assert e.value.cause.startswith("HashError::")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import kvferry
-from conftest import BT, paged, tokens
+from conftest import BT, LAYERS, SHAPE, paged, tokens
 
 
 def two_nodes(ms, **kw):
@@ -120,6 +120,11 @@ def test_k_and_v_in_one_allocation(metaserver, ns, arrangement):
         info = p.register_kv_cache(ns, k, v)
         if arrangement == "kv-axis-inside-block":
             assert info.block_stride == 2 * info.bytes_per_block
+            assert info.buffers == 2  # K and V overlap: one buffer per layer
+        else:
+            # K and V only touch, and the host backend cannot see numpy's
+            # allocations: separate buffers (issue 30).
+            assert info.buffers == 4
         dk, dv = paged(fill=0.0)
         d.register_kv_cache(ns, dk, dv)
         hs = kvferry.block_hashes(ns, tokens(3 * BT), BT)
@@ -146,3 +151,35 @@ def test_unregister_kv_cache_then_register_again(metaserver, ns):
         assert node.load(ns, hs, [3, 4]).loaded == 2
         for a, b in zip(k + v, k2 + v2):
             np.testing.assert_array_equal(b[3:5], a[0:2])
+
+
+def test_per_layer_tensors_back_to_back(metaserver, ns):
+    # Issue 30: an engine's per-layer K and V tensors that its allocator
+    # placed back to back (here: consecutive slices of one numpy array, so
+    # each ends where the next starts). Registration must not merge them into
+    # one buffer unless the backend places them in one allocation (on CUDA,
+    # separate torch allocations are refused as one buffer); the host backend
+    # cannot tell, so each tensor is a buffer of its own, and the round trip
+    # works.
+    n = SHAPE[0]
+    rng = np.random.default_rng(3)
+    whole = rng.standard_normal((2 * LAYERS * n,) + SHAPE[1:]).astype(np.float32)
+    parts = [whole[i * n : (i + 1) * n] for i in range(2 * LAYERS)]
+    k, v = parts[0::2], parts[1::2]
+    for a, b in zip(parts, parts[1:]):
+        assert a.__array_interface__["data"][0] + a.nbytes == b.__array_interface__["data"][0]
+    p, d = two_nodes(metaserver)
+    with p, d:
+        info = p.register_kv_cache(ns, k, v)
+        assert info.buffers == 2 * LAYERS
+        dk, dv = paged(fill=0.0)
+        d.register_kv_cache(ns, dk, dv)
+        hs = kvferry.block_hashes(ns, tokens(3 * BT), BT)
+        assert p.save(ns, hs, [1, 4, 7]).saved == 3
+        assert p.flush_saves_and_registrations(timeout=5).ok
+        f, l = d.fetch_into(ns, hs, [0, 1, 2])
+        assert f.available == 3 and l.loaded == 3
+        for src, dst in zip(k + v, dk + dv):
+            np.testing.assert_array_equal(dst[:3], src[[1, 4, 7]])
+        # The same tensors again are the same registration.
+        assert p.register_kv_cache(ns, k, v) == info

@@ -70,6 +70,116 @@ impl ClientConfig {
     }
 }
 
+/// Why a MetaServer address is refused ([`parse_metaserver_address`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AddressError {
+    /// A scheme other than `http://` (or `https://`, TLS).
+    #[error(
+        "{addr:?}: scheme {scheme:?}:// is not one the MetaServer speaks; use host:port or http://host:port (https:// with TLS)"
+    )]
+    Scheme {
+        /// The address given.
+        addr: String,
+        /// The scheme found.
+        scheme: String,
+    },
+    /// No `:port`.
+    #[error("{addr:?} has no port: want host:port (e.g. 127.0.0.1:50051)")]
+    NoPort {
+        /// The address given.
+        addr: String,
+    },
+    /// The port is not a number in `1..=65535`.
+    #[error("{addr:?}: port {port:?} is not a number in 1..=65535")]
+    Port {
+        /// The address given.
+        addr: String,
+        /// The port text.
+        port: String,
+    },
+    /// The host is neither an IP address nor a DNS name.
+    #[error("{addr:?}: host {host:?} is neither an IP address ([v6] in brackets) nor a host name")]
+    Host {
+        /// The address given.
+        addr: String,
+        /// The host text.
+        host: String,
+    },
+    /// Something after `host:port` (a path, a query).
+    #[error("{addr:?}: nothing may follow host:port (found {rest:?})")]
+    Trailing {
+        /// The address given.
+        addr: String,
+        /// What followed.
+        rest: String,
+    },
+}
+
+/// A MetaServer address taken apart: `host:port` or `scheme://host:port`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MetaServerAddress<'a> {
+    /// `http` or `https`, `None` when the address has no scheme.
+    pub scheme: Option<&'a str>,
+    /// Host name or IP (an IPv6 address without its brackets).
+    pub host: &'a str,
+    /// Port, `1..=65535`.
+    pub port: u16,
+}
+
+/// Checks a MetaServer address before anything dials it, so a typo fails at
+/// start naming what is wrong instead of as a DNS error or dropped
+/// registrations later: `host:port`, `http://host:port` or
+/// `https://host:port` (with TLS), host an IPv4 address, a bracketed IPv6
+/// address or a DNS name, port `1..=65535`, one trailing `/` at most.
+///
+/// # Errors
+/// [`AddressError`], naming the part at fault.
+pub fn parse_metaserver_address(addr: &str) -> Result<MetaServerAddress<'_>, AddressError> {
+    let own = || addr.to_string();
+    let (scheme, rest) = match addr.split_once("://") {
+        Some((scheme, rest)) => {
+            if scheme != "http" && scheme != "https" {
+                return Err(AddressError::Scheme { addr: own(), scheme: scheme.to_string() });
+            }
+            (Some(scheme), rest)
+        }
+        None => (None, addr),
+    };
+    let rest = rest.strip_suffix('/').unwrap_or(rest);
+    if let Some(i) = rest.find(['/', '?', '#']) {
+        return Err(AddressError::Trailing { addr: own(), rest: rest[i..].to_string() });
+    }
+    let (host, port) = if let Some(v6) = rest.strip_prefix('[') {
+        let (host, after) = v6.split_once(']').ok_or_else(|| AddressError::Host { addr: own(), host: rest.into() })?;
+        if host.parse::<std::net::Ipv6Addr>().is_err() {
+            return Err(AddressError::Host { addr: own(), host: host.to_string() });
+        }
+        let port = after.strip_prefix(':').ok_or_else(|| AddressError::NoPort { addr: own() })?;
+        (host, port)
+    } else {
+        let (host, port) = rest.rsplit_once(':').ok_or_else(|| AddressError::NoPort { addr: own() })?;
+        let name_ok = !host.is_empty()
+            && host.len() <= 253
+            && host.split('.').all(|l| {
+                !l.is_empty()
+                    && l.len() <= 63
+                    && !l.starts_with('-')
+                    && !l.ends_with('-')
+                    && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+            });
+        if !name_ok {
+            return Err(AddressError::Host { addr: own(), host: host.to_string() });
+        }
+        (host, port)
+    };
+    let port_num = port
+        .parse::<u16>()
+        .ok()
+        .filter(|p| *p != 0 && port.bytes().all(|b| b.is_ascii_digit()))
+        .ok_or_else(|| AddressError::Port { addr: own(), port: port.to_string() })?;
+    Ok(MetaServerAddress { scheme, host, port: port_num })
+}
+
 /// Errors of the client's synchronous calls.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -81,6 +191,10 @@ pub enum ClientError {
         /// Parse error.
         source: tonic::transport::Error,
     },
+    /// The MetaServer address is not `host:port` or `http(s)://host:port`
+    /// ([`parse_metaserver_address`]).
+    #[error("bad metaserver address {0}")]
+    BadAddress(#[from] AddressError),
     /// TLS was asked for and cannot be set up.
     #[error("metaserver TLS: {0}")]
     Tls(#[from] crate::tls::TlsError),
@@ -182,9 +296,11 @@ impl MetaServerClient {
     /// once). Must be called inside a runtime.
     ///
     /// # Errors
-    /// [`ClientError::Address`] for a malformed MetaServer address,
-    /// [`ClientError::Tls`] when TLS is asked for and cannot be set up.
+    /// [`ClientError::BadAddress`] or [`ClientError::Address`] for a
+    /// malformed MetaServer address, [`ClientError::Tls`] when TLS is asked
+    /// for and cannot be set up.
     pub fn start(cfg: ClientConfig) -> Result<Self, ClientError> {
+        parse_metaserver_address(&cfg.metaserver)?;
         let channel = match &cfg.tls {
             None => crate::rt::channel(&cfg.metaserver, cfg.rpc_timeout)
                 .map_err(|source| ClientError::Address { addr: cfg.metaserver.clone(), source })?,
@@ -619,7 +735,40 @@ async fn send_chunk(inner: &Inner, chunk: Chunk) {
 
 #[cfg(test)]
 mod tests {
-    use super::ClientError;
+    use super::{AddressError, ClientError, MetaServerAddress, parse_metaserver_address};
+
+    /// Issue 30: each of these used to start a node that failed later.
+    #[test]
+    fn bad_metaserver_addresses_are_refused_naming_the_part() {
+        let p = parse_metaserver_address;
+        assert!(matches!(p("not-an-address:xx"), Err(AddressError::Port { port, .. }) if port == "xx"));
+        assert!(matches!(p("127.0.0.1:99999"), Err(AddressError::Port { port, .. }) if port == "99999"));
+        assert!(matches!(p("127.0.0.1:0"), Err(AddressError::Port { .. })));
+        assert!(matches!(p("127.0.0.1:+5"), Err(AddressError::Port { .. })));
+        assert!(matches!(p("127.0.0.1"), Err(AddressError::NoPort { .. })));
+        assert!(matches!(p("foo"), Err(AddressError::NoPort { .. })));
+        assert!(matches!(p("[::1]:x"), Err(AddressError::Port { .. })));
+        assert!(matches!(p("[::1]"), Err(AddressError::NoPort { .. })));
+        assert!(matches!(p("[::g]:5"), Err(AddressError::Host { .. })));
+        assert!(matches!(p("a b:5"), Err(AddressError::Host { .. })));
+        assert!(matches!(p(":5"), Err(AddressError::Host { .. })));
+        assert!(matches!(p("ftp://10.0.0.1:21"), Err(AddressError::Scheme { scheme, .. }) if scheme == "ftp"));
+        assert!(matches!(p("http://h:5/x"), Err(AddressError::Trailing { .. })));
+        let e = p("ftp://10.0.0.1:21").unwrap_err().to_string();
+        assert!(e.contains("\"ftp\"://"), "{e}");
+    }
+
+    #[test]
+    fn good_metaserver_addresses_parse() {
+        let p = |a| parse_metaserver_address(a).unwrap();
+        assert_eq!(p("127.0.0.1:5"), MetaServerAddress { scheme: None, host: "127.0.0.1", port: 5 });
+        assert_eq!(
+            p("http://meta-0.cluster:50051/"),
+            MetaServerAddress { scheme: Some("http"), host: "meta-0.cluster", port: 50051 }
+        );
+        assert_eq!(p("https://[::1]:443"), MetaServerAddress { scheme: Some("https"), host: "::1", port: 443 });
+        assert_eq!(p("localhost:65535").port, 65535);
+    }
 
     #[test]
     fn rpc_errors_render_as_one_line_with_the_root_cause() {

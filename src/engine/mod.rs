@@ -536,6 +536,13 @@ impl Engine {
     /// buffer that layouts can name. kvferry never frees it. See
     /// [`Gpu::register_external`] for what is validated.
     ///
+    /// One buffer must lie inside one allocation: tensors that overlap share
+    /// a buffer, tensors that merely touch share one only inside one
+    /// allocation (separate per-layer tensors an allocator placed back to
+    /// back do not; `cuda` refuses such a buffer).
+    /// [`crate::gpu::group_by_allocation`] groups a set of ranges by that
+    /// rule (`docs/layouts.md`, "Which tensors share a buffer").
+    ///
     /// # Safety
     /// The range must stay valid and writable, at the same address, until
     /// [`Engine::unregister_buffer`] returned `Ok` for the id (the engine

@@ -1060,6 +1060,16 @@ impl Gpu for CudaGpu {
         self.inner.buffers.get(id).map(|b| b.len)
     }
 
+    fn allocation_range(&self, addr: u64) -> Result<Option<(u64, u64)>, GpuError> {
+        let (memory_type, _, start, size) = self.inner.pointer_attributes(addr)?;
+        // An address the driver does not know (plain host memory, freed)
+        // has no allocation it can bound.
+        if memory_type == 0 || size == 0 || start > addr || addr - start >= size {
+            return Ok(None);
+        }
+        Ok(Some((start, size)))
+    }
+
     fn alloc_kv_memory(&self, bytes: u64) -> Result<Box<dyn KvMemory>, GpuError> {
         Ok(Box::new(DeviceMemory::alloc_in(&self.inner.ctx, bytes)?))
     }

@@ -310,6 +310,22 @@ pub trait Gpu: Send + Sync + 'static {
     /// Length of a buffer in bytes, `None` if unknown.
     fn buffer_len(&self, id: DeviceBufferId) -> Option<u64>;
 
+    /// The allocation holding `addr` as `(start, len)` in bytes, as this
+    /// backend's allocator or driver knows it: on `cuda` the driver's
+    /// pointer attributes (`RANGE_START_ADDR`, `RANGE_SIZE`) of any device
+    /// memory of the process (PyTorch's and CuPy's included). `None`: the
+    /// backend cannot tell (default; `host`, which sees plain host memory
+    /// from any allocator; an address the driver does not know). Used by
+    /// [`group_by_allocation`] so touching tensors are registered as one
+    /// buffer only when they share an allocation.
+    ///
+    /// # Errors
+    /// The driver's refusal to answer ([`ExternalMemoryError::Query`]).
+    fn allocation_range(&self, addr: u64) -> Result<Option<(u64, u64)>, GpuError> {
+        let _ = addr;
+        Ok(None)
+    }
+
     /// Allocates `bytes` of this backend's kind of memory the way an
     /// embedder's allocator would — zeroed where the backend can, *not*
     /// registered, owned by the caller — for the replay, tests and
@@ -388,6 +404,98 @@ pub trait Gpu: Send + Sync + 'static {
     /// # Errors
     /// Unknown buffer or out of range.
     fn read(&self, id: DeviceBufferId, offset: u64, out: &mut [u8]) -> Result<(), GpuError>;
+}
+
+/// One buffer to register for several of the embedder's memory ranges:
+/// `[start, start + len)` covers every range of `members` (indices into the
+/// slice given to [`group_by_allocation`]), each an offset into it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RangeGroup {
+    /// First byte of the buffer.
+    pub start: u64,
+    /// Bytes.
+    pub len: u64,
+    /// Indices of the ranges it covers, in address order.
+    pub members: Vec<usize>,
+}
+
+/// Groups `ranges` (`(addr, len)` in bytes, e.g. the spans of an engine's
+/// per-layer K and V tensors) into the buffers to register, one
+/// [`Gpu::register_external`] each:
+///
+/// - ranges that **overlap** (share a byte: K and V as strided views of one
+///   `[num_blocks, 2, …]` tensor) share one buffer — registered buffers may
+///   not overlap, and a shared byte proves one allocation;
+/// - ranges that only **touch** (one ends where the next starts) share a
+///   buffer only when [`Gpu::allocation_range`] places both in the same
+///   allocation (K and V halves of one `[2, num_blocks, …]` tensor). Separate
+///   allocations that an allocator happened to place back to back (PyTorch's
+///   caching allocator does, for per-layer tensors) stay separate buffers:
+///   the `cuda` backend refuses a buffer spanning two allocations. When the
+///   backend cannot tell (`None`, e.g. `host`), touching ranges stay
+///   separate — always correct, at the price of one buffer more;
+/// - ranges with a gap between them are separate buffers.
+///
+/// A zero-length range outside every other range is a group of its own
+/// (its registration is then refused with the usual error). The result is
+/// in address order.
+///
+/// # Errors
+/// [`GpuError::OutOfRange`] for a range whose end overflows `u64`; the
+/// backend's error from [`Gpu::allocation_range`].
+pub fn group_by_allocation(gpu: &dyn Gpu, ranges: &[(u64, u64)]) -> Result<Vec<RangeGroup>, GpuError> {
+    group_ranges(ranges, |addr| gpu.allocation_range(addr))
+}
+
+/// [`group_by_allocation`] with the allocation lookup passed in (the pure
+/// core, unit-tested with made-up allocators).
+///
+/// # Errors
+/// As [`group_by_allocation`]; `allocation`'s error is passed on.
+pub fn group_ranges(
+    ranges: &[(u64, u64)],
+    mut allocation: impl FnMut(u64) -> Result<Option<(u64, u64)>, GpuError>,
+) -> Result<Vec<RangeGroup>, GpuError> {
+    let mut order: Vec<(u64, u64, usize)> = Vec::with_capacity(ranges.len());
+    for (i, &(addr, len)) in ranges.iter().enumerate() {
+        let end = addr.checked_add(len).ok_or_else(|| {
+            GpuError::OutOfRange(format!("range {i} [{addr:#x}, +{len}) overflows the address space"))
+        })?;
+        order.push((addr, end, i));
+    }
+    order.sort_unstable();
+    let mut groups: Vec<RangeGroup> = Vec::new();
+    // The allocation of the current group's first range, asked lazily (only
+    // when a touching range might join it).
+    let mut group_alloc: Option<Option<(u64, u64)>> = None;
+    for (start, end, i) in order {
+        let joins = match groups.last() {
+            Some(g) if g.len > 0 && start < g.start + g.len => true,
+            Some(g) if g.len > 0 && start == g.start + g.len && end > start => {
+                let here = match group_alloc {
+                    Some(a) => a,
+                    None => {
+                        let a = allocation(g.start)?;
+                        group_alloc = Some(a);
+                        a
+                    }
+                };
+                here.is_some() && here == allocation(start)?
+            }
+            _ => false,
+        };
+        match groups.last_mut() {
+            Some(g) if joins => {
+                g.len = g.len.max(end - g.start);
+                g.members.push(i);
+            }
+            _ => {
+                groups.push(RangeGroup { start, len: end - start, members: vec![i] });
+                group_alloc = None;
+            }
+        }
+    }
+    Ok(groups)
 }
 
 /// `offset..offset+len` as a checked range inside a buffer of `total` bytes.
@@ -601,7 +709,57 @@ pub async fn conformance(gpu: &dyn Gpu, dev: DeviceBufferId) -> Result<(), Strin
 
 #[cfg(test)]
 mod tests {
-    use super::{CONFORMANCE_BUFFER_BYTES, Gpu, host::HostGpu};
+    use super::{
+        CONFORMANCE_BUFFER_BYTES, Gpu, GpuError, RangeGroup, group_by_allocation, group_ranges, host::HostGpu,
+    };
+
+    /// A made-up allocator: allocations `[start, start + len)`.
+    fn allocator(allocs: &[(u64, u64)]) -> impl FnMut(u64) -> Result<Option<(u64, u64)>, GpuError> + '_ {
+        |addr| Ok(allocs.iter().copied().find(|&(s, l)| s <= addr && addr < s + l))
+    }
+
+    fn group(start: u64, len: u64, members: &[usize]) -> RangeGroup {
+        RangeGroup { start, len, members: members.to_vec() }
+    }
+
+    /// Issue 30: per-layer tensors a caching allocator placed back to back
+    /// (separate allocations) stay separate buffers; the old rule merged
+    /// every touching range into one buffer, which `cuda` refuses.
+    #[test]
+    fn touching_separate_allocations_stay_separate() {
+        let mb = 1 << 20;
+        // K0, V0, K1, V1 of 64 MiB each, back to back, each its own allocation.
+        let allocs: Vec<(u64, u64)> = (0..4).map(|i| (0x1000_0000 + i * 64 * mb, 64 * mb)).collect();
+        let groups = group_ranges(&allocs, allocator(&allocs)).unwrap();
+        let want: Vec<RangeGroup> = allocs.iter().enumerate().map(|(i, &(s, l))| group(s, l, &[i])).collect();
+        assert_eq!(groups, want);
+    }
+
+    #[test]
+    fn touching_ranges_of_one_allocation_share_a_buffer() {
+        // K and V halves of one [2, num_blocks, ...] tensor, given V first.
+        let allocs = [(0x4000, 0x2000)];
+        let ranges = [(0x5000, 0x1000), (0x4000, 0x1000)];
+        assert_eq!(group_ranges(&ranges, allocator(&allocs)).unwrap(), vec![group(0x4000, 0x2000, &[1, 0])]);
+    }
+
+    #[test]
+    fn unknown_allocations_merge_only_overlaps() {
+        let unknown = |_| Ok(None);
+        // K and V strided views of one [num_blocks, 2, ...] tensor overlap;
+        // a third range touches their union; a fourth lies apart.
+        let ranges = [(0x1000, 0x300), (0x1100, 0x300), (0x1400, 0x100), (0x2000, 0x10)];
+        let groups = group_ranges(&ranges, unknown).unwrap();
+        assert_eq!(groups, vec![group(0x1000, 0x400, &[0, 1]), group(0x1400, 0x100, &[2]), group(0x2000, 0x10, &[3])]);
+        // The host backend cannot tell, so it takes the same rule.
+        assert_eq!(group_by_allocation(&HostGpu::new(), &ranges).unwrap(), groups);
+    }
+
+    #[test]
+    fn a_range_past_the_address_space_is_refused() {
+        let r = group_ranges(&[(u64::MAX - 1, 4)], |_| Ok(None));
+        assert!(matches!(r, Err(GpuError::OutOfRange(_))), "{r:?}");
+    }
 
     /// On memory the test allocated and registered (the embedder's).
     #[tokio::test]

@@ -63,18 +63,38 @@ impl SlotIndex {
 
     /// Grows the table (if needed) so that `additional` more entries fit
     /// without another growth.
+    ///
+    /// # Panics
+    /// If the memory cannot be had (tests and benchmarks; the store uses
+    /// [`SlotIndex::try_reserve`]).
+    #[cfg(test)]
     pub(super) fn reserve(&mut self, additional: usize) {
-        let want = self.len + additional;
+        self.try_reserve(additional).expect("index growth");
+    }
+
+    /// [`SlotIndex::reserve`], fallible: when the larger table cannot be
+    /// allocated (or `additional` entries cannot fit in 2³² buckets) the
+    /// table is left as it was.
+    ///
+    /// # Errors
+    /// The allocator's refusal.
+    pub(super) fn try_reserve(&mut self, additional: usize) -> Result<(), std::collections::TryReserveError> {
+        let want = self.len.saturating_add(additional);
         if want <= self.capacity() {
-            return;
+            return Ok(());
         }
         let mut n = self.buckets.len().max(MIN_BUCKETS);
         while max_len(n) < want && n < MAX_BUCKETS {
             n *= 2;
         }
         if n != self.buckets.len() {
-            self.resize(n);
+            let table = new_table(n)?;
+            let old = std::mem::replace(&mut self.buckets, table);
+            for b in old.into_iter().filter(|b| b.slot != EMPTY) {
+                self.place(b);
+            }
         }
+        Ok(())
     }
 
     fn mask(&self) -> usize {
@@ -125,12 +145,26 @@ impl SlotIndex {
     ///
     /// # Panics
     /// If `slot` is `u32::MAX`, or the table is full at 2³² buckets.
+    #[cfg(test)]
     pub(super) fn insert(&mut self, hash: u64, slot: u32) {
+        self.try_insert(hash, slot).expect("index growth");
+    }
+
+    /// [`SlotIndex::insert`], fallible: when the table must grow and the
+    /// memory cannot be had, nothing changes.
+    ///
+    /// # Errors
+    /// The allocator's refusal.
+    ///
+    /// # Panics
+    /// If `slot` is `u32::MAX`, or the table is full at 2³² buckets.
+    pub(super) fn try_insert(&mut self, hash: u64, slot: u32) -> Result<(), std::collections::TryReserveError> {
         assert_ne!(slot, EMPTY, "slot id u32::MAX is reserved");
-        self.reserve(1);
+        self.try_reserve(1)?;
         assert!(self.len < self.capacity(), "SlotIndex full at {} buckets", self.buckets.len());
         self.place(Bucket { hash: hash as u32, slot });
         self.len += 1;
+        Ok(())
     }
 
     /// Puts `b` in the first free bucket from its home (there is one).
@@ -196,13 +230,6 @@ impl SlotIndex {
     pub(super) fn slots(&self) -> impl Iterator<Item = u32> + '_ {
         self.entries().map(|(_, s)| s)
     }
-
-    fn resize(&mut self, buckets: usize) {
-        let old = std::mem::replace(&mut self.buckets, new_table(buckets));
-        for b in old.into_iter().filter(|b| b.slot != EMPTY) {
-            self.place(b);
-        }
-    }
 }
 
 /// A table of `buckets` free buckets. On Linux, a table of at least
@@ -214,8 +241,12 @@ impl SlotIndex {
 /// almost every one misses the TLB with 4 KiB pages, and the page walks
 /// queued behind the query walk's prefetches were a quarter of its time
 /// (`perf`, session 8); with huge pages the whole table fits the TLB.
-fn new_table(buckets: usize) -> Vec<Bucket> {
-    let mut table: Vec<Bucket> = Vec::with_capacity(buckets);
+///
+/// # Errors
+/// The allocator's refusal (nothing is allocated then).
+fn new_table(buckets: usize) -> Result<Vec<Bucket>, std::collections::TryReserveError> {
+    let mut table: Vec<Bucket> = Vec::new();
+    table.try_reserve_exact(buckets)?;
     #[cfg(target_os = "linux")]
     if let Some((at, len)) = whole_pages(table.as_ptr() as usize, buckets * std::mem::size_of::<Bucket>()) {
         // SAFETY: advice only, on whole pages inside the table's own
@@ -226,7 +257,16 @@ fn new_table(buckets: usize) -> Vec<Bucket> {
         }
     }
     table.resize(buckets, FREE);
-    table
+    Ok(table)
+}
+
+/// Bytes of the bucket table that holds `entries` without growing.
+pub(super) fn table_bytes(entries: usize) -> u64 {
+    let mut n = MIN_BUCKETS;
+    while max_len(n) < entries && n < MAX_BUCKETS {
+        n *= 2;
+    }
+    (n as u64).saturating_mul(std::mem::size_of::<Bucket>() as u64)
 }
 
 /// Tables smaller than this (one x86-64 huge page) are not advised.

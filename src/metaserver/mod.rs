@@ -9,4 +9,4 @@ mod index;
 pub mod service;
 pub mod store;
 
-pub use service::{MetaServerConfig, MetaServerHandle, MetaServerHooks, start};
+pub use service::{MetaServerConfig, MetaServerHandle, MetaServerHooks, ServeError, start};

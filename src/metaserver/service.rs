@@ -117,6 +117,10 @@ pub struct MetaServerMetrics {
     /// Times a fault left the store inconsistent and it was reset to empty
     /// (clients then re-heartbeat and backfill, as after a restart: C6).
     pub store_resets: AtomicU64,
+    /// Hashes an insert could not record because the index could not grow
+    /// (the allocator refused the memory); the insert answered `ok: false`
+    /// naming the count, and the server kept serving.
+    pub inserts_refused_no_memory: AtomicU64,
 }
 
 /// The tonic service. Cheap to clone.
@@ -373,8 +377,20 @@ impl MetaServer for MetaServerService {
         let namespace = std::mem::take(&mut r.namespace);
         let out = self.apply_write(namespace, hashes, &r.node, &r.node_id, MetaStore::insert).await?;
         self.metrics.inserted_hashes.fetch_add(out.inserted, Ordering::Relaxed);
+        let status = if out.refused_no_memory == 0 {
+            ResponseStatus { ok: true, message: String::new() }
+        } else {
+            self.metrics.inserts_refused_no_memory.fetch_add(out.refused_no_memory, Ordering::Relaxed);
+            ResponseStatus {
+                ok: false,
+                message: format!(
+                    "{} of the hashes were not recorded: the index could not grow (out of memory)",
+                    out.refused_no_memory
+                ),
+            }
+        };
         Ok(Response::new(InsertBlockHashesResponse {
-            status: Some(ResponseStatus { ok: true, message: String::new() }),
+            status: Some(status),
             inserted_count: out.inserted,
             reclaimable_hashes: out.reclaimable.into_iter().map(|h| h.0).collect(),
         }))
@@ -425,11 +441,12 @@ impl MetaServer for MetaServerService {
 pub struct MetaServerHandle {
     /// The bound gRPC address.
     pub local_addr: SocketAddr,
-    /// The store (read by the simulator's invariants and the exporter).
-    /// [`MetaStore`] is a handle that locks itself; the `Mutex` guards only
-    /// this copy of the handle (kept so the simulator's checker, which
-    /// locks it, builds unchanged) — lock it just to clone the handle out.
-    pub store: Arc<Mutex<MetaStore>>,
+    /// The store. [`MetaStore`] is a handle that locks itself; the `Mutex`
+    /// guards only this copy of the handle — lock it just to clone the
+    /// handle out. Not public: embedders read [`MetaServerHandle::stats`];
+    /// the simulator's checker reads it through
+    /// [`MetaServerHandle::store_for_testing`].
+    pub(crate) store: Arc<Mutex<MetaStore>>,
     /// Fault switches.
     pub hooks: Arc<MetaServerHooks>,
     /// Counters.
@@ -439,29 +456,61 @@ pub struct MetaServerHandle {
     sweep: tokio::task::JoinHandle<()>,
 }
 
+/// Why a MetaServer stopped serving other than by
+/// [`MetaServerHandle::shutdown`]'s request.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// The gRPC transport failed while serving (the source is the
+    /// transport's own error).
+    #[error("metaserver serving failed: {0}")]
+    Transport(#[source] Box<dyn std::error::Error + Send + Sync + 'static>),
+}
+
+/// The serving task's end as the handle reports it; a task that was
+/// cancelled or panicked (the join error, of whichever runtime) counts as
+/// stopped.
+fn serve_result<J>(r: Result<Result<(), tonic::transport::Error>, J>) -> Result<(), ServeError> {
+    match r {
+        Ok(Ok(())) | Err(_) => Ok(()),
+        Ok(Err(e)) => Err(ServeError::Transport(Box::new(e))),
+    }
+}
+
 impl MetaServerHandle {
     /// Stops serving (graceful: in-flight RPCs finish) and waits for it.
+    /// Shut the nodes using this MetaServer down first when the whole
+    /// cluster stops (their unregisters then still land).
     ///
     /// # Errors
-    /// The transport error that ended serving, if any.
-    pub async fn shutdown(self) -> Result<(), tonic::transport::Error> {
+    /// [`ServeError::Transport`]: the transport failed while serving.
+    pub async fn shutdown(self) -> Result<(), ServeError> {
         let _ = self.shutdown.send(true);
         self.sweep.abort();
-        match self.serve.await {
-            Ok(r) => r,
-            Err(_) => Ok(()),
-        }
+        serve_result(self.serve.await)
     }
 
     /// Waits until serving ends on its own (e.g. a transport error).
     ///
     /// # Errors
-    /// The transport error that ended serving.
-    pub async fn wait(&mut self) -> Result<(), tonic::transport::Error> {
-        match (&mut self.serve).await {
-            Ok(r) => r,
-            Err(_) => Ok(()),
-        }
+    /// [`ServeError::Transport`]: the transport error that ended serving.
+    pub async fn wait(&mut self) -> Result<(), ServeError> {
+        serve_result((&mut self.serve).await)
+    }
+
+    /// The index's statistics now (namespaces, hashes, owner entries,
+    /// nodes, …); `None` only if reading it failed twice (a panic inside
+    /// the store, counted in `metrics`).
+    pub fn stats(&self) -> Option<crate::metaserver::store::StoreStats> {
+        let store = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+        read_store(&store, &self.metrics, |st| st.stats())
+    }
+
+    /// The store itself: a test seam for the simulator's invariant checker,
+    /// which inspects the index directly. Not part of the supported API —
+    /// embedders use [`MetaServerHandle::stats`] and the gRPC surface.
+    #[doc(hidden)]
+    pub fn store_for_testing(&self) -> Arc<Mutex<MetaStore>> {
+        self.store.clone()
     }
 }
 
@@ -545,6 +594,17 @@ pub enum ConfigError {
         /// The bound (hashes).
         max: u64,
     },
+    /// The memory [`MetaServerConfig::capacity_hashes`] needs (one
+    /// namespace's index sized up front) cannot be allocated now.
+    #[error("capacity_hashes ({value}) needs about {bytes} bytes per namespace, which cannot be allocated: {reason}")]
+    CapacityUnavailable {
+        /// The capacity asked for (hashes).
+        value: u64,
+        /// Bytes one namespace's index of that capacity takes.
+        bytes: u64,
+        /// The allocator's refusal.
+        reason: String,
+    },
     /// [`MetaServerConfig::shards`] is 0 or exceeds
     /// [`limits::METASERVER_SHARDS_MAX`].
     #[error("shards ({value}) must be 1 to {max}")]
@@ -591,6 +651,11 @@ impl ConfigError {
             ConfigError::CapacityTooLarge { value, max } => {
                 format!("{} ({value}) must be at most {max}", name(ConfigField::CapacityHashes))
             }
+            ConfigError::CapacityUnavailable { value, bytes, reason } => format!(
+                "{} ({value}) needs about {bytes} bytes per namespace, which cannot be allocated ({reason}): give a \
+                 smaller capacity, or 0 to grow on demand",
+                name(ConfigField::CapacityHashes)
+            ),
             ConfigError::Shards { value, max } => format!("{} ({value}) must be 1 to {max}", name(ConfigField::Shards)),
             ConfigError::IoThreads { value, max } => {
                 format!("{} ({value}) must be at most {max}", name(ConfigField::IoThreads))
@@ -672,6 +737,11 @@ fn tls_server_builder(tls: Option<&crate::tls::TlsIdentity>) -> Result<tonic::tr
 /// [`StartError::IoThreads`] when the I/O threads cannot be started.
 pub async fn start(config: MetaServerConfig) -> Result<MetaServerHandle, StartError> {
     config.validate()?;
+    // The first insert of a namespace sizes its index for the capacity: if
+    // that memory cannot be had, refuse now rather than say ready and fail
+    // (or abort) on the first insert.
+    crate::metaserver::store::check_capacity(config.capacity_hashes, config.shards)
+        .map_err(|(bytes, reason)| ConfigError::CapacityUnavailable { value: config.capacity_hashes, bytes, reason })?;
     let mut builder = tls_server_builder(config.tls.as_ref())?;
     let bound = crate::rt::bind(config.addr).await.map_err(|source| StartError::Bind { addr: config.addr, source })?;
     let local_addr = bound.local_addr;

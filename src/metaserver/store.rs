@@ -95,6 +95,10 @@ pub struct InsertOutcome {
     /// node's copy is the third-or-later live one and the caller may reclaim
     /// it. In request order, without duplicates.
     pub reclaimable: Vec<BlockHash>,
+    /// Hashes not recorded because the index could not grow (the allocator
+    /// refused the memory): the store keeps serving, those registrations
+    /// are lost as if dropped.
+    pub refused_no_memory: u64,
 }
 
 /// Result of [`MetaStore::sweep`].
@@ -105,6 +109,39 @@ pub struct SweepReport {
     pub nodes_removed: u64,
     /// Owner entries (one per `(namespace, hash, node)`) deleted with them.
     pub owners_removed: u64,
+}
+
+/// Bytes one namespace's index takes when sized for `capacity_hashes` over
+/// `shards` shards ([`MetaStore::with_shards`]): per shard the bucket table
+/// and the slot table of its share.
+pub fn capacity_bytes(capacity_hashes: u64, shards: usize) -> u64 {
+    if capacity_hashes == 0 {
+        return 0;
+    }
+    let per_shard = shard_capacity(usize::try_from(capacity_hashes).unwrap_or(usize::MAX), shards.max(1));
+    let slots = (per_shard as u64).saturating_mul(mem::size_of::<Slot>() as u64);
+    super::index::table_bytes(per_shard).saturating_add(slots).saturating_mul(shards.max(1) as u64)
+}
+
+/// Checks that one namespace's index of `capacity_hashes` over `shards`
+/// shards can be allocated now: allocates that much (without touching it,
+/// so no page is committed) and frees it. A capacity the process cannot
+/// have (an address-space limit, `ulimit -v`, or a heuristic overcommit
+/// refusal) is refused at start instead of aborting the first insert.
+///
+/// # Errors
+/// `(bytes, the allocator's refusal)`.
+pub fn check_capacity(capacity_hashes: u64, shards: usize) -> Result<(), (u64, String)> {
+    let bytes = capacity_bytes(capacity_hashes, shards);
+    if bytes == 0 {
+        return Ok(());
+    }
+    let fail = |reason: String| (bytes, reason);
+    let len = usize::try_from(bytes).map_err(|_| fail("more than the address space".into()))?;
+    let mut probe: Vec<u8> = Vec::new();
+    probe.try_reserve_exact(len).map_err(|e| fail(e.to_string()))?;
+    drop(probe);
+    Ok(())
 }
 
 /// Sizes of a [`MetaStore`], all counts, for metrics and tests.
@@ -459,8 +496,10 @@ impl Shard {
         };
         self.ns_ids.insert(name.to_string(), id);
         let ns = &mut self.namespaces[id as usize];
-        ns.index.reserve(self.capacity);
-        ns.slots.reserve(self.capacity);
+        // Sized up front where the memory can be had; where it cannot, the
+        // namespace grows on demand and each growth is fallible (`insert`).
+        let _ = ns.index.try_reserve(self.capacity);
+        let _ = ns.slots.try_reserve_exact(self.capacity);
         id
     }
 
@@ -512,7 +551,9 @@ impl Shard {
     /// hash)` of `items`, all of this shard, counting other owners visible
     /// at `now_ms` (stale after `stale_after_ms`); pushes the request positions
     /// of reclaimable hashes (first occurrence only) to `reclaim`. Returns
-    /// how many are newly owned.
+    /// how many are newly owned, and how many were refused because the
+    /// index could not grow (those and every later item of `items`: a
+    /// refused growth changes nothing).
     fn insert<'h>(
         &mut self,
         namespace: &str,
@@ -520,7 +561,8 @@ impl Shard {
         idx: u32,
         (nodes, now_ms, stale_after_ms): (&Nodes, u64, u64),
         reclaim: &mut Vec<usize>,
-    ) -> u64 {
+    ) -> (u64, u64) {
+        let mut items = items.peekable();
         let ns_id = self.intern_namespace(namespace);
         let generation = nodes.slots[idx as usize].generation;
         if self.owned.len() <= idx as usize {
@@ -532,10 +574,19 @@ impl Shard {
         // Slots already reported as reclaimable; only built when needed.
         let mut reported: Option<HashSet<u32>> = None;
         let mut inserted = 0;
-        for (pos, h) in items {
+        while let Some((pos, h)) = items.next() {
             let key = h.as_bytes();
             let kh = hasher.hash_one(key);
-            let slot_id = match ns.find(key, kh) {
+            // Every growth this item may need, before anything changes.
+            let found = ns.find(key, kh);
+            let grown = owned.try_reserve(1).and_then(|()| match found {
+                Some(_) => Ok(()),
+                None => ns.slots.try_reserve(1).and_then(|()| ns.index.try_reserve(1)),
+            });
+            if grown.is_err() {
+                return (inserted, 1 + items.count() as u64);
+            }
+            let slot_id = match found {
                 Some(id) => id,
                 None => {
                     let slot = Slot { key: HKey::new(key), owners: Owners::EMPTY };
@@ -549,7 +600,7 @@ impl Shard {
                             to_u32(ns.slots.len() - 1)
                         }
                     };
-                    ns.index.insert(kh, id);
+                    ns.index.try_insert(kh, id).expect("reserved above");
                     id
                 }
             };
@@ -572,7 +623,7 @@ impl Shard {
                 reclaim.push(pos);
             }
         }
-        inserted
+        (inserted, 0)
     }
 
     /// Removes node `idx`'s ownership of each of `hashes` (all of this
@@ -1009,7 +1060,10 @@ impl MetaStore {
         let mut reclaim = Vec::new();
         for (s, group) in self.group_by_shard(hashes) {
             let items = group.into_iter().map(|p| (p, &hashes[p]));
-            out.inserted += self.shard(s).insert(namespace, items, idx, (&nodes, now_ms, stale_after), &mut reclaim);
+            let (inserted, refused) =
+                self.shard(s).insert(namespace, items, idx, (&nodes, now_ms, stale_after), &mut reclaim);
+            out.inserted += inserted;
+            out.refused_no_memory += refused;
         }
         reclaim.sort_unstable();
         out.reclaimable = reclaim.into_iter().map(|p| hashes[p].clone()).collect();
@@ -1895,6 +1949,23 @@ mod tests {
     use super::model::{self, Hashes, Op, Sess};
     use super::*;
     use proptest::prelude::*;
+
+    /// Issue 30: a capacity whose index cannot be allocated is refused by
+    /// the start-up check instead of aborting the first insert. (A real
+    /// refusal under `ulimit -v` cannot be staged here; a capacity beyond
+    /// the address space is refused on any machine.)
+    #[test]
+    fn capacity_check_refuses_what_cannot_be_allocated() {
+        assert_eq!(capacity_bytes(0, 64), 0);
+        assert_eq!(check_capacity(0, 64), Ok(()));
+        let small = capacity_bytes(10_000, 64);
+        assert!(small >= 10_000 * mem::size_of::<Slot>() as u64, "{small}");
+        assert!(capacity_bytes(1 << 20, 64) > 64 * small / 2, "grows with the capacity");
+        assert_eq!(check_capacity(10_000, 64), Ok(()));
+        let (bytes, reason) = check_capacity(u64::MAX, 64).unwrap_err();
+        assert!(bytes > isize::MAX as u64 / 2, "{bytes}");
+        assert!(!reason.is_empty());
+    }
 
     const CFG: StoreConfig = StoreConfig { stale_after_ms: 100, ttl_ms: 1_000 };
 

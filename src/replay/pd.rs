@@ -108,6 +108,8 @@ pub struct NodeStat {
     pub load_bytes: u64,
     /// Load copy rate (GB/s).
     pub load_gbps: f64,
+    /// Blocks this node's pool evicted to make room (LRU).
+    pub evicted_blocks: u64,
 }
 
 /// The phases of one P/D handoff, in order. They tile it: from the prefill
@@ -338,6 +340,11 @@ pub struct PdReport {
     pub block_tokens: u64,
     /// Bytes per block.
     pub block_bytes: u64,
+    /// Pinned pool of each node (bytes, `--pool-size`).
+    pub pool_bytes: u64,
+    /// Blocks evicted from the pools, all nodes (LRU, to make room): with
+    /// the pool size, what reconciles the prefix hit rate with the oracle.
+    pub evicted_blocks: u64,
     /// Per-node device copy statistics.
     pub nodes: Vec<NodeStat>,
     /// Wall-clock seconds.
@@ -360,6 +367,10 @@ pub enum PdError {
     /// A device operation failed.
     #[error("device error: {0}")]
     Device(String),
+    /// [`PdConfig::stop`] was raised during start-up (Ctrl-C): nothing was
+    /// replayed, and what had started was stopped.
+    #[error("interrupted during start-up ({0}); nothing was replayed")]
+    Interrupted(&'static str),
 }
 
 /// Progress callbacks (the binary draws a bar; tests pass `()`).
@@ -647,6 +658,10 @@ pub async fn run_with_observer(
         (TransportChoice::Tcp, _) => RawPath::Shm,
         _ => RawPath::None,
     };
+    let stopped = || cfg.stop.as_ref().is_some_and(|s| *s.borrow());
+    if stopped() {
+        return Err(PdError::Interrupted("before the raw copy baseline"));
+    }
     let (raw_gbps, raw_connections) = match raw_path {
         RawPath::None => (None, 0),
         path => {
@@ -655,6 +670,9 @@ pub async fn run_with_observer(
         }
     };
 
+    if stopped() {
+        return Err(PdError::Interrupted("before the cluster started"));
+    }
     let mut faults = Vec::new();
     let mut ms: Option<MetaServerHandle> = None;
     let ms_url = match &cfg.metaserver {
@@ -670,6 +688,12 @@ pub async fn run_with_observer(
 
     let mut nodes: Vec<Arc<PdNode>> = Vec::new();
     for i in 0..cfg.prefill + cfg.decode {
+        // Each node allocates (and commits) its pool: honour a Ctrl-C
+        // before the next one rather than after all of them.
+        if stopped() {
+            stop_cluster(&nodes, ms).await;
+            return Err(PdError::Interrupted("while starting the nodes, before their pools were allocated"));
+        }
         match start_node(i, &cfg, &ms_url, &shape, &gpu_factory).await {
             Ok(n) => nodes.push(n),
             Err(e) => {
@@ -805,6 +829,7 @@ pub async fn run_with_observer(
         path: cfg.path.to_string(),
         block_tokens: cfg.block_tokens,
         block_bytes: model.block_bytes(cfg.block_tokens),
+        pool_bytes: cfg.pool_bytes,
         oracle_hit_rate: oracle.hit_rate(),
         faults,
         ..Default::default()
@@ -854,9 +879,11 @@ pub async fn run_with_observer(
                 save_gbps: rate(sb, sn),
                 load_bytes: lb,
                 load_gbps: rate(lb, ln),
+                evicted_blocks: m.evicted.load(Ordering::Relaxed),
             }
         })
         .collect();
+    rep.evicted_blocks = rep.nodes.iter().map(|n| n.evicted_blocks).sum();
 
     let mut sum = crate::node::PathStats::default();
     for n in &nodes {
