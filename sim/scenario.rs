@@ -295,7 +295,7 @@ async fn run_plan(
         serial_prefill: plan.serial_prefill,
         // Every other seed (not drawn from the plan's streams, so a seed's
         // faults are what they were before device leases existed).
-        device_leases: seed % 2 == 0,
+        device_leases: seed.is_multiple_of(2),
     };
 
     // ---- safety phase

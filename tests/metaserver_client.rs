@@ -816,7 +816,11 @@ async fn bad_input_too_many_hashes_is_invalid_argument_and_writes_nothing() {
     let r = g.insert_block_hashes(insert_req(&n, &s, &too_many[..max as usize])).await.unwrap().into_inner();
     assert_eq!(r.inserted_count, max);
     assert_eq!(code(g.remove_block_hashes(remove_req(&n, &s, &too_many)).await), Code::InvalidArgument);
-    assert_eq!(srv.handle.store_for_testing().lock().unwrap().stats().hashes, max, "remove over the limit removed nothing");
+    assert_eq!(
+        srv.handle.store_for_testing().lock().unwrap().stats().hashes,
+        max,
+        "remove over the limit removed nothing"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1109,7 +1113,10 @@ async fn client_refused_heartbeat_backs_off_then_takes_over_and_backfills() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(c.is_registered());
-    assert_eq!(srv.handle.store_for_testing().lock().unwrap().node_session(&me).map(|x| x.0), Some(c.session().clone()));
+    assert_eq!(
+        srv.handle.store_for_testing().lock().unwrap().node_session(&me).map(|x| x.0),
+        Some(c.session().clone())
+    );
     c.shutdown(Duration::from_millis(300)).await;
 }
 
