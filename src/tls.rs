@@ -69,6 +69,13 @@ pub const AVAILABLE: bool = cfg!(all(feature = "tls", not(madsim)));
 /// Why TLS could not be set up.
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
+    /// An `https://` MetaServer address without a CA to trust
+    /// (`ClientConfig::tls` / `NodeConfig::metaserver_tls`).
+    #[error("{addr:?} asks for TLS but no CA to trust was given (ClientConfig::tls / NodeConfig::metaserver_tls)")]
+    NoTrust {
+        /// The address given.
+        addr: String,
+    },
     /// A certificate or key file could not be read.
     #[error("cannot read {path}: {source}")]
     Read {

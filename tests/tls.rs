@@ -113,6 +113,18 @@ async fn without_the_feature_tls_is_refused_at_start() {
     let trust = TlsTrust::from_file(&data("ca.pem")).unwrap();
     let e = client("127.0.0.1:9".into(), Some(trust), 4).expect_err("client refused");
     assert!(matches!(e, ClientError::Tls(TlsError::NotBuilt)), "{e}");
+    // An https:// address asks for TLS too: refused, never dialled in plain text.
+    let e = client("https://127.0.0.1:9".into(), None, 4).expect_err("client refused");
+    assert!(matches!(e, ClientError::Tls(TlsError::NotBuilt)), "{e}");
+}
+
+/// With the feature, an https:// address without a CA to trust is refused
+/// at start (it would otherwise be dialled without the server checked).
+#[cfg(feature = "tls")]
+#[tokio::test]
+async fn https_without_a_ca_is_refused_at_start() {
+    let e = client("https://127.0.0.1:9".into(), None, 4).expect_err("client refused");
+    assert!(matches!(e, ClientError::Tls(TlsError::NoTrust { .. })), "{e}");
 }
 
 /// A missing certificate file is named in the error.

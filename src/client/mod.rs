@@ -298,9 +298,18 @@ impl MetaServerClient {
     /// # Errors
     /// [`ClientError::BadAddress`] or [`ClientError::Address`] for a
     /// malformed MetaServer address, [`ClientError::Tls`] when TLS is asked
-    /// for and cannot be set up.
+    /// for (a [`ClientConfig::tls`], or an `https://` address) and cannot be
+    /// set up: an `https://` address without a CA to trust, or a build
+    /// without the `tls` feature — never a plain-text fallback.
     pub fn start(cfg: ClientConfig) -> Result<Self, ClientError> {
-        parse_metaserver_address(&cfg.metaserver)?;
+        let addr = parse_metaserver_address(&cfg.metaserver)?;
+        if addr.scheme == Some("https") && cfg.tls.is_none() {
+            // `https://` asks for TLS: never dial it in plain text.
+            #[cfg(all(feature = "tls", not(madsim)))]
+            return Err(crate::tls::TlsError::NoTrust { addr: cfg.metaserver.clone() }.into());
+            #[cfg(not(all(feature = "tls", not(madsim))))]
+            return Err(crate::tls::TlsError::NotBuilt.into());
+        }
         let channel = match &cfg.tls {
             None => crate::rt::channel(&cfg.metaserver, cfg.rpc_timeout)
                 .map_err(|source| ClientError::Address { addr: cfg.metaserver.clone(), source })?,
