@@ -830,7 +830,7 @@ impl BatchRun<'_> {
         if self.n_crc > 0 {
             let desc = self.table.device + 8 * self.crc_at as u64;
             let out = self.table.device + 8 * self.out_at as u64;
-            i.launch(&i.crc, &i.crc_kernel, desc, self.n_crc, &[out, i.crc_tables])?;
+            i.launch(&i.crc, &i.crc_kernel, desc, self.n_crc, &[out, i.crc_tables], i.cfg.blocks_per_sm)?;
             summed = Some(i.crc.record_event(None).map_err(dev_err)?);
         }
         self.enqueued = Some(std::time::Instant::now());
@@ -961,23 +961,12 @@ impl Inner {
         src_base: u64,
         dst_base: u64,
     ) -> Result<(), GpuError> {
-        self.launch(stream, &self.copy_kernel, desc, n, &[src_base, dst_base])
+        self.launch(stream, &self.copy_kernel, desc, n, &[src_base, dst_base], self.cfg.blocks_per_sm)
     }
 
-    /// Launches `kernel(desc, n, extra…)` over `n` descriptors on `stream`.
+    /// Launches `kernel(desc, n, extra…)` over `n` descriptors on `stream`,
+    /// with a grid of up to `per_sm` thread blocks per SM.
     fn launch(
-        &self,
-        stream: &CudaStream,
-        kernel: &CudaFunction,
-        desc: u64,
-        n: usize,
-        extra: &[u64],
-    ) -> Result<(), GpuError> {
-        self.launch_with(stream, kernel, desc, n, extra, self.cfg.blocks_per_sm)
-    }
-
-    /// [`Inner::launch`] with a grid of `per_sm` thread blocks per SM.
-    fn launch_with(
         &self,
         stream: &CudaStream,
         kernel: &CudaFunction,

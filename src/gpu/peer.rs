@@ -16,8 +16,8 @@
 //!
 //! Who may read is not decided here: the engine hands exports only to a
 //! peer that asked for them under a transfer lock and holds a *device
-//! lease* the owner's engine granted ([`crate::engine::leases`]); this
-//! module only maps and copies.
+//! lease* the owner's engine granted (the engine's `leases` module, a layer
+//! above this one); this module only maps and copies.
 //!
 //! Backends:
 //! - `cuda`: `cuIpcGetMemHandle` of the allocation that holds the buffer

@@ -96,11 +96,12 @@ impl CudaPeerBuffer {
     }
 }
 
-/// A batch's sources resolved to device addresses, with what keeps each
-/// alive (the mapping, or a pin in the owner's buffer table).
+/// A batch's sources resolved to device addresses, with the pins that
+/// keep in-process sources registered in their owners' tables (a mapped
+/// source stays open through the batch's own `Arc`s, which the worker
+/// holds until the device is done).
 pub(super) struct Sources {
     addrs: Vec<u64>,
-    _keep: Vec<Arc<dyn PeerBuffer>>,
     _pins: Vec<BatchPin>,
 }
 
@@ -179,7 +180,7 @@ impl Inner {
     /// Resolves a validated batch's sources to device addresses of this
     /// device, keeping each alive for the batch.
     pub(super) fn resolve_sources(&self, batch: &PeerCopyBatch) -> Result<Sources, GpuError> {
-        let mut s = Sources { addrs: Vec::new(), _keep: batch.sources.clone(), _pins: Vec::new() };
+        let mut s = Sources { addrs: Vec::new(), _pins: Vec::new() };
         for src in &batch.sources {
             let any = src.as_any();
             if let Some(c) = any.downcast_ref::<CudaPeerBuffer>() {
@@ -275,14 +276,15 @@ impl Inner {
         let flush = |n_copy: usize, n_crc: usize, launched: &mut (usize, usize)| {
             if n_copy > launched.0 {
                 let desc = table.device + 8 * (copy_at + 3 * launched.0) as u64;
-                self.launch_with(stream, &self.copy_kernel, desc, n_copy - launched.0, &[0, 0], per_sm)?;
+                self.launch(stream, &self.copy_kernel, desc, n_copy - launched.0, &[0, 0], per_sm)?;
                 launched.0 = n_copy;
             }
             if n_crc > launched.1 {
                 let desc = table.device + 8 * (crc_at + 3 * launched.1) as u64;
                 let out = table.device + 8 * out_at as u64 + 4 * launched.1 as u64;
                 self.crc.wait(&stream.record_event(None).map_err(dev_err)?).map_err(dev_err)?;
-                self.launch(&self.crc, &self.crc_kernel, desc, n_crc - launched.1, &[out, self.crc_tables])?;
+                let (tables, grid) = (self.crc_tables, self.cfg.blocks_per_sm);
+                self.launch(&self.crc, &self.crc_kernel, desc, n_crc - launched.1, &[out, tables], grid)?;
                 launched.1 = n_crc;
             }
             Ok::<(), GpuError>(())
