@@ -6,7 +6,8 @@
 #   FUZZ_SECS=N scripts/test.sh   seconds per fuzz target in the smoke run (default 20)
 #
 # Tiers:
-#   0. scripts/layers.sh: no module imports a module above it.
+#   0. scripts/layers.sh: on the real module graph, no module imports a
+#      module above it (scripts/layers.txt) and no level has a cycle.
 #   1. cargo test (real tokio): unit tests (incl. seeded fuzz-body replays and
 #      fuzz/regressions/), integration tests on loopback, properties, the
 #      main job on a small trace window.

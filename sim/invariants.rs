@@ -93,12 +93,10 @@
 //!   fetch cancelled mid-read while holding a lock (the cancel probe tries
 //!   up to four cancel points until one lands with a lock held;
 //!   `cancel_probe.inconclusive` counts runs where none did) leaves none
-//!   either. Excused: orphan grants ([`orphan_grants`]), locks granted after
-//!   the eventual half saw none, to a lock RPC whose fetch had already ended
-//!   (deadline or cancel) so that no fetch ever saw the grant; they expire
-//!   at the owner by design (seed 2742: a safety-phase fetch's lock RPC
-//!   landed 2 ms after its fetch ended and just after the eventual half
-//!   passed). A lock any fetch saw granted is never excused.
+//!   either. Nothing is excused: a lock granted to a lock RPC whose fetch
+//!   had already ended (deadline or cancel; seed 2742: a safety-phase
+//!   fetch's lock RPC landed 2 ms after its fetch ended), which no fetch
+//!   ever saw, is released by the RPC's own task (issue 31).
 //! - `inv_no_early_free_*` (C11), each its own name: `_pool`, on every live
 //!   node at every tick, the allocator's own invariants and
 //!   `pool used bytes >= resident blocks × block bytes`; `_lease`, with lease pressure on, a
@@ -565,47 +563,22 @@ pub fn inv_fetch_progress(node: usize, req: usize, listed: usize, r: Option<&Fet
 
 /// C8: no transfer lock on any live node. `name` is the half
 /// (`inv_no_lock_leak_eventual` or `inv_no_lock_leak_prompt`), `what` says
-/// which case was checked. `orphans` (see [`orphan_grants`]; empty for the
-/// eventual half) are locks no requester can release, excused per owner
-/// node: each excuses one of that node's sessions, never more.
+/// which case was checked. Nothing is excused: a lock granted after its
+/// fetch ended (an orphan grant) is released by the lock RPC's task
+/// (`engine::fetch`'s `LateRelease`) like any other.
 pub fn inv_no_lock_leak(
     shared: &Shared,
     name: &'static str,
     what: &str,
     locks: &[(usize, u64)],
-    orphans: &[(usize, String)],
 ) -> Result<(), Violation> {
-    let excused = |i: usize| orphans.iter().filter(|(o, _)| *o == i).count() as u64;
-    let held: Vec<String> = locks
-        .iter()
-        .filter(|(i, n)| *n > excused(*i))
-        .map(|(i, n)| format!("node{}: {n} session(s), {} of them orphan grant(s)", i + 1, excused(*i)))
-        .collect();
+    let held: Vec<String> =
+        locks.iter().filter(|(_, n)| *n > 0).map(|(i, n)| format!("node{}: {n} session(s)", i + 1)).collect();
     if held.is_empty() {
         shared.checker.count(name, false);
         return Ok(());
     }
     Err(violation(name, format!("{what}: transfer locks still held: {}", held.join(", "))))
-}
-
-/// Sessions granted at or after `since_sim` ([`now_ms`]) that no fetch ever
-/// saw granted (no `kvferry::fetch_lock` event) and that neither a release
-/// nor the GC ended yet, with their owner's node index: the grants of
-/// `QueryBlocksForTransfer` RPCs still in flight when their fetch ended (its
-/// deadline, or a cancel). The requester never learned the session id, so
-/// it cannot release it; by design it expires at the owner (C8, "locks
-/// expire and the engine's own GC frees them"; `engine::fetch::machine`,
-/// the `Deadline` arm). `inv_no_lock_leak_prompt` excuses exactly these,
-/// so a lock any fetch saw granted is never excused. `since_sim` is when the
-/// eventual half saw no lock left (no node is killed after it, so each such
-/// session is still counted by its owner's live engine).
-pub fn orphan_grants(grants: &SessionGrants, since_sim: u64) -> Vec<(usize, String)> {
-    let g = grants.0.lock().expect("grants");
-    g.lives
-        .iter()
-        .filter(|(_, l)| l.granted_sim >= since_sim && l.requester.is_none() && !l.released && l.expired_sim.is_none())
-        .filter_map(|(id, l)| node_of(&l.owner).map(|o| (o, id.clone())))
-        .collect()
 }
 
 /// C11 (a): allocator consistency and cache memory allocated, on one node.

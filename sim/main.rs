@@ -158,7 +158,7 @@ regression!(
 // but the runs differ; the seeds above still pass and were not re-found
 // with their fixes reverted since.
 regression!(
-    regression_orphan_grant_excused_2742,
+    regression_orphan_grant_2742,
     2742,
     Dense,
     "inv_no_lock_leak_prompt (C8), a false positive (issue 29's mix, 16 TCP connections per peer): a \
@@ -166,9 +166,9 @@ regression!(
      ended with its QueryBlocksForTransfer to node1 in flight; node1 granted it just after the eventual \
      half had seen no lock left, so no fetch ever saw that session (by design it expires at the owner, \
      engine::fetch::machine) and, with 1 s locks and a 2.3 s lock GC, it was still held when the prompt \
-     half checked 2 s later. Fix: the prompt half excuses exactly such orphan grants \
-     (invariants::orphan_grants: granted since the eventual half passed, never seen by a fetch, neither \
-     released nor expired); a lock any fetch saw granted is never excused. Found in a 20,000-seed sweep."
+     half checked 2 s later. First fix: the prompt half excused such orphan grants. Fix since issue 31: \
+     the lock RPC runs in a task of its own that releases a grant its fetch never took \
+     (engine::fetch's LateRelease), and nothing is excused. Found in a 20,000-seed sweep."
 );
 
 /// `MADSIM_TEST_CHECK_DETERMINISM` for seeds that diverged between two runs

@@ -365,7 +365,7 @@ async fn run_plan(
     if plan.has(Kind::FetchCancel) {
         summary.faults.insert(Kind::FetchCancel.name(), (cancelled, 0));
     }
-    liveness(&cluster, &requests, &mut summary, grants).await;
+    liveness(&cluster, &requests, &mut summary).await;
 
     // ---- final safety checks
     invariants::tick(&shared, true);
@@ -435,16 +435,14 @@ async fn run_plan(
 
 /// Liveness: locks drain, the index converges, a cancelled fetch releases
 /// its lock promptly.
-async fn liveness(c: &Cluster, requests: &[Request], summary: &mut Summary, grants: &invariants::SessionGrants) {
+async fn liveness(c: &Cluster, requests: &[Request], summary: &mut Summary) {
     let s = &c.shared;
     let p = &s.params;
 
     // 1. Eventual lock release (C8 expiry + engine GC).
     let bound = Duration::from_secs(u64::from(p.lock_timeout_secs)) + p.lock_gc_interval + invariants::LOCK_SLACK;
     let t0 = Instant::now();
-    // When no lock was left: the prompt half excuses only orphan grants
-    // made since (none if locks never drained: that already failed here).
-    let quiet_since = loop {
+    loop {
         let locks = active_locks(s);
         let quiet = locks.iter().all(|(_, n)| *n == 0);
         if quiet || t0.elapsed() >= bound {
@@ -453,12 +451,11 @@ async fn liveness(c: &Cluster, requests: &[Request], summary: &mut Summary, gran
                 "inv_no_lock_leak_eventual",
                 &format!("eventual (waited {:?}, bound lock_timeout + gc + slack = {bound:?})", t0.elapsed()),
                 &locks,
-                &[],
             ));
-            break if quiet { invariants::now_ms() } else { u64::MAX };
+            break;
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
-    };
+    }
 
     // C4, what was delivered: before any repair, once queued registrations
     // were flushed, the store holds for each live node what its engine holds
@@ -502,7 +499,7 @@ async fn liveness(c: &Cluster, requests: &[Request], summary: &mut Summary, gran
     }
 
     // 3. Prompt release on cancel (C8 "every path"): the cancel probe.
-    summary.probe_conclusive = cancel_probe(c, requests, grants, quiet_since).await;
+    summary.probe_conclusive = cancel_probe(c, requests).await;
     s.checker
         .count(if summary.probe_conclusive { "cancel_probe.conclusive" } else { "cancel_probe.inconclusive" }, false);
 }
@@ -566,9 +563,7 @@ async fn flush_all(c: &Cluster) {
 /// Starts a fetch on a decode node that must read from a peer, slows its
 /// reads, cancels it mid-read, and checks that no transfer lock is left
 /// `RELEASE_GRACE` later. Returns whether a lock was held at cancel time.
-/// Both checks excuse the orphan grants made since `quiet_since`
-/// ([`invariants::orphan_grants`]).
-async fn cancel_probe(c: &Cluster, requests: &[Request], grants: &invariants::SessionGrants, quiet_since: u64) -> bool {
+async fn cancel_probe(c: &Cluster, requests: &[Request]) -> bool {
     let s = &c.shared;
     let Some(ms) = s.ms() else { return false };
     for d in PREFILL..NODES {
@@ -616,7 +611,6 @@ async fn cancel_probe(c: &Cluster, requests: &[Request], grants: &invariants::Se
             "inv_no_lock_leak_prompt",
             &format!("prompt (fetch on node{} completed {:?} ago)", d + 1, invariants::RELEASE_GRACE),
             &active_locks(s),
-            &invariants::orphan_grants(grants, quiet_since),
         ));
         let created = |s: &Shared| -> u64 {
             (0..NODES)
@@ -638,10 +632,7 @@ async fn cancel_probe(c: &Cluster, requests: &[Request], grants: &invariants::Se
                 tokio::time::timeout(Duration::from_millis(cancel_ms), engine.fetch(NAMESPACE, &hashes)).await.is_err()
             });
             let cancelled = probe.await.unwrap_or(false);
-            // A lock held beyond the orphan grants (which the check excuses).
-            let orphans = invariants::orphan_grants(grants, quiet_since);
-            let excused = |i: usize| orphans.iter().filter(|(o, _)| *o == i).count() as u64;
-            held = cancelled && created(s) > before && active_locks(s).iter().any(|&(i, k)| k > excused(i));
+            held = cancelled && created(s) > before && active_locks(s).iter().any(|&(_, k)| k > 0);
             sim::set_read_delay(&n.transport, Duration::ZERO);
             tokio::time::sleep(invariants::RELEASE_GRACE).await;
             if held {
@@ -652,13 +643,7 @@ async fn cancel_probe(c: &Cluster, requests: &[Request], grants: &invariants::Se
                     d + 1,
                     invariants::RELEASE_GRACE
                 );
-                s.checker.record(invariants::inv_no_lock_leak(
-                    s,
-                    "inv_no_lock_leak_prompt",
-                    &what,
-                    &active_locks(s),
-                    &invariants::orphan_grants(grants, quiet_since),
-                ));
+                s.checker.record(invariants::inv_no_lock_leak(s, "inv_no_lock_leak_prompt", &what, &active_locks(s)));
                 break;
             }
         }

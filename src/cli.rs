@@ -800,7 +800,8 @@ async fn run_metaserver(
         seed: 0,
         capacity_hashes,
         shards,
-        io_threads: io_threads.unwrap_or_else(kvferry::limits::metaserver_io_threads_default),
+        io_threads: io_threads
+            .unwrap_or_else(|| kvferry::limits::metaserver_io_threads_default(kvferry::rt::cpu_parallelism())),
         tls,
     };
     let mut h = metaserver::start(cfg).await.map_err(|e| metaserver_error_text(&e))?;

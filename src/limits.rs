@@ -336,8 +336,7 @@ pub const METASERVER_IO_THREADS_MAX: usize = 256;
 /// insert p99 (the one thread decoding every insert competes for two cores
 /// with the writes themselves), so small hosts keep the shared runtime
 /// (docs/BENCHMARKS.md, session 8).
-pub fn metaserver_io_threads_default() -> usize {
-    let cores = crate::rt::cpu_parallelism();
+pub fn metaserver_io_threads_default(cores: usize) -> usize {
     if cores >= 8 { cores / 4 } else { 0 }
 }
 

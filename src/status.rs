@@ -1,32 +1,35 @@
-//! Maps kvferry's typed errors to `tonic::Status` — the one place where that
-//! happens (house style 9), so every RPC answers the same code for the same
-//! fault.
+//! Maps kvferry's typed errors to `tonic::Status` — the one place where a
+//! status is built from an error (house style 9), so every RPC answers the
+//! same code for the same fault. An error that a service answers implements
+//! [`GrpcCode`] beside its definition (its code per variant, a stable part
+//! of the wire contract: the table per RPC is in `docs/wire.md`);
+//! [`to_status`] turns it into the status.
 
 use tonic::{Code, Status};
 
-use crate::metaserver::store::StoreError;
 use crate::types::IdError;
 
-/// Malformed ids, namespaces or hashes → `INVALID_ARGUMENT`.
-pub fn from_id_error(e: IdError) -> Status {
-    Status::invalid_argument(e.to_string())
+/// An error a gRPC service answers with: one code per variant.
+pub trait GrpcCode: std::fmt::Display {
+    /// The code this error answers.
+    fn grpc_code(&self) -> Code;
 }
 
-/// Store errors → `FAILED_PRECONDITION`, all three of them, as the peer
-/// MetaServer (pegaflow-metaserver) answers: an unknown node or a stale
-/// session on a write, and a heartbeat from a different session while the
-/// address's registered session is still live. That is the one code the
-/// peer's clients act on (they reset their "registered" flag and heartbeat
-/// again, with backoff); a conflicting heartbeat succeeds once the other
-/// session goes stale. The message names which case it was. The full table
-/// of codes per RPC is in `docs/wire.md`.
-pub fn from_store_error(e: StoreError) -> Status {
-    let code = match e {
-        StoreError::UnknownNode { .. } | StoreError::StaleSession { .. } | StoreError::LiveSessionConflict { .. } => {
-            Code::FailedPrecondition
-        }
-    };
-    Status::new(code, e.to_string())
+/// The status for `e`: its [`GrpcCode`] and its message.
+pub fn to_status<E: GrpcCode>(e: E) -> Status {
+    Status::new(e.grpc_code(), e.to_string())
+}
+
+/// Malformed ids, namespaces or hashes → `INVALID_ARGUMENT`.
+impl GrpcCode for IdError {
+    fn grpc_code(&self) -> Code {
+        Code::InvalidArgument
+    }
+}
+
+/// [`to_status`] of an [`IdError`].
+pub fn from_id_error(e: IdError) -> Status {
+    to_status(e)
 }
 
 /// Wraps a tonic service so a request over the decode limit answers

@@ -29,14 +29,7 @@ use crate::gpu::peer::{BufferExport, PeerKind};
 use crate::memory::DeviceBufferId;
 use crate::types::BlockHash;
 
-/// Trace target of the owner's lease events (`granted`: fields `lease`,
-/// `now_ms`, `expires_at_ms`; `taken`: `session`, `leases`; `released`:
-/// `session`; `revoked`: `leases`), which the simulator checks C19 with.
-pub const DEVICE_LEASE_TRACE_TARGET: &str = "kvferry::device_lease";
-
-/// Trace target of the reader's event as a device-direct copy is submitted
-/// (fields `me`, `session`): no device read after its lease ended (C19).
-pub const DEVICE_READ_TRACE_TARGET: &str = "kvferry::device_read";
+pub use super::leases::{DEVICE_LEASE_TRACE_TARGET, DEVICE_READ_TRACE_TARGET};
 
 /// What a reader asks for with a transfer lock: the handle kind it opens,
 /// its process id, and whether the transport proved it runs on this host.

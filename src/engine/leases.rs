@@ -28,6 +28,15 @@ use std::sync::Arc;
 use crate::limits::{DEVICE_LEASE_BLOCKS_MAX, DEVICE_LEASE_TTL_MS_MAX, DEVICE_LEASES_ENDED_MAX, DEVICE_LEASES_MAX};
 use crate::types::BlockHash;
 
+/// Trace target of the owner's lease events (`granted`: fields `lease`,
+/// `now_ms`, `expires_at_ms`; `taken`: `session`, `leases`; `released`:
+/// `session`; `revoked`: `leases`), which the simulator checks C19 with.
+pub const DEVICE_LEASE_TRACE_TARGET: &str = "kvferry::device_lease";
+
+/// Trace target of the reader's event as a device-direct copy is submitted
+/// (fields `me`, `session`): no device read after its lease ended (C19).
+pub const DEVICE_READ_TRACE_TARGET: &str = "kvferry::device_read";
+
 /// A lease id: 128 bits from the engine's CSPRNG, shown as 32 hex
 /// characters. Never reused within an engine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

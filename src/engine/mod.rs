@@ -12,6 +12,7 @@ pub mod fetch;
 pub mod layout;
 pub mod leases;
 pub mod locks;
+mod peers;
 pub use crate::memory::pool;
 
 use std::collections::{BTreeSet, HashMap, HashSet};
@@ -31,7 +32,7 @@ use crate::memory::DeviceBufferId;
 use crate::transport::{DataSource, Transport};
 use crate::types::{BlockHash, IdError, NodeAddr, validate_namespace};
 use cache::{BlockCache, CachedBlock};
-use fetch::FetchReport;
+pub use fetch::{FetchIntoReport, FetchReport};
 use layout::{LayerLayout, Layout, LayoutError, LayoutFamily};
 use locks::{AccessError, LockError, LockTable};
 use pool::{Extent, Pool, PoolError, SealedExtent};
@@ -221,24 +222,6 @@ impl LoadReport {
     }
 }
 
-/// Result of [`Engine::fetch_into`].
-#[derive(Debug)]
-pub struct FetchIntoReport {
-    /// The fetch: `available` of `requested` resident here, and why it
-    /// stopped short.
-    pub fetch: FetchReport,
-    /// The load of the first `fetch.available` blocks.
-    pub load: LoadReport,
-}
-
-impl FetchIntoReport {
-    /// Leading blocks now on the device (fetched or already resident, and
-    /// loaded): the caller recomputes every block after them.
-    pub fn ready(&self) -> usize {
-        self.load.results.iter().take_while(|r| r.is_ok()).count()
-    }
-}
-
 /// Plain counters and gauges an exporter reads.
 #[derive(Debug, Default)]
 pub struct EngineMetrics {
@@ -342,7 +325,7 @@ pub(crate) struct EngineInner {
     saves: Mutex<SaveTracker>,
     saves_done: watch::Sender<u64>,
     metrics: EngineMetrics,
-    pub(crate) peers: fetch::PeerTable,
+    pub(crate) peers: peers::PeerTable,
     /// Device leases granted on this engine's KV blocks (C19).
     leases: Mutex<leases::DeviceLeases>,
     /// Exports of this engine's device buffers, made once per buffer and
@@ -465,7 +448,7 @@ impl Engine {
             saves: Mutex::new(SaveTracker::default()),
             saves_done,
             metrics: EngineMetrics::default(),
-            peers: fetch::PeerTable::default(),
+            peers: peers::PeerTable::default(),
             leases: Mutex::new(leases::DeviceLeases::new()),
             exports: Mutex::new(HashMap::new()),
             cfg,
@@ -650,7 +633,7 @@ impl Engine {
         if !ids.is_empty() {
             let ids: Vec<String> = ids.iter().map(ToString::to_string).collect();
             tracing::trace!(
-                target: device::DEVICE_LEASE_TRACE_TARGET,
+                target: leases::DEVICE_LEASE_TRACE_TARGET,
                 owner = %self.node(),
                 namespace,
                 leases = %ids.join(","),
@@ -1045,35 +1028,6 @@ impl Engine {
         self.inner.metrics.loaded_blocks.fetch_add(ok, Ordering::Relaxed);
         self.inner.metrics.load_failures.fetch_add(blocks.len() as u64 - ok, Ordering::Relaxed);
         Ok(report)
-    }
-
-    /// Fetches `blocks` from peers ([`Engine::fetch`]) and loads the
-    /// fetched (or already resident) prefix into the caller's block indices
-    /// ([`Engine::load`]) in one call: the decode side of the P/D handoff.
-    /// `blocks` pairs each hash (in prefix order) with the index of the
-    /// embedder's paged cache it goes to. Loads are pipelined with the
-    /// fetch: the resident prefix starts loading at once and each fetched
-    /// part as soon as it is verified and sealed, so only the last part's
-    /// copy follows the last read (`fetch.phases.load_tail`).
-    ///
-    /// [`FetchIntoReport::ready`] is how many leading blocks are now on the
-    /// device; the caller recomputes the rest.
-    ///
-    /// # Errors
-    /// Validation errors (unknown namespace, index out of range), before
-    /// anything is fetched. Peer and copy failures are not errors: they end
-    /// the ready prefix early (C9).
-    pub async fn fetch_into(
-        &self,
-        namespace: &str,
-        blocks: &[(BlockHash, u64)],
-    ) -> Result<FetchIntoReport, EngineError> {
-        let (_, layout) = self.layout(namespace)?;
-        Self::check_indices(&layout, blocks.iter().map(|(_, i)| i))?;
-        let hashes: Vec<BlockHash> = blocks.iter().map(|(h, _)| h.clone()).collect();
-        let (fetch, load) = self.fetch_inner(namespace, &hashes, Some(blocks)).await;
-        let load = load.unwrap_or_else(|| Ok(LoadReport { results: Vec::new() }))?;
-        Ok(FetchIntoReport { fetch, load })
     }
 
     /// Resident blocks per namespace (the backfill source, C6).

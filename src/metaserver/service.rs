@@ -16,7 +16,7 @@ use super::store::{HeartbeatOutcome, MetaStore, StoreConfig, StoreError};
 use crate::limits;
 use crate::proto::meta_server_server::{MetaServer, MetaServerServer};
 use crate::proto::*;
-use crate::status::{from_id_error, from_store_error};
+use crate::status::{from_id_error, to_status};
 use crate::types::{BlockHash, NodeAddr, SessionId, validate_namespace};
 
 /// MetaServer settings (the `kvferry metaserver` flags).
@@ -45,7 +45,8 @@ pub struct MetaServerConfig {
     /// [`crate::rt::serve_on_io_threads`]); 0 to
     /// [`limits::METASERVER_IO_THREADS_MAX`]. 0 (the library's default):
     /// serve on the caller's tokio runtime, starting no thread. `kvferry
-    /// metaserver` defaults to [`limits::metaserver_io_threads_default`].
+    /// metaserver` defaults to [`limits::metaserver_io_threads_default`] of
+    /// the host's cores.
     /// Ignored under the simulator.
     pub io_threads: usize,
     /// Serve TLS with this certificate and key (needs the `tls` feature;
@@ -278,7 +279,7 @@ impl MetaServerService {
         } else {
             write(self)
         };
-        res?.or_else(|e| self.reject(from_store_error(e)))
+        res?.or_else(|e| self.reject(to_status(e)))
     }
 
     /// Validates a write's identity, namespace and hashes: all or nothing.
@@ -349,7 +350,7 @@ impl MetaServer for MetaServerService {
                     new_session: !matches!(o, HeartbeatOutcome::Refreshed),
                 }))
             }
-            Err(e) => self.reject(from_store_error(e)),
+            Err(e) => self.reject(to_status(e)),
         }
     }
 

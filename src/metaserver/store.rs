@@ -46,8 +46,11 @@ use std::mem;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
+use tonic::Code;
+
 use super::index::{SlotIndex, prefetch};
 use crate::limits;
+use crate::status::GrpcCode;
 use crate::types::{BlockHash, NodeAddr, SessionId};
 
 /// Timing knobs of a [`MetaStore`], in milliseconds on the caller's clock.
@@ -194,6 +197,24 @@ pub enum StoreError {
         /// The fresh session that holds the node.
         live_session: SessionId,
     },
+}
+
+/// Store errors → `FAILED_PRECONDITION`, all three of them, as the peer
+/// MetaServer (pegaflow-metaserver) answers: an unknown node or a stale
+/// session on a write, and a heartbeat from a different session while the
+/// address's registered session is still live. That is the one code the
+/// peer's clients act on (they reset their "registered" flag and heartbeat
+/// again, with backoff); a conflicting heartbeat succeeds once the other
+/// session goes stale. The message names which case it was. The full table
+/// of codes per RPC is in `docs/wire.md`.
+impl GrpcCode for StoreError {
+    fn grpc_code(&self) -> Code {
+        match self {
+            StoreError::UnknownNode { .. }
+            | StoreError::StaleSession { .. }
+            | StoreError::LiveSessionConflict { .. } => Code::FailedPrecondition,
+        }
+    }
 }
 
 /// The store's indices disagree (see [`MetaStore::check_consistency`]):

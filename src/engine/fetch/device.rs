@@ -16,13 +16,11 @@
 //! sides' ranges of each block in pool byte order and cuts a copy wherever
 //! either side's range ends, so each copy is contiguous on both.
 
-use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Arc;
 
 use crate::engine::layout::Layout;
-use crate::gpu::peer::{BufferExport, HANDLE_BYTES_MAX, PeerBuffer, PeerCopyOp, PeerKind};
-use crate::gpu::{Gpu, GpuError};
+use crate::gpu::peer::{BufferExport, HANDLE_BYTES_MAX, PeerCopyOp, PeerKind};
 use crate::proto::{DeviceBufferExport, TransferBlockInfo};
 
 /// The device half of an owner's lock answer, as the reader keeps it.
@@ -58,35 +56,6 @@ impl DeviceSide {
             exports,
             until: now + std::time::Duration::from_millis(left.min(crate::limits::DEVICE_LEASE_TTL_MS_MAX)),
         })
-    }
-}
-
-/// Opened peer buffers of one owner, by export (kept across parts and
-/// fetches so a handle is opened once per owner incarnation).
-#[derive(Default)]
-pub(crate) struct Opened {
-    map: HashMap<(Vec<u8>, u64, u64), Arc<dyn PeerBuffer>>,
-}
-
-/// Most opened peer buffers kept per owner.
-const OPENED_MAX: usize = 4096;
-
-impl Opened {
-    /// The opened buffer of `e`, opening it with `gpu` if needed.
-    ///
-    /// # Errors
-    /// The backend's refusal.
-    pub fn get(&mut self, gpu: &dyn Gpu, e: &BufferExport) -> Result<Arc<dyn PeerBuffer>, GpuError> {
-        let key = (e.handle.clone(), e.offset, e.len);
-        if let Some(b) = self.map.get(&key) {
-            return Ok(b.clone());
-        }
-        let b = gpu.open_peer_buffer(e)?;
-        if self.map.len() >= OPENED_MAX {
-            self.map.clear();
-        }
-        self.map.insert(key, b.clone());
-        Ok(b)
     }
 }
 

@@ -31,13 +31,12 @@ mod machine;
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
-use tokio::sync::OnceCell;
 use tokio::time::Instant;
 use tonic::transport::Channel;
 
@@ -45,6 +44,7 @@ pub use machine::{Action, Event, FetchMachine, LockGrant, MachineConfig};
 
 use super::cache::CachedBlock;
 use super::layout::{Layout, LayoutFamily};
+use super::peers::PeerState;
 use super::pool::Extent;
 use super::{Engine, EngineError, LoadError, LoadReport, slot_checksums};
 use crate::proto::engine_client::EngineClient;
@@ -56,46 +56,52 @@ use crate::rt::timeout_at;
 use crate::transport::{HandshakeMetadata, ReadCompletion, ReadOp, Transport, TransportError};
 use crate::types::{BlockHash, NodeAddr};
 
-/// Per-peer state: its gRPC client and the single-flight handshake.
-pub(crate) struct PeerState {
-    grpc: EngineClient<Channel>,
-    handshake: OnceCell<()>,
-    /// Its device buffers this node opened (C19), kept while the entry is.
-    opened: Mutex<device::Opened>,
+/// Result of [`Engine::fetch_into`].
+#[derive(Debug)]
+pub struct FetchIntoReport {
+    /// The fetch: `available` of `requested` resident here, and why it
+    /// stopped short.
+    pub fetch: FetchReport,
+    /// The load of the first `fetch.available` blocks.
+    pub load: LoadReport,
 }
 
-/// Peers this engine fetches from.
-#[derive(Default)]
-pub(crate) struct PeerTable {
-    peers: Mutex<HashMap<NodeAddr, Arc<PeerState>>>,
+impl FetchIntoReport {
+    /// Leading blocks now on the device (fetched or already resident, and
+    /// loaded): the caller recomputes every block after them.
+    pub fn ready(&self) -> usize {
+        self.load.results.iter().take_while(|r| r.is_ok()).count()
+    }
 }
 
-impl PeerTable {
-    fn get(&self, peer: &NodeAddr, timeout: Duration) -> Result<Arc<PeerState>, FetchError> {
-        let mut map = self.peers.lock().expect("peers lock");
-        if let Some(p) = map.get(peer) {
-            return Ok(p.clone());
-        }
-        let ch = crate::rt::channel(&peer.0, timeout).map_err(|e| FetchError::Peer(e.to_string()))?;
-        let grpc = EngineClient::new(ch)
-            .max_decoding_message_size(crate::limits::GRPC_MESSAGE_BYTES_MAX)
-            .max_encoding_message_size(crate::limits::GRPC_MESSAGE_BYTES_MAX);
-        let p = Arc::new(PeerState { grpc, handshake: OnceCell::new(), opened: Mutex::default() });
-        map.insert(peer.clone(), p.clone());
-        Ok(p)
-    }
-
-    /// Forgets a peer (after a transport failure) if `p` is still its entry.
-    fn invalidate(&self, peer: &NodeAddr, p: &Arc<PeerState>) {
-        let mut map = self.peers.lock().expect("peers lock");
-        if map.get(peer).is_some_and(|cur| Arc::ptr_eq(cur, p)) {
-            map.remove(peer);
-        }
-    }
-
-    /// Peers with a completed handshake.
-    pub(crate) fn handshaken(&self) -> usize {
-        self.peers.lock().expect("peers lock").values().filter(|p| p.handshake.initialized()).count()
+impl Engine {
+    /// Fetches `blocks` from peers ([`Engine::fetch`]) and loads the
+    /// fetched (or already resident) prefix into the caller's block indices
+    /// ([`Engine::load`]) in one call: the decode side of the P/D handoff.
+    /// `blocks` pairs each hash (in prefix order) with the index of the
+    /// embedder's paged cache it goes to. Loads are pipelined with the
+    /// fetch: the resident prefix starts loading at once and each fetched
+    /// part as soon as it is verified and sealed, so only the last part's
+    /// copy follows the last read (`fetch.phases.load_tail`).
+    ///
+    /// [`FetchIntoReport::ready`] is how many leading blocks are now on the
+    /// device; the caller recomputes the rest.
+    ///
+    /// # Errors
+    /// Validation errors (unknown namespace, index out of range), before
+    /// anything is fetched. Peer and copy failures are not errors: they end
+    /// the ready prefix early (C9).
+    pub async fn fetch_into(
+        &self,
+        namespace: &str,
+        blocks: &[(BlockHash, u64)],
+    ) -> Result<FetchIntoReport, EngineError> {
+        let (_, layout) = self.layout(namespace)?;
+        Self::check_indices(&layout, blocks.iter().map(|(_, i)| i))?;
+        let hashes: Vec<BlockHash> = blocks.iter().map(|(h, _)| h.clone()).collect();
+        let (fetch, load) = self.fetch_inner(namespace, &hashes, Some(blocks)).await;
+        let load = load.unwrap_or_else(|| Ok(LoadReport { results: Vec::new() }))?;
+        Ok(FetchIntoReport { fetch, load })
     }
 }
 
@@ -228,8 +234,10 @@ enum Rpc {
 /// slots a read or a CRC pass had taken out of the slot table.
 enum Outcome {
     Rpc(Event),
-    /// The lock's answer, with its device half (C19) when it had one.
-    Locked(Result<LockGrant, FetchError>, Option<device::DeviceSide>),
+    /// The lock's answer, with its device half (C19) when it had one. A
+    /// grant comes inside a [`LateRelease`] that releases it if the answer
+    /// is dropped before the driver takes it (the fetch ended first).
+    Locked(Result<Box<LateRelease>, FetchError>, Option<device::DeviceSide>),
     /// A part copied device to device and verified: the slots it did not
     /// use, and each block's slot checksums.
     DeviceRead {
@@ -551,7 +559,8 @@ impl<'a> Driver<'a> {
             Outcome::Locked(res, device) => {
                 self.rpc = None;
                 self.device = device;
-                Event::Locked(res)
+                // The machine owns the grant from here (it releases it, C8).
+                Event::Locked(res.map(|g| g.take()))
             }
             Outcome::DeviceRead { part, first, local, sums } => {
                 self.reads -= 1;
@@ -601,7 +610,12 @@ impl<'a> Driver<'a> {
                 None
             }
             Action::Handshake { owner } => {
-                let p = match engine.inner.peers.get(&owner, engine.inner.cfg.peer_rpc_timeout) {
+                let p = match engine
+                    .inner
+                    .peers
+                    .get(&owner, engine.inner.cfg.peer_rpc_timeout)
+                    .map_err(|e| FetchError::Peer(e.to_string()))
+                {
                     Ok(p) => p,
                     Err(e) => return Some(Event::Handshake(Err(e))),
                 };
@@ -629,12 +643,25 @@ impl<'a> Driver<'a> {
                     requester_id: engine.node().0.clone(),
                     device,
                 };
+                if Instant::now() >= self.deadline {
+                    // Not sent: no answer could arrive in time.
+                    return Some(Event::Locked(Err(FetchError::Deadline)));
+                }
                 self.rpc = Some(Rpc::Lock);
                 self.device = None;
-                pending.push(Box::pin(async move {
-                    let (res, device) = match grpc.query_blocks_for_transfer(req).await {
-                        Err(s) => (Err(FetchError::Peer(s.to_string())), None),
-                        Ok(r) => {
+                // The RPC runs in a task of its own, bounded by the peer RPC
+                // timeout rather than the fetch's deadline: when the fetch
+                // ends first (deadline, cancel), the task still gets the
+                // owner's answer and a grant nobody took is released at
+                // once instead of waiting out the owner's lock timeout (C8).
+                let rpc_timeout = engine.inner.cfg.peer_rpc_timeout;
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                tokio::spawn(async move {
+                    let answer = tokio::time::timeout(rpc_timeout, grpc.query_blocks_for_transfer(req)).await;
+                    let (res, device) = match answer {
+                        Err(_) => (Err(FetchError::Peer("lock rpc timed out".into())), None),
+                        Ok(Err(s)) => (Err(FetchError::Peer(s.to_string())), None),
+                        Ok(Ok(r)) => {
                             let r = r.into_inner();
                             if r.transfer_session_id.is_empty() {
                                 (Err(FetchError::Stale), None)
@@ -644,11 +671,17 @@ impl<'a> Driver<'a> {
                                     r.device_lease_ms_left,
                                     Instant::now(),
                                 );
-                                (Ok(LockGrant { session: r.transfer_session_id, blocks: r.blocks }), device)
+                                let grant = LockGrant { session: r.transfer_session_id, blocks: r.blocks };
+                                (Ok(Box::new(LateRelease::new(grant, grpc, rpc_timeout))), device)
                             }
                         }
                     };
-                    Outcome::Locked(res, device)
+                    // A send to a fetch that ended drops the outcome, whose
+                    // `LateRelease` then releases the grant.
+                    let _ = tx.send(Outcome::Locked(res, device));
+                });
+                pending.push(Box::pin(async move {
+                    rx.await.unwrap_or(Outcome::Locked(Err(FetchError::Peer("lock task ended".into())), None))
                 }));
                 None
             }
@@ -856,7 +889,7 @@ impl<'a> Driver<'a> {
             let t0 = Instant::now();
             // The simulator checks this against the owner's lease events
             // (C19: no device read after the lease ended).
-            tracing::trace!(target: crate::engine::device::DEVICE_READ_TRACE_TARGET, me = %engine.node(), session, "device read");
+            tracing::trace!(target: super::leases::DEVICE_READ_TRACE_TARGET, me = %engine.node(), session, "device read");
             let sums = gpu.submit_peer(batch).await.map_err(|e| format!("device copy: {e}"))?;
             let mut out = Vec::with_capacity(expected.len());
             let mut at = 0;
@@ -927,6 +960,44 @@ fn runs(v: &[usize]) -> Vec<std::ops::Range<usize>> {
     }
     out
 }
+
+/// A transfer lock granted to a fetch, on its way from the lock RPC's task
+/// to the fetch's driver. Dropped untaken — the fetch ended (deadline,
+/// cancel) before the owner's answer arrived or before the driver took it —
+/// it releases the lock at once (`ReleaseTransferLock` in a task of its
+/// own, bounded by the peer RPC timeout), so a late grant is not held until
+/// the owner's lock timeout (C8).
+struct LateRelease {
+    grant: Option<LockGrant>,
+    grpc: EngineClient<Channel>,
+    timeout: Duration,
+}
+
+impl LateRelease {
+    fn new(grant: LockGrant, grpc: EngineClient<Channel>, timeout: Duration) -> Self {
+        Self { grant: Some(grant), grpc, timeout }
+    }
+
+    /// The grant, now the fetch machine's to release.
+    fn take(mut self) -> LockGrant {
+        self.grant.take().expect("a LateRelease holds its grant until taken")
+    }
+}
+
+impl Drop for LateRelease {
+    fn drop(&mut self) {
+        let Some(grant) = self.grant.take() else { return };
+        tracing::trace!(target: FETCH_LATE_GRANT_TRACE_TARGET, session = %grant.session, "late grant released");
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(release_lock(self.grpc.clone(), grant.session, self.timeout));
+        }
+    }
+}
+
+/// The `tracing` target of the trace-level event emitted when a transfer
+/// lock granted after its fetch ended is released ([`LateRelease`]; field
+/// `session`).
+pub const FETCH_LATE_GRANT_TRACE_TARGET: &str = "kvferry::fetch_late_grant";
 
 /// `ReleaseTransferLock(session)`, bounded by `timeout`; the outcome is not
 /// needed (release is idempotent and an unreleased lock expires, C8).
