@@ -121,6 +121,8 @@ awk '
         if (kv[1] == "faults" || kv[1] == "checks") {
             n = split(kv[2], items, ",")
             for (j = 1; j <= n; j++) { m = split(items[j], p, ":"); if (m >= 2) sum[kv[1] " " p[1]] += p[2] }
+        } else if (kv[1] == "c9_overrun_max_ms") {
+            if (kv[2] > tot[kv[1]]) tot[kv[1]] = kv[2]
         } else if (kv[1] == "done" || kv[1] == "lost" || kv[1] == "reused" || kv[1] == "saved" || kv[1] == "fetched" || kv[1] == "verified" || kv[1] == "recomputed" || kv[1] ~ /^corrupt_/ || kv[1] == "checksum_rejected" || kv[1] == "poisoned_frees" || kv[1] ~ /^c[0-9]+_/) {
             tot[kv[1]] += kv[2]
             if (kv[1] == "c9_deadline_fetches" && kv[2] > 0) tot["seeds_with_c9_deadline_fetch"]++

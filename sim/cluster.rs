@@ -224,6 +224,8 @@ pub struct Shared {
     /// Fetches that ended on their deadline (stopped by `Deadline` or a
     /// transport timeout; C9).
     pub deadline_fetches: AtomicU64,
+    /// The longest any fetch ran past its deadline (µs; C9's slack).
+    pub fetch_overrun_max_us: AtomicU64,
     /// Device leases (C19): per node, the ids its engines granted and the
     /// ends drained so far.
     pub leases: Mutex<LeaseBook>,
@@ -415,6 +417,7 @@ impl Cluster {
             graveyard: Mutex::new(Vec::new()),
             partial_read_errors: AtomicU64::new(0),
             deadline_fetches: AtomicU64::new(0),
+            fetch_overrun_max_us: AtomicU64::new(0),
             leases: Mutex::new(LeaseBook {
                 granted: vec![Default::default(); NODES],
                 ended: vec![Default::default(); NODES],

@@ -165,6 +165,22 @@ pub struct Fetched {
     pub verified: usize,
 }
 
+/// Checks `inv_degrade_bounded` for a fetch that took `elapsed`, and keeps
+/// the largest time any fetch ran past its deadline (`c9_overrun_max_ms`).
+fn check_bounded(
+    shared: &Shared,
+    node: usize,
+    req: usize,
+    r: &FetchReport,
+    elapsed: Duration,
+    resident: Option<usize>,
+) {
+    let over = elapsed.saturating_sub(shared.params.fetch_deadline);
+    shared.fetch_overrun_max_us.fetch_max(over.as_micros() as u64, Ordering::SeqCst);
+    let bound = invariants::fetch_bound(&shared.params);
+    shared.checker.record(invariants::inv_degrade_bounded(node, req, r, elapsed, bound, resident));
+}
+
 /// Counts what a fetch's report shows for issue 29's counters: a fetch
 /// that sealed blocks and then stopped on a transport error (C8's error path
 /// after a partial read) and a fetch that ended on its deadline (C9).
@@ -206,7 +222,7 @@ pub async fn fetch_and_verify(
         if let Ok(report) = tokio::time::timeout(after, n.engine.fetch(NAMESPACE, &req.hashes)).await {
             count_report(shared, &report);
             let lease = n.engine.lease(NAMESPACE, &req.hashes[..report.available]);
-            shared.checker.record(invariants::inv_degrade_bounded(node, req.id, &report, t0.elapsed(), bound, None));
+            check_bounded(shared, node, req.id, &report, t0.elapsed(), None);
             let k = lease.len().min(report.available);
             let verified = verify_resident(shared, n, node, req, k, "after fetch").await;
             return Fetched { report: Some(report), verified };
@@ -239,7 +255,7 @@ pub async fn fetch_and_verify(
     // legitimately take them, so residency is checked only without one.
     let evicted = n.engine.metrics().evicted.load(Ordering::SeqCst) != evicted0;
     let resident = (!evicted).then_some(lease.len());
-    shared.checker.record(invariants::inv_degrade_bounded(node, req.id, &report, elapsed, bound, resident));
+    check_bounded(shared, node, req.id, &report, elapsed, resident);
     let k = lease.len().min(report.available);
     let verified = verify_resident(shared, n, node, req, k, "after fetch").await;
     if knobs.lease_pressure && k > 0 {
@@ -419,7 +435,7 @@ async fn fetch_into_and_verify(shared: &Shared, n: &NodeSlot, node: usize, req: 
         }
     };
     count_report(shared, &got.fetch);
-    shared.checker.record(invariants::inv_degrade_bounded(node, req.id, &got.fetch, t0.elapsed(), bound, None));
+    check_bounded(shared, node, req.id, &got.fetch, t0.elapsed(), None);
     let mut ok = 0;
     for i in 0..got.ready() {
         let good = device_block_ok(n, req.slot_base() + i as u64, &req.hashes[i]);

@@ -727,8 +727,16 @@ class Node:
         fetched blocks into your cache.
 
         Args:
-            timeout: seconds (default: the node's ``fetch_timeout``; the
-                engine's own bound applies too).
+            timeout: seconds (default: the node's ``fetch_timeout``): the
+                fetch's deadline, passed down to every step (MetaServer
+                query, handshake, lock, reads); a fetch cut by it stops
+                short with ``stopped_cause`` ``"FetchError::Deadline"`` (or the
+                timeout of the step it cut). The
+                node's ``fetch_timeout`` bounds it too.
+
+        Raises:
+            DeadlineError: only when the fetch ran a second past its
+                deadline (a wedged runtime).
         """
         t = self._fetch_timeout if timeout is None else float(timeout)
         return FetchReport(**self._node.fetch(namespace, [bytes(h) for h in hashes], t))
@@ -748,7 +756,9 @@ class Node:
         self, namespace: str, hashes: BlockHashes, block_ids: Sequence[int], *, timeout: Optional[float] = None
     ) -> Tuple[FetchReport, LoadReport]:
         """:meth:`fetch`, then :meth:`load` of the ``available`` prefix into
-        ``block_ids[:available]``. Returns both reports."""
+        ``block_ids[:available]``. Returns both reports. ``timeout`` is the
+        fetch's deadline as in :meth:`fetch`; copies into your cache that
+        started before it are awaited, never abandoned."""
         t = self._fetch_timeout if timeout is None else float(timeout)
         ids = _block_ids(block_ids, distinct=True)
         f, lrep = self._node.fetch_into(namespace, [bytes(h) for h in hashes], ids, t)

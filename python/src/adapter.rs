@@ -116,13 +116,15 @@ pub async fn load(engine: &Engine, namespace: &str, blocks: Vec<(BlockHash, u64)
     engine.load(namespace, &blocks).await
 }
 
-/// Fetches, then loads the available prefix into the given block indices.
+/// Fetches, by `deadline`, then loads the available prefix into the given
+/// block indices.
 pub async fn fetch_into(
     engine: &Engine,
     namespace: &str,
     blocks: Vec<(BlockHash, u64)>,
+    deadline: tokio::time::Instant,
 ) -> Result<FetchIntoReport, EngineError> {
-    engine.fetch_into(namespace, &blocks).await
+    engine.fetch_into_with_deadline(namespace, &blocks, deadline).await
 }
 
 /// The shared chained hashes (kvferry's v1) of the full blocks of `tokens`.

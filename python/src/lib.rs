@@ -42,6 +42,11 @@ const WAIT_SLICE: Duration = Duration::from_millis(50);
 /// runtime (every engine call is bounded by itself; this guards a wedged
 /// runtime).
 const WAIT_GRACE: Duration = Duration::from_secs(2);
+/// How long past its deadline a fetch may run before the binding gives up
+/// on it as wedged (a `DeadlineError`): a fetch ends by its deadline except
+/// for device copies already started, which are awaited (they write the
+/// caller's KV blocks).
+const FETCH_OVERRUN_MAX: Duration = Duration::from_secs(1);
 /// Most worker threads of each runtime. A fetch receives each of the
 /// transport's connections to a peer (4 by default) on a task of its own
 /// and checksums parts on further tasks, so it runs as fast as the workers
@@ -574,18 +579,13 @@ impl Node {
         let t = secs(timeout_s)?;
         let (rt, engine) = self.engine()?;
         let hs = self::hashes(hashes)?;
-        let (e2, ns2, hs2) = (engine.clone(), namespace.clone(), hs.clone());
-        let r = wait(py, &rt, t, async move { e2.fetch(&ns2, &hs2).await })?;
-        let r = r.unwrap_or_else(|| {
-            // Our deadline cut the fetch: report what is resident now.
-            let k = engine.query_prefix(&namespace, &hs);
-            FetchReport {
-                requested: hs.len(),
-                available: k,
-                stopped: Some(kvferry::engine::fetch::FetchError::Deadline),
-                ..Default::default()
-            }
-        });
+        // The timeout is the fetch's own deadline (the engine ends every
+        // step by it and reports "k of n"); the wait only guards a wedged
+        // runtime.
+        let r = wait(py, &rt, t + FETCH_OVERRUN_MAX, async move {
+            engine.fetch_with_deadline(&namespace, &hs, tokio::time::Instant::now() + t).await
+        })?
+        .ok_or_else(|| deadline_fail("fetch", t + FETCH_OVERRUN_MAX))?;
         fetch_dict(py, &r)
     }
 
@@ -620,9 +620,12 @@ impl Node {
         let t = secs(timeout_s)?;
         let (rt, engine) = self.engine()?;
         let p = pairs(hashes, blocks)?;
-        let r = wait(py, &rt, t, async move { adapter::fetch_into(&engine, &namespace, p).await })?
-            .ok_or_else(|| deadline_fail("fetch_into", t))?
-            .map_err(engine_fail)?;
+        // As in `fetch`: the timeout is the fetch's own deadline.
+        let r = wait(py, &rt, t + FETCH_OVERRUN_MAX, async move {
+            adapter::fetch_into(&engine, &namespace, p, tokio::time::Instant::now() + t).await
+        })?
+        .ok_or_else(|| deadline_fail("fetch_into", t + FETCH_OVERRUN_MAX))?
+        .map_err(engine_fail)?;
         Ok((fetch_dict(py, &r.fetch)?, load_dict(py, &r.load)?))
     }
 

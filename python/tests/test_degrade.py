@@ -50,6 +50,32 @@ def test_owner_gone_after_the_handoff(metaserver, ns):
     d.shutdown(1)
 
 
+def test_fetch_timeout_is_the_fetchs_own_deadline(ns):
+    # The caller's timeout, shorter than the node's fetch and RPC bounds, is
+    # passed down as the fetch's deadline: fetch_into returns its reports
+    # ("0 of n", stopped) by it instead of being cut from outside.
+    import socket
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    addr = "127.0.0.1:%d" % silent.getsockname()[1]
+    with kvferry.Node(addr, rpc_timeout=5.0, fetch_timeout=10.0) as d:
+        d.register_kv_cache(ns, *paged(fill=0.0))
+        hs = kvferry.block_hashes(ns, tokens(2 * BT), BT)
+        t0 = time.monotonic()
+        f, loaded = d.fetch_into(ns, hs, [0, 1], timeout=0.5)
+        took = time.monotonic() - t0
+        assert took < 1.5, took
+        assert f.available == 0 and f.requested == 2 and f.stopped is not None
+        assert loaded.loaded == 0
+        t0 = time.monotonic()
+        f = d.fetch(ns, hs, timeout=0.5)
+        assert time.monotonic() - t0 < 1.5
+        assert f.available == 0 and f.stopped is not None
+    silent.close()
+
+
 def test_silent_metaserver_is_bounded(ns):
     # A MetaServer that accepts connections and never answers.
     import socket

@@ -96,10 +96,35 @@ impl Engine {
         namespace: &str,
         blocks: &[(BlockHash, u64)],
     ) -> Result<FetchIntoReport, EngineError> {
+        self.fetch_into_inner(namespace, blocks, None).await
+    }
+
+    /// [`Engine::fetch_into`] whose fetch also ends by the caller's
+    /// `deadline` (see [`Engine::fetch_with_deadline`]). Copies already
+    /// started when it passes are awaited, never abandoned: they write the
+    /// caller's KV blocks (C11).
+    ///
+    /// # Errors
+    /// As [`Engine::fetch_into`].
+    pub async fn fetch_into_with_deadline(
+        &self,
+        namespace: &str,
+        blocks: &[(BlockHash, u64)],
+        deadline: Instant,
+    ) -> Result<FetchIntoReport, EngineError> {
+        self.fetch_into_inner(namespace, blocks, Some(deadline)).await
+    }
+
+    async fn fetch_into_inner(
+        &self,
+        namespace: &str,
+        blocks: &[(BlockHash, u64)],
+        until: Option<Instant>,
+    ) -> Result<FetchIntoReport, EngineError> {
         let (_, layout) = self.layout(namespace)?;
         Self::check_indices(&layout, blocks.iter().map(|(_, i)| i))?;
         let hashes: Vec<BlockHash> = blocks.iter().map(|(h, _)| h.clone()).collect();
-        let (fetch, load) = self.fetch_inner(namespace, &hashes, Some(blocks)).await;
+        let (fetch, load) = self.fetch_inner(namespace, &hashes, Some(blocks), until).await;
         let load = load.unwrap_or_else(|| Ok(LoadReport { results: Vec::new() }))?;
         Ok(FetchIntoReport { fetch, load })
     }
@@ -340,26 +365,38 @@ impl Engine {
     /// Never fails and never hangs: it ends by the engine's fetch deadline
     /// with "k of n" (C9). See the module doc.
     pub async fn fetch(&self, namespace: &str, hashes: &[BlockHash]) -> FetchReport {
-        self.fetch_inner(namespace, hashes, None).await.0
+        self.fetch_inner(namespace, hashes, None, None).await.0
+    }
+
+    /// [`Engine::fetch`] that also ends by the caller's `deadline` (the
+    /// earlier of it and the engine's own fetch deadline): an embedder's
+    /// timeout, passed down so that every step of the fetch — query,
+    /// handshake, lock RPC, reads — runs under that one instant instead of
+    /// the caller cutting the fetch from outside.
+    pub async fn fetch_with_deadline(&self, namespace: &str, hashes: &[BlockHash], deadline: Instant) -> FetchReport {
+        self.fetch_inner(namespace, hashes, None, Some(deadline)).await.0
     }
 
     /// [`Engine::fetch`]; with `load`, also loads each block into the
     /// caller's index as soon as it is resident (see [`Engine::fetch_into`]):
-    /// returns the per-block load results of the available prefix.
+    /// returns the per-block load results of the available prefix. The
+    /// fetch ends by the earlier of `until` and the engine's fetch deadline.
     pub(crate) async fn fetch_inner<'a>(
         &'a self,
         namespace: &'a str,
         hashes: &'a [BlockHash],
         load: Option<&'a [(BlockHash, u64)]>,
+        until: Option<Instant>,
     ) -> (FetchReport, Option<Result<LoadReport, EngineError>>) {
         self.inner.metrics.fetches.fetch_add(1, Ordering::Relaxed);
         let started = Instant::now();
         // C9 canary: the deadline is a thousand times the configured one.
-        let deadline = if crate::canary::active(crate::canary::Canary::C9FetchDeadlineStretched) {
+        let own = if crate::canary::active(crate::canary::Canary::C9FetchDeadlineStretched) {
             started + self.inner.cfg.fetch_deadline * 1000
         } else {
             started + self.inner.cfg.fetch_deadline
         };
+        let deadline = until.map_or(own, |u| u.min(own));
         let local = self.query_prefix(namespace, hashes);
         let mut pipe = load.map(|blocks| LoadPipe {
             blocks,
