@@ -10,7 +10,7 @@ use tonic::{Request, Response, Status};
 
 use crate::engine::Engine;
 use crate::engine::device::DeviceAsk;
-use crate::engine::fetch::transfer_block_info;
+use crate::engine::locks::transfer_block_info;
 use crate::gpu::peer::PeerKind;
 use crate::limits;
 use crate::proto::engine_server::{Engine as EngineRpc, EngineServer};

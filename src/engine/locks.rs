@@ -12,7 +12,9 @@
 use std::collections::HashMap;
 
 use super::cache::CachedBlock;
+use super::layout::Layout;
 use super::pool::SealedExtent;
+use crate::proto::{TransferBlockInfo, TransferSlotInfo};
 pub use crate::transport::AccessError;
 use crate::types::BlockHash;
 
@@ -238,4 +240,28 @@ impl LockTable {
         }
         Ok((b.extent.clone(), offset - start))
     }
+}
+
+/// Builds the slot descriptors of a locked block for `QueryBlocksForTransfer`.
+pub fn transfer_block_info(layout: &Layout, hash: &BlockHash, block: &CachedBlock) -> TransferBlockInfo {
+    let base = block.extent.offset();
+    let slots = layout
+        .layers()
+        .iter()
+        .enumerate()
+        .map(|(l, ly)| {
+            let k_ptr = base + layout.slot_offset(l);
+            let seg = ly.bytes_per_block;
+            let split = ly.v.is_some();
+            TransferSlotInfo {
+                k_ptr,
+                k_size: seg,
+                v_ptr: if split { k_ptr + seg } else { 0 },
+                v_size: if split { seg } else { 0 },
+                numa_node: 0,
+                crc32c: block.checksums[l],
+            }
+        })
+        .collect();
+    TransferBlockInfo { block_hash: hash.0.clone(), slots, device_segments: Vec::new() }
 }

@@ -27,8 +27,8 @@
 
 use std::ops::Range;
 use std::sync::Arc;
+use std::time::Duration;
 
-use super::{FetchError, FetchReport, check_shape_family};
 use crate::engine::layout::LayoutFamily;
 use crate::proto::TransferBlockInfo;
 use crate::transport::TransportError;
@@ -625,6 +625,138 @@ impl FetchMachine {
 /// for it (C10).
 fn as_advertised(sums: &[u32], b: &TransferBlockInfo) -> bool {
     sums.iter().copied().eq(b.slots.iter().map(|s| s.crc32c))
+}
+
+/// Why a fetch stopped short of `n`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FetchError {
+    /// The MetaServer query failed (down, partitioned, stalled).
+    #[error("metaserver query failed: {0}")]
+    MetaServer(String),
+    /// No owner (other than us) holds the next block.
+    #[error("no remote owner for the next block")]
+    NoOwner,
+    /// A peer RPC failed.
+    #[error("peer rpc failed: {0}")]
+    Peer(String),
+    /// The handshake failed.
+    #[error("handshake failed: {0}")]
+    Handshake(String),
+    /// The owner no longer has the block (stale index entry).
+    #[error("owner no longer holds the next block")]
+    Stale,
+    /// The read failed.
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    /// A slot's checksum did not match (C10).
+    #[error("checksum mismatch in a fetched block")]
+    Checksum,
+    /// The peer described a block that does not fit our layout.
+    #[error("peer block shape does not match the local layout: {0}")]
+    Shape(String),
+    /// No room in the local pool.
+    #[error("local pool has no room")]
+    NoSpace,
+    /// The namespace has no local layout.
+    #[error("namespace has no local layout")]
+    UnknownNamespace,
+    /// The fetch deadline passed.
+    #[error("fetch deadline passed")]
+    Deadline,
+    /// `FETCH_OWNERS_MAX` owners were tried.
+    #[error("owner budget exhausted")]
+    OwnersExhausted,
+    /// No transport is installed.
+    #[error("no transport installed")]
+    NoTransport,
+}
+
+/// Outcome of [`Engine::fetch`](crate::engine::Engine::fetch): "k of n".
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FetchReport {
+    /// `n`: hashes asked for.
+    pub requested: usize,
+    /// `k`: the verified contiguous prefix now resident here (local hits
+    /// included). The caller recomputes `requested - available` blocks.
+    pub available: usize,
+    /// Blocks that were already resident before the fetch.
+    pub local_hits: usize,
+    /// Blocks read from peers, verified and sealed here.
+    pub fetched: usize,
+    /// Bytes read for them.
+    pub bytes: u64,
+    /// Owners asked, in order.
+    pub owners: Vec<NodeAddr>,
+    /// Why it stopped short (None when `available == requested`).
+    pub stopped: Option<FetchError>,
+    /// Where the fetch's wall time went.
+    pub phases: FetchPhases,
+}
+
+/// Where a fetch's wall time went, phase by phase (issue 17's handoff
+/// split). The driver attributes every interval between two events to the
+/// one phase that was blocking it: a read in flight counts as `read` even
+/// while a CRC pass runs beside it, a CRC pass alone as `verify`, and so on;
+/// `seal` is the synchronous work (slot allocation, seal + register, frees).
+/// The phases therefore add up to the fetch's wall time.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FetchPhases {
+    /// MetaServer `QueryPrefixBlocks`.
+    pub query: Duration,
+    /// Handshake with an owner (zero once the peer is known).
+    pub handshake: Duration,
+    /// `QueryBlocksForTransfer` (the transfer lock).
+    pub lock: Duration,
+    /// Data-plane reads in flight.
+    pub read: Duration,
+    /// CRC-32C passes not hidden behind a read.
+    pub verify: Duration,
+    /// Slot allocation, seal and register, frees.
+    pub seal: Duration,
+    /// Handing `ReleaseTransferLock` to a task of its own: the RPC itself
+    /// runs behind the rest of the fetch, so this is the spawn alone.
+    pub release: Duration,
+    /// [`Engine::fetch_into`](crate::engine::Engine::fetch_into) only: waiting for loads of sealed parts with
+    /// nothing else in flight. In practice that is after the fetch ended:
+    /// the loads of the last parts (loads of earlier parts run behind
+    /// reads).
+    pub load_tail: Duration,
+}
+
+impl FetchPhases {
+    /// Sum of all phases (the fetch's wall time, up to rounding).
+    pub fn total(&self) -> Duration {
+        self.query + self.handshake + self.lock + self.read + self.verify + self.seal + self.release + self.load_tail
+    }
+
+    /// `(name, duration)` for each phase, in handoff order.
+    pub fn named(&self) -> [(&'static str, Duration); 8] {
+        [
+            ("query", self.query),
+            ("handshake", self.handshake),
+            ("lock", self.lock),
+            ("read", self.read),
+            ("verify", self.verify),
+            ("seal", self.seal),
+            ("release", self.release),
+            ("load_tail", self.load_tail),
+        ]
+    }
+}
+
+/// Checks a peer's block description against the local layout's family:
+/// the two must be of one [`LayoutFamily`] (per layer the segment count and
+/// bytes), whatever buffers each side registered (C15).
+pub(crate) fn check_shape_family(local: &LayoutFamily, b: &TransferBlockInfo) -> Result<(), String> {
+    let peer = LayoutFamily { slots: b.slots.iter().map(|s| (if s.v_size == 0 { 1 } else { 2 }, s.k_size)).collect() };
+    let split_unequal = b.slots.iter().position(|s| s.v_size != 0 && s.v_size != s.k_size);
+    if peer != *local || split_unequal.is_some() {
+        return Err(format!(
+            "the owner's blocks are {peer}, this node's layout is {local}: the namespace names two different KV \
+             layouts (a namespace must name one layout family, see kvferry::hash::KvFamily)"
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
