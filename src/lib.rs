@@ -37,6 +37,13 @@
 //! `/health`) and GPU backends whose drivers block (`cuda`). Std mutexes are
 //! held only for short, non-awaiting sections.
 
+// The simulator runs the embedded defaults only: the real GPU backend, RDMA
+// verbs and TLS talk to hardware or to a TLS stack madsim does not model,
+// so a `--cfg madsim` build refuses them here, once, and the modules gate on
+// the feature alone.
+#[cfg(all(madsim, any(feature = "cuda", feature = "rdma", feature = "tls")))]
+compile_error!("the simulator (--cfg madsim) builds none of the features `cuda`, `rdma`, `tls`: drop them");
+
 #[cfg(all(feature = "cli", not(madsim)))]
 pub mod bench;
 pub mod canary;

@@ -44,13 +44,13 @@ pub use crate::transport::path::{PathChoice, PathStats};
 use crate::transport::tcp::TcpTransport;
 use crate::transport::verbs::VerbsConfig;
 use crate::transport::verbs::plan::PlanError;
-#[cfg(all(feature = "rdma", not(madsim)))]
+#[cfg(feature = "rdma")]
 use crate::transport::verbs::{VerbsError, VerbsTransport};
 use crate::types::{NodeAddr, SessionId};
 
 /// Whether this build contains the verbs device code
 /// (`transport::verbs::VerbsTransport`).
-const VERBS_BUILT: bool = cfg!(all(feature = "rdma", not(madsim)));
+const VERBS_BUILT: bool = cfg!(feature = "rdma");
 
 /// The data-plane backend of a node (see the module doc).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -176,7 +176,7 @@ pub enum NodeError {
     /// ([`VerbsError::DeviceNotFound`], listing the names present), an
     /// unusable port, or a failed verbs call. The MetaServer client is shut
     /// down before this is returned.
-    #[cfg(all(feature = "rdma", not(madsim)))]
+    #[cfg(feature = "rdma")]
     #[error("verbs transport: {0}")]
     Verbs(#[source] VerbsError),
     /// [`PathChoice::Shm`] on a node that cannot share its pool (the
@@ -202,7 +202,7 @@ pub struct NodeHandle {
     pub path: Option<Arc<PathTransport>>,
     /// The verbs transport (device, limits, counters); `None` when the node
     /// runs [`TransportChoice::Tcp`].
-    #[cfg(all(feature = "rdma", not(madsim)))]
+    #[cfg(feature = "rdma")]
     pub verbs: Option<Arc<VerbsTransport>>,
     shutdown: watch::Sender<bool>,
     serve: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
@@ -250,7 +250,7 @@ impl NodeHandle {
 /// The started data plane.
 enum DataPlane {
     Tcp(Arc<TcpTransport>, Arc<PathTransport>),
-    #[cfg(all(feature = "rdma", not(madsim)))]
+    #[cfg(feature = "rdma")]
     Verbs(Arc<VerbsTransport>),
 }
 
@@ -258,7 +258,7 @@ impl DataPlane {
     fn as_transport(&self) -> Arc<dyn Transport> {
         match self {
             DataPlane::Tcp(_, p) => p.clone(),
-            #[cfg(all(feature = "rdma", not(madsim)))]
+            #[cfg(feature = "rdma")]
             DataPlane::Verbs(t) => t.clone(),
         }
     }
@@ -266,7 +266,7 @@ impl DataPlane {
     fn path(&self) -> Option<Arc<PathTransport>> {
         match self {
             DataPlane::Tcp(_, p) => Some(p.clone()),
-            #[cfg(all(feature = "rdma", not(madsim)))]
+            #[cfg(feature = "rdma")]
             DataPlane::Verbs(_) => None,
         }
     }
@@ -274,12 +274,12 @@ impl DataPlane {
     fn tcp(&self) -> Option<Arc<TcpTransport>> {
         match self {
             DataPlane::Tcp(t, _) => Some(t.clone()),
-            #[cfg(all(feature = "rdma", not(madsim)))]
+            #[cfg(feature = "rdma")]
             DataPlane::Verbs(_) => None,
         }
     }
 
-    #[cfg(all(feature = "rdma", not(madsim)))]
+    #[cfg(feature = "rdma")]
     fn verbs(&self) -> Option<Arc<VerbsTransport>> {
         match self {
             DataPlane::Tcp(..) => None,
@@ -314,11 +314,11 @@ fn start_data_plane(
             let path = Arc::new(PathTransport::new(cfg.path, tcp.clone(), shm));
             Ok(DataPlane::Tcp(tcp, path))
         }
-        #[cfg(all(feature = "rdma", not(madsim)))]
+        #[cfg(feature = "rdma")]
         TransportChoice::Verbs(v) => VerbsTransport::open(v, node.clone(), engine.pool(), engine.data_source())
             .map(|t| DataPlane::Verbs(Arc::new(t)))
             .map_err(NodeError::Verbs),
-        #[cfg(not(all(feature = "rdma", not(madsim))))]
+        #[cfg(not(feature = "rdma"))]
         TransportChoice::Verbs(_) => Err(NodeError::RdmaNotBuilt),
     }
 }
@@ -468,7 +468,7 @@ async fn start_bound(
     }));
     let data = match &data_plane {
         DataPlane::Tcp(t, p) => format!("tcp {} (path {})", t.data_addr(), p.choice()),
-        #[cfg(all(feature = "rdma", not(madsim)))]
+        #[cfg(feature = "rdma")]
         DataPlane::Verbs(_) => cfg.transport.to_string(),
     };
     tracing::info!(%node, data, "node ready");
@@ -478,7 +478,7 @@ async fn start_bound(
         node,
         tcp: data_plane.tcp(),
         path: data_plane.path(),
-        #[cfg(all(feature = "rdma", not(madsim)))]
+        #[cfg(feature = "rdma")]
         verbs: data_plane.verbs(),
         shutdown: tx,
         serve,

@@ -64,7 +64,7 @@ fn read(path: &Path) -> Result<Vec<u8>, TlsError> {
 }
 
 /// Whether this build can speak TLS (feature `tls`, outside the simulator).
-pub const AVAILABLE: bool = cfg!(all(feature = "tls", not(madsim)));
+pub const AVAILABLE: bool = cfg!(feature = "tls");
 
 /// Why TLS could not be set up.
 #[derive(Debug, thiserror::Error)]
@@ -97,7 +97,7 @@ pub enum TlsError {
 ///
 /// # Errors
 /// [`TlsError::Config`] for a certificate or key that cannot be used.
-#[cfg(all(feature = "tls", not(madsim)))]
+#[cfg(feature = "tls")]
 pub(crate) fn server(
     builder: tonic::transport::Server,
     identity: &TlsIdentity,
@@ -113,7 +113,7 @@ pub(crate) fn server(
 ///
 /// # Errors
 /// [`TlsError::Config`] for a malformed address or CA.
-#[cfg(all(feature = "tls", not(madsim)))]
+#[cfg(feature = "tls")]
 pub(crate) fn channel(
     addr: &str,
     timeout: std::time::Duration,

@@ -305,17 +305,17 @@ impl MetaServerClient {
         let addr = parse_metaserver_address(&cfg.metaserver)?;
         if addr.scheme == Some("https") && cfg.tls.is_none() {
             // `https://` asks for TLS: never dial it in plain text.
-            #[cfg(all(feature = "tls", not(madsim)))]
+            #[cfg(feature = "tls")]
             return Err(crate::tls::TlsError::NoTrust { addr: cfg.metaserver.clone() }.into());
-            #[cfg(not(all(feature = "tls", not(madsim))))]
+            #[cfg(not(feature = "tls"))]
             return Err(crate::tls::TlsError::NotBuilt.into());
         }
         let channel = match &cfg.tls {
             None => crate::rt::channel(&cfg.metaserver, cfg.rpc_timeout)
                 .map_err(|source| ClientError::Address { addr: cfg.metaserver.clone(), source })?,
-            #[cfg(all(feature = "tls", not(madsim)))]
+            #[cfg(feature = "tls")]
             Some(trust) => crate::tls::channel(&cfg.metaserver, cfg.rpc_timeout, trust)?,
-            #[cfg(not(all(feature = "tls", not(madsim))))]
+            #[cfg(not(feature = "tls"))]
             Some(_) => return Err(crate::tls::TlsError::NotBuilt.into()),
         };
         let grpc = GrpcMetaClient::new(channel)

@@ -34,7 +34,7 @@
 
 pub mod copy;
 pub mod crc;
-#[cfg(all(feature = "cuda", not(madsim)))]
+#[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod host;
 pub mod par;

@@ -710,7 +710,7 @@ impl MetaServerConfig {
 }
 
 /// The server builder, with TLS when `tls` is given.
-#[cfg(all(feature = "tls", not(madsim)))]
+#[cfg(feature = "tls")]
 fn tls_server_builder(tls: Option<&crate::tls::TlsIdentity>) -> Result<tonic::transport::Server, StartError> {
     let builder = crate::rt::server_builder();
     Ok(match tls {
@@ -720,7 +720,7 @@ fn tls_server_builder(tls: Option<&crate::tls::TlsIdentity>) -> Result<tonic::tr
 }
 
 /// The server builder; asking for TLS in a build without it is an error.
-#[cfg(not(all(feature = "tls", not(madsim))))]
+#[cfg(not(feature = "tls"))]
 fn tls_server_builder(tls: Option<&crate::tls::TlsIdentity>) -> Result<tonic::transport::Server, StartError> {
     match tls {
         Some(_) => Err(StartError::Tls(crate::tls::TlsError::NotBuilt)),

@@ -97,9 +97,9 @@
 
 pub mod plan;
 
-#[cfg(all(feature = "rdma", not(madsim)))]
+#[cfg(feature = "rdma")]
 mod device;
 
-#[cfg(all(feature = "rdma", not(madsim)))]
+#[cfg(feature = "rdma")]
 pub use device::{VerbsError, VerbsStats, VerbsTransport, list_devices};
 pub use plan::VerbsConfig;
