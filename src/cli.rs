@@ -432,13 +432,21 @@ fn report_text(r: &pd::PdReport) -> String {
     println!("  handoff (barrier → fetch end) p50 {:.2} ms, p99 {:.2} ms", r.handoff_p50_ms, r.handoff_p99_ms);
     match r.raw_gbps {
         Some(raw) => {
-            println!(
-                "  raw {}      {raw:>8.2} GB/s   (best of 1-16 {}: {}; {:.1} MiB between buffers of that size, at start-up)",
-                if r.raw_path == "shm" { "memcpy (shm)  " } else { "loopback copy " },
-                if r.raw_path == "shm" { "threads" } else { "connections" },
-                r.raw_connections,
-                r.raw_copy_bytes as f64 / (1u64 << 20) as f64
-            );
+            if r.raw_path == "device" {
+                println!(
+                    "  raw device copy        {raw:>8.2} GB/s   (one device-to-device copy of {:.1} MiB between fresh allocations, best of {}, at start-up)",
+                    r.raw_copy_bytes as f64 / (1u64 << 20) as f64,
+                    kvferry::limits::PD_RAW_COPY_REPS
+                );
+            } else {
+                println!(
+                    "  raw {}      {raw:>8.2} GB/s   (best of 1-16 {}: {}; {:.1} MiB between buffers of that size, at start-up)",
+                    if r.raw_path == "shm" { "memcpy (shm)  " } else { "loopback copy " },
+                    if r.raw_path == "shm" { "threads" } else { "connections" },
+                    r.raw_connections,
+                    r.raw_copy_bytes as f64 / (1u64 << 20) as f64
+                );
+            }
             println!(
                 "  fetch aggregate        {:>8.2} GB/s = {:.3} x raw   (all fetched bytes / union of fetch intervals)",
                 r.fetch_gbps_aggregate,

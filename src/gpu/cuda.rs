@@ -1028,6 +1028,35 @@ impl Gpu for CudaGpu {
         "cuda"
     }
 
+    fn time_raw_device_copy(&self, bytes: u64, reps: usize) -> Result<Option<f64>, GpuError> {
+        let (src, dst) = (self.alloc(bytes)?, self.alloc(bytes)?);
+        let timed = (|| -> Result<f64, GpuError> {
+            let i = &self.inner;
+            let addr = |id| i.buffers.get(id).map(|b| b.addr).ok_or(GpuError::UnknownBuffer(id));
+            let (s, d) = (addr(src)?, addr(dst)?);
+            i.ctx.bind_to_thread().map_err(dev_err)?;
+            let timing = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+            let (start, end) = (i.ctx.new_event(timing).map_err(dev_err)?, i.ctx.new_event(timing).map_err(dev_err)?);
+            let mut best = f64::MAX;
+            for _ in 0..reps.max(1) {
+                start.record(&i.peer).map_err(dev_err)?;
+                // SAFETY: two live allocations of `bytes` each, made above.
+                unsafe { sys::cuMemcpyDtoDAsync_v2(d, s, bytes as usize, i.peer.cu_stream()) }
+                    .result()
+                    .map_err(dev_err)?;
+                end.record(&i.peer).map_err(dev_err)?;
+                end.synchronize().map_err(dev_err)?;
+                best = best.min(f64::from(start.elapsed_ms(&end).map_err(dev_err)?) / 1e3);
+            }
+            Ok(best)
+        })();
+        let (a, b) = (self.unregister(src), self.unregister(dst));
+        let secs = timed?;
+        a?;
+        b?;
+        Ok(Some(secs))
+    }
+
     unsafe fn register_external(&self, addr: u64, len: u64) -> Result<DeviceBufferId, GpuError> {
         // The table's own range checks first, so a null or odd pointer is
         // never handed to the driver; the overlap check comes with the insert.

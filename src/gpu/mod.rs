@@ -175,6 +175,18 @@ pub trait Gpu: Send + Sync + 'static {
         false
     }
 
+    /// The best plain device-to-device copy of `bytes` this backend's device
+    /// can do, for benchmarks' baselines: one driver copy between two fresh
+    /// allocations, no kvferry code in between, best of `reps`; seconds.
+    /// `None` where the backend has no device of its own (`host`: its
+    /// baseline is a host memcpy).
+    ///
+    /// # Errors
+    /// Allocation and driver failures.
+    fn time_raw_device_copy(&self, _bytes: u64, _reps: usize) -> Result<Option<f64>, GpuError> {
+        Ok(None)
+    }
+
     /// The kind of handle this backend exports and opens for device-direct
     /// copies between engines on one host ([`peer`]); `None`: no such
     /// copies.

@@ -286,7 +286,9 @@ pub struct PdReport {
     /// connections, else (the replay's nodes share this host, so they read
     /// each other's pools) [`crate::transport::shm::raw_memcpy`] on 1-16
     /// threads; the count that won is `raw_connections`, the fastest of
-    /// [`crate::limits::PD_RAW_COPY_REPS`] each. `None` with verbs.
+    /// [`crate::limits::PD_RAW_COPY_REPS`] each. With `--path ipc` on a
+    /// backend with a device (`cuda`), that device's own best copy
+    /// ([`crate::gpu::Gpu::time_raw_device_copy`]). `None` with verbs.
     pub raw_gbps: Option<f64>,
     /// Bytes of the raw copy: the longest request's blocks, within
     /// [`crate::limits::PD_RAW_COPY_BYTES_MIN`]..=[`crate::limits::PD_RAW_COPY_BYTES_MAX`].
@@ -294,7 +296,8 @@ pub struct PdReport {
     /// Connections (tcp) or threads (shm) of the fastest raw copy (0 when
     /// not measured).
     pub raw_connections: usize,
-    /// The path of the raw copy: `tcp` (loopback), `shm` (memcpy) or empty.
+    /// The path of the raw copy: `tcp` (loopback), `shm` (memcpy), `device`
+    /// (device to device) or empty.
     pub raw_path: String,
     /// Aggregate fetch throughput: all fetched bytes ÷ the union of the
     /// fetch intervals (GB/s; the same figure as `transport_gbps`), to be
@@ -722,6 +725,29 @@ pub async fn run_with_observer(
         progress.fault(&msg);
         faults.push(msg);
     }
+    // `--path ipc` on a backend with a device copies device to device: T8
+    // then divides by that device's own best plain copy (one driver copy
+    // between two fresh allocations), measured on the first decode node's
+    // device now that it is up and before any request runs. On `host` the
+    // memcpy above stands.
+    let (mut raw_gbps, mut raw_connections, mut raw_path) = (raw_gbps, raw_connections, raw_path);
+    if cfg.path == PathChoice::Ipc {
+        let gpu = engines[cfg.prefill].gpu().clone();
+        let timed = crate::rt::run_blocking(move || gpu.time_raw_device_copy(raw_copy_bytes, limits::PD_RAW_COPY_REPS))
+            .await
+            .map_err(|e| e.0)
+            .and_then(|r| r.map_err(|e| e.to_string()));
+        match timed {
+            Ok(Some(secs)) if secs > 0.0 => {
+                (raw_gbps, raw_connections, raw_path) = (Some(raw_copy_bytes as f64 / secs / 1e9), 1, RawPath::Device);
+            }
+            Ok(_) => {}
+            Err(e) => {
+                stop_cluster(&nodes, ms).await;
+                return Err(PdError::Start(format!("raw device copy (T8 baseline): {e}")));
+            }
+        }
+    }
     let prefill: Vec<Arc<PdNode>> = nodes[..cfg.prefill].to_vec();
     let decode: Vec<Arc<PdNode>> = nodes[cfg.prefill..].to_vec();
 
@@ -821,6 +847,7 @@ pub async fn run_with_observer(
         raw_path: match raw_path {
             RawPath::Tcp => "tcp",
             RawPath::Shm => "shm",
+            RawPath::Device => "device",
             RawPath::None => "",
         }
         .to_string(),
@@ -998,6 +1025,8 @@ enum RawPath {
     Tcp,
     /// [`crate::transport::shm::raw_memcpy`].
     Shm,
+    /// [`crate::gpu::Gpu::time_raw_device_copy`] (`--path ipc` on a device).
+    Device,
 }
 
 /// The raw copy of `bytes` on `path` over each of
