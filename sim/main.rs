@@ -402,5 +402,8 @@ fn broken_c18recoverunverified_is_caught() {
         canary_test_name(kvferry::canary::Canary::C18RecoverUnverified),
         "broken_c18recoverunverified_is_caught"
     );
-    disk_canary_is_caught(kvferry::canary::Canary::C18RecoverUnverified, &["inv_disk_recovery_verified"]);
+    disk_canary_is_caught(
+        kvferry::canary::Canary::C18RecoverUnverified,
+        &["inv_disk_recovery_verified", "inv_disk_recovery_complete"],
+    );
 }

@@ -141,9 +141,12 @@ enum BenchCmd {
         /// Backend: auto (io_uring, else threads), io-uring, threads.
         #[arg(long, default_value = "auto", value_parser = parse_disk_backend)]
         backend: DiskBackendArg,
-        /// Repetitions (best of).
-        #[arg(long, default_value_t = 3, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=20))]
+        /// Repetitions (ratios: median over repetitions).
+        #[arg(long, default_value_t = 5, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=50))]
         reps: usize,
+        /// The tier's record alignment (power of two, 4KiB..=16MiB): records start on it and writes move multiples of it.
+        #[arg(long, default_value = "64KiB", value_parser = parse_size)]
+        record_align: u64,
     },
     /// MetaServer store and gRPC insert rates, unregister cost (T5–T7).
     Store {
@@ -379,7 +382,7 @@ async fn bench_ssd(
     slots: usize,
     depth: usize,
     backend: DiskBackendArg,
-    reps: usize,
+    (reps, record_align): (usize, u64),
 ) -> Result<serde_json::Value, String> {
     use kvferry::disk::file::BackendChoice;
     let backend = match backend {
@@ -388,7 +391,8 @@ async fn bench_ssd(
         DiskBackendArg::Threads => BackendChoice::Pio,
     };
     tokio::task::spawn_blocking(move || {
-        kvferry::bench::ssd::ssd(&kvferry::bench::ssd::SsdBench { dir: &dir, size, block, slots, depth, backend, reps })
+        let a = kvferry::bench::ssd::SsdBench { dir: &dir, size, block, slots, depth, backend, reps, record_align };
+        kvferry::bench::ssd::ssd(&a)
     })
     .await
     .map_err(|e| format!("bench ssd task: {e}"))?
@@ -402,7 +406,7 @@ async fn bench_ssd(
     _slots: usize,
     _depth: usize,
     _backend: DiskBackendArg,
-    _reps: usize,
+    _reps: (usize, u64),
 ) -> Result<serde_json::Value, String> {
     Err("bench ssd needs Linux (O_DIRECT, io_uring)".into())
 }
@@ -938,8 +942,8 @@ pub fn main() -> ExitCode {
                         kvferry::bench::transport(blocks, block_mib, &pools, reads_in_flight).await
                     }
                     BenchCmd::Store { keys } => kvferry::bench::store(keys).await,
-                    BenchCmd::Ssd { dir, size, block, slots, queue_depth, backend, reps } => {
-                        bench_ssd(dir, size, block, slots, queue_depth, backend, reps).await
+                    BenchCmd::Ssd { dir, size, block, slots, queue_depth, backend, reps, record_align } => {
+                        bench_ssd(dir, size, block, slots, queue_depth, backend, (reps, record_align)).await
                     }
                     BenchCmd::Gpu { device } => bench_gpu(device).await,
                     BenchCmd::Ipc { device, child: Some(export) } => {

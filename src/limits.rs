@@ -504,6 +504,10 @@ pub const DISK_SLOTS_MAX: usize = 4_096;
 /// layer of a very large model is tens of MiB.
 pub const DISK_RECORD_PAYLOAD_BYTES_MAX: u64 = 1 << 30;
 
+/// Largest record alignment of the disk tier (bytes): 16 MiB (larger
+/// units than any SSD's erase block or a virtual disk's cluster).
+pub const DISK_RECORD_ALIGN_MAX: u64 = 16 << 20;
+
 /// Smallest disk tier (bytes): 1 MiB, room for a few small records.
 pub const DISK_CAPACITY_BYTES_MIN: u64 = 1 << 20;
 

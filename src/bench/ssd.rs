@@ -1,7 +1,11 @@
 //! `kvferry bench ssd`: the disk tier's write and read throughput against
 //! raw `O_DIRECT` transfers of the same block sizes at the same queue
-//! depth, on the same file system and backend, measured in the same run
-//! (interleaved, best of `reps`).
+//! depth, on the same file system and backend, measured in the same run:
+//! each repetition measures raw and tier back to back (ABBA: odd
+//! repetitions run the tier first), and the headline ratio is the median
+//! over repetitions of each repetition's tier ÷ raw (a virtual or shared
+//! disk's speed drifts between repetitions far more than within one); the
+//! best of each figure and their ratio are printed too.
 //!
 //! - raw write: `blocks` writes of `align_up(block)` bytes at consecutive
 //!   offsets of a second file in the same directory, `depth` in flight,
@@ -50,6 +54,8 @@ pub struct SsdBench<'a> {
     pub backend: BackendChoice,
     /// Repetitions (best of).
     pub reps: usize,
+    /// The tier's record alignment ([`TierConfig::record_align`]).
+    pub record_align: u64,
 }
 
 /// splitmix64's output step, one byte of it: fast, reproducible filler.
@@ -104,6 +110,64 @@ fn raw_pass<D: DiskIo>(
     Ok(t0.elapsed().as_secs_f64())
 }
 
+/// `n` tier writes (block `i` cycles through `payloads`), a write-behind
+/// queue's worth in flight, timed until every one completed; seconds.
+fn tier_write_pass<D: DiskIo>(
+    tier: &mut Tier<D>,
+    n: u64,
+    payloads: &[(Vec<SlotSum>, Vec<u8>)],
+    key: impl Fn(u64) -> BlockKey,
+) -> Result<f64, String> {
+    let t0 = Instant::now();
+    let mut i = 0u64;
+    let mut written = 0u64;
+    while written < n {
+        while i < n {
+            let (s, b) = &payloads[(i as usize) % payloads.len()];
+            match tier.write(&key(i), s, b) {
+                Ok(_) => i += 1,
+                Err(WriteRefused::QueueFull { .. }) => break,
+                Err(e) => return Err(format!("tier write {i}: {e}")),
+            }
+        }
+        for ev in tier.poll(true).map_err(|e| format!("tier poll: {e}"))? {
+            match ev {
+                TierEvent::Written { .. } => written += 1,
+                TierEvent::Removed { why: crate::disk::tier::Removal::Evicted, .. } => {}
+                TierEvent::Removed { why, .. } => return Err(format!("tier write failed: {why:?}")),
+                TierEvent::Read { .. } => {}
+            }
+        }
+    }
+    Ok(t0.elapsed().as_secs_f64())
+}
+
+/// `n` verified tier reads, `depth` in flight; seconds.
+fn tier_read_pass<D: DiskIo>(
+    tier: &mut Tier<D>,
+    n: u64,
+    depth: usize,
+    key: impl Fn(u64) -> BlockKey,
+) -> Result<f64, String> {
+    let t0 = Instant::now();
+    let mut i = 0u64;
+    let mut read = 0u64;
+    while read < n {
+        while i < n && tier.ops_pending() < depth {
+            tier.read(&key(i)).map_err(|e| format!("tier read {i}: {e}"))?;
+            i += 1;
+        }
+        for ev in tier.poll(true).map_err(|e| format!("tier poll: {e}"))? {
+            if let TierEvent::Read { result, .. } = ev {
+                let b = result.map_err(|e| format!("tier read failed: {e}"))?;
+                read += 1;
+                tier.recycle(b.buf);
+            }
+        }
+    }
+    Ok(t0.elapsed().as_secs_f64())
+}
+
 /// Runs the benchmark; prints the table and returns it as JSON.
 ///
 /// # Errors
@@ -116,7 +180,9 @@ pub fn ssd(a: &SsdBench<'_>) -> Result<serde_json::Value, String> {
     let block = slot_len * a.slots as u64;
     let padded = align_up(block).ok_or("block too large")? as usize;
     // A record: one header page (36 slots fit in it) + the padded payload.
-    let record = padded as u64 + crate::limits::DISK_ALIGN_BYTES * (1 + (a.slots as u64 * 8) / 4000);
+    let record = (padded as u64 + crate::limits::DISK_ALIGN_BYTES * (1 + (a.slots as u64 * 8) / 4000))
+        .div_ceil(a.record_align)
+        * a.record_align;
     let n = (a.size / record).saturating_sub(1).max(1);
     let bytes = n * block;
     let tier_file = DiskFile::open(a.dir, a.size).map_err(|e| e.to_string())?;
@@ -124,15 +190,16 @@ pub fn ssd(a: &SsdBench<'_>) -> Result<serde_json::Value, String> {
     let mut raw = backend_over(raw_file, a.depth, a.backend).map_err(|e| e.to_string())?;
     let disk = backend_over(tier_file, a.depth, a.backend).map_err(|e| e.to_string())?;
     let backend = disk.kind();
-    let (mut tier, _) =
-        Tier::open(disk, TierConfig { write_queue_max: a.depth }).map_err(|e| format!("tier open: {e}"))?;
+    let (mut tier, _) = Tier::open(disk, TierConfig { write_queue_max: a.depth, record_align: a.record_align })
+        .map_err(|e| format!("tier open: {e}"))?;
     println!(
-        "bench ssd: {} in {}, {n} blocks of {block} B ({} slots), queue depth {}, {} per file",
+        "bench ssd: {} in {}, {n} blocks of {block} B ({} slots), queue depth {}, {} per file, records aligned to {} KiB",
         backend,
         a.dir.display(),
         a.slots,
         a.depth,
-        format_args!("{} MiB", a.size >> 20)
+        format_args!("{} MiB", a.size >> 20),
+        a.record_align >> 10
     );
 
     // Distinct payloads, cycled; their slot checksums computed once (the
@@ -162,60 +229,58 @@ pub fn ssd(a: &SsdBench<'_>) -> Result<serde_json::Value, String> {
         family: 1,
     };
 
-    let (mut best_rw, mut best_tw, mut best_rr, mut best_tr) = (f64::MAX, f64::MAX, f64::MAX, f64::MAX);
+    // Per repetition: (raw write, tier write, raw read, tier read) seconds.
+    let mut times: Vec<[f64; 4]> = Vec::new();
     for rep in 0..a.reps.max(1) {
-        // Raw write.
-        best_rw = best_rw.min(raw_pass(&mut raw, IoKind::Write, n, padded, &mut raw_bufs)?);
-        // Tier write.
-        let t0 = Instant::now();
-        let mut i = 0u64;
-        let mut written = 0u64;
-        while written < n {
-            while i < n {
-                let (s, b) = &payloads[(i as usize) % variants];
-                match tier.write(&key(rep, i), s, b) {
-                    Ok(_) => i += 1,
-                    Err(WriteRefused::QueueFull { .. }) => break,
-                    Err(e) => return Err(format!("tier write {i}: {e}")),
-                }
-            }
-            for ev in tier.poll(true).map_err(|e| format!("tier poll: {e}"))? {
-                match ev {
-                    TierEvent::Written { .. } => written += 1,
-                    TierEvent::Removed { why: crate::disk::tier::Removal::Evicted, .. } => {}
-                    TierEvent::Removed { why, .. } => return Err(format!("tier write failed: {why:?}")),
-                    TierEvent::Read { .. } => {}
-                }
-            }
+        // ABBA: odd repetitions run the tier first, so a drift of the
+        // device's speed within a run does not favour one side.
+        let tier_first = rep % 2 == 1;
+        let mut t = [0f64; 4];
+        if !tier_first {
+            t[0] = raw_pass(&mut raw, IoKind::Write, n, padded, &mut raw_bufs)?;
         }
-        best_tw = best_tw.min(t0.elapsed().as_secs_f64());
-        // Raw read.
-        best_rr = best_rr.min(raw_pass(&mut raw, IoKind::Read, n, padded, &mut raw_bufs)?);
-        // Tier read: `depth` reads in flight.
-        let t0 = Instant::now();
-        let mut i = 0u64;
-        let mut read = 0u64;
-        while read < n {
-            while i < n && tier.ops_pending() < a.depth {
-                tier.read(&key(rep, i)).map_err(|e| format!("tier read {i}: {e}"))?;
-                i += 1;
-            }
-            for ev in tier.poll(true).map_err(|e| format!("tier poll: {e}"))? {
-                if let TierEvent::Read { result, .. } = ev {
-                    let b = result.map_err(|e| format!("tier read failed: {e}"))?;
-                    read += 1;
-                    tier.recycle(b.buf);
-                }
-            }
+        t[1] = tier_write_pass(&mut tier, n, &payloads, |i| key(rep, i))?;
+        if tier_first {
+            t[0] = raw_pass(&mut raw, IoKind::Write, n, padded, &mut raw_bufs)?;
         }
-        best_tr = best_tr.min(t0.elapsed().as_secs_f64());
+        if !tier_first {
+            t[2] = raw_pass(&mut raw, IoKind::Read, n, padded, &mut raw_bufs)?;
+        }
+        t[3] = tier_read_pass(&mut tier, n, a.depth, |i| key(rep, i))?;
+        if tier_first {
+            t[2] = raw_pass(&mut raw, IoKind::Read, n, padded, &mut raw_bufs)?;
+        }
+        println!(
+            "  rep {rep}: raw write {:.3}  tier write {:.3}  raw read {:.3}  tier read {:.3} GB/s",
+            gbps(bytes, t[0]),
+            gbps(bytes, t[1]),
+            gbps(bytes, t[2]),
+            gbps(bytes, t[3])
+        );
+        times.push(t);
     }
+    let best = |k: usize| times.iter().map(|t| t[k]).fold(f64::MAX, f64::min);
+    let (best_rw, best_tw, best_rr, best_tr) = (best(0), best(1), best(2), best(3));
+    // The ratio of each repetition's adjacent measurements, median over
+    // repetitions: the headline (this device's speed drifts between runs).
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let wratio = median(times.iter().map(|t| t[0] / t[1]).collect());
+    let rratio = median(times.iter().map(|t| t[2] / t[3]).collect());
     let (rw, tw, rr, tr) = (gbps(bytes, best_rw), gbps(bytes, best_tw), gbps(bytes, best_rr), gbps(bytes, best_tr));
-    let (wratio, rratio) = (tw / rw, tr / rr);
+    println!("  best of {}:", times.len());
     println!("  raw O_DIRECT write  {rw:>7.3} GB/s");
-    println!("  tier write          {tw:>7.3} GB/s   ratio {wratio:.3}   (target >= 0.9)");
+    println!(
+        "  tier write          {tw:>7.3} GB/s   ratio (median per rep) {wratio:.3}   best/best {:.3}   (target >= 0.9)",
+        tw / rw
+    );
     println!("  raw O_DIRECT read   {rr:>7.3} GB/s");
-    println!("  tier read (+verify) {tr:>7.3} GB/s   ratio {rratio:.3}   (target >= 0.9)");
+    println!(
+        "  tier read (+verify) {tr:>7.3} GB/s   ratio (median per rep) {rratio:.3}   best/best {:.3}   (target >= 0.9)",
+        tr / rr
+    );
     let c = tier.counters();
     println!(
         "  tier counters: written {} read {} evicted {} verify failures {}",
@@ -230,6 +295,7 @@ pub fn ssd(a: &SsdBench<'_>) -> Result<serde_json::Value, String> {
         "slots": a.slots,
         "blocks": n,
         "queue_depth": a.depth,
+        "record_align": a.record_align,
         "reps": a.reps.max(1),
         "raw_write_gbps": rw,
         "tier_write_gbps": tw,
@@ -237,6 +303,9 @@ pub fn ssd(a: &SsdBench<'_>) -> Result<serde_json::Value, String> {
         "raw_read_gbps": rr,
         "tier_read_gbps": tr,
         "read_ratio": rratio,
+        "write_ratio_best": tw / rw,
+        "read_ratio_best": tr / rr,
+        "reps_gbps": times.iter().map(|t| [gbps(bytes, t[0]), gbps(bytes, t[1]), gbps(bytes, t[2]), gbps(bytes, t[3])]).collect::<Vec<_>>(),
         "counters": c,
     }))
 }

@@ -67,8 +67,8 @@ use super::format::{self, BlockKey, Expect, FormatError, RecordHeader, SlotSum};
 use super::io::{BackendKind, Completion, DiskIo, ENOSPC, Errno, IoKind, IoOp, SubmitError};
 use crate::canary::{self, Canary};
 use crate::limits::{
-    DISK_ALIGN_BYTES, DISK_RECOVERY_CHUNK_BYTES, DISK_SPARE_BUFFERS_MAX, DISK_WRITE_QUEUE_DEFAULT,
-    DISK_WRITE_QUEUE_MAX, EVICTION_SCAN_MAX,
+    DISK_ALIGN_BYTES, DISK_RECORD_ALIGN_MAX, DISK_RECOVERY_CHUNK_BYTES, DISK_SPARE_BUFFERS_MAX,
+    DISK_WRITE_QUEUE_DEFAULT, DISK_WRITE_QUEUE_MAX, EVICTION_SCAN_MAX,
 };
 use crate::memory::pool::{ExtentAllocator, PoolError};
 
@@ -78,11 +78,18 @@ pub struct TierConfig {
     /// Writes accepted and not yet completed, at most (blocks,
     /// `1..=DISK_WRITE_QUEUE_MAX`).
     pub write_queue_max: usize,
+    /// Every record takes, and every write moves, a multiple of this many
+    /// bytes (a power of two, `DISK_ALIGN_BYTES..=DISK_RECORD_ALIGN_MAX`;
+    /// the tail is zeros), so records start on such a boundary. 4 KiB
+    /// wastes nothing; a device (or a virtual disk) that rewrites larger
+    /// units than it is written in is faster with that unit (64 KiB halved
+    /// the write time of 2.25 MiB blocks on a virtio disk, `bench ssd`).
+    pub record_align: u64,
 }
 
 impl Default for TierConfig {
     fn default() -> Self {
-        Self { write_queue_max: DISK_WRITE_QUEUE_DEFAULT }
+        Self { write_queue_max: DISK_WRITE_QUEUE_DEFAULT, record_align: DISK_ALIGN_BYTES }
     }
 }
 
@@ -360,7 +367,10 @@ pub struct Recovery {
 #[derive(Debug, Clone)]
 struct Entry {
     offset: u64,
+    /// Bytes allocated (the record rounded up to the record alignment).
     record_len: u64,
+    /// Bytes a read moves (the record itself).
+    read_len: u64,
     generation: u64,
     payload_len: u64,
     tick: u64,
@@ -382,6 +392,7 @@ struct Pending {
 pub struct Tier<D: DiskIo> {
     io: D,
     write_queue_max: usize,
+    record_align: u64,
     space: ExtentAllocator,
     index: HashMap<BlockKey, Entry>,
     lru: BTreeMap<u64, BlockKey>,
@@ -436,10 +447,19 @@ impl<D: DiskIo> Tier<D> {
                 allowed: "1..=4096",
             });
         }
-        let space = ExtentAllocator::new(io.capacity(), DISK_ALIGN_BYTES)?;
+        let ra = cfg.record_align;
+        if !ra.is_power_of_two() || !(DISK_ALIGN_BYTES..=DISK_RECORD_ALIGN_MAX).contains(&ra) {
+            return Err(TierError::BadConfig {
+                field: "record_align",
+                value: ra,
+                allowed: "a power of two in 4096..=16777216",
+            });
+        }
+        let space = ExtentAllocator::new(io.capacity() & !(ra - 1), DISK_ALIGN_BYTES)?;
         let mut t = Tier {
             io,
             write_queue_max: cfg.write_queue_max,
+            record_align: ra,
             space,
             index: HashMap::new(),
             lru: BTreeMap::new(),
@@ -570,7 +590,8 @@ impl<D: DiskIo> Tier<D> {
             }
             at += s.len as usize;
         }
-        let need = header.record_len();
+        // Within the capacity, so no overflow.
+        let need = header.record_len().div_ceil(self.record_align).saturating_mul(self.record_align);
         if need > self.space.capacity() {
             self.counters.write_refused_input += 1;
             return Err(WriteRefused::TooLarge { need, capacity: self.space.capacity() });
@@ -592,7 +613,9 @@ impl<D: DiskIo> Tier<D> {
                 return Err(e.into());
             }
         };
-        if let Err(e) = format::encode_record_into(&header, payload, buf.as_mut_slice()) {
+        let rl = header.record_len() as usize;
+        buf.as_mut_slice()[rl..].fill(0);
+        if let Err(e) = format::encode_record_into(&header, payload, &mut buf.as_mut_slice()[..rl]) {
             // Validated above; kept as an error, never a panic.
             self.counters.internal_errors += 1;
             self.free_space(offset, need);
@@ -604,7 +627,15 @@ impl<D: DiskIo> Tier<D> {
         self.lru.insert(tick, key.clone());
         self.index.insert(
             key.clone(),
-            Entry { offset, record_len: need, generation, payload_len: header.payload_len, tick, written: false },
+            Entry {
+                offset,
+                record_len: need,
+                read_len: rl as u64,
+                generation,
+                payload_len: header.payload_len,
+                tick,
+                written: false,
+            },
         );
         self.writes_pending += 1;
         self.counters.writes_queued += 1;
@@ -630,7 +661,7 @@ impl<D: DiskIo> Tier<D> {
         if !e.written {
             return Err(ReadRefused::Writing);
         }
-        let (offset, len, generation, payload_len) = (e.offset, e.record_len, e.generation, e.payload_len);
+        let (offset, len, generation, payload_len) = (e.offset, e.read_len, e.generation, e.payload_len);
         let buf = self.take_buf(len as usize)?;
         self.counters.hits += 1;
         self.touch(key);
@@ -1042,7 +1073,15 @@ impl<D: DiskIo> Tier<D> {
             }
             self.index.insert(
                 h.key.clone(),
-                Entry { offset, record_len: rl, generation, payload_len: h.payload_len, tick: 0, written: true },
+                Entry {
+                    offset,
+                    record_len: rl,
+                    read_len: rl,
+                    generation,
+                    payload_len: h.payload_len,
+                    tick: 0,
+                    written: true,
+                },
             );
             kept.push((generation, offset, rl, h));
         }
