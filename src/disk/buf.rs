@@ -79,7 +79,7 @@ impl AlignedBuf {
     /// [`BufError::Unaligned`] when `len` is zero or not a multiple of the
     /// alignment; [`BufError::Alloc`] when the allocator fails.
     pub fn new(len: usize) -> Result<Self, BufError> {
-        if len == 0 || len % ALIGN != 0 {
+        if len == 0 || !len.is_multiple_of(ALIGN) {
             return Err(BufError::Unaligned { len, align: ALIGN });
         }
         let layout = Layout::from_size_align(len, ALIGN).map_err(|_| BufError::Alloc { bytes: len })?;
@@ -112,7 +112,7 @@ impl AlignedBuf {
     /// [`BufError::Unaligned`] for a zero or unaligned `len`,
     /// [`BufError::OverCapacity`] beyond the capacity.
     pub fn set_len(&mut self, len: usize) -> Result<(), BufError> {
-        if len == 0 || len % ALIGN != 0 {
+        if len == 0 || !len.is_multiple_of(ALIGN) {
             return Err(BufError::Unaligned { len, align: ALIGN });
         }
         if len > self.capacity {

@@ -86,7 +86,7 @@ impl std::fmt::Display for DiskViolation {
 type Truth = HashMap<(BlockKey, u64), Vec<u8>>;
 
 fn key_of(i: u64) -> BlockKey {
-    let ns = if i % 3 == 0 { "ns-b" } else { "ns-a" };
+    let ns = if i.is_multiple_of(3) { "ns-b" } else { "ns-a" };
     BlockKey { namespace: Arc::from(ns), hash: BlockHash::from_u64(i), family: 1 + i % 2 }
 }
 

@@ -211,8 +211,8 @@ pub enum BackendChoice {
 /// A real backend: io_uring or threads.
 #[derive(Debug)]
 pub enum RealDisk {
-    /// io_uring + `O_DIRECT`.
-    Uring(UringDisk),
+    /// io_uring + `O_DIRECT` (boxed: the ring is large).
+    Uring(Box<UringDisk>),
     /// `pread`/`pwrite` + `O_DIRECT` on threads.
     Pio(PioDisk),
 }
@@ -238,11 +238,11 @@ pub fn backend_over(file: DiskFile, depth: usize, choice: BackendChoice) -> Resu
     }
     match choice {
         BackendChoice::Pio => pio(file, depth),
-        BackendChoice::IoUring => {
-            UringDisk::new(file, depth).map(RealDisk::Uring).map_err(|(_, source)| OpenError::NoUring { source })
-        }
+        BackendChoice::IoUring => UringDisk::new(file, depth)
+            .map(|u| RealDisk::Uring(Box::new(u)))
+            .map_err(|(_, source)| OpenError::NoUring { source }),
         BackendChoice::Auto => match UringDisk::new(file, depth) {
-            Ok(u) => Ok(RealDisk::Uring(u)),
+            Ok(u) => Ok(RealDisk::Uring(Box::new(u))),
             Err((file, e)) => {
                 tracing::info!(error = %e, "disk tier: io_uring unavailable, using pread/pwrite threads");
                 pio(file, depth)

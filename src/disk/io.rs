@@ -187,7 +187,7 @@ pub trait DiskIo: Send {
 /// against `depth`: the checks every backend makes before touching it.
 pub(crate) fn check_op(op: &IoOp, capacity: u64, in_flight: usize, depth: usize) -> Result<(), SubmitError> {
     let align = crate::limits::DISK_ALIGN_BYTES;
-    if op.offset % align != 0 {
+    if !op.offset.is_multiple_of(align) {
         return Err(SubmitError::Unaligned { offset: op.offset, align });
     }
     let len = op.buf.len() as u64;

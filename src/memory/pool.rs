@@ -235,7 +235,7 @@ impl ExtentAllocator {
     /// aligned or the range is not wholly inside one free extent.
     pub fn reserve(&mut self, offset: u64, len: u64) -> bool {
         let Some(need) = self.rounded_len(len) else { return false };
-        if offset % self.align != 0 {
+        if !offset.is_multiple_of(self.align) {
             return false;
         }
         let Some((&free_off, &free_len)) = self.free.range(..=offset).next_back() else { return false };
