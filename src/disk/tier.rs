@@ -72,6 +72,10 @@ use crate::limits::{
 };
 use crate::memory::pool::{ExtentAllocator, PoolError};
 
+/// Bytes copied into a record buffer before the copy is checksummed (64
+/// KiB: the piece is still in L2 when the check reads it).
+const WRITE_CHECK_PIECE_BYTES: usize = 64 << 10;
+
 /// Settings of a [`Tier`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TierConfig {
@@ -558,7 +562,8 @@ impl<D: DiskIo> Tier<D> {
     /// # Errors
     /// [`WriteRefused`], each counted: queue full, no space, a block that
     /// does not fit the format's bounds or the tier, or bytes that do not
-    /// match `slots`.
+    /// match `slots` (checked on the copy that is written; records evicted
+    /// to make room before that check are still reported).
     pub fn write(&mut self, key: &BlockKey, slots: &[SlotSum], payload: &[u8]) -> Result<WriteOutcome, WriteRefused> {
         if let Some(e) = self.index.get(key) {
             let generation = e.generation;
@@ -579,16 +584,6 @@ impl<D: DiskIo> Tier<D> {
         if let Err(e) = header.validate() {
             self.counters.write_refused_input += 1;
             return Err(e.into());
-        }
-        let mut at = 0usize;
-        for (slot, s) in slots.iter().enumerate() {
-            let bytes = payload.get(at..at + s.len as usize).unwrap_or(&[]);
-            let computed = crc32c::crc32c(bytes);
-            if computed != s.crc32c {
-                self.counters.write_refused_input += 1;
-                return Err(WriteRefused::InputChecksum { slot, stored: s.crc32c, computed });
-            }
-            at += s.len as usize;
         }
         // Within the capacity, so no overflow.
         let need = header.record_len().div_ceil(self.record_align).saturating_mul(self.record_align);
@@ -613,14 +608,49 @@ impl<D: DiskIo> Tier<D> {
                 return Err(e.into());
             }
         };
-        let rl = header.record_len() as usize;
-        buf.as_mut_slice()[rl..].fill(0);
-        if let Err(e) = format::encode_record_into(&header, payload, &mut buf.as_mut_slice()[..rl]) {
-            // Validated above; kept as an error, never a panic.
-            self.counters.internal_errors += 1;
-            self.free_space(offset, need);
-            return Err(e.into());
+        // Header, then each slot copied and checked against its given
+        // checksum on the copy itself (the bytes that go to disk), a piece
+        // at a time so the check reads what the copy just left in cache.
+        let enc = match header.encode() {
+            Ok(e) => e,
+            Err(e) => {
+                // Validated above; kept as an error, never a panic.
+                self.counters.internal_errors += 1;
+                self.free_space(offset, need);
+                self.recycle(buf);
+                return Err(e.into());
+            }
+        };
+        let area = header.header_area() as usize;
+        let out = buf.as_mut_slice();
+        out[..enc.len()].copy_from_slice(&enc);
+        out[enc.len()..area].fill(0);
+        let mut at = 0usize;
+        let mut bad = None;
+        for (slot, s) in slots.iter().enumerate() {
+            let len = s.len as usize;
+            let mut crc = 0u32;
+            let mut done = 0usize;
+            while done < len {
+                let n = (len - done).min(WRITE_CHECK_PIECE_BYTES);
+                let dst = &mut out[area + at + done..area + at + done + n];
+                dst.copy_from_slice(&payload[at + done..at + done + n]);
+                crc = crc32c::crc32c_append(crc, dst);
+                done += n;
+            }
+            if crc != s.crc32c {
+                bad = Some(WriteRefused::InputChecksum { slot, stored: s.crc32c, computed: crc });
+                break;
+            }
+            at += len;
         }
+        if let Some(e) = bad {
+            self.counters.write_refused_input += 1;
+            self.free_space(offset, need);
+            self.recycle(buf);
+            return Err(e);
+        }
+        out[area + at..].fill(0);
         let generation = self.next_generation;
         self.next_generation += 1;
         let tick = self.bump();
@@ -630,7 +660,7 @@ impl<D: DiskIo> Tier<D> {
             Entry {
                 offset,
                 record_len: need,
-                read_len: rl as u64,
+                read_len: header.record_len(),
                 generation,
                 payload_len: header.payload_len,
                 tick,
