@@ -123,10 +123,10 @@ enum BenchCmd {
     },
     /// Disk tier write and read vs raw O_DIRECT of the same blocks at the same queue depth (issue 32); Linux.
     Ssd {
-        /// Directory on the file system to measure (must exist; two files of --size are made in it).
+        /// Directory on the file system to measure (must exist; the tier file of --size is made in it, and the raw baseline runs over the same file).
         #[arg(long)]
         dir: PathBuf,
-        /// Size of the tier file and of the raw file, each (e.g. 2GiB).
+        /// Size of the tier file (e.g. 2GiB).
         #[arg(long, default_value = "2GiB", value_parser = parse_size)]
         size: u64,
         /// Bytes per block (default: the Qwen3-8B block of `bench engine`, 36 layers × 64 KiB).

@@ -1,15 +1,16 @@
 //! `kvferry bench ssd`: the disk tier's write and read throughput against
 //! raw `O_DIRECT` transfers of the same block sizes at the same queue
-//! depth, on the same file system and backend, measured in the same run:
-//! each repetition measures raw and tier back to back (ABBA: odd
-//! repetitions run the tier first), and the headline ratio is the median
+//! depth, on the same file and backend, measured in the same run: each
+//! repetition measures raw (write, read) and tier (write, read) back to
+//! back (odd repetitions run the tier first), and the headline ratio is the median
 //! over repetitions of each repetition's tier ÷ raw (a virtual or shared
 //! disk's speed drifts between repetitions far more than within one); the
 //! best of each figure and their ratio are printed too.
 //!
 //! - raw write: `blocks` writes of `align_up(block)` bytes at consecutive
-//!   offsets of a second file in the same directory, `depth` in flight,
-//!   from preallocated aligned buffers;
+//!   offsets of the tier's own file (a second descriptor; the same extents
+//!   the tier writes), `depth` in flight, from preallocated aligned
+//!   buffers;
 //! - tier write: `blocks` [`Tier::write`]s of the same blocks (each
 //!   checked against its slot checksums, copied into a record buffer
 //!   behind its 4 KiB header), a write-behind queue of `depth`, timed until
@@ -33,15 +34,12 @@ use crate::disk::tier::{Tier, TierConfig, TierEvent, WriteRefused};
 use crate::disk::{AlignedBuf, buf::align_up};
 use crate::types::BlockHash;
 
-/// The raw baseline's file name (next to the tier's file).
-pub const RAW_FILE_NAME: &str = "kvferry-bench-raw.0";
-
 /// Settings of one `bench ssd` run.
 #[derive(Debug, Clone)]
 pub struct SsdBench<'a> {
     /// Directory on the file system to measure (exists).
     pub dir: &'a Path,
-    /// Bytes of the tier file and of the raw file each.
+    /// Bytes of the tier file (the raw side runs over the same file).
     pub size: u64,
     /// Bytes per block (payload).
     pub block: u64,
@@ -186,7 +184,11 @@ pub fn ssd(a: &SsdBench<'_>) -> Result<serde_json::Value, String> {
     let n = (a.size / record).saturating_sub(1).max(1);
     let bytes = n * block;
     let tier_file = DiskFile::open(a.dir, a.size).map_err(|e| e.to_string())?;
-    let raw_file = DiskFile::open_named(a.dir, RAW_FILE_NAME, a.size).map_err(|e| e.to_string())?;
+    // The raw side writes and reads the tier's own file through a second
+    // descriptor, over the same extents the tier uses (a virtual disk's
+    // speed differs between files and regions), never between a tier
+    // write and its read.
+    let raw_file = DiskFile::open(a.dir, a.size).map_err(|e| e.to_string())?;
     let mut raw = backend_over(raw_file, a.depth, a.backend).map_err(|e| e.to_string())?;
     let disk = backend_over(tier_file, a.depth, a.backend).map_err(|e| e.to_string())?;
     let backend = disk.kind();
@@ -232,23 +234,18 @@ pub fn ssd(a: &SsdBench<'_>) -> Result<serde_json::Value, String> {
     // Per repetition: (raw write, tier write, raw read, tier read) seconds.
     let mut times: Vec<[f64; 4]> = Vec::new();
     for rep in 0..a.reps.max(1) {
-        // ABBA: odd repetitions run the tier first, so a drift of the
+        // Odd repetitions run the tier first, so a drift of the
         // device's speed within a run does not favour one side.
         let tier_first = rep % 2 == 1;
         let mut t = [0f64; 4];
-        if !tier_first {
-            t[0] = raw_pass(&mut raw, IoKind::Write, n, padded, &mut raw_bufs)?;
-        }
-        t[1] = tier_write_pass(&mut tier, n, &payloads, |i| key(rep, i))?;
-        if tier_first {
-            t[0] = raw_pass(&mut raw, IoKind::Write, n, padded, &mut raw_bufs)?;
-        }
-        if !tier_first {
-            t[2] = raw_pass(&mut raw, IoKind::Read, n, padded, &mut raw_bufs)?;
-        }
-        t[3] = tier_read_pass(&mut tier, n, a.depth, |i| key(rep, i))?;
-        if tier_first {
-            t[2] = raw_pass(&mut raw, IoKind::Read, n, padded, &mut raw_bufs)?;
+        for side in [tier_first, !tier_first] {
+            if side {
+                t[1] = tier_write_pass(&mut tier, n, &payloads, |i| key(rep, i))?;
+                t[3] = tier_read_pass(&mut tier, n, a.depth, |i| key(rep, i))?;
+            } else {
+                t[0] = raw_pass(&mut raw, IoKind::Write, n, padded, &mut raw_bufs)?;
+                t[2] = raw_pass(&mut raw, IoKind::Read, n, padded, &mut raw_bufs)?;
+            }
         }
         println!(
             "  rep {rep}: raw write {:.3}  tier write {:.3}  raw read {:.3}  tier read {:.3} GB/s",
