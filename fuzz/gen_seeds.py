@@ -144,3 +144,31 @@ write("metaserver_store", "remove_unregister", [
     REM, 0, 5, 1, 3, 2, 0,
     QUERY, 0, 0, 8, UNREG, 3, 0, QUERY, 0, 0, 8, OWNERS, 0, 0,
 ])
+
+
+# --- disk_record: src/disk/format.rs module doc (little-endian) -----------
+def crc32c(data):
+    crc = 0xFFFFFFFF
+    for b in data:
+        crc ^= b
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
+def disk_record(ns, h, family, generation, slots):
+    payload = b"".join(slots)
+    n = len(slots)
+    hlen = 48 + len(ns) + len(h) + 8 * n + 4
+    head = b"KFSD" + struct.pack("<HHIIQQQHHI", 1, 0, hlen, n, generation, family, len(payload), len(ns), len(h), 0)
+    head += ns + h + b"".join(struct.pack("<II", len(s), crc32c(s)) for s in slots)
+    head += struct.pack("<I", crc32c(head))
+    area = (len(head) + 4095) // 4096 * 4096
+    body = head + bytes(area - len(head)) + payload
+    return body + bytes((len(body) + 4095) // 4096 * 4096 - len(body))
+
+
+rec = disk_record(b"qwen3-8b", bytes(range(32)), 0xFEED, 7, [bytes([i]) * 300 for i in range(3)])
+write("disk_record", "valid_three_slots", rec)
+write("disk_record", "header_only", rec[:4096])
+write("disk_record", "torn_payload", rec[:4096 + 450] + bytes(len(rec) - 4096 - 450))

@@ -6,7 +6,8 @@
 #   scripts/fuzz.sh smoke [SECONDS_EACH]   every target briefly (default 20 s)
 #   scripts/fuzz.sh list                   print the target names
 #
-# TARGET is one of: registration_queue metaserver_store tcp_frame handshake.
+# TARGET is one of: registration_queue metaserver_store tcp_frame handshake
+# disk_record.
 # A campaign reads fuzz/corpus/TARGET (grown in place, gitignored),
 # fuzz/seeds/TARGET and fuzz/regressions/TARGET (both committed, never
 # written), and stops after SECONDS of fuzzing.
@@ -22,7 +23,7 @@
 # cores; later builds only recompile kvferry.
 set -uo pipefail
 
-TARGETS=(registration_queue metaserver_store tcp_frame handshake)
+TARGETS=(registration_queue metaserver_store tcp_frame handshake disk_record)
 CARGO_FUZZ_VERSION=0.13.2
 # Per-input time limit (s): a slower input is reported as a timeout crash.
 INPUT_TIMEOUT_S=10

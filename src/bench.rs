@@ -10,6 +10,8 @@
 //! - `store` — MetaServer store inserts/s ÷ `HashMap<[u8;32],u32>` inserts/s
 //!   (T5), loopback gRPC inserts ÷ store rate (T6), unregister of a node
 //!   owning 10 k of 1 M keys (T7).
+//! - `ssd` — the disk tier's write and read ÷ raw `O_DIRECT` transfers of
+//!   the same blocks at the same queue depth ([`ssd`]).
 //!
 //! Every figure is the best of a few repetitions, interleaved with its
 //! baseline. Throughput is timed to completion (T9): a save is timed until
@@ -33,6 +35,8 @@ use crate::types::{BlockHash, NodeAddr, SessionId};
 
 #[cfg(feature = "cuda")]
 pub mod ipc;
+#[cfg(target_os = "linux")]
+pub mod ssd;
 
 const REPS: usize = 3;
 /// Repetitions of every `bench gpu` figure, raw copies and engine runs

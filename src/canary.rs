@@ -62,6 +62,14 @@ pub enum Canary {
     /// C16: the engine's transfer-session ids stop advancing and carry no
     /// secret, so a released id is granted again.
     C16SessionIdsRepeat,
+    /// C17: the disk tier hands out the bytes of a record it read without
+    /// verifying its identity or slot checksums (the hook sits in
+    /// `disk::tier`'s read completion).
+    C17DiskReadUnverified,
+    /// C18: recovery of the disk tier keeps every record whose header
+    /// decodes, without checking its slot checksums (the hook sits in
+    /// `disk::tier`'s recovery).
+    C18RecoverUnverified,
     /// C19: the owner hands out device leases past their deadline until
     /// its GC collects them (the lease table's take skips expiry), with the
     /// full time left of a fresh lease, so a reader copies an owner's
@@ -71,7 +79,7 @@ pub enum Canary {
 
 impl Canary {
     /// Every canary, in contract order.
-    pub const ALL: [Canary; 16] = [
+    pub const ALL: [Canary; 18] = [
         Canary::C1FlushAcksEarly,
         Canary::C2FlushUnbounded,
         Canary::C4RemovalLost,
@@ -87,6 +95,8 @@ impl Canary {
         Canary::C15UnregisterInUse,
         Canary::C15UnregisterWhileBusy,
         Canary::C16SessionIdsRepeat,
+        Canary::C17DiskReadUnverified,
+        Canary::C18RecoverUnverified,
         Canary::C19LeaseExpiryIgnored,
     ];
 
@@ -104,6 +114,8 @@ impl Canary {
             Canary::C13ServeExpiredSession => "C13",
             Canary::C15UnregisterInUse | Canary::C15UnregisterWhileBusy => "C15",
             Canary::C16SessionIdsRepeat => "C16",
+            Canary::C17DiskReadUnverified => "C17",
+            Canary::C18RecoverUnverified => "C18",
             Canary::C19LeaseExpiryIgnored => "C19",
         }
     }

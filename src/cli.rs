@@ -121,6 +121,33 @@ enum BenchCmd {
         #[arg(long, hide = true)]
         child: Option<String>,
     },
+    /// Disk tier write and read vs raw O_DIRECT of the same blocks at the same queue depth (issue 32); Linux.
+    Ssd {
+        /// Directory on the file system to measure (must exist; the tier file of --size is made in it, and the raw baseline runs over the same file).
+        #[arg(long)]
+        dir: PathBuf,
+        /// Size of the tier file (e.g. 2GiB).
+        #[arg(long, default_value = "2GiB", value_parser = parse_size)]
+        size: u64,
+        /// Bytes per block (default: the Qwen3-8B block of `bench engine`, 36 layers × 64 KiB).
+        #[arg(long, default_value = "2304KiB", value_parser = parse_size)]
+        block: u64,
+        /// Checksummed slots per block (layers).
+        #[arg(long, default_value_t = 36, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=kvferry::limits::DISK_SLOTS_MAX as u64))]
+        slots: usize,
+        /// Operations in flight, tier and raw alike.
+        #[arg(long, default_value_t = kvferry::limits::DISK_QUEUE_DEPTH_DEFAULT, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=kvferry::limits::DISK_QUEUE_DEPTH_MAX as u64))]
+        queue_depth: usize,
+        /// Backend: auto (io_uring, else threads), io-uring, threads.
+        #[arg(long, default_value = "auto", value_parser = parse_disk_backend)]
+        backend: DiskBackendArg,
+        /// Repetitions (ratios: median over repetitions).
+        #[arg(long, default_value_t = 5, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=50))]
+        reps: usize,
+        /// The tier's record alignment (power of two, 4KiB..=16MiB): records start on it and writes move multiples of it.
+        #[arg(long, default_value = "64KiB", value_parser = parse_size)]
+        record_align: u64,
+    },
     /// MetaServer store and gRPC insert rates, unregister cost (T5–T7).
     Store {
         /// Keys inserted.
@@ -328,6 +355,60 @@ fn parse_part_size(s: &str) -> Result<u64, String> {
         0 => Err("a read part of 0 bytes reads nothing: give a size above 0 (it is rounded down to whole blocks, and at least one block is read per part)".into()),
         n => Ok(n),
     }
+}
+
+/// `bench ssd --backend` (a plain enum so the flag parses on every OS).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum DiskBackendArg {
+    Auto,
+    IoUring,
+    Threads,
+}
+
+fn parse_disk_backend(s: &str) -> Result<DiskBackendArg, String> {
+    match s {
+        "auto" => Ok(DiskBackendArg::Auto),
+        "io-uring" | "io_uring" => Ok(DiskBackendArg::IoUring),
+        "threads" => Ok(DiskBackendArg::Threads),
+        _ => Err(format!("bad disk backend {s:?}: auto, io-uring or threads")),
+    }
+}
+
+#[cfg(target_os = "linux")]
+async fn bench_ssd(
+    dir: PathBuf,
+    size: u64,
+    block: u64,
+    slots: usize,
+    depth: usize,
+    backend: DiskBackendArg,
+    (reps, record_align): (usize, u64),
+) -> Result<serde_json::Value, String> {
+    use kvferry::disk::file::BackendChoice;
+    let backend = match backend {
+        DiskBackendArg::Auto => BackendChoice::Auto,
+        DiskBackendArg::IoUring => BackendChoice::IoUring,
+        DiskBackendArg::Threads => BackendChoice::Pio,
+    };
+    tokio::task::spawn_blocking(move || {
+        let a = kvferry::bench::ssd::SsdBench { dir: &dir, size, block, slots, depth, backend, reps, record_align };
+        kvferry::bench::ssd::ssd(&a)
+    })
+    .await
+    .map_err(|e| format!("bench ssd task: {e}"))?
+}
+
+#[cfg(not(target_os = "linux"))]
+async fn bench_ssd(
+    _dir: PathBuf,
+    _size: u64,
+    _block: u64,
+    _slots: usize,
+    _depth: usize,
+    _backend: DiskBackendArg,
+    _reps: (usize, u64),
+) -> Result<serde_json::Value, String> {
+    Err("bench ssd needs Linux (O_DIRECT, io_uring)".into())
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -870,6 +951,9 @@ pub fn main() -> ExitCode {
                         kvferry::bench::transport(blocks, block_mib, &pools, reads_in_flight).await
                     }
                     BenchCmd::Store { keys } => kvferry::bench::store(keys).await,
+                    BenchCmd::Ssd { dir, size, block, slots, queue_depth, backend, reps, record_align } => {
+                        bench_ssd(dir, size, block, slots, queue_depth, backend, (reps, record_align)).await
+                    }
                     BenchCmd::Gpu { device } => bench_gpu(device).await,
                     BenchCmd::Ipc { device, child: Some(export) } => {
                         // The reader process: one JSON line for the parent.

@@ -17,6 +17,9 @@
 //!   gRPC service.
 //! - [`memory`]: the bottom layer — the pinned pool and its extents, the
 //!   registry of device buffers.
+//! - [`disk`]: the SSD tier below the pool (beside `memory`): records with
+//!   their identity and per-slot checksums, verified on every read and on
+//!   recovery.
 //! - [`engine`]: layouts, cache, transfer locks, save/load, fetch.
 //! - [`gpu`]: the `Gpu` door and its backends.
 //! - [`hash`]: the shared, versioned block hash and layout-family
@@ -48,6 +51,7 @@ compile_error!("the simulator (--cfg madsim) builds none of the features `cuda`,
 pub mod bench;
 pub mod canary;
 pub mod client;
+pub mod disk;
 pub mod engine;
 #[cfg(all(feature = "cli", not(madsim)))]
 pub mod exporter;

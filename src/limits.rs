@@ -486,3 +486,57 @@ pub const SHM_COPY_BYTES_PER_THREAD_MIN: u64 = 4 << 20;
 
 /// Most threads one shared-pool read batch is copied on (count).
 pub const SHM_COPY_THREADS_MAX: usize = 8;
+
+// ---- Disk tier (`disk`, issue 32) ----------------------------------------
+
+/// Alignment of every disk-tier buffer address, file offset and I/O length
+/// (bytes): a page, which covers every logical block size `O_DIRECT`
+/// demands (512 B or 4 KiB on NVMe).
+pub const DISK_ALIGN_BYTES: u64 = 4096;
+
+/// Slots (checksummed pieces, one per layer) one disk record may carry
+/// (count). A model with 4 096 layers does not exist; the bound keeps a
+/// corrupt header from asking for a huge slot table.
+pub const DISK_SLOTS_MAX: usize = 4_096;
+
+/// Payload bytes one disk record may carry (1 GiB): a block of every
+/// layer of a very large model is tens of MiB.
+pub const DISK_RECORD_PAYLOAD_BYTES_MAX: u64 = 1 << 30;
+
+/// Largest record alignment of the disk tier (bytes): 16 MiB (larger
+/// units than any SSD's erase block or a virtual disk's cluster).
+pub const DISK_RECORD_ALIGN_MAX: u64 = 16 << 20;
+
+/// Smallest disk tier (bytes): 1 MiB, room for a few small records.
+pub const DISK_CAPACITY_BYTES_MIN: u64 = 1 << 20;
+
+/// Largest disk tier (bytes): 64 TiB.
+pub const DISK_CAPACITY_BYTES_MAX: u64 = 1 << 46;
+
+/// Writes the tier holds accepted but not yet completed by default
+/// (blocks): the write-behind queue; beyond it a write is refused and
+/// counted, never waited for.
+pub const DISK_WRITE_QUEUE_DEFAULT: usize = 64;
+
+/// Largest write-behind queue (blocks).
+pub const DISK_WRITE_QUEUE_MAX: usize = 4_096;
+
+/// I/O operations the tier keeps in flight at the backend by default
+/// (count; the queue depth).
+pub const DISK_QUEUE_DEPTH_DEFAULT: usize = 32;
+
+/// Largest queue depth (count): the io_uring submission ring is sized to
+/// it, and the thread backend starts at most [`DISK_THREADS_MAX`] threads.
+pub const DISK_QUEUE_DEPTH_MAX: usize = 256;
+
+/// Threads of the blocking `pread`/`pwrite` backend, at most (count).
+pub const DISK_THREADS_MAX: usize = 16;
+
+/// Bytes recovery reads at once while scanning the tier's file on open
+/// (8 MiB: large sequential reads; a record longer than what is left of a
+/// chunk is read by itself).
+pub const DISK_RECOVERY_CHUNK_BYTES: u64 = 8 << 20;
+
+/// Spare I/O buffers the tier keeps for reuse after their operation
+/// completed (count); more are freed.
+pub const DISK_SPARE_BUFFERS_MAX: usize = 64;

@@ -229,6 +229,32 @@ impl ExtentAllocator {
         Some(offset)
     }
 
+    /// Allocates exactly `[offset, offset + rounded_len(len))`, for a
+    /// caller that rebuilds a known layout (the disk tier's recovery).
+    /// Returns `false`, with the state unchanged, when `offset` is not
+    /// aligned or the range is not wholly inside one free extent.
+    pub fn reserve(&mut self, offset: u64, len: u64) -> bool {
+        let Some(need) = self.rounded_len(len) else { return false };
+        if !offset.is_multiple_of(self.align) {
+            return false;
+        }
+        let Some((&free_off, &free_len)) = self.free.range(..=offset).next_back() else { return false };
+        let Some(end) = offset.checked_add(need) else { return false };
+        if end > free_off + free_len {
+            return false;
+        }
+        self.remove_free(free_off, free_len);
+        if offset > free_off {
+            self.insert_free(free_off, offset - free_off);
+        }
+        if free_off + free_len > end {
+            self.insert_free(end, free_off + free_len - end);
+        }
+        self.live.insert(offset, need);
+        self.used += need;
+        true
+    }
+
     /// Returns the extent at `offset` that was allocated with length `len`
     /// (the same `len` passed to [`alloc`](Self::alloc)), coalescing it with
     /// free neighbours.
@@ -845,6 +871,28 @@ const _: () = {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// `reserve` takes exactly the range asked for, out of one free
+    /// extent, and refuses a range that overlaps a live one or is
+    /// misaligned; what it took frees like an allocation.
+    #[test]
+    fn reserve_takes_exact_ranges() {
+        let mut a = ExtentAllocator::new(64 * 4096, 4096).unwrap();
+        assert!(a.reserve(8 * 4096, 3 * 4096));
+        assert!(a.reserve(0, 4096));
+        assert!(!a.reserve(9 * 4096, 4096), "inside a live range");
+        assert!(!a.reserve(7 * 4096, 2 * 4096), "overlaps the start of a live range");
+        assert!(!a.reserve(100, 4096), "misaligned");
+        assert!(!a.reserve(63 * 4096, 2 * 4096), "past the end");
+        a.check_invariants();
+        assert_eq!(a.used_bytes(), 4 * 4096);
+        assert_eq!(a.alloc(4096), Some(4096), "best fit before the reserved range");
+        a.free(8 * 4096, 3 * 4096).unwrap();
+        a.free(0, 4096).unwrap();
+        a.free(4096, 4096).unwrap();
+        a.check_invariants();
+        assert_eq!(a.free_extents(), 1);
+    }
 
     #[test]
     fn prefault_commits_a_fresh_pool_and_refuses_one_in_use() {

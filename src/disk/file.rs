@@ -1,0 +1,295 @@
+//! The tier's file: one preallocated file under a directory the operator
+//! names, opened with `O_DIRECT`, and the choice of backend over it
+//! ([`open_backend`]): io_uring when the kernel and the container allow
+//! it, else `pread`/`pwrite` on blocking threads.
+
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use super::buf::AlignedBuf;
+use super::io::{BackendKind, Completion, DiskIo, Errno, IoOp, Refused};
+use super::pio::PioDisk;
+use super::uring::UringDisk;
+use crate::limits::{DISK_ALIGN_BYTES, DISK_CAPACITY_BYTES_MAX, DISK_CAPACITY_BYTES_MIN, DISK_QUEUE_DEPTH_MAX};
+
+/// The tier's file name inside the operator's directory.
+pub const TIER_FILE_NAME: &str = "kvferry-tier.0";
+
+/// Why the tier's file or backend could not be opened. Each names the
+/// path and what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    /// The directory does not exist (it is never created: a typo must not
+    /// fill another disk).
+    #[error("disk tier directory {path} does not exist (create it, on the SSD, first)")]
+    DirMissing {
+        /// The directory.
+        path: PathBuf,
+    },
+    /// The path is not a directory.
+    #[error("disk tier path {path} is not a directory")]
+    NotADir {
+        /// The path.
+        path: PathBuf,
+    },
+    /// A size outside the allowed range.
+    #[error("disk tier size {bytes} B is outside {min}..={max} B")]
+    BadSize {
+        /// The size asked for (bytes).
+        bytes: u64,
+        /// Smallest (bytes).
+        min: u64,
+        /// Largest (bytes).
+        max: u64,
+    },
+    /// A queue depth outside `1..=DISK_QUEUE_DEPTH_MAX`.
+    #[error("disk tier queue depth {depth} is outside 1..={max}")]
+    BadDepth {
+        /// The depth asked for.
+        depth: usize,
+        /// Largest.
+        max: usize,
+    },
+    /// The file system refuses `O_DIRECT` (e.g. tmpfs on older kernels, or
+    /// some network and overlay file systems).
+    #[error(
+        "the file system of {path} refuses O_DIRECT ({source}); put the disk tier on a local SSD file system (ext4, xfs)"
+    )]
+    DirectIoRefused {
+        /// The file.
+        path: PathBuf,
+        /// What the OS said.
+        source: std::io::Error,
+    },
+    /// The file could not be created or opened.
+    #[error("cannot open disk tier file {path}: {source}")]
+    Open {
+        /// The file.
+        path: PathBuf,
+        /// What the OS said.
+        source: std::io::Error,
+    },
+    /// The file's space could not be allocated (`fallocate`).
+    #[error(
+        "cannot allocate {bytes} B for disk tier file {path}: {source} (free space on that file system, or a smaller size)"
+    )]
+    Allocate {
+        /// The file.
+        path: PathBuf,
+        /// The size asked for (bytes).
+        bytes: u64,
+        /// What the OS said.
+        source: std::io::Error,
+    },
+    /// The thread backend could not start its threads.
+    #[error("cannot start disk tier threads: {source}")]
+    Threads {
+        /// What the OS said.
+        source: std::io::Error,
+    },
+    /// io_uring was asked for and is not available.
+    #[error("io_uring is not available here ({source}); use the thread backend")]
+    NoUring {
+        /// What the OS said.
+        source: std::io::Error,
+    },
+}
+
+/// The open tier file.
+#[derive(Debug)]
+pub struct DiskFile {
+    file: File,
+    path: PathBuf,
+    capacity: u64,
+}
+
+impl DiskFile {
+    /// Opens (creating if needed) `dir/TIER_FILE_NAME` with `O_DIRECT`,
+    /// allocates `bytes` (rounded down to the alignment) with `fallocate`,
+    /// and checks with one aligned read that direct I/O works. An existing
+    /// larger file is left as it is; only its first `bytes` are used.
+    ///
+    /// # Errors
+    /// [`OpenError`], naming the path: a missing directory, a size out of
+    /// range, `O_DIRECT` refused, the space not allocatable.
+    pub fn open(dir: &Path, bytes: u64) -> Result<Self, OpenError> {
+        Self::open_named(dir, TIER_FILE_NAME, bytes)
+    }
+
+    /// [`open`](Self::open) with another file name in `dir` (the
+    /// benchmark's raw baseline file).
+    ///
+    /// # Errors
+    /// As [`open`](Self::open).
+    pub fn open_named(dir: &Path, name: &str, bytes: u64) -> Result<Self, OpenError> {
+        let capacity = bytes & !(DISK_ALIGN_BYTES - 1);
+        if !(DISK_CAPACITY_BYTES_MIN..=DISK_CAPACITY_BYTES_MAX).contains(&capacity) {
+            return Err(OpenError::BadSize { bytes, min: DISK_CAPACITY_BYTES_MIN, max: DISK_CAPACITY_BYTES_MAX });
+        }
+        match std::fs::metadata(dir) {
+            Err(_) => return Err(OpenError::DirMissing { path: dir.to_path_buf() }),
+            Ok(m) if !m.is_dir() => return Err(OpenError::NotADir { path: dir.to_path_buf() }),
+            Ok(_) => {}
+        }
+        let path = dir.join(name);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .custom_flags(libc::O_DIRECT | libc::O_CLOEXEC)
+            .open(&path)
+            .map_err(|source| {
+                if source.raw_os_error() == Some(libc::EINVAL) {
+                    OpenError::DirectIoRefused { path: path.clone(), source }
+                } else {
+                    OpenError::Open { path: path.clone(), source }
+                }
+            })?;
+        let have = file.metadata().map_err(|source| OpenError::Open { path: path.clone(), source })?.len();
+        if have < capacity {
+            // SAFETY: plain syscall on an fd we own.
+            let r = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, capacity as libc::off_t) };
+            if r != 0 {
+                let source = std::io::Error::last_os_error();
+                if source.raw_os_error() == Some(libc::EOPNOTSUPP) {
+                    // A file system without fallocate: a sparse file; a
+                    // later ENOSPC is a counted write failure.
+                    tracing::warn!(path = %path.display(), "disk tier: fallocate unsupported, the file is sparse");
+                    file.set_len(capacity).map_err(|source| OpenError::Allocate {
+                        path: path.clone(),
+                        bytes: capacity,
+                        source,
+                    })?;
+                } else {
+                    return Err(OpenError::Allocate { path, bytes: capacity, source });
+                }
+            }
+        }
+        // Probe: one aligned direct read must work.
+        let mut probe = AlignedBuf::new(DISK_ALIGN_BYTES as usize).map_err(|_| OpenError::Allocate {
+            path: path.clone(),
+            bytes: DISK_ALIGN_BYTES,
+            source: std::io::Error::from(std::io::ErrorKind::OutOfMemory),
+        })?;
+        if let Err(source) = file.read_at(probe.as_mut_slice(), 0) {
+            return Err(OpenError::DirectIoRefused { path, source });
+        }
+        Ok(Self { file, path, capacity })
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The usable size (bytes).
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    /// The file.
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+}
+
+/// Which backend to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BackendChoice {
+    /// io_uring, or threads when io_uring is refused (logged).
+    #[default]
+    Auto,
+    /// io_uring or an error.
+    IoUring,
+    /// `pread`/`pwrite` on threads.
+    Pio,
+}
+
+/// A real backend: io_uring or threads.
+#[derive(Debug)]
+pub enum RealDisk {
+    /// io_uring + `O_DIRECT` (boxed: the ring is large).
+    Uring(Box<UringDisk>),
+    /// `pread`/`pwrite` + `O_DIRECT` on threads.
+    Pio(PioDisk),
+}
+
+/// Opens `dir`'s tier file (see [`DiskFile::open`]) of `bytes` and a
+/// backend of queue depth `depth` over it.
+///
+/// # Errors
+/// [`OpenError`]; with [`BackendChoice::IoUring`], also
+/// [`OpenError::NoUring`] when the kernel or a seccomp filter refuses it.
+pub fn open_backend(dir: &Path, bytes: u64, depth: usize, choice: BackendChoice) -> Result<RealDisk, OpenError> {
+    let file = DiskFile::open(dir, bytes)?;
+    backend_over(file, depth, choice)
+}
+
+/// A backend of queue depth `depth` over an open file.
+///
+/// # Errors
+/// As [`open_backend`].
+pub fn backend_over(file: DiskFile, depth: usize, choice: BackendChoice) -> Result<RealDisk, OpenError> {
+    if depth == 0 || depth > DISK_QUEUE_DEPTH_MAX {
+        return Err(OpenError::BadDepth { depth, max: DISK_QUEUE_DEPTH_MAX });
+    }
+    match choice {
+        BackendChoice::Pio => pio(file, depth),
+        BackendChoice::IoUring => UringDisk::new(file, depth)
+            .map(|u| RealDisk::Uring(Box::new(u)))
+            .map_err(|(_, source)| OpenError::NoUring { source }),
+        BackendChoice::Auto => match UringDisk::new(file, depth) {
+            Ok(u) => Ok(RealDisk::Uring(Box::new(u))),
+            Err((file, e)) => {
+                tracing::info!(error = %e, "disk tier: io_uring unavailable, using pread/pwrite threads");
+                pio(file, depth)
+            }
+        },
+    }
+}
+
+fn pio(file: DiskFile, depth: usize) -> Result<RealDisk, OpenError> {
+    PioDisk::new(file, depth).map(RealDisk::Pio).map_err(|source| OpenError::Threads { source })
+}
+
+impl DiskIo for RealDisk {
+    fn kind(&self) -> BackendKind {
+        match self {
+            RealDisk::Uring(d) => d.kind(),
+            RealDisk::Pio(d) => d.kind(),
+        }
+    }
+    fn capacity(&self) -> u64 {
+        match self {
+            RealDisk::Uring(d) => d.capacity(),
+            RealDisk::Pio(d) => d.capacity(),
+        }
+    }
+    fn queue_depth(&self) -> usize {
+        match self {
+            RealDisk::Uring(d) => d.queue_depth(),
+            RealDisk::Pio(d) => d.queue_depth(),
+        }
+    }
+    fn in_flight(&self) -> usize {
+        match self {
+            RealDisk::Uring(d) => d.in_flight(),
+            RealDisk::Pio(d) => d.in_flight(),
+        }
+    }
+    fn submit(&mut self, op: IoOp) -> Result<(), Refused> {
+        match self {
+            RealDisk::Uring(d) => d.submit(op),
+            RealDisk::Pio(d) => d.submit(op),
+        }
+    }
+    fn reap(&mut self, wait: bool, out: &mut Vec<Completion>) -> Result<usize, Errno> {
+        match self {
+            RealDisk::Uring(d) => d.reap(wait, out),
+            RealDisk::Pio(d) => d.reap(wait, out),
+        }
+    }
+}

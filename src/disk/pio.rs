@@ -1,0 +1,152 @@
+//! The thread backend: `pread`/`pwrite` on the tier's `O_DIRECT` file from
+//! up to [`DISK_THREADS_MAX`] blocking threads, for hosts where io_uring
+//! is refused (containers often filter it out with seccomp).
+//!
+//! An operation goes to a shared job queue; a worker takes it, makes one
+//! `pread` or `pwrite` call (a short count is passed up as it is, never
+//! retried) and sends the completion back. Dropping the backend closes the
+//! queue and joins the workers, so no buffer is freed while a worker holds
+//! it.
+
+use std::os::unix::fs::FileExt;
+use std::sync::mpsc::{Receiver, Sender, TryRecvError, channel};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use super::file::DiskFile;
+use super::io::{BackendKind, Completion, DiskIo, EIO, Errno, IoKind, IoOp, Refused, SubmitError, check_op};
+use crate::limits::DISK_THREADS_MAX;
+
+/// `pread`/`pwrite` on threads; see the module doc.
+pub struct PioDisk {
+    file: Arc<DiskFile>,
+    depth: usize,
+    jobs: Option<Sender<IoOp>>,
+    done: Receiver<Completion>,
+    workers: Vec<JoinHandle<()>>,
+    in_flight: usize,
+}
+
+impl std::fmt::Debug for PioDisk {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PioDisk").field("path", &self.file.path()).field("depth", &self.depth).finish()
+    }
+}
+
+impl PioDisk {
+    /// `min(depth, DISK_THREADS_MAX)` workers over `file`, accepting up to
+    /// `depth` operations at once.
+    ///
+    /// # Errors
+    /// The OS error when a thread cannot be started (the ones started are
+    /// stopped again).
+    pub fn new(file: DiskFile, depth: usize) -> std::io::Result<Self> {
+        let file = Arc::new(file);
+        let (jobs, rx) = channel::<IoOp>();
+        let rx = Arc::new(Mutex::new(rx));
+        let (tx_done, done) = channel();
+        let mut me = Self { file, depth: depth.max(1), jobs: Some(jobs), done, workers: Vec::new(), in_flight: 0 };
+        for i in 0..depth.clamp(1, DISK_THREADS_MAX) {
+            let rx = rx.clone();
+            let tx = tx_done.clone();
+            let file = me.file.clone();
+            // On error `me` drops: the queue closes and the started workers
+            // are joined.
+            let w =
+                std::thread::Builder::new().name(format!("kvferry-disk-{i}")).spawn(move || worker(&file, &rx, &tx))?;
+            me.workers.push(w);
+        }
+        Ok(me)
+    }
+}
+
+fn worker(file: &DiskFile, rx: &Mutex<Receiver<IoOp>>, tx: &Sender<Completion>) {
+    loop {
+        let job = match rx.lock() {
+            Ok(r) => r.recv(),
+            Err(_) => return,
+        };
+        let Ok(mut op) = job else { return };
+        let r = match op.kind {
+            IoKind::Read => file.file().read_at(op.buf.as_mut_slice(), op.offset),
+            IoKind::Write => file.file().write_at(op.buf.as_slice(), op.offset),
+        };
+        let result = r.map_err(|e| Errno(e.raw_os_error().unwrap_or(EIO.0)));
+        if tx.send(Completion { tag: op.tag, kind: op.kind, offset: op.offset, buf: op.buf, result }).is_err() {
+            return;
+        }
+    }
+}
+
+impl Drop for PioDisk {
+    fn drop(&mut self) {
+        self.jobs = None;
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+    }
+}
+
+impl DiskIo for PioDisk {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Pio
+    }
+
+    fn capacity(&self) -> u64 {
+        self.file.capacity()
+    }
+
+    fn queue_depth(&self) -> usize {
+        self.depth
+    }
+
+    fn in_flight(&self) -> usize {
+        self.in_flight
+    }
+
+    fn submit(&mut self, op: IoOp) -> Result<(), Refused> {
+        if let Err(error) = check_op(&op, self.capacity(), self.in_flight, self.depth) {
+            return Err(Refused { error, op });
+        }
+        let Some(jobs) = &self.jobs else {
+            return Err(Refused { error: SubmitError::Broken(EIO), op });
+        };
+        match jobs.send(op) {
+            Ok(()) => {
+                self.in_flight += 1;
+                Ok(())
+            }
+            Err(e) => Err(Refused { error: SubmitError::Broken(EIO), op: e.0 }),
+        }
+    }
+
+    fn reap(&mut self, wait: bool, out: &mut Vec<Completion>) -> Result<usize, Errno> {
+        let mut n = 0;
+        if wait && self.in_flight > 0 {
+            match self.done.recv() {
+                Ok(c) => {
+                    out.push(c);
+                    n += 1;
+                }
+                Err(_) => return Err(EIO),
+            }
+        }
+        loop {
+            match self.done.try_recv() {
+                Ok(c) => {
+                    out.push(c);
+                    n += 1;
+                }
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => {
+                    if self.in_flight > n {
+                        return Err(EIO);
+                    }
+                    break;
+                }
+            }
+        }
+        self.in_flight -= n;
+        Ok(n)
+    }
+}
