@@ -384,7 +384,7 @@ async fn bench_ssd(
     backend: DiskBackendArg,
     (reps, record_align): (usize, u64),
 ) -> Result<serde_json::Value, String> {
-    use kvferry::disk::file::BackendChoice;
+    use kvferry::disk::backend::BackendChoice;
     let backend = match backend {
         DiskBackendArg::Auto => BackendChoice::Auto,
         DiskBackendArg::IoUring => BackendChoice::IoUring,

@@ -27,7 +27,8 @@ use std::time::Instant;
 
 use serde_json::json;
 
-use crate::disk::file::{BackendChoice, DiskFile, backend_over};
+use crate::disk::backend::{BackendChoice, backend_over};
+use crate::disk::file::DiskFile;
 use crate::disk::format::{BlockKey, SlotSum};
 use crate::disk::io::{DiskIo, IoKind, IoOp};
 use crate::disk::tier::{Tier, TierConfig, TierEvent, WriteRefused};

@@ -25,6 +25,8 @@
 //!
 //! Why not `foyer`: docs/design.md §8, "Disk tier".
 
+#[cfg(all(target_os = "linux", not(madsim)))]
+pub mod backend;
 pub mod buf;
 pub mod check;
 #[cfg(all(target_os = "linux", not(madsim)))]

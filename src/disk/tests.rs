@@ -348,7 +348,8 @@ fn broken_c18recoverunverified_is_caught() {
 #[cfg(all(target_os = "linux", not(madsim)))]
 mod real {
     use super::*;
-    use crate::disk::file::{BackendChoice, DiskFile, OpenError, backend_over, open_backend};
+    use crate::disk::backend::{BackendChoice, backend_over, open_backend};
+    use crate::disk::file::{DiskFile, OpenError};
 
     /// A temporary directory on the repository's file system (`/tmp` may
     /// be tmpfs, which can refuse `O_DIRECT`).
