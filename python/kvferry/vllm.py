@@ -380,8 +380,9 @@ def _probe_metaserver(node: "kvferry.Node", ns: str, cfg: ConnectorConfig) -> No
         ) from None
 
 
-# Worker nodes of this process, by namespace: a scheduler in the same process
-# (vLLM's default for one GPU) also asks the worker's pool directly.
+# Worker nodes of this process, by vLLM engine id: a scheduler in the same
+# process as its worker (vLLM's default for one GPU) also asks the worker's
+# pool directly, and names that node as the owner in kv_transfer_params.
 _LOCAL_NODES: Dict[str, "kvferry.Node"] = {}
 _LOCAL_LOCK = threading.Lock()
 
@@ -421,6 +422,7 @@ class KvferryConnector(KVConnectorBase_V1):
         self._saves = bool(tc.is_kv_producer)
         self._loads = bool(tc.is_kv_consumer)
         self._producer_only = self._saves and not self._loads
+        self._engine_id = str(tc.engine_id)
         if getattr(tc, "kv_load_failure_policy", "recompute") != "recompute" and self._loads:
             logger.warning(
                 "kvferry: kv_load_failure_policy is %r: a load that stops short fails the request; set "
@@ -473,7 +475,7 @@ class KvferryConnector(KVConnectorBase_V1):
         """Blocks of ``hashes`` (from the first) that some node holds: this
         process's worker pool, else the MetaServer's longest owner."""
         local = 0
-        node = _LOCAL_NODES.get(self.ns)
+        node = _LOCAL_NODES.get(self._engine_id)
         if node is not None and node.running:
             try:
                 local = node.query_prefix(self.ns, hashes)
@@ -653,7 +655,7 @@ class KvferryConnector(KVConnectorBase_V1):
             return False, None
         params = None
         if st.saved_blocks > 0 and st.hashes:
-            node = _LOCAL_NODES.get(self.ns)
+            node = _LOCAL_NODES.get(self._engine_id)
             params = {
                 PARAMS_KEY: {
                     "namespace": self.ns,
@@ -748,7 +750,7 @@ class KvferryConnector(KVConnectorBase_V1):
         self.kv_layout = layout
         self._pool = ThreadPoolExecutor(self.cfg.load_threads, thread_name_prefix="kvferry-load")
         with _LOCAL_LOCK:
-            _LOCAL_NODES[self.ns] = node
+            _LOCAL_NODES[self._engine_id] = node
         logger.info("kvferry: node %s registered %d layers (%s) in namespace %r", node.address, len(ks), layout, self.ns)
 
     def _require_node(self) -> "kvferry.Node":
@@ -895,7 +897,7 @@ class KvferryConnector(KVConnectorBase_V1):
             self._pool.shutdown(wait=True)
         if self._node is not None:
             with _LOCAL_LOCK:
-                if _LOCAL_NODES.get(self.ns) is self._node:
-                    del _LOCAL_NODES[self.ns]
+                if _LOCAL_NODES.get(self._engine_id) is self._node:
+                    del _LOCAL_NODES[self._engine_id]
             self._node.shutdown(2)
             self._node = None
