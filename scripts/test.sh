@@ -24,6 +24,11 @@
 #   5. the Python package (scripts/python-test.sh): the wheel into a venv,
 #      pytest (incl. the P/D example on CPU with the numpy model), and
 #      fmt/clippy of the python/ crate.
+#   6. the vLLM connector (scripts/vllm-test.sh): vllm==0.33.0 (pinned with
+#      its dependencies) into its own venv, then python/tests_vllm: vLLM's
+#      real Scheduler on the CPU driving kvferry.vllm, the worker side on
+#      real tensors in vLLM's layouts, bad-input errors. About 4.6 GB of
+#      downloads and 10 GB of disk; 5 minutes on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SIM_SEEDS=${SIM_SEEDS:-500}
@@ -65,5 +70,8 @@ step "tier 5: python package (wheel into a venv, pytest)"
 cargo fmt --manifest-path python/Cargo.toml -- --check
 CARGO_TARGET_DIR=python/target cargo clippy --manifest-path python/Cargo.toml -- -D warnings
 scripts/python-test.sh
+
+step "tier 6: vLLM connector (vllm==0.33.0 in its own venv, scheduler on the CPU)"
+scripts/vllm-test.sh
 
 step "all tiers passed"
