@@ -327,6 +327,14 @@ def namespace_for(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", m
             "VllmKvGroups",
         )
     spec = groups[0].kv_cache_spec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    if not isinstance(spec, FullAttentionSpec):
+        raise ConfigError(
+            f"KvferryConnector supports full-attention and MLA KV caches; this model's KV cache spec is "
+            f"{type(spec).__name__}",
+            "VllmKvSpec",
+        )
     block_size = int(spec.block_size)
     layers = len(groups[0].layer_names)
     model = model_id or str(vllm_config.model_config.model)
