@@ -245,3 +245,83 @@ def test_preemption_while_another_request_loads(tiny_model, metaserver):
     finally:
         a.close()
         b.close()
+
+
+def test_cache_salt_isolates_blocks(tiny_model, metaserver):
+    """A request with a cache_salt never hits blocks saved without it (or
+    with another salt), and hits its own salt's blocks."""
+    from conftest import Request
+    from vllm.sampling_params import SamplingParams
+
+    a, b = pair(tiny_model, metaserver)
+    try:
+        p = prompt(3 * BS + 1, seed=30)
+        a.add("plain", p)
+        finish(a, "plain", p)
+
+        def salted(inst, req_id, salt):
+            sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+            inst.scheduler.add_request(Request(req_id, list(p), sp, None, block_hasher=inst.block_hasher, cache_salt=salt))
+            inst.outputs[req_id] = []
+
+        salted(b, "s1", "tenant-1")
+        so = b.step()
+        assert so.kv_connector_metadata.loads == []  # the unsalted blocks are not the tenant's
+        finish(b, "s1", p)
+        salted(a, "s2", "tenant-2")
+        so = a.step()
+        assert so.kv_connector_metadata.loads == []
+        finish(a, "s2", p)
+        c = Instance(tiny_model, "kv_both", extra(metaserver))
+        try:
+            salted(c, "s1", "tenant-1")
+            so = c.step()
+            assert [len(j.hashes) for j in so.kv_connector_metadata.loads] == [3]  # b saved tenant-1's
+            finish(c, "s1", p)
+        finally:
+            c.close()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_chunked_prefill_saves_every_chunk(tiny_model, metaserver):
+    """With 32 tokens per step the prompt is computed in chunks; each chunk's
+    full blocks are saved in the step that completes them."""
+    a = Instance(tiny_model, "kv_both", extra(metaserver), max_tokens_per_step=32)
+    b = Instance(tiny_model, "kv_both", extra(metaserver))
+    try:
+        p = prompt(6 * BS + 3, seed=31)
+        a.add("r", p)
+        saves = []
+        a.hook = lambda so: saves.append(sum(len(j.hashes) for j in so.kv_connector_metadata.saves))
+        finish(a, "r", p)
+        assert saves[:3] == [2, 2, 2] and sum(saves) == 6
+        b.add("r", p)
+        so = b.step()
+        assert [len(j.hashes) for j in so.kv_connector_metadata.loads] == [6]
+        finish(b, "r", p)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_many_requests_share_a_prefix(tiny_model, metaserver):
+    """Several requests with a shared system prompt and different suffixes:
+    each loads the shared blocks once per request and decodes its own tokens."""
+    a, b = pair(tiny_model, metaserver)
+    try:
+        system = prompt(4 * BS, seed=32)
+        prompts = {f"q{i}": system + prompt(BS + 7 * i, seed=40 + i) for i in range(4)}
+        a.add("sys", system + [1])
+        finish(a, "sys", system + [1])
+        for rid, pr in prompts.items():
+            b.add(rid, pr, max_tokens=3)
+        b.run()
+        for rid, pr in prompts.items():
+            assert b.outputs[rid] == expected_tokens(pr, 3), rid
+        assert b.worker.stats["failed_blocks"] == 0 and b.worker.stats["loaded_blocks"] >= 4
+        assert b.free_blocks() == b.free_at_start
+    finally:
+        a.close()
+        b.close()
