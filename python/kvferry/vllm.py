@@ -229,35 +229,50 @@ def _check_value(key: str, value: Any) -> Any:
 
 # ---------------------------------------------------------------- layouts
 def kv_layout(shape: Sequence[int], num_blocks: int, block_size: int) -> str:
-    """Names vLLM's per-layer KV cache layout from a tensor's shape.
+    """Names a vLLM per-layer KV cache tensor's layout from its shape.
 
     Args:
-        shape: the layer's KV cache tensor shape.
-        num_blocks: vLLM's number of KV blocks.
+        shape: the layer's KV cache tensor shape (logical, as vLLM gives it).
+        num_blocks: vLLM's number of KV blocks (``KVCacheConfig.num_blocks``).
         block_size: tokens per block.
 
     Returns:
-        ``"kv_first"`` for ``[2, num_blocks, block_size, kv_heads,
-        head_dim]``, ``"blocks_first"`` for ``[num_blocks, 2, block_size,
-        kv_heads, head_dim]``, ``"mla"`` for ``[num_blocks, block_size,
-        head_size]``.
+        ``"block_major"``: the first axis indexes blocks and K and V live
+        inside each block (vLLM 0.32/0.33's ``[num_blocks, kv_heads,
+        block_size, 2 * head_dim]`` views in every ``KVCacheLayout``, MLA's
+        ``[num_blocks, block_size, head_size]``): one segment per layer.
+        ``"kv_first"``: ``[2, num_blocks, block_size, kv_heads, head_dim]``
+        and ``"blocks_first"``: ``[num_blocks, 2, block_size, kv_heads,
+        head_dim]`` (older vLLMs' FlashAttention / FlashInfer shapes): K
+        and V segments.
 
     Raises:
-        LayoutError: any other shape (named in the message).
+        LayoutError: any other shape, e.g. kernel blocks smaller than vLLM's
+            block (the first axis is not ``num_blocks``); the message names
+            the shape.
     """
     s = tuple(int(x) for x in shape)
     if len(s) == 5 and s[0] == 2 and s[1] == num_blocks and s[2] == block_size:
         return "kv_first"
     if len(s) == 5 and s[0] == num_blocks and s[1] == 2 and s[2] == block_size:
         return "blocks_first"
-    if len(s) == 3 and s[0] == num_blocks and s[1] == block_size:
-        return "mla"
+    if len(s) >= 2 and s[0] == num_blocks and block_size in s[1:]:
+        return "block_major"
     raise LayoutError(
         f"KV cache tensor of shape {list(s)} is not a layout kvferry supports (num_blocks={num_blocks}, "
-        f"block_size={block_size}): supported are [2, num_blocks, block_size, kv_heads, head_dim], "
-        "[num_blocks, 2, block_size, kv_heads, head_dim] and MLA's [num_blocks, block_size, head_size]",
+        f"block_size={block_size}): the first axis must index vLLM's blocks ([num_blocks, ...] with the block's "
+        "tokens inside, or [2, num_blocks, block_size, kv_heads, head_dim])",
         "VllmLayout",
     )
+
+
+def _physical_block_view(t: Any) -> Any:
+    """``t`` (first axis: blocks) with the other axes in memory order, so a
+    block whose bytes form one run is a contiguous block for kvferry."""
+    if t.dim() <= 2:
+        return t
+    rest = sorted(range(1, t.dim()), key=lambda a: (-t.stride(a), a))
+    return t.permute(0, *rest)
 
 
 # ---------------------------------------------------------------- metadata
@@ -699,38 +714,45 @@ class KvferryConnector(KVConnectorBase_V1):
 
         Args:
             kv_caches: layer name -> that layer's KV tensor, in one of the
-                layouts :func:`kv_layout` names (all layers the same).
+                layouts :func:`kv_layout` names (all layers the same). Each
+                block of a layer must be one run of bytes (vLLM's
+                ``KVCacheLayout`` ``LBHNC``, ``LBNHC``, ``BLHNC``, ``BLNHC``;
+                not ``LHBNC`` or ``BHLNC``, where heads are outside blocks).
 
         Raises:
-            LayoutError: an unsupported layout (names the layer and shape),
-                layers that disagree, or a layer count other than the
-                namespace's.
+            LayoutError: an unsupported layout (names the layer, its shape,
+                strides and vLLM's KV cache layout), layers that disagree,
+                or a layer count other than the namespace's.
             StartError: the MetaServer does not answer.
         """
-        names = list(self._kv_cache_config.kv_cache_groups[0].layer_names) if self._kv_cache_config else []
+        cfg = self._kv_cache_config
+        names = list(cfg.kv_cache_groups[0].layer_names) if cfg is not None else []
         order = [n for n in names if n in kv_caches] + [n for n in kv_caches if n not in names]
+        num_blocks = int(cfg.num_blocks) if cfg is not None else None
+        vllm_layout = getattr(cfg, "kv_cache_layout", None) or getattr(
+            self._vllm_config.cache_config, "kv_cache_layout", None
+        )
         ks, vs = [], []
         layout = None
-        num_blocks = None
         for name in order:
             t = kv_caches[name]
-            nb = int(t.shape[1] if t.dim() == 5 and t.shape[0] == 2 else t.shape[0])
+            nb = num_blocks if num_blocks is not None else int(t.shape[0])
             try:
-                this = kv_layout(t.shape, num_blocks if num_blocks is not None else nb, self.block_size)
+                this = kv_layout(t.shape, nb, self.block_size)
             except LayoutError as e:
-                raise LayoutError(f"layer {name!r}: {e}", e.cause) from None
+                raise LayoutError(f"layer {name!r}: {e.args[0]}", e.cause) from None
             if layout is None:
-                layout, num_blocks = this, nb
+                layout = this
             elif this != layout:
                 raise LayoutError(f"layer {name!r} has layout {this} but the first layer has {layout}", "VllmLayout")
             if this == "kv_first":
-                ks.append(t[0])
-                vs.append(t[1])
+                ks.append(_physical_block_view(t[0]))
+                vs.append(_physical_block_view(t[1]))
             elif this == "blocks_first":
-                ks.append(t[:, 0])
-                vs.append(t[:, 1])
+                ks.append(_physical_block_view(t[:, 0]))
+                vs.append(_physical_block_view(t[:, 1]))
             else:
-                ks.append(t)
+                ks.append(_physical_block_view(t))
         if len(ks) != self.layers:
             raise LayoutError(
                 f"vLLM registered {len(ks)} KV layers but its KV cache config names {self.layers}", "VllmLayout"
@@ -738,7 +760,7 @@ class KvferryConnector(KVConnectorBase_V1):
         first = kv_caches[order[0]]
         self._cuda = first.device.type == "cuda"
         gpu = self.cfg.gpu or ("cuda" if self._cuda else "host")
-        device = first.device.index or 0 if self._cuda else 0
+        device = (first.device.index or 0) if self._cuda else 0
         node = kvferry.Node(
             self.cfg.metaserver,
             pool_bytes=self.cfg.pool_bytes,
@@ -750,16 +772,28 @@ class KvferryConnector(KVConnectorBase_V1):
         )
         try:
             _probe_metaserver(node, self.ns, self.cfg)
-            self.kv_info = node.register_kv_cache(self.ns, ks, vs if vs else None, dtype=_dtype_name(first.dtype))
+            try:
+                self.kv_info = node.register_kv_cache(self.ns, ks, vs if vs else None, dtype=_dtype_name(first.dtype))
+            except (kvferry.BufferError, LayoutError) as e:
+                raise LayoutError(
+                    f"vLLM's KV cache (KV cache layout {vllm_layout}, layer {order[0]!r} of shape "
+                    f"{list(first.shape)} and strides {list(first.stride())}) cannot be registered: {e.args[0]}. "
+                    "kvferry needs each block of a layer to be one run of bytes (layouts LBHNC, LBNHC, BLHNC, BLNHC)",
+                    "VllmLayout",
+                ) from None
         except BaseException:
             node.shutdown(1)
             raise
         self._node = node
         self.kv_layout = layout
+        self._kv_caches = kv_caches
         self._pool = ThreadPoolExecutor(self.cfg.load_threads, thread_name_prefix="kvferry-load")
         with _LOCAL_LOCK:
             _LOCAL_NODES[self._engine_id] = node
-        logger.info("kvferry: node %s registered %d layers (%s) in namespace %r", node.address, len(ks), layout, self.ns)
+        logger.info(
+            "kvferry: node %s registered %d layers (%s, vLLM layout %s) in namespace %r",
+            node.address, len(ks), layout, vllm_layout, self.ns,
+        )
 
     def _require_node(self) -> "kvferry.Node":
         if self._node is None:

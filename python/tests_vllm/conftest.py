@@ -1,8 +1,10 @@
 """Harness for the vLLM connector tests: vLLM's real v1 ``Scheduler`` (on
 CPU) drives the connector's scheduler side; the connector's worker side runs
-in the same process on real torch tensors in vLLM's per-layer layout
-``[2, num_blocks, block_size, kv_heads, head_dim]``, with a stand-in for the
-model runner (:class:`Instance.step`).
+in the same process on the KV cache tensors vLLM's own planner and allocator
+make for the installed version (``get_kv_cache_config_from_groups``,
+``allocate_kv_cache``: per layer a ``[num_blocks, kv_heads, block_size,
+2 * head_dim]`` view, K and V packed, in the chosen ``KVCacheLayout``), with
+a stand-in for the model runner (:class:`Instance.step`).
 
 The stand-in "model" writes into the paged cache, for every token it
 computes, KV that is a function of the whole prefix up to that token (a
@@ -36,6 +38,8 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups  # noqa: E402
+from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
 import kvferry  # noqa: E402
 from kvferry.vllm import KvferryConnector  # noqa: E402
@@ -85,11 +89,14 @@ def tiny_model(tmp_path_factory) -> str:
 _MODEL_CONFIG = {}
 
 
-def vllm_config(model: str, role: str, extra: Dict, *, max_tokens_per_step: int = 512, policy: str = "recompute") -> VllmConfig:
-    """A VllmConfig for ``model`` with kvferry as its KV connector."""
+def vllm_config(
+    model: str, role: str, extra: Dict, *, max_tokens_per_step: int = 512, policy: str = "recompute", layout: str = "LBHNC"
+) -> VllmConfig:
+    """A VllmConfig for ``model`` with kvferry as its KV connector and vLLM's
+    KV cache layout ``layout`` (what the engine core resolves; LBHNC on CPU)."""
     if model not in _MODEL_CONFIG:  # building a ModelConfig takes seconds
         _MODEL_CONFIG[model] = ModelConfig(model=model, skip_tokenizer_init=True, dtype="float32", max_model_len=2048)
-    return VllmConfig(
+    cfg = VllmConfig(
         model_config=_MODEL_CONFIG[model],
         cache_config=CacheConfig(block_size=BS, cache_dtype="auto"),
         scheduler_config=SchedulerConfig(
@@ -108,12 +115,29 @@ def vllm_config(model: str, role: str, extra: Dict, *, max_tokens_per_step: int 
         ),
         device_config=DeviceConfig("cpu"),
     )
+    cfg.cache_config.kv_cache_layout = layout
+    return cfg
 
 
-def kv_cache_config(num_blocks: int) -> KVCacheConfig:
+def kv_cache_config(num_blocks: int, cfg: Optional[VllmConfig] = None, dtype=torch.float32) -> KVCacheConfig:
+    """vLLM's KV cache config for the tiny model: planned by vLLM itself
+    (``get_kv_cache_config_from_groups``) when ``cfg`` is given (its
+    ``cache_config.kv_cache_layout`` chooses the layout), else without tensors."""
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-    spec = FullAttentionSpec(block_size=BS, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=torch.float32)
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=dtype)
+    groups = [KVCacheGroupSpec(names, spec)]
+    if cfg is None:
+        return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+    cfg.cache_config.num_gpu_blocks_override = num_blocks
+    out = get_kv_cache_config_from_groups(cfg, groups, available_memory=num_blocks * LAYERS * spec.page_size_bytes)
+    out.kv_cache_layout = cfg.cache_config.kv_cache_layout
+    assert out.num_blocks == num_blocks
+    return out
+
+
+def allocate(kcc: KVCacheConfig, cfg: VllmConfig) -> Dict[str, torch.Tensor]:
+    """The per-layer KV tensors vLLM's model runner would register."""
+    return allocate_kv_cache(kcc, torch.device("cpu"), cfg.cache_config.get_resolved_kv_cache_layout())
 
 
 # ---------------------------------------------------------------- the "model"
@@ -129,12 +153,13 @@ def prefix_values(tokens: List[int]) -> List[int]:
     return out
 
 
-_BASE = torch.arange(KV_HEADS * HEAD_DIM, dtype=torch.float32).reshape(KV_HEADS, HEAD_DIM)
+_BASE = torch.arange(KV_HEADS * 2 * HEAD_DIM, dtype=torch.float32).reshape(KV_HEADS, 2 * HEAD_DIM)
 
 
-def token_kv(value: int, layer: int, kv: int) -> torch.Tensor:
-    """The KV the model writes for a position of chained value ``value``."""
-    return _BASE + float((value * 3 + layer * 7 + kv * 11) % 65_521)
+def token_kv(value: int, layer: int) -> torch.Tensor:
+    """The K and V (``[kv_heads, 2 * head_dim]``, packed as vLLM's view
+    does) the model writes for a position of chained value ``value``."""
+    return _BASE + float((value * 3 + layer * 7) % 65_521)
 
 
 def next_token(value: int) -> int:
@@ -148,7 +173,7 @@ class Instance:
     def __init__(self, model: str, role: str, extra: Dict, num_blocks: int = 64, **kw) -> None:
         self.vllm_config = vllm_config(model, role, extra, **kw)
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
-        self.kv_cache_config = kv_cache_config(num_blocks)
+        self.kv_cache_config = kv_cache_config(num_blocks, self.vllm_config)
         hash_fn = get_hash_fn_by_name(self.vllm_config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         self.block_hasher = get_request_block_hasher(BS, hash_fn)
@@ -161,10 +186,7 @@ class Instance:
         )
         self.connector: KvferryConnector = self.scheduler.get_kv_connector()  # the scheduler side
         self.worker = KvferryConnector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
-        self.kv = {
-            name: torch.zeros(2, num_blocks, BS, KV_HEADS, HEAD_DIM, dtype=torch.float32)
-            for name in self.kv_cache_config.kv_cache_groups[0].layer_names
-        }
+        self.kv = allocate(self.kv_cache_config, self.vllm_config)  # [num_blocks, kv_heads, BS, 2 * head_dim] views
         self.worker.register_kv_caches(self.kv)
         self.block_pool = self.scheduler.kv_cache_manager.block_pool
         self.free_at_start = self.block_pool.get_num_free_blocks()
@@ -243,14 +265,13 @@ class Instance:
     def write_position(self, ids: List[int], pos: int, value: int) -> None:
         b, o = ids[pos // BS], pos % BS
         for li, t in enumerate(self.kv.values()):
-            t[0, b, o] = token_kv(value, li, 0)
-            t[1, b, o] = token_kv(value, li, 1)
+            t[b, :, o, :] = token_kv(value, li)
 
     def check_positions(self, req_id: str, ids: List[int], values: List[int], lo: int, hi: int) -> None:
         for pos in range(lo, hi):
             b, o = ids[pos // BS], pos % BS
             for li, t in enumerate(self.kv.values()):
-                if not (torch.equal(t[0, b, o], token_kv(values[pos], li, 0)) and torch.equal(t[1, b, o], token_kv(values[pos], li, 1))):
+                if not torch.equal(t[b, :, o, :], token_kv(values[pos], li)):
                     raise AssertionError(f"{req_id}: position {pos} (block {b}) of layer {li} holds wrong KV")
 
     def run(self, max_steps: int = 400, until=None, timeout: float = 60.0) -> None:

@@ -22,7 +22,7 @@ def test_vllm_loads_the_connector_by_module_path(tiny_model, metaserver):
     try:
         assert type(inst.connector) is KvferryConnector
         assert inst.connector.ns == inst.worker.ns
-        assert inst.worker.kv_layout == "kv_first"
+        assert inst.worker.kv_layout == "block_major"  # vLLM 0.33: [num_blocks, kv_heads, block_size, 2 * head_dim]
     finally:
         inst.close()
 
@@ -75,13 +75,14 @@ def test_metaserver_down_at_start(tiny_model):
 
 def test_unsupported_layout_names_layer_and_shape(tiny_model, metaserver):
     w = connector(tiny_model, extra(metaserver), role=KVConnectorRole.WORKER, blocks=16)
-    bad = {f"model.layers.{i}.self_attn.attn": torch.zeros(16, BS, 2, 32) for i in range(LAYERS)}  # 4-D: no K/V axis
+    # kernel blocks of 8 tokens: twice as many blocks as vLLM's block table has
+    bad = {f"model.layers.{i}.self_attn.attn": torch.zeros(32, 2, 8, 64) for i in range(LAYERS)}
     with pytest.raises(kvferry.LayoutError) as e:
         w.register_kv_caches(bad)
-    assert "model.layers.0.self_attn.attn" in str(e.value) and "[16, 16, 2, 32]" in str(e.value)
+    assert "model.layers.0.self_attn.attn" in str(e.value) and "[32, 2, 8, 64]" in str(e.value)
     mixed = {
         "model.layers.0.self_attn.attn": torch.zeros(2, 16, BS, 2, 32),
-        "model.layers.1.self_attn.attn": torch.zeros(16, 2, BS, 2, 32),
+        "model.layers.1.self_attn.attn": torch.zeros(16, 2, BS, 64),
     }
     with pytest.raises(kvferry.LayoutError) as e:
         w.register_kv_caches(mixed)
@@ -96,7 +97,8 @@ def test_unsupported_layout_names_layer_and_shape(tiny_model, metaserver):
 def test_kv_layout_names():
     assert kv_layout((2, 10, 16, 8, 128), 10, 16) == "kv_first"
     assert kv_layout((10, 2, 16, 8, 128), 10, 16) == "blocks_first"
-    assert kv_layout((10, 16, 576), 10, 16) == "mla"
+    assert kv_layout((10, 16, 576), 10, 16) == "block_major"  # MLA
+    assert kv_layout((10, 8, 16, 256), 10, 16) == "block_major"  # vLLM 0.32/0.33: [B, H, N, 2 * head_dim]
     with pytest.raises(kvferry.LayoutError):
         kv_layout((2, 10, 32, 8, 128), 10, 16)  # block size differs
 

@@ -13,9 +13,9 @@ from conftest import BS, Instance, expected_tokens, extra, prompt
 from vllm.v1.request import RequestStatus
 
 
-def pair(tiny_model, ms, role_a="kv_both", role_b="kv_both", blocks_a=64, blocks_b=64, **kw):
-    a = Instance(tiny_model, role_a, extra(ms, **kw), num_blocks=blocks_a)
-    b = Instance(tiny_model, role_b, extra(ms, **kw), num_blocks=blocks_b)
+def pair(tiny_model, ms, role_a="kv_both", role_b="kv_both", blocks_a=64, blocks_b=64, layout="LBHNC", **kw):
+    a = Instance(tiny_model, role_a, extra(ms, **kw), num_blocks=blocks_a, layout=layout)
+    b = Instance(tiny_model, role_b, extra(ms, **kw), num_blocks=blocks_b, layout=layout)
     return a, b
 
 
@@ -25,8 +25,9 @@ def finish(inst, req_id, p, max_tokens=4):
     assert inst.free_blocks() == inst.free_at_start, "a block leaked"
 
 
-def test_hit_from_another_instance(tiny_model, metaserver):
-    a, b = pair(tiny_model, metaserver)
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC", "BLHNC", "BLNHC"])
+def test_hit_from_another_instance(tiny_model, metaserver, layout):
+    a, b = pair(tiny_model, metaserver, layout=layout)
     try:
         p = prompt(5 * BS + 3, seed=1)  # 5 full blocks
         a.add("r1", p)

@@ -1,13 +1,16 @@
-"""The worker side on real torch tensors in the per-layer layouts vLLM's
-attention backends use: save on one node, fetch into another node's cache
-through the connector's own load path, bytes identical, other blocks
-untouched."""
+"""The worker side on real torch tensors in the layouts vLLM uses: the
+installed vLLM's own planner and allocator in each of its ``KVCacheLayout``s
+(per layer ``[num_blocks, kv_heads, block_size, 2 * head_dim]`` views,
+layer-outermost or block-outermost), plus the 5-D K/V-split shapes of older
+vLLMs: save on one node, fetch into another node's cache through the
+connector's own load path, bytes identical, other blocks untouched; layouts
+whose blocks are not one run of bytes are refused with a clear error."""
 
 import time
 
 import pytest
 import torch
-from conftest import BS, LAYERS, extra, kv_cache_config, vllm_config
+from conftest import BS, LAYERS, allocate, extra, kv_cache_config, vllm_config
 
 import kvferry
 from kvferry.vllm import KvferryConnector, KvferryConnectorMetadata, LoadJob, SaveJob
@@ -16,20 +19,32 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 NB = 12
 HEADS, DIM = 2, 32
 
-LAYOUTS = {
-    # FlashAttention, Triton, the CPU backend
+LEGACY = {
+    # older vLLMs' FlashAttention / Triton shape
     "kv_first": lambda dt: torch.zeros(2, NB, BS, HEADS, DIM, dtype=dt),
-    # FlashInfer
+    # older vLLMs' FlashInfer shape
     "blocks_first": lambda dt: torch.zeros(NB, 2, BS, HEADS, DIM, dtype=dt),
     # MLA: one latent vector per token
     "mla": lambda dt: torch.zeros(NB, BS, 576, dtype=dt),
 }
+# vLLM's KVCacheLayouts whose per-layer blocks are one run of bytes.
+VLLM_LAYOUTS = ["LBHNC", "LBNHC", "BLHNC", "BLNHC"]
+# ... and those where heads are outside blocks (refused).
+VLLM_LAYOUTS_REFUSED = ["LHBNC", "BHLNC"]
 
 
 def worker(tiny_model, ms, layout, dtype, role="kv_both"):
-    cfg = vllm_config(tiny_model, role, extra(ms))
-    w = KvferryConnector(cfg, KVConnectorRole.WORKER, kv_cache_config(NB))
-    caches = {f"model.layers.{i}.self_attn.attn": LAYOUTS[layout](dtype) for i in range(LAYERS)}
+    """A worker-side connector with its KV cache: vLLM's own allocation for a
+    KVCacheLayout name, else plain tensors of a legacy shape."""
+    if layout in LEGACY:
+        cfg = vllm_config(tiny_model, role, extra(ms))
+        w = KvferryConnector(cfg, KVConnectorRole.WORKER, kv_cache_config(NB))
+        caches = {f"model.layers.{i}.self_attn.attn": LEGACY[layout](dtype) for i in range(LAYERS)}
+    else:
+        cfg = vllm_config(tiny_model, role, extra(ms), layout=layout)
+        kcc = kv_cache_config(NB, cfg, dtype=dtype)
+        w = KvferryConnector(cfg, KVConnectorRole.WORKER, kcc)
+        caches = allocate(kcc, cfg)
     w.register_kv_caches(caches)
     return w, caches
 
@@ -60,14 +75,14 @@ def blocks(t, layout, ids):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("layout", VLLM_LAYOUTS + sorted(LEGACY))
 def test_save_then_fetch_into_is_bit_identical(tiny_model, metaserver, layout, dtype):
     p, pc = worker(tiny_model, metaserver, layout, dtype)
     d, dc = worker(tiny_model, metaserver, layout, dtype)
     try:
-        assert p.kv_layout == layout
+        assert p.kv_layout == (layout if layout in ("kv_first", "blocks_first") else "block_major")
         g = torch.Generator().manual_seed(1)
-        for t in pc.values():
+        for t in pc.values():  # every layer's view, whatever its strides
             t.copy_(torch.randn(t.shape, generator=g).to(dtype))
         hashes = kvferry.block_hashes(p.ns, list(range(4 * BS)), BS)
         src_ids, dst_ids = [7, 2, 9, 4], [1, 10, 3, 6]
@@ -87,9 +102,17 @@ def test_save_then_fetch_into_is_bit_identical(tiny_model, metaserver, layout, d
         d.shutdown()
 
 
+@pytest.mark.parametrize("layout", VLLM_LAYOUTS_REFUSED)
+def test_layouts_with_heads_outside_blocks_are_refused(tiny_model, metaserver, layout):
+    with pytest.raises(kvferry.LayoutError) as e:
+        worker(tiny_model, metaserver, layout, torch.float32)
+    msg = str(e.value)
+    assert layout in msg and "model.layers.0.self_attn.attn" in msg and "one run of bytes" in msg
+
+
 def test_missing_blocks_are_reported_as_load_errors(tiny_model, metaserver):
-    p, pc = worker(tiny_model, metaserver, "kv_first", torch.float32)
-    d, dc = worker(tiny_model, metaserver, "kv_first", torch.float32)
+    p, pc = worker(tiny_model, metaserver, "LBHNC", torch.float32)
+    d, dc = worker(tiny_model, metaserver, "LBHNC", torch.float32)
     try:
         hashes = kvferry.block_hashes(p.ns, list(range(5 * BS)), BS)
         run_step(p, KvferryConnectorMetadata(saves=[SaveJob("r", hashes[:2], [0, 1])]))  # only 2 of 5 exist
