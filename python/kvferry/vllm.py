@@ -56,9 +56,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Sequence, Set, Tuple
 
 import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -93,7 +94,7 @@ logger = logging.getLogger("kvferry.vllm")
 
 #: vLLM versions this connector was tested with (scripts/vllm-test.sh pins
 #: the first). Others start with a warning.
-VLLM_VERSIONS_SUPPORTED: Tuple[str, ...] = ("0.33.0",)
+VLLM_VERSIONS_SUPPORTED: Tuple[str, ...] = ("0.33.0", "0.32.0")
 
 # The key of this connector's entry in kv_transfer_params.
 PARAMS_KEY = "kvferry"
@@ -699,6 +700,9 @@ class KvferryConnector(KVConnectorBase_V1):
         self._lease_ended: Set[str] = set()  # req ids whose lease ended (or was never granted)
         self._finished: Set[str] = set()  # req ids vLLM reported finished, lease pending
         self._cuda = False
+        #: the last 256 saves and finished loads: ``("save", req_id, hashes,
+        #: block_ids, saved)`` / ``("load", req_id, hashes, block_ids, loaded)``
+        self.history: Deque[Tuple[str, str, List[bytes], List[int], int]] = deque(maxlen=256)
         #: counters: loaded_blocks, failed_blocks, saved_blocks, flushes, flush_failures, leases_granted
         self.stats: Dict[str, int] = dict(
             loaded_blocks=0, failed_blocks=0, saved_blocks=0, flushes=0, flush_failures=0, leases_granted=0
@@ -866,6 +870,7 @@ class KvferryConnector(KVConnectorBase_V1):
             if job.hashes:
                 rep = node.save(self.ns, job.hashes, job.block_ids)
                 self.stats["saved_blocks"] += rep.saved
+                self.history.append(("save", job.req_id, job.hashes, job.block_ids, rep.saved + rep.already_resident))
             if job.lease:
                 barrier = True
                 self._grant_lease(node, job)
@@ -905,6 +910,7 @@ class KvferryConnector(KVConnectorBase_V1):
             self.stats["loaded_blocks"] += loaded
             self.stats["failed_blocks"] += len(job.block_ids) - loaded
             self._load_errors.update(job.block_ids[loaded:])
+            self.history.append(("load", req_id, job.hashes, job.block_ids, loaded))
             recving.add(req_id)
         sending: Set[str] = set()
         if self._node is not None:
