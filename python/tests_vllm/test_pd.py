@@ -131,3 +131,28 @@ def test_pd_consumer_does_not_save_and_producer_does_not_load(tiny_model, metase
     finally:
         P.close()
         D.close()
+
+
+def test_decode_warns_when_params_name_other_blocks(tiny_model, metaserver, caplog):
+    """Params from a prefill in another namespace (or over other tokens) are
+    named in a warning; the decode still answers from what it can find."""
+    P = Instance(tiny_model, "kv_producer", extra(metaserver, lease_ttl=0))
+    D = Instance(tiny_model, "kv_consumer", extra(metaserver))
+    try:
+        tokens = prompt(3 * BS + 1, seed=26)
+        params = prefill(P, "r", tokens)
+        other = {"kvferry": dict(params["kvferry"], namespace="kvferry1|model=another")}
+        with caplog.at_level("WARNING", logger="kvferry.vllm"):
+            D.add("a", tokens, max_tokens=2, params=other)
+            D.run()
+        assert any("namespace" in r.getMessage() and "another" in r.getMessage() for r in caplog.records)
+        caplog.clear()
+        wrong = {"kvferry": dict(params["kvferry"], last_hash="00" * 32)}
+        with caplog.at_level("WARNING", logger="kvferry.vllm"):
+            D.add("b", prompt(3 * BS + 1, seed=27), max_tokens=2, params=wrong)
+            D.run()
+        assert any("differ" in r.getMessage() for r in caplog.records)
+        assert D.outputs["a"] == expected_tokens(tokens, 2)
+    finally:
+        P.close()
+        D.close()
