@@ -427,6 +427,8 @@ class _ReqState:
     checked_params: bool = False
     load_job: Optional[LoadJob] = None
     load_failed: bool = False  # a load stopped short: no more loads for this request
+    # the last answer of _held_blocks: (monotonic time, usable blocks, held blocks)
+    last_query: Optional[Tuple[float, int, int]] = None
 
 
 # ---------------------------------------------------------------- connector
@@ -541,7 +543,14 @@ class KvferryConnector(KVConnectorBase_V1):
         if usable <= local:
             return 0, False
         self._check_params(st, hashes)
-        held = min(self._held_blocks(hashes[:usable]), usable)
+        # vLLM asks again every step while it cannot place the request:
+        # answer from the last query for up to a second.
+        now = time.monotonic()
+        if st.last_query is not None and now - st.last_query[0] < 1.0 and st.last_query[1] == usable:
+            held = st.last_query[2]
+        else:
+            held = min(self._held_blocks(hashes[:usable]), usable)
+            st.last_query = (now, usable, held)
         if held <= local:
             return 0, False
         st.hit_blocks = held
