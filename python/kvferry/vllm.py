@@ -297,13 +297,15 @@ class LoadJob:
 @dataclass
 class SaveJob:
     """Save ``hashes`` from vLLM blocks ``block_ids`` after this step's
-    forward. ``lease``: this request's prompt is complete and it is a
-    producer's: grant a device lease on every block it saved (``lease_blocks``
-    / ``lease_hashes``: the whole prompt) and run the handoff barrier."""
+    forward. ``handoff``: this step completes a producer request's prompt:
+    run the handoff barrier after the saves. ``lease``: also grant a device
+    lease on every block of its prompt (``lease_block_ids`` /
+    ``lease_hashes``) for ``lease_ttl`` seconds."""
 
     req_id: str
     hashes: List[bytes]
     block_ids: List[int]
+    handoff: bool = False
     lease: bool = False
     lease_hashes: List[bytes] = field(default_factory=list)
     lease_block_ids: List[int] = field(default_factory=list)
@@ -424,6 +426,7 @@ class _ReqState:
     hit_blocks: int = 0  # blocks some kvferry node holds (answer of get_num_new_matched_tokens)
     saved_blocks: int = 0  # prompt blocks queued for saving
     leased: bool = False
+    handed_off: bool = False  # the producer's handoff (barrier, lease) was planned
     checked_params: bool = False
     load_job: Optional[LoadJob] = None
     load_failed: bool = False  # a load stopped short: no more loads for this request
@@ -480,7 +483,6 @@ class KvferryConnector(KVConnectorBase_V1):
             raise
         self._reqs: Dict[str, _ReqState] = {}
         self._pending_loads: List[LoadJob] = []
-        self._pending_leases: Set[str] = set()
         self._ms_down_until = 0.0
         # first hash of a load that stopped short -> until when no load starts there
         self._failed_hashes: Dict[bytes, float] = {}
@@ -651,9 +653,8 @@ class KvferryConnector(KVConnectorBase_V1):
         prompt = len(r.prompt_token_ids)
         done = min(r.num_computed_tokens + n_tokens, prompt)
         full = done // self.block_size
-        complete = done >= prompt
-        lease = self._producer_only and complete and not st.leased and self.cfg.lease_ttl > 0
-        if full <= st.saved_blocks and not lease:
+        handoff = self._producer_only and done >= prompt and not st.handed_off
+        if full <= st.saved_blocks and not handoff:
             return None
         bs = so.kv_connector_block_state
         ids = bs.get_block_ids(req_id) if bs is not None else None
@@ -667,13 +668,15 @@ class KvferryConnector(KVConnectorBase_V1):
         job = SaveJob(req_id, hashes[st.saved_blocks:full], ids[st.saved_blocks:full])
         self.stats["save_blocks"] += max(0, full - st.saved_blocks)
         st.saved_blocks = max(st.saved_blocks, full)
-        if lease and full > 0:
+        if handoff:
+            job.handoff = st.handed_off = True
+        if handoff and full > 0 and self.cfg.lease_ttl > 0:
             job.lease = True
             job.lease_hashes = hashes[:full]
             job.lease_block_ids = ids[:full]
             st.leased = True
             self.stats["leases"] += 1
-        return job if (job.hashes or job.lease) else None
+        return job if (job.hashes or job.handoff) else None
 
     def on_new_request(self, request: "Request") -> None:
         """Tracks the request (its prompt is hashed once, when first needed)."""
@@ -886,8 +889,8 @@ class KvferryConnector(KVConnectorBase_V1):
                 self.stats["saved_blocks"] += rep.saved
                 self.history.append(("save", job.req_id, job.hashes, job.block_ids, rep.saved + rep.already_resident))
             if job.lease:
-                barrier = True
                 self._grant_lease(node, job)
+            barrier |= job.handoff
         if barrier:
             flush = node.flush_saves_and_registrations(timeout=self.cfg.flush_timeout)
             self.stats["flushes"] += 1

@@ -89,6 +89,7 @@ def test_pd_without_lease_frees_at_once(tiny_model, metaserver):
         tokens = prompt(3 * BS + 1, seed=23)
         params = prefill(P, "r", tokens)
         assert P.free_blocks() == P.free_at_start  # freed with the request
+        assert P.worker.stats["flushes"] == 1 and P.worker.stats["leases_granted"] == 0  # the barrier still ran
         D.add("r", tokens, max_tokens=3, params=params)
         D.run()
         assert D.outputs["r"] == expected_tokens(tokens, 3)
