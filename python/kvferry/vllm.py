@@ -720,7 +720,8 @@ class KvferryConnector(KVConnectorBase_V1):
         #: the last 256 saves and finished loads: ``("save", req_id, hashes,
         #: block_ids, saved)`` / ``("load", req_id, hashes, block_ids, loaded)``
         self.history: Deque[Tuple[str, str, List[bytes], List[int], int]] = deque(maxlen=256)
-        #: counters: loaded_blocks, failed_blocks, saved_blocks, flushes, flush_failures, leases_granted
+        #: counters: loaded_blocks, failed_blocks, saved_blocks, flushes, flush_failures, leases_granted,
+        #: and per lease end leases_released / leases_expired / leases_revoked
         self.stats: Dict[str, int] = dict(
             loaded_blocks=0, failed_blocks=0, saved_blocks=0, flushes=0, flush_failures=0, leases_granted=0
         )
@@ -931,7 +932,9 @@ class KvferryConnector(KVConnectorBase_V1):
             recving.add(req_id)
         sending: Set[str] = set()
         if self._node is not None:
-            for lease, _ns, _blocks, _how in self._node.ended_device_leases():
+            for lease, _ns, _blocks, how in self._node.ended_device_leases():
+                key = f"leases_{how}"
+                self.stats[key] = self.stats.get(key, 0) + 1
                 req_id = self._lease_of.pop(lease, None)
                 if req_id is not None:
                     self._lease_req.pop(req_id, None)

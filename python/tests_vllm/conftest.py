@@ -213,6 +213,8 @@ class Instance:
     def step(self):
         so = self.scheduler.schedule()
         self.steps += 1
+        for r in so.preempted_req_ids or ():
+            self.computed.pop(r, None)  # its next forward checks every position again
         w = self.worker
         meta = so.kv_connector_metadata
         w.handle_preemptions(meta)
@@ -254,10 +256,15 @@ class Instance:
             tokens = list(r.all_token_ids)
             values = prefix_values(tokens[: start + n])
             (ids,) = self.scheduler.kv_cache_manager.get_block_ids(req_id)
-            # A model reads every earlier position: check they hold the right KV.
-            self.check_positions(req_id, ids, values, 0, start)
+            # A model reads every earlier position: check they hold the right
+            # KV. All of them when the request (re)starts here (after a load,
+            # a local prefix hit, a preemption); else the positions since the
+            # last full check's block (what this stand-in wrote itself).
+            lo = 0 if self.computed.get(req_id) != start else max(0, start - 2 * BS)
+            self.check_positions(req_id, ids, values, lo, start)
             for pos in range(start, start + n):
                 self.write_position(ids, pos, values[pos])
+            self.computed[req_id] = start + n
             if start + n >= r.num_tokens:
                 sampled[req_id] = [next_token(values[start + n - 1])]
         return sampled

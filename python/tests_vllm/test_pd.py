@@ -157,3 +157,26 @@ def test_decode_warns_when_params_name_other_blocks(tiny_model, metaserver, capl
     finally:
         P.close()
         D.close()
+
+
+def test_preempted_producer_request_revokes_its_lease(tiny_model, metaserver):
+    """A producer request keeps decoding after its handoff and is preempted
+    (the newest running request, on a small instance): its lease is revoked
+    before vLLM reuses the blocks, it is recomputed, finishes with the right
+    tokens, and every block comes back."""
+    P = Instance(tiny_model, "kv_producer", extra(metaserver, lease_ttl=3.0), num_blocks=14)
+    try:
+        b_prompt, a_prompt = prompt(3 * BS + 2, seed=28), prompt(3 * BS + 4, seed=29)
+        P.add("b", b_prompt, max_tokens=60)
+        P.step()
+        P.add("a", a_prompt, max_tokens=60)
+        preempted = []
+        P.hook = lambda so: preempted.extend(so.preempted_req_ids or ())
+        P.run(timeout=60)
+        assert "a" in preempted
+        assert P.worker.stats["leases_granted"] >= 2 and P.worker.stats.get("leases_revoked", 0) >= 1
+        assert P.outputs["a"] == expected_tokens(a_prompt, 60)
+        assert P.outputs["b"] == expected_tokens(b_prompt, 60)
+        assert P.free_blocks() == P.free_at_start
+    finally:
+        P.close()
