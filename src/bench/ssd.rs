@@ -31,7 +31,7 @@ use crate::disk::backend::{BackendChoice, backend_over};
 use crate::disk::file::DiskFile;
 use crate::disk::format::{BlockKey, SlotSum};
 use crate::disk::io::{DiskIo, IoKind, IoOp};
-use crate::disk::tier::{Tier, TierConfig, TierEvent, WriteRefused};
+use crate::disk::tier::{Tier, TierConfig, TierEvent, WriteOutcome, WriteRefused};
 use crate::disk::{AlignedBuf, buf::align_up};
 use crate::types::BlockHash;
 
@@ -69,13 +69,15 @@ fn gbps(bytes: u64, secs: f64) -> f64 {
     bytes as f64 / secs.max(1e-9) / 1e9
 }
 
-/// Raw transfers of `n` buffers of `len` bytes at consecutive offsets,
-/// `depth` in flight; returns seconds.
+/// Raw transfers of `n` buffers of `len` bytes, the `i`-th at `i *
+/// stride` (the tier's record stride: the same aligned offsets the tier's
+/// records start at, so the raw side moves the payload alone with the
+/// tier's alignment), `depth` in flight; returns seconds.
 fn raw_pass<D: DiskIo>(
     io: &mut D,
     kind: IoKind,
     n: u64,
-    len: usize,
+    (len, stride): (usize, u64),
     bufs: &mut Vec<AlignedBuf>,
 ) -> Result<f64, String> {
     let t0 = Instant::now();
@@ -85,7 +87,7 @@ fn raw_pass<D: DiskIo>(
     while done < n {
         while next < n {
             let Some(buf) = bufs.pop() else { break };
-            let op = IoOp { tag: next, kind, offset: next * len as u64, buf };
+            let op = IoOp { tag: next, kind, offset: next * stride, buf };
             if let Err(r) = io.submit(op) {
                 bufs.push(r.op.buf);
                 if matches!(r.error, crate::disk::io::SubmitError::QueueFull { .. }) {
@@ -124,7 +126,10 @@ fn tier_write_pass<D: DiskIo>(
         while i < n {
             let (s, b) = &payloads[(i as usize) % payloads.len()];
             match tier.write(&key(i), s, b) {
-                Ok(_) => i += 1,
+                Ok(WriteOutcome::Queued { .. }) => i += 1,
+                // No write would follow (and no `Written` event): never
+                // wait for one.
+                Ok(WriteOutcome::AlreadyOnDisk { .. }) => return Err(format!("tier write {i}: key already on disk")),
                 Err(WriteRefused::QueueFull { .. }) => break,
                 Err(e) => return Err(format!("tier write {i}: {e}")),
             }
@@ -225,7 +230,11 @@ pub fn ssd(a: &SsdBench<'_>) -> Result<serde_json::Value, String> {
         b.as_mut_slice()[..block as usize].copy_from_slice(&payloads[i % variants].1);
         raw_bufs.push(b);
     }
-    let ns: Arc<str> = Arc::from("bench-ssd");
+    // Keys of this run only: a tier file left by an earlier run in the
+    // same directory is recovered at open, and a key it already holds
+    // would be a dedup hit, not a write.
+    let run = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+    let ns: Arc<str> = Arc::from(format!("bench-ssd-{run:016x}"));
     let key = |rep: usize, i: u64| BlockKey {
         namespace: ns.clone(),
         hash: BlockHash::from_u64(((rep as u64) << 40) | i),
@@ -244,8 +253,8 @@ pub fn ssd(a: &SsdBench<'_>) -> Result<serde_json::Value, String> {
                 t[1] = tier_write_pass(&mut tier, n, &payloads, |i| key(rep, i))?;
                 t[3] = tier_read_pass(&mut tier, n, a.depth, |i| key(rep, i))?;
             } else {
-                t[0] = raw_pass(&mut raw, IoKind::Write, n, padded, &mut raw_bufs)?;
-                t[2] = raw_pass(&mut raw, IoKind::Read, n, padded, &mut raw_bufs)?;
+                t[0] = raw_pass(&mut raw, IoKind::Write, n, (padded, record), &mut raw_bufs)?;
+                t[2] = raw_pass(&mut raw, IoKind::Read, n, (padded, record), &mut raw_bufs)?;
             }
         }
         println!(
@@ -263,7 +272,8 @@ pub fn ssd(a: &SsdBench<'_>) -> Result<serde_json::Value, String> {
     // repetitions: the headline (this device's speed drifts between runs).
     let median = |mut v: Vec<f64>| {
         v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
+        let m = v.len() / 2;
+        if v.len().is_multiple_of(2) { (v[m - 1] + v[m]) / 2.0 } else { v[m] }
     };
     let wratio = median(times.iter().map(|t| t[0] / t[1]).collect());
     let rratio = median(times.iter().map(|t| t[2] / t[3]).collect());

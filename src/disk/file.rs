@@ -161,6 +161,13 @@ impl DiskFile {
                         source,
                     })?;
                 } else {
+                    // Give back what a failed fallocate kept (ext4 keeps
+                    // the extents it got before ENOSPC): the file returns
+                    // to its old length, and a file this call created goes.
+                    let _ = file.set_len(have);
+                    if have == 0 {
+                        let _ = std::fs::remove_file(&path);
+                    }
                     return Err(OpenError::Allocate { path, bytes: capacity, source });
                 }
             }
