@@ -451,24 +451,39 @@ impl CudaGpu {
             Direction::DeviceToHost => &i.d2h,
             Direction::HostToDevice => &i.h2d,
         };
-        let timing = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
-        let start = i.ctx.new_event(timing).map_err(dev_err)?;
-        let end = i.ctx.new_event(timing).map_err(dev_err)?;
-        let mut best = f64::MAX;
-        for _ in 0..reps {
-            start.record(stream).map_err(dev_err)?;
+        self.best_event_secs(stream, reps, || {
             // SAFETY: `host..host+len` lies in registered (pinned) memory the
             // caller owns for the duration; `device..device+len` is ours.
             unsafe {
                 match dir {
-                    Direction::DeviceToHost => sys::cuMemcpyDtoHAsync_v2(host.cast(), device, len, stream.cu_stream())
-                        .result()
-                        .map_err(dev_err)?,
-                    Direction::HostToDevice => sys::cuMemcpyHtoDAsync_v2(device, host.cast(), len, stream.cu_stream())
-                        .result()
-                        .map_err(dev_err)?,
+                    Direction::DeviceToHost => sys::cuMemcpyDtoHAsync_v2(host.cast(), device, len, stream.cu_stream()),
+                    Direction::HostToDevice => sys::cuMemcpyHtoDAsync_v2(device, host.cast(), len, stream.cu_stream()),
                 }
             }
+            .result()
+            .map_err(dev_err)
+        })
+    }
+
+    /// The shortest of `reps` runs of the copies `enqueue` puts on `stream`,
+    /// timed by events around them (seconds; `f64::MAX` for 0 reps). The
+    /// context must be bound to this thread.
+    ///
+    /// # Errors
+    /// Driver errors, and the first error of `enqueue`.
+    fn best_event_secs(
+        &self,
+        stream: &CudaStream,
+        reps: usize,
+        mut enqueue: impl FnMut() -> Result<(), GpuError>,
+    ) -> Result<f64, GpuError> {
+        let timing = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = self.inner.ctx.new_event(timing).map_err(dev_err)?;
+        let end = self.inner.ctx.new_event(timing).map_err(dev_err)?;
+        let mut best = f64::MAX;
+        for _ in 0..reps {
+            start.record(stream).map_err(dev_err)?;
+            enqueue()?;
             end.record(stream).map_err(dev_err)?;
             end.synchronize().map_err(dev_err)?;
             best = best.min(f64::from(start.elapsed_ms(&end).map_err(dev_err)?) / 1e3);
@@ -1035,20 +1050,10 @@ impl Gpu for CudaGpu {
             let addr = |id| i.buffers.get(id).map(|b| b.addr).ok_or(GpuError::UnknownBuffer(id));
             let (s, d) = (addr(src)?, addr(dst)?);
             i.ctx.bind_to_thread().map_err(dev_err)?;
-            let timing = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
-            let (start, end) = (i.ctx.new_event(timing).map_err(dev_err)?, i.ctx.new_event(timing).map_err(dev_err)?);
-            let mut best = f64::MAX;
-            for _ in 0..reps.max(1) {
-                start.record(&i.peer).map_err(dev_err)?;
+            self.best_event_secs(&i.peer, reps.max(1), || {
                 // SAFETY: two live allocations of `bytes` each, made above.
-                unsafe { sys::cuMemcpyDtoDAsync_v2(d, s, bytes as usize, i.peer.cu_stream()) }
-                    .result()
-                    .map_err(dev_err)?;
-                end.record(&i.peer).map_err(dev_err)?;
-                end.synchronize().map_err(dev_err)?;
-                best = best.min(f64::from(start.elapsed_ms(&end).map_err(dev_err)?) / 1e3);
-            }
-            Ok(best)
+                unsafe { sys::cuMemcpyDtoDAsync_v2(d, s, bytes as usize, i.peer.cu_stream()) }.result().map_err(dev_err)
+            })
         })();
         let (a, b) = (self.unregister(src), self.unregister(dst));
         let secs = timed?;
