@@ -747,7 +747,7 @@ impl<'a> Driver<'a> {
                 // its own releases exactly once, even after the fetch
                 // returned or was dropped. (Awaited, it was one more RPC
                 // round trip in every handoff.)
-                tokio::spawn(release_lock(grpc, session, engine.inner.cfg.peer_rpc_timeout));
+                spawn_release(grpc, session, engine.inner.cfg.peer_rpc_timeout);
                 Some(Event::Released)
             }
             Action::Done => None,
@@ -861,10 +861,7 @@ impl Drop for Driver<'_> {
                 continue;
             }
             let Some(grpc) = self.grpc(&owner) else { continue };
-            let timeout = self.engine.inner.cfg.peer_rpc_timeout;
-            if let Ok(rt) = tokio::runtime::Handle::try_current() {
-                rt.spawn(release_lock(grpc, session, timeout));
-            }
+            spawn_release(grpc, session, self.engine.inner.cfg.peer_rpc_timeout);
         }
     }
 }
@@ -908,9 +905,7 @@ impl Drop for LateRelease {
     fn drop(&mut self) {
         let Some(grant) = self.grant.take() else { return };
         tracing::trace!(target: FETCH_LATE_GRANT_TRACE_TARGET, session = %grant.session, "late grant released");
-        if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            rt.spawn(release_lock(self.grpc.clone(), grant.session, self.timeout));
-        }
+        spawn_release(self.grpc.clone(), grant.session, self.timeout);
     }
 }
 
@@ -918,6 +913,16 @@ impl Drop for LateRelease {
 /// lock granted after its fetch ended is released ([`LateRelease`]; field
 /// `session`).
 pub const FETCH_LATE_GRANT_TRACE_TARGET: &str = "kvferry::fetch_late_grant";
+
+/// [`release_lock`] on a task of its own, when a runtime is there to run
+/// it (a fetch dropped as its runtime shuts down cannot release: its lock
+/// expires at the owner, C8). Every release a fetch sends goes through it:
+/// on its path, when it is dropped half way, and for a late grant.
+fn spawn_release(grpc: EngineClient<Channel>, session: String, timeout: Duration) {
+    if let Ok(rt) = tokio::runtime::Handle::try_current() {
+        rt.spawn(release_lock(grpc, session, timeout));
+    }
+}
 
 /// `ReleaseTransferLock(session)`, bounded by `timeout`; the outcome is not
 /// needed (release is idempotent and an unreleased lock expires, C8).
