@@ -139,17 +139,22 @@ impl SimDisk {
     /// `seed`.
     pub fn new(capacity: u64, depth: usize, seed: u64) -> Self {
         let cap = capacity & !(crate::limits::DISK_ALIGN_BYTES - 1);
+        Self::over(vec![0; cap as usize], depth.max(1), SmallRng::seed_from_u64(seed), SimStats::default())
+    }
+
+    /// A disk over `medium` with nothing in flight and faults off.
+    fn over(medium: Vec<u8>, depth: usize, rng: SmallRng, stats: SimStats) -> Self {
         Self {
-            medium: vec![0; cap as usize],
-            depth: depth.max(1),
-            rng: SmallRng::seed_from_u64(seed),
+            medium,
+            depth,
+            rng,
             faults: SimFaults::none(),
             now: 0,
             seq: 0,
             flights: Vec::new(),
             done: VecDeque::new(),
             stale: Vec::new(),
-            stats: SimStats::default(),
+            stats,
         }
     }
 
@@ -194,18 +199,8 @@ impl SimDisk {
                 }
             }
         }
-        SimDisk {
-            medium: std::mem::take(&mut self.medium),
-            depth: self.depth,
-            rng: SmallRng::seed_from_u64(self.rng.random()),
-            faults: SimFaults::none(),
-            now: 0,
-            seq: 0,
-            flights: Vec::new(),
-            done: VecDeque::new(),
-            stale: Vec::new(),
-            stats: std::mem::take(&mut self.stats),
-        }
+        let rng = SmallRng::seed_from_u64(self.rng.random());
+        SimDisk::over(std::mem::take(&mut self.medium), self.depth, rng, std::mem::take(&mut self.stats))
     }
 
     fn chance(&mut self, p: f64) -> bool {
