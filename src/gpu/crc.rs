@@ -160,19 +160,70 @@ fn cached(len: u64) -> Arc<(ShiftTable, u32)> {
     t
 }
 
-/// Entries of [`kernel_tables`]: slicing tables, then chunk shifts, then
-/// byte shifts.
-pub const KERNEL_TABLE_WORDS: usize = 1024 + CHUNKS_PER_PIECE as usize + CHUNK_BYTES as usize + 1;
+/// Bytes one thread block of the fused copy-and-checksum kernel moves per
+/// step (a *stripe*): 256 threads × 32 bytes. A piece the fused kernel
+/// takes is a whole number of stripes.
+pub const STRIPE_BYTES: u64 = 8192;
 
-/// The constants the device kernel reads, `KERNEL_TABLE_WORDS` `u32`s:
+/// Bytes of a stripe each thread checksums (its *lane chunk*).
+const LANE_BYTES: u64 = STRIPE_BYTES / CHUNKS_PER_PIECE;
+
+/// Where the fused kernel's constants start in [`kernel_tables`]: the
+/// shift past one stripe less a lane chunk (four byte-indexed tables, as
+/// [`ShiftTable`]), then each thread's final shift.
+pub const STRIPE_SHIFT_AT: usize = 1024 + CHUNKS_PER_PIECE as usize + CHUNK_BYTES as usize + 1;
+
+/// Start of `end_shift[t] = x^(8·(STRIPE_BYTES − 32·t − 32))` in
+/// [`kernel_tables`], for thread `t < 256`.
+pub const END_SHIFT_AT: usize = STRIPE_SHIFT_AT + 1024;
+
+/// Entries of [`kernel_tables`]: slicing tables, chunk shifts, byte
+/// shifts, then the fused kernel's stripe shift table and end shifts.
+pub const KERNEL_TABLE_WORDS: usize = END_SHIFT_AT + CHUNKS_PER_PIECE as usize;
+
+/// The constants the device kernels read, `KERNEL_TABLE_WORDS` `u32`s:
 /// `[0, 1024)` the slicing-by-4 tables (table `k` at `256·k`);
 /// `[1024, 1280)` `chunk_shift[k] = x^(8·CHUNK_BYTES·k)` for `k < 256`;
-/// `[1280, 1537)` `byte_shift[r] = x^(8·r)` for `r ≤ CHUNK_BYTES`.
+/// `[1280, 1537)` `byte_shift[r] = x^(8·r)` for `r ≤ CHUNK_BYTES`;
+/// `[STRIPE_SHIFT_AT, +1024)` the [`ShiftTable`] of
+/// `STRIPE_BYTES − 32` bytes; `[END_SHIFT_AT, +256)` the end shifts.
 pub fn kernel_tables() -> Vec<u32> {
     let mut v: Vec<u32> = slicing_tables().iter().flatten().copied().collect();
     v.extend((0..CHUNKS_PER_PIECE).map(|k| x_pow_8n(CHUNK_BYTES * k)));
     v.extend((0..=CHUNK_BYTES).map(x_pow_8n));
+    v.extend(ShiftTable::new(STRIPE_BYTES - LANE_BYTES).0.iter().flatten());
+    v.extend((0..CHUNKS_PER_PIECE).map(|t| x_pow_8n(STRIPE_BYTES - LANE_BYTES * t - LANE_BYTES)));
     v
+}
+
+/// CPU model of the fused copy-and-checksum kernel on one piece (a whole
+/// number of stripes, at most [`PIECE_BYTES_MAX`]): the kernel reads each
+/// stripe with coalesced loads, and thread `t` folds bytes
+/// `[32t, 32t+32)` of every stripe into its accumulator, first shifting
+/// the accumulator past the stripe less its own 32 bytes
+/// (`acc' = raw_update(acc · x^(8·(STRIPE−32)), lane chunk)`, i.e.
+/// `acc · x^(8·STRIPE) ⊕ raw(lane chunk)`); at the end each accumulator is
+/// shifted to the piece's end (`end_shift[t]`) and all are xored —
+/// linearity of the raw CRC.
+pub fn fused_piece_raw_model(tables: &[u32], piece: &[u8]) -> u32 {
+    let len = piece.len() as u64;
+    assert!(len > 0 && len <= PIECE_BYTES_MAX && len.is_multiple_of(STRIPE_BYTES), "piece length {len}");
+    let mut t = [[0u32; 256]; 4];
+    for (k, row) in t.iter_mut().enumerate() {
+        row.copy_from_slice(&tables[256 * k..256 * (k + 1)]);
+    }
+    let mut shift = [[0u32; 256]; 4];
+    for (k, row) in shift.iter_mut().enumerate() {
+        row.copy_from_slice(&tables[STRIPE_SHIFT_AT + 256 * k..STRIPE_SHIFT_AT + 256 * (k + 1)]);
+    }
+    let shift = ShiftTable(shift);
+    let lane = LANE_BYTES as usize;
+    (0..CHUNKS_PER_PIECE as usize).fold(0, |x, tid| {
+        let acc = piece
+            .chunks(STRIPE_BYTES as usize)
+            .fold(0, |acc, stripe| raw_update(&t, shift.apply(acc), &stripe[lane * tid..lane * (tid + 1)]));
+        x ^ mul_mod(acc, tables[END_SHIFT_AT + tid])
+    })
 }
 
 /// CPU model of the device kernel on one piece (`1..=PIECE_BYTES_MAX`
@@ -392,6 +443,20 @@ mod tests {
         for n in lens {
             let raw = piece_raw_model(&tables, &d[..n]);
             assert_eq!(raw_to_standard(raw, n as u64), crc32c::crc32c(&d[..n]), "len {n}");
+        }
+    }
+
+    #[test]
+    fn fused_kernel_model_matches_the_crc32c_crate_for_every_stripe_count() {
+        let tables = kernel_tables();
+        for seed in 0..3 {
+            let d = bytes(PIECE_BYTES_MAX as usize, 10 + seed);
+            for stripes in 1..=(PIECE_BYTES_MAX / STRIPE_BYTES) as usize {
+                let n = stripes * STRIPE_BYTES as usize;
+                let raw = fused_piece_raw_model(&tables, &d[..n]);
+                assert_eq!(raw_to_standard(raw, n as u64), crc32c::crc32c(&d[..n]), "len {n}");
+                assert_eq!(raw, piece_raw_model(&tables, &d[..n]), "agrees with the two-pass kernel's model");
+            }
         }
     }
 

@@ -107,8 +107,8 @@ __device__ __forceinline__ unsigned int kv_mulmod(unsigned int a, unsigned int b
 
 #define KV_STEP(w) crc ^= (w); crc = t[768 + (crc & 255u)] ^ t[512 + ((crc >> 8) & 255u)] ^ t[256 + ((crc >> 16) & 255u)] ^ t[crc >> 24];
 
-// Raw CRC-32C of each piece (desc[3p] = device address, desc[3p+2] = bytes,
-// at most 256 * 256): thread t checksums bytes [256t, 256t+256); see crc.rs.
+// Raw CRC-32C of each piece (desc[3p] = device address, desc[3p+1] = its
+// index in `out`, desc[3p+2] = bytes, at most 256 * 256): thread t checksums bytes [256t, 256t+256); see crc.rs.
 extern "C" __global__ void kvferry_crc(const unsigned long long* __restrict__ desc, unsigned long long n,
                                        unsigned int* __restrict__ out, const unsigned int* __restrict__ tables) {
     __shared__ unsigned int t[1024];
@@ -145,18 +145,86 @@ extern "C" __global__ void kvferry_crc(const unsigned long long* __restrict__ de
             unsigned int prefix = 0;
             for (unsigned int w = 0; w < (blockDim.x >> 5); w++) prefix ^= warp_x[w];
             unsigned int r = (unsigned int)(len - ((unsigned long long)last << 8));
-            out[p] = kv_mulmod(prefix, byte_shift[r]) ^ last_crc;
+            out[desc[3 * p + 1]] = kv_mulmod(prefix, byte_shift[r]) ^ last_crc;
         }
         __syncthreads();
     }
 }
+
+// Copy and raw CRC-32C in one pass (peer copies; see crc.rs,
+// fused_piece_raw_model). desc[3p] = source, desc[3p+1] = destination,
+// desc[3p+2] = bytes (a multiple of KV_STRIPE, at most 64 KiB) | output
+// index << 32; both addresses 16-byte aligned. Each stripe is loaded with
+// coalesced 16-byte loads, stored to the destination from the same
+// registers and to shared memory, from where thread t checksums bytes
+// [32t, 32t+32).
+#define KV_FSTEP(w) crc ^= (w); crc = kv_t[768 + (crc & 255u)] ^ kv_t[512 + ((crc >> 8) & 255u)] ^ kv_t[256 + ((crc >> 16) & 255u)] ^ kv_t[crc >> 24];
+extern "C" __global__ void kvferry_copy_crc(const unsigned long long* __restrict__ desc, unsigned long long n,
+                                            unsigned int* __restrict__ out, const unsigned int* __restrict__ tables) {
+    __shared__ unsigned int kv_t[1024];
+    __shared__ unsigned int kv_sh[1024];
+    __shared__ uint4 stripe[KV_STRIPE / 16];
+    __shared__ unsigned int warp_x[8];
+    for (unsigned int i = threadIdx.x; i < 1024u; i += blockDim.x) {
+        kv_t[i] = tables[i];
+        kv_sh[i] = tables[KV_STRIPE_SHIFT_AT + i];
+    }
+    __syncthreads();
+    const unsigned int tid = threadIdx.x;
+    const unsigned int end_shift = tables[KV_END_SHIFT_AT + tid];
+    for (unsigned long long p = blockIdx.x; p < n; p += gridDim.x) {
+        const uint4* s = (const uint4*)desc[3 * p];
+        uint4* d = (uint4*)desc[3 * p + 1];
+        unsigned long long w = desc[3 * p + 2], len = w & 0xffffffffull;
+        unsigned int acc = 0;
+        for (unsigned long long off = 0; off < len; off += KV_STRIPE) {
+            const uint4* ss = s + (off >> 4);
+            uint4* dd = d + (off >> 4);
+            uint4 a = ss[tid], b = ss[tid + 256];
+            dd[tid] = a; dd[tid + 256] = b;
+            stripe[tid] = a; stripe[tid + 256] = b;
+            __syncthreads();
+            unsigned int crc = kv_sh[acc & 255u] ^ kv_sh[256 + ((acc >> 8) & 255u)] ^ kv_sh[512 + ((acc >> 16) & 255u)] ^ kv_sh[768 + (acc >> 24)];
+            uint4 q = stripe[2 * tid];
+            KV_FSTEP(q.x) KV_FSTEP(q.y) KV_FSTEP(q.z) KV_FSTEP(q.w)
+            q = stripe[2 * tid + 1];
+            KV_FSTEP(q.x) KV_FSTEP(q.y) KV_FSTEP(q.z) KV_FSTEP(q.w)
+            acc = crc;
+            __syncthreads();
+        }
+        unsigned int v = kv_mulmod(acc, end_shift);
+        for (int o = 16; o > 0; o >>= 1) v ^= __shfl_xor_sync(0xffffffffu, v, o);
+        if ((tid & 31u) == 0) warp_x[tid >> 5] = v;
+        __syncthreads();
+        if (tid == 0) {
+            unsigned int x = 0;
+            for (unsigned int k = 0; k < 8; k++) x ^= warp_x[k];
+            out[w >> 32] = x;
+        }
+    }
+}
 "#;
+
+/// Thread blocks per SM of the fused copy-and-checksum kernel: measured on
+/// the H200 (2026-12-03, 1 GiB in 32 and 64 KiB pieces), 4 beat 1, 2, 3
+/// and 6, and copies of the tables per bank group gained nothing.
+pub(crate) const FUSED_BLOCKS_PER_SM: u32 = 4;
+
+/// The kernels' source with the fused kernel's constants defined.
+fn kernel_source() -> String {
+    format!(
+        "#define KV_STRIPE {}u\n#define KV_STRIPE_SHIFT_AT {}u\n#define KV_END_SHIFT_AT {}u\n{KERNELS}",
+        crc::STRIPE_BYTES,
+        crc::STRIPE_SHIFT_AT,
+        crc::END_SHIFT_AT
+    )
+}
 
 /// Tuning of the CUDA backend. [`CudaConfig::from_env`] reads overrides
 /// (`KVFERRY_CUDA_BLOCKS_PER_SM`, `KVFERRY_CUDA_DMA_MIN_BYTES`,
 /// `KVFERRY_CUDA_LAUNCH_PIECES`, `KVFERRY_CUDA_DEVICE_CHECKSUMS=0|1`,
 /// `KVFERRY_CUDA_STAGING_BYTES`, `KVFERRY_CUDA_STAGING_SLOTS`,
-/// `KVFERRY_CUDA_PEER_BLOCKS_PER_SM`), for
+/// `KVFERRY_CUDA_PEER_BLOCKS_PER_SM`, `KVFERRY_CUDA_PEER_FUSED=0|1`), for
 /// benchmarking on a new machine.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CudaConfig {
@@ -186,6 +254,12 @@ pub struct CudaConfig {
     /// ([`ipc`]): device-to-device pieces want more blocks in flight than
     /// a PCIe-bound save or load.
     pub peer_blocks_per_sm: u32,
+    /// Peer copies that are checksummed go through the fused
+    /// copy-and-checksum kernel where their length is a whole number of
+    /// [`crc::STRIPE_BYTES`] and both ends are 16-byte aligned (one pass
+    /// over HBM instead of a copy and a second read); otherwise, and when
+    /// this is off, a copy followed by the checksum kernel.
+    pub peer_fused_checksums: bool,
 }
 
 impl Default for CudaConfig {
@@ -198,6 +272,7 @@ impl Default for CudaConfig {
             staging_bytes: 32 << 20,
             staging_slots: 4,
             peer_blocks_per_sm: 8,
+            peer_fused_checksums: true,
         }
     }
 }
@@ -225,6 +300,7 @@ impl CudaConfig {
             peer_blocks_per_sm: var("KVFERRY_CUDA_PEER_BLOCKS_PER_SM")
                 .filter(|&n: &u32| n > 0)
                 .unwrap_or(d.peer_blocks_per_sm),
+            peer_fused_checksums: var::<u8>("KVFERRY_CUDA_PEER_FUSED").map_or(d.peer_fused_checksums, |v| v != 0),
         }
     }
 }
@@ -287,6 +363,8 @@ struct Inner {
     stage_load: Mutex<Staging>,
     copy_kernel: CudaFunction,
     crc_kernel: CudaFunction,
+    /// Peer copies with their checksums in one pass (`kvferry_copy_crc`).
+    copy_crc_kernel: CudaFunction,
     /// `crc::kernel_tables()` in device memory.
     crc_tables: sys::CUdeviceptr,
     /// The device's ordinal (external memory must be this device's).
@@ -351,10 +429,11 @@ impl CudaGpu {
         let stream = || ctx.new_stream().map_err(|e| unavailable(format!("stream: {e}")));
         let (d2h, h2d, crc_stream) = (stream()?, stream()?, stream()?);
         let (gather, scatter, peer) = (stream()?, stream()?, stream()?);
-        let ptx = cudarc::nvrtc::compile_ptx(KERNELS).map_err(|e| unavailable(format!("nvrtc: {e:?}")))?;
+        let ptx = cudarc::nvrtc::compile_ptx(kernel_source()).map_err(|e| unavailable(format!("nvrtc: {e:?}")))?;
         let module = ctx.load_module(ptx).map_err(|e| unavailable(format!("load module: {e}")))?;
         let load = |name: &str| module.load_function(name).map_err(|e| unavailable(format!("load {name}: {e}")));
         let (copy_kernel, crc_kernel) = (load("kvferry_copy")?, load("kvferry_crc")?);
+        let copy_crc_kernel = load("kvferry_copy_crc")?;
         let sm_count = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| unavailable(format!("attribute: {e}")))? as u32;
@@ -392,6 +471,7 @@ impl CudaGpu {
                 stage_load,
                 copy_kernel,
                 crc_kernel,
+                copy_crc_kernel,
                 crc_tables,
                 ordinal,
                 buffers: BufferTable::new(),
@@ -678,7 +758,7 @@ impl BatchRun<'_> {
             return false;
         }
         // SAFETY: `crc_at + 3 * n_crc + 2 < out_at <= table words`.
-        unsafe { write3(self.table.host, self.crc_at + 3 * self.n_crc, [dev, 0, n]) };
+        unsafe { write3(self.table.host, self.crc_at + 3 * self.n_crc, [dev, self.n_crc as u64, n]) };
         self.n_crc += 1;
         self.folds.push(fold);
         true

@@ -30,8 +30,8 @@ use std::sync::{Arc, Mutex, Weak};
 
 use cudarc::driver::sys;
 
-use super::{Inner, Table, dev_err, write3};
-use crate::gpu::crc::{ChecksumRange, PIECE_BYTES_MAX, RangeFolder};
+use super::{FUSED_BLOCKS_PER_SM, Inner, Table, dev_err, write3};
+use crate::gpu::crc::{ChecksumRange, PIECE_BYTES_MAX, RangeFolder, STRIPE_BYTES};
 use crate::gpu::peer::{self, BufferExport, PeerBuffer, PeerCopyBatch, PeerKind};
 use crate::gpu::{GpuError, checked_range};
 use crate::memory::DeviceBufferId;
@@ -240,7 +240,9 @@ impl Inner {
             return Ok(vec![0; ranges.len()]);
         }
         self.ctx.bind_to_thread().map_err(dev_err)?;
-        let words = 3 * copy_bound + 3 * crc_bound + crc_bound.div_ceil(2) + 1;
+        // Copies, checksum pieces, fused pieces (at most one per checksum
+        // piece), then the u32 outputs.
+        let words = 3 * copy_bound + 6 * crc_bound + crc_bound.div_ceil(2) + 1;
         let table = self.take_table(words)?;
         let plan =
             PeerPlan { batch, src, dst_addr: &dst_addr, in_ranges: &in_ranges, table: &table, copy_bound, crc_bound };
@@ -253,47 +255,80 @@ impl Inner {
         res
     }
 
-    /// Enqueues a peer batch chunk by chunk and waits for it: small ops go
-    /// to the copy kernel, large ones to `cuMemcpyDtoDAsync`, and the
-    /// checksum kernel reads each chunk's destination bytes on its own
-    /// stream once the chunk landed.
+    /// Enqueues a peer batch chunk by chunk and waits for it. A
+    /// checksummed op whose length is a whole number of stripes and whose
+    /// ends are 16-byte aligned goes to the fused copy-and-checksum kernel
+    /// (one pass over HBM: coalesced loads, stores from the same
+    /// registers, the checksum from a shared-memory copy of the stripe).
+    /// Otherwise small ops go to the copy kernel, large ones to
+    /// `cuMemcpyDtoDAsync`, and the checksum kernel reads each chunk's
+    /// destination bytes on its own stream once the chunk landed.
     ///
-    /// A variant that copied inside the checksum kernel (one pass over
-    /// HBM, each thread storing the 256-byte chunk it checksums) measured
-    /// 0.15 × the raw copy on the H200 against this one's 0.37 (its
-    /// thread-strided stores): not kept.
+    /// A first fused variant, in which each thread stored the 256-byte
+    /// chunk it checksummed, measured 0.15 × the raw copy on the H200
+    /// against copy-then-checksum's 0.37 (thread-strided stores).
     fn enqueue_peer(&self, p: &PeerPlan<'_>, ranges: &[ChecksumRange]) -> Result<Vec<u32>, GpuError> {
         let table = p.table;
-        let (copy_at, crc_at, out_at) = (0, 3 * p.copy_bound, 3 * p.copy_bound + 3 * p.crc_bound);
-        let (mut n_copy, mut n_crc) = (0usize, 0usize);
-        let mut launched = (0usize, 0usize);
+        let (copy_at, crc_at) = (0, 3 * p.copy_bound);
+        let (fused_at, out_at) = (crc_at + 3 * p.crc_bound, crc_at + 6 * p.crc_bound);
+        let (mut n_copy, mut n_sum, mut n_fused, mut n_out) = (0usize, 0usize, 0usize, 0usize);
+        let mut launched = (0usize, 0usize, 0usize);
         // (range, offset in range, bytes, checksum piece index).
         let mut folds: Vec<(u32, u64, u64, usize)> = Vec::with_capacity(p.crc_bound);
         let mut chunk = 0u64;
         let stream = &self.peer;
         let per_sm = self.cfg.peer_blocks_per_sm;
         // Launches the copies and checksums written since the last flush.
-        let flush = |n_copy: usize, n_crc: usize, launched: &mut (usize, usize)| {
+        // Launched so far: (copy, checksum, fused) descriptors. Checksum and
+        // fused pieces share the output index (`n_out`), each kernel
+        // reading it from its descriptor.
+        let flush = |n_copy: usize, n_sum: usize, n_fused: usize, launched: &mut (usize, usize, usize)| {
+            if n_fused > launched.2 {
+                let desc = table.device + 8 * (fused_at + 3 * launched.2) as u64;
+                let (out, tables) = (table.device + 8 * out_at as u64, self.crc_tables);
+                let (kernel, grid) = (&self.copy_crc_kernel, FUSED_BLOCKS_PER_SM);
+                self.launch(stream, kernel, desc, n_fused - launched.2, &[out, tables], grid)?;
+                launched.2 = n_fused;
+            }
             if n_copy > launched.0 {
                 let desc = table.device + 8 * (copy_at + 3 * launched.0) as u64;
                 self.launch(stream, &self.copy_kernel, desc, n_copy - launched.0, &[0, 0], per_sm)?;
                 launched.0 = n_copy;
             }
-            if n_crc > launched.1 {
+            if n_sum > launched.1 {
                 let desc = table.device + 8 * (crc_at + 3 * launched.1) as u64;
-                let out = table.device + 8 * out_at as u64 + 4 * launched.1 as u64;
+                let out = table.device + 8 * out_at as u64;
                 self.crc.wait(&stream.record_event(None).map_err(dev_err)?).map_err(dev_err)?;
                 let (tables, grid) = (self.crc_tables, self.cfg.blocks_per_sm);
-                self.launch(&self.crc, &self.crc_kernel, desc, n_crc - launched.1, &[out, tables], grid)?;
-                launched.1 = n_crc;
+                self.launch(&self.crc, &self.crc_kernel, desc, n_sum - launched.1, &[out, tables], grid)?;
+                launched.1 = n_sum;
             }
             Ok::<(), GpuError>(())
         };
         for (i, op) in p.batch.ops.iter().enumerate() {
             let (from, to) = (p.src.addrs[op.src] + op.src_offset, p.dst_addr[i]);
-            if op.len >= self.cfg.dma_min_bytes {
+            let summed = !p.in_ranges.of(i).is_empty();
+            let fused = summed
+                && self.cfg.peer_fused_checksums
+                && op.len.is_multiple_of(STRIPE_BYTES)
+                && (from | to).is_multiple_of(16);
+            if fused {
+                let mut off = 0;
+                while off < op.len {
+                    // Every piece is a whole number of stripes too.
+                    let n = (op.len - off).min(PIECE_BYTES_MAX);
+                    // SAFETY: `n_fused <= n_out < crc_bound`: the bound counts these pieces.
+                    unsafe {
+                        write3(table.host, fused_at + 3 * n_fused, [from + off, to + off, n | (n_out as u64) << 32])
+                    };
+                    for &(r, at) in p.in_ranges.of(i) {
+                        folds.push((r, at + off, n, n_out));
+                    }
+                    (n_out, n_fused, off) = (n_out + 1, n_fused + 1, off + n);
+                }
+            } else if op.len >= self.cfg.dma_min_bytes {
                 // Earlier kernel pieces first: one stream keeps the order.
-                flush(n_copy, n_crc, &mut launched)?;
+                flush(n_copy, n_sum, n_fused, &mut launched)?;
                 // SAFETY: the source lies in a mapped (or pinned) peer
                 // buffer, the destination in a pinned buffer of ours, both
                 // validated; they are different allocations.
@@ -310,32 +345,32 @@ impl Inner {
                     off += n;
                 }
             }
-            if !p.in_ranges.of(i).is_empty() {
+            if summed && !fused {
                 let mut off = 0;
                 while off < op.len {
                     let n = (op.len - off).min(PIECE_BYTES_MAX);
-                    // SAFETY: `n_crc < crc_bound`, as above.
-                    unsafe { write3(table.host, crc_at + 3 * n_crc, [to + off, 0, n]) };
+                    // SAFETY: `n_sum <= n_out < crc_bound`, as above.
+                    unsafe { write3(table.host, crc_at + 3 * n_sum, [to + off, n_out as u64, n]) };
                     for &(r, at) in p.in_ranges.of(i) {
-                        folds.push((r, at + off, n, n_crc));
+                        folds.push((r, at + off, n, n_out));
                     }
-                    n_crc += 1;
+                    (n_out, n_sum) = (n_out + 1, n_sum + 1);
                     off += n;
                 }
             }
             chunk += op.len;
             if chunk >= CHUNK_BYTES {
-                flush(n_copy, n_crc, &mut launched)?;
+                flush(n_copy, n_sum, n_fused, &mut launched)?;
                 chunk = 0;
             }
         }
-        flush(n_copy, n_crc, &mut launched)?;
+        flush(n_copy, n_sum, n_fused, &mut launched)?;
         let copied = stream.record_event(None).map_err(dev_err)?;
         let summed = self.crc.record_event(None).map_err(dev_err)?;
         copied.synchronize().map_err(dev_err)?;
         summed.synchronize().map_err(dev_err)?;
-        // SAFETY: the checksum kernels finished writing `n_crc` u32s at `out_at`.
-        let out = unsafe { std::slice::from_raw_parts(table.host.add(out_at).cast::<u32>(), n_crc) };
+        // SAFETY: the checksum kernels finished writing `n_out` u32s at `out_at`.
+        let out = unsafe { std::slice::from_raw_parts(table.host.add(out_at).cast::<u32>(), n_out) };
         // Each range's pieces were written in op order, as the folder wants.
         let mut folder = RangeFolder::new(ranges);
         for &(r, off, n, k) in &folds {
