@@ -95,7 +95,9 @@ use rand::{RngCore, SeedableRng};
 use tokio::time::Instant;
 
 use super::handshake::{HandshakeMetadata, SameHost, TOKEN_BYTES, TransportKind};
-use super::{ReadCompletion, ReadOp, Transport, TransportError, validate_local};
+use super::{
+    BadOp, HandshakeRejected, NotConnected, ReadCompletion, ReadOp, Transport, TransportError, validate_local,
+};
 use crate::limits;
 use crate::memory::pool::{Extent, Pool};
 use crate::types::NodeAddr;
@@ -864,7 +866,9 @@ impl Transport for ShmTransport {
         remote: &HandshakeMetadata,
         deadline: Instant,
     ) -> Result<(), TransportError> {
-        self.attach(peer, remote, deadline).await.map_err(|e| TransportError::Handshake(e.to_string()))
+        self.attach(peer, remote, deadline)
+            .await
+            .map_err(|e| TransportError::Handshake(HandshakeRejected::SharedPool(e)))
     }
 
     fn disconnect(&self, peer: &NodeAddr) {
@@ -884,15 +888,18 @@ impl Transport for ShmTransport {
             return fail_all(local, e);
         }
         let Some(map) = self.peers.lock().expect("peers lock").get(peer).cloned() else {
-            return fail_all(local, TransportError::NotConnected(peer.0.clone()));
+            return fail_all(local, TransportError::NotConnected(NotConnected::Peer(peer.0.clone())));
         };
         if let Some(op) = ops.iter().find(|op| !in_mapping(&map, op)) {
             return fail_all(
                 local,
-                TransportError::BadOp(format!(
-                    "[{}, +{}) of region {} outside the shared pool ({} bytes, region {})",
-                    op.remote_offset, op.len, op.region, map.len, map.region
-                )),
+                TransportError::BadOp(BadOp::OutsideSharedPool {
+                    offset: op.remote_offset,
+                    len: op.len,
+                    region: op.region,
+                    pool_len: map.len as u64,
+                    pool_region: map.region,
+                }),
             );
         }
         if Instant::now() >= deadline {
@@ -903,10 +910,16 @@ impl Transport for ShmTransport {
             // its blocks in another pool. Forget this mapping; the next
             // handshake maps the new one, TCP serves meanwhile.
             self.peers.lock().expect("peers lock").remove(peer);
-            return fail_all(local, TransportError::Io("shared-pool owner process exited".into()));
+            return fail_all(
+                local,
+                TransportError::io(std::io::ErrorKind::BrokenPipe, "shared-pool owner process exited"),
+            );
         }
         if self.hooks.fail_next_reads.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok() {
-            return fail_all(local, TransportError::Io("injected shared-pool read error (test hook)".into()));
+            return fail_all(
+                local,
+                TransportError::io(std::io::ErrorKind::Other, "injected shared-pool read error (test hook)"),
+            );
         }
         let total: u64 = ops.iter().map(|op| op.len).sum();
         let n = local.len();
