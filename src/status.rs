@@ -109,11 +109,6 @@ impl GrpcCode for IdError {
     }
 }
 
-/// [`to_status`] of an [`IdError`].
-pub fn from_id_error(e: IdError) -> Status {
-    to_status(e)
-}
-
 /// Wraps a tonic service so a request over the decode limit answers
 /// `RESOURCE_EXHAUSTED` (the gRPC convention for "message larger than the
 /// configured limit") instead of tonic's `OUT_OF_RANGE`. Only that one
