@@ -70,7 +70,7 @@ impl HashError {
     /// The stable code of this error (`docs/design.md`, "Errors").
     pub fn code(&self) -> &'static str {
         match self {
-            HashError::Namespace(e) => e.code(),
+            HashError::Namespace(_) => "hash_namespace",
             HashError::ZeroBlockTokens => "hash_zero_block_tokens",
             HashError::BlockLength { .. } => "hash_block_length",
             HashError::Parent(_) => "hash_parent",

@@ -9,7 +9,11 @@
 //! is `tests/status_codes.rs`); [`to_status`] turns it into the status. No
 //! service builds a `Status` inline.
 
-use tonic::{Code, Status};
+use tonic::Status;
+
+/// The gRPC status code, re-exported so embedders (the Python binding)
+/// match codes as values without a tonic dependency of their own.
+pub use tonic::Code;
 
 use crate::types::IdError;
 

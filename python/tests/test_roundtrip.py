@@ -70,7 +70,7 @@ def test_partial_prefix_is_k_of_n(metaserver, ns):
         assert p.flush_saves_and_registrations(timeout=5).ok
         f = d.fetch(ns, hs)
         assert (f.requested, f.available, f.fetched) == (4, 2, 2)
-        assert f.stopped_cause == "FetchError::NoOwner"
+        assert f.stopped_code == "fetch_no_owner"
         assert not f.complete
         lrep = d.load(ns, hs, [0, 1, 2, 3])
         assert lrep.loaded == 2
