@@ -587,7 +587,7 @@ class Node:
             raise LayoutError(
                 f"namespace {namespace!r} already has a different layout on this node: use another namespace "
                 "or register the same tensors",
-                "EngineError::LayoutExists",
+                "engine_layout_exists",
             )
         # A pool that cannot hold one block of this cache would report
         # "no space" for every save: refuse it now.

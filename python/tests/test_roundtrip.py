@@ -74,7 +74,7 @@ def test_partial_prefix_is_k_of_n(metaserver, ns):
         assert not f.complete
         lrep = d.load(ns, hs, [0, 1, 2, 3])
         assert lrep.loaded == 2
-        assert [(i, c) for i, _, c in lrep.failed] == [(2, "LoadError::NotResident"), (3, "LoadError::NotResident")]
+        assert [(i, c) for i, _, c in lrep.failed] == [(2, "load_not_resident"), (3, "load_not_resident")]
 
 
 def test_save_releases_the_gil(metaserver, ns):
