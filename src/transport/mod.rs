@@ -136,6 +136,18 @@ impl From<std::io::Error> for IoFailure {
     }
 }
 
+/// A backend's own error carried through the [`Transport`] door: the
+/// backend error's stable code (`ShmError::code`, `PlanError::code`) and
+/// its text.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct BackendFailure {
+    /// The backend error's stable code (`shm_*`, `verbs_plan_*`).
+    pub code: &'static str,
+    /// Its text.
+    pub message: String,
+}
+
 /// Why a backend rejected a peer's handshake metadata or could not set up
 /// its side of the connection.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -151,16 +163,16 @@ pub enum HandshakeRejected {
     /// The peer's metadata names no data-plane address.
     #[error("peer sent no data-plane address")]
     NoDataAddress,
-    /// The shared-pool path could not be set up.
-    #[cfg(target_os = "linux")]
+    /// The shared-pool path could not be set up (a `shm::ShmError`).
     #[error("shared pool: {0}")]
-    SharedPool(shm::ShmError),
+    SharedPool(BackendFailure),
     /// The shared-pool path was forced and this node has none.
     #[error("shared pool forced, but this node has none")]
     NoSharedPool,
-    /// The verbs plan refused the peer's offer or answer.
+    /// The verbs plan refused the peer's offer or answer (a
+    /// `verbs::plan::PlanError`).
     #[error(transparent)]
-    Plan(verbs::plan::PlanError),
+    Plan(BackendFailure),
     /// A verbs call failed (the verbs library's text).
     #[error("verbs: {0}")]
     Verbs(String),
@@ -269,9 +281,9 @@ pub enum BadOp {
     /// A local extent is not in the registered pool (verbs).
     #[error("local extent {0} is not in the registered pool")]
     NotRegistered(usize),
-    /// The verbs plan refused the batch.
+    /// The verbs plan refused the batch (a `verbs::plan::PlanError`).
     #[error(transparent)]
-    Plan(verbs::plan::PlanError),
+    Plan(BackendFailure),
 }
 
 /// Transport errors. Every variant carries a typed cause; [`Self::code`]

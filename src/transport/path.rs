@@ -294,7 +294,7 @@ impl Transport for PathTransport {
                 Err(e) => {
                     self.shm_counters.attach_failures.fetch_add(1, Ordering::Relaxed);
                     if self.choice == PathChoice::Shm {
-                        return Err(TransportError::Handshake(HandshakeRejected::SharedPool(e)));
+                        return Err(TransportError::Handshake(HandshakeRejected::SharedPool(e.into())));
                     }
                     tracing::debug!(%peer, error = %e, "shared pool not used; reading over TCP");
                 }

@@ -96,7 +96,8 @@ use tokio::time::Instant;
 
 use super::handshake::{HandshakeMetadata, SameHost, TOKEN_BYTES, TransportKind};
 use super::{
-    BadOp, HandshakeRejected, NotConnected, ReadCompletion, ReadOp, Transport, TransportError, validate_local,
+    BackendFailure, BadOp, HandshakeRejected, NotConnected, ReadCompletion, ReadOp, Transport, TransportError,
+    validate_local,
 };
 use crate::limits;
 use crate::memory::pool::{Extent, Pool};
@@ -204,6 +205,34 @@ pub enum ShmError {
     /// [`limits::SHM_MAPPINGS_MAX`] peer pools are mapped already.
     #[error("too many mapped peer pools (limit {0})")]
     TooManyMappings(usize),
+}
+
+impl ShmError {
+    /// The stable code of this error (`docs/design.md`, "Errors").
+    pub fn code(&self) -> &'static str {
+        match self {
+            ShmError::Unavailable(_) => "shm_unavailable",
+            ShmError::NoSection => "shm_no_section",
+            ShmError::NotSameHost { .. } => "shm_not_same_host",
+            ShmError::NoToken => "shm_no_token",
+            ShmError::NoRegion(_) => "shm_no_region",
+            ShmError::Refused(_) => "shm_refused",
+            ShmError::WrongUid { .. } => "shm_wrong_uid",
+            ShmError::Unsealed(_) => "shm_unsealed",
+            ShmError::SizeMismatch { .. } => "shm_size_mismatch",
+            ShmError::NoFd => "shm_no_fd",
+            ShmError::Protocol(_) => "shm_protocol",
+            ShmError::Io(_) => "shm_io",
+            ShmError::Timeout => "shm_timeout",
+            ShmError::TooManyMappings(_) => "shm_too_many_mappings",
+        }
+    }
+}
+
+impl From<ShmError> for BackendFailure {
+    fn from(e: ShmError) -> Self {
+        BackendFailure { code: e.code(), message: e.to_string() }
+    }
 }
 
 fn io_err(what: &str, e: std::io::Error) -> ShmError {
@@ -868,7 +897,7 @@ impl Transport for ShmTransport {
     ) -> Result<(), TransportError> {
         self.attach(peer, remote, deadline)
             .await
-            .map_err(|e| TransportError::Handshake(HandshakeRejected::SharedPool(e)))
+            .map_err(|e| TransportError::Handshake(HandshakeRejected::SharedPool(e.into())))
     }
 
     fn disconnect(&self, peer: &NodeAddr) {

@@ -23,7 +23,7 @@ use super::super::handshake::{
     HandshakeError, HandshakeMetadata, LinkLayer, MTU_BYTES_MAX, MTU_BYTES_MIN, PSN_QPN_LIMIT, Region, TransportKind,
     VerbsEndpoint,
 };
-use super::super::{BadOp, HandshakeRejected, ReadOp, TransportError};
+use super::super::{BackendFailure, BadOp, HandshakeRejected, ReadOp, TransportError};
 use crate::limits::{
     VERBS_DEVICE_NAME_BYTES_MAX, VERBS_QP_RETRY_COUNT_DEFAULT, VERBS_QP_TIMEOUT_EXP_DEFAULT,
     VERBS_QPS_PER_PEER_DEFAULT, VERBS_QPS_PER_PEER_MAX, VERBS_READ_MESSAGE_BYTES_MAX,
@@ -113,6 +113,33 @@ pub enum PlanError {
     EmptyRead,
 }
 
+impl PlanError {
+    /// The stable code of this error (`docs/design.md`, "Errors").
+    pub fn code(&self) -> &'static str {
+        match self {
+            PlanError::BadConfig(_) => "verbs_plan_bad_config",
+            PlanError::DeviceTooSmall { .. } => "verbs_plan_device_too_small",
+            PlanError::NotVerbs(_) => "verbs_plan_not_verbs",
+            PlanError::Metadata(_) => "verbs_plan_metadata",
+            PlanError::LinkLayerMismatch { .. } => "verbs_plan_link_layer_mismatch",
+            PlanError::ZeroGid(_) => "verbs_plan_zero_gid",
+            PlanError::ZeroLocalLid => "verbs_plan_zero_local_lid",
+            PlanError::QpnCountMismatch { .. } => "verbs_plan_qpn_count_mismatch",
+            PlanError::UnknownRegion(_) => "verbs_plan_unknown_region",
+            PlanError::OutOfRegion { .. } => "verbs_plan_out_of_region",
+            PlanError::DuplicateRegion(_) => "verbs_plan_duplicate_region",
+            PlanError::LocalOutOfRange { .. } => "verbs_plan_local_out_of_range",
+            PlanError::EmptyRead => "verbs_plan_empty_read",
+        }
+    }
+}
+
+impl From<PlanError> for BackendFailure {
+    fn from(e: PlanError) -> Self {
+        BackendFailure { code: e.code(), message: e.to_string() }
+    }
+}
+
 impl From<PlanError> for TransportError {
     fn from(e: PlanError) -> Self {
         match e {
@@ -122,8 +149,8 @@ impl From<PlanError> for TransportError {
             | PlanError::ZeroGid(_)
             | PlanError::ZeroLocalLid
             | PlanError::QpnCountMismatch { .. }
-            | PlanError::DuplicateRegion(_) => TransportError::Handshake(HandshakeRejected::Plan(e)),
-            _ => TransportError::BadOp(BadOp::Plan(e)),
+            | PlanError::DuplicateRegion(_) => TransportError::Handshake(HandshakeRejected::Plan(e.into())),
+            _ => TransportError::BadOp(BadOp::Plan(e.into())),
         }
     }
 }
