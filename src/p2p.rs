@@ -93,6 +93,16 @@ pub enum ServeError {
     Transport(tonic::transport::Error),
 }
 
+impl ServeError {
+    /// The stable code of this error (`docs/design.md`, "Errors").
+    pub fn code(&self) -> &'static str {
+        match self {
+            ServeError::Bind(_) => "p2p_serve_bind",
+            ServeError::Transport(_) => "p2p_serve_transport",
+        }
+    }
+}
+
 /// Why the P2P service refused a request. Every refusal is one of these,
 /// turned into its status by [`to_status`] (the codes are pinned by
 /// `tests/status_codes.rs` and listed in `docs/wire.md`).

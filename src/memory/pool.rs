@@ -153,6 +153,16 @@ pub enum FreeError {
     },
 }
 
+impl FreeError {
+    /// The stable code of this error (`docs/design.md`, "Errors").
+    pub fn code(&self) -> &'static str {
+        match self {
+            FreeError::NotAllocated { .. } => "pool_free_not_allocated",
+            FreeError::LengthMismatch { .. } => "pool_free_length_mismatch",
+        }
+    }
+}
+
 /// Best-fit allocator over `[0, capacity)`; pure bookkeeping, no memory.
 ///
 /// Every extent starts at a multiple of `align` and occupies its length

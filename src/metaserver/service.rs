@@ -543,6 +543,15 @@ pub enum ServeError {
     Transport(#[source] Box<dyn std::error::Error + Send + Sync + 'static>),
 }
 
+impl ServeError {
+    /// The stable code of this error (`docs/design.md`, "Errors").
+    pub fn code(&self) -> &'static str {
+        match self {
+            ServeError::Transport(_) => "metaserver_serve",
+        }
+    }
+}
+
 /// The serving task's end as the handle reports it; a task that was
 /// cancelled or panicked (the join error, of whichever runtime) counts as
 /// stopped.
@@ -722,6 +731,21 @@ pub enum ConfigError {
         /// The bound (s).
         max: u64,
     },
+}
+
+impl ConfigError {
+    /// The stable code of this error (`docs/design.md`, "Errors").
+    pub fn code(&self) -> &'static str {
+        match self {
+            ConfigError::Zero(_) => "metaserver_config_zero",
+            ConfigError::TtlBelowStaleAfter { .. } => "metaserver_config_ttl_below_stale_after",
+            ConfigError::CapacityTooLarge { .. } => "metaserver_config_capacity_too_large",
+            ConfigError::CapacityUnavailable { .. } => "metaserver_config_capacity_unavailable",
+            ConfigError::Shards { .. } => "metaserver_config_shards",
+            ConfigError::IoThreads { .. } => "metaserver_config_io_threads",
+            ConfigError::TooLong { .. } => "metaserver_config_too_long",
+        }
+    }
 }
 
 impl ConfigError {

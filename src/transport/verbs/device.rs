@@ -94,6 +94,20 @@ pub enum VerbsError {
     },
 }
 
+impl VerbsError {
+    /// The stable code of this error (`docs/design.md`, "Errors").
+    pub fn code(&self) -> &'static str {
+        match self {
+            VerbsError::NoRdma { .. } => "verbs_no_rdma",
+            VerbsError::NoDevices { .. } => "verbs_no_devices",
+            VerbsError::DeviceNotFound { .. } => "verbs_device_not_found",
+            VerbsError::Config(_) => "verbs_config",
+            VerbsError::Port { .. } => "verbs_port",
+            VerbsError::Device { .. } => "verbs_device",
+        }
+    }
+}
+
 impl From<VerbsError> for TransportError {
     /// Startup errors surfaced through the trait's error type (`Io`), for
     /// callers that only handle [`TransportError`].
