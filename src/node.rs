@@ -187,7 +187,8 @@ pub enum NodeError {
 }
 
 impl NodeError {
-    /// The stable code of this error (`docs/design.md`, "Errors"); a wrapped id, client or engine error answers its own code.
+    /// The stable code of this error (`docs/design.md`, "Errors"); a
+    /// wrapped id, client or engine error answers its own code.
     pub fn code(&self) -> &'static str {
         match self {
             NodeError::BindGrpc { .. } => "node_bind_grpc",

@@ -205,7 +205,9 @@ def _check_value(key: str, value: Any) -> Any:
         if key == "model_id" and value is None:
             return None
         if not isinstance(value, str) or not value:
-            raise ConfigError(f"{where} must be a non-empty string, got {type(value).__name__} {value!r}", "vllm_config")
+            raise ConfigError(
+                f"{where} must be a non-empty string, got {type(value).__name__} {value!r}", "vllm_config"
+            )
         if key == "gpu" and value not in ("host", "cuda"):
             raise ConfigError(f'{where} must be "host" or "cuda", got {value!r}', "vllm_config")
         if key == "metaserver":
@@ -819,7 +821,9 @@ class KvferryConnector(KVConnectorBase_V1):
 
     def _require_node(self) -> "kvferry.Node":
         if self._node is None:
-            raise kvferry.ClosedError("KvferryConnector: register_kv_caches was not called (or shutdown was)", "vllm_state")
+            raise kvferry.ClosedError(
+                "KvferryConnector: register_kv_caches was not called (or shutdown was)", "vllm_state"
+            )
         return self._node
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:

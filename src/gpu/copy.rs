@@ -144,7 +144,8 @@ pub enum GpuError {
 }
 
 impl GpuError {
-    /// The stable code of this error (`docs/design.md`, "Errors"); a wrapped buffer or external-memory error answers its own code.
+    /// The stable code of this error (`docs/design.md`, "Errors"); a
+    /// wrapped buffer or external-memory error answers its own code.
     pub fn code(&self) -> &'static str {
         match self {
             GpuError::UnknownBuffer(_) => "gpu_unknown_buffer",

@@ -574,7 +574,8 @@ impl FetchMachine {
                 out.push(Action::ForgetPeer { owner: t.owner.clone(), disconnect: true });
             }
         }
-        tracing::debug!(owner = %t.owner, got, code = stop.as_ref().map(FetchError::code), stop = ?stop, "fetch from owner");
+        let code = stop.as_ref().map(FetchError::code);
+        tracing::debug!(owner = %t.owner, got, code, stop = ?stop, "fetch from owner");
         self.rep.stopped = stop;
         // C8 canary: an owner that delivered part of the blocks and then
         // failed on the transport is never sent its release.
