@@ -116,6 +116,19 @@ pub enum AddressError {
     },
 }
 
+impl AddressError {
+    /// The stable code of this cause (`docs/design.md`, "Errors").
+    pub fn code(&self) -> &'static str {
+        match self {
+            AddressError::Scheme { .. } => "address_scheme",
+            AddressError::NoPort { .. } => "address_no_port",
+            AddressError::Port { .. } => "address_port",
+            AddressError::Host { .. } => "address_host",
+            AddressError::Trailing { .. } => "address_trailing",
+        }
+    }
+}
+
 /// A MetaServer address taken apart: `host:port` or `scheme://host:port`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MetaServerAddress<'a> {

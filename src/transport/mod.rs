@@ -190,6 +190,22 @@ pub enum HandshakeRejected {
     Metadata(#[from] handshake::HandshakeError),
 }
 
+impl HandshakeRejected {
+    /// The stable code of this cause (`docs/design.md`, "Errors").
+    pub fn code(&self) -> &'static str {
+        match self {
+            HandshakeRejected::KindMismatch { .. } => "transport_handshake_kind_mismatch",
+            HandshakeRejected::NoDataAddress => "transport_handshake_no_data_address",
+            HandshakeRejected::SharedPool(_) => "transport_handshake_shared_pool",
+            HandshakeRejected::NoSharedPool => "transport_handshake_no_shared_pool",
+            HandshakeRejected::Plan(_) => "transport_handshake_plan",
+            HandshakeRejected::Verbs(_) => "transport_handshake_verbs",
+            HandshakeRejected::NoPendingOffer { .. } => "transport_handshake_no_pending_offer",
+            HandshakeRejected::Metadata(_) => "transport_handshake_metadata",
+        }
+    }
+}
+
 /// Why a read is not connected to its peer.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum NotConnected {
@@ -205,6 +221,18 @@ pub enum NotConnected {
     /// An earlier error destroyed the queue pair (verbs).
     #[error("not connected: queue pair destroyed by an earlier error")]
     QueuePairDestroyed,
+}
+
+impl NotConnected {
+    /// The stable code of this cause (`docs/design.md`, "Errors").
+    pub fn code(&self) -> &'static str {
+        match self {
+            NotConnected::Peer(_) => "transport_not_connected_peer",
+            NotConnected::NoSession => "transport_not_connected_no_session",
+            NotConnected::Invalidated => "transport_not_connected_invalidated",
+            NotConnected::QueuePairDestroyed => "transport_not_connected_queue_pair_destroyed",
+        }
+    }
 }
 
 /// How a peer broke the data-plane protocol.
@@ -232,6 +260,18 @@ pub enum ProtocolViolation {
         /// Bytes asked for.
         asked: u64,
     },
+}
+
+impl ProtocolViolation {
+    /// The stable code of this cause (`docs/design.md`, "Errors").
+    pub fn code(&self) -> &'static str {
+        match self {
+            ProtocolViolation::ShortHeader => "transport_protocol_short_header",
+            ProtocolViolation::Frame(_) => "transport_protocol_frame",
+            ProtocolViolation::OutOfOrder { .. } => "transport_protocol_out_of_order",
+            ProtocolViolation::WrongLength { .. } => "transport_protocol_wrong_length",
+        }
+    }
 }
 
 /// Why a read batch is malformed on the local side (nothing was read).
@@ -284,6 +324,21 @@ pub enum BadOp {
     /// The verbs plan refused the batch (a `verbs::plan::PlanError`).
     #[error(transparent)]
     Plan(BackendFailure),
+}
+
+impl BadOp {
+    /// The stable code of this cause (`docs/design.md`, "Errors").
+    pub fn code(&self) -> &'static str {
+        match self {
+            BadOp::NoExtent { .. } => "transport_bad_op_no_extent",
+            BadOp::OutsideExtent { .. } => "transport_bad_op_outside_extent",
+            BadOp::OverFrameLimit { .. } => "transport_bad_op_over_frame_limit",
+            BadOp::Frame(_) => "transport_bad_op_frame",
+            BadOp::OutsideSharedPool { .. } => "transport_bad_op_outside_shared_pool",
+            BadOp::NotRegistered(_) => "transport_bad_op_not_registered",
+            BadOp::Plan(_) => "transport_bad_op_plan",
+        }
+    }
 }
 
 /// Transport errors. Every variant carries a typed cause; [`Self::code`]

@@ -653,6 +653,19 @@ pub enum PeerFailure {
     TaskEnded,
 }
 
+impl PeerFailure {
+    /// The stable code of this cause (`docs/design.md`, "Errors").
+    pub fn code(&self) -> &'static str {
+        match self {
+            PeerFailure::Endpoint(_) => "peer_endpoint",
+            PeerFailure::NoClient => "peer_no_client",
+            PeerFailure::Timeout => "peer_timeout",
+            PeerFailure::Rpc(_) => "peer_rpc",
+            PeerFailure::TaskEnded => "peer_task_ended",
+        }
+    }
+}
+
 /// Why the handshake with an owner failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum HandshakeFailure {
@@ -668,6 +681,18 @@ pub enum HandshakeFailure {
     /// This node's transport could not connect with the owner's metadata.
     #[error(transparent)]
     Transport(TransportError),
+}
+
+impl HandshakeFailure {
+    /// The stable code of this cause (`docs/design.md`, "Errors").
+    pub fn code(&self) -> &'static str {
+        match self {
+            HandshakeFailure::Rpc(_) => "handshake_rpc",
+            HandshakeFailure::Refused(_) => "handshake_refused",
+            HandshakeFailure::Metadata(_) => "handshake_metadata",
+            HandshakeFailure::Transport(_) => "handshake_transport",
+        }
+    }
 }
 
 /// A peer's block is not of the local layout's family (C15).
