@@ -66,6 +66,19 @@ pub enum HashError {
     Family(String),
 }
 
+impl HashError {
+    /// The stable code of this error (`docs/design.md`, "Errors").
+    pub fn code(&self) -> &'static str {
+        match self {
+            HashError::Namespace(_) => "hash_namespace",
+            HashError::ZeroBlockTokens => "hash_zero_block_tokens",
+            HashError::BlockLength { .. } => "hash_block_length",
+            HashError::Parent(_) => "hash_parent",
+            HashError::Family(_) => "hash_family",
+        }
+    }
+}
+
 /// Computes v1 block hashes for one namespace and block size (module doc).
 #[derive(Clone, Debug)]
 pub struct BlockHasher {

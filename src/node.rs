@@ -186,6 +186,26 @@ pub enum NodeError {
     Shm(String),
 }
 
+impl NodeError {
+    /// The stable code of this error (`docs/design.md`, "Errors"); a
+    /// wrapped id, client or engine error answers its own code.
+    pub fn code(&self) -> &'static str {
+        match self {
+            NodeError::BindGrpc { .. } => "node_bind_grpc",
+            NodeError::BindData { .. } => "node_bind_data",
+            NodeError::Id(e) => e.code(),
+            NodeError::Client(e) => e.code(),
+            NodeError::Engine(e) => e.code(),
+            NodeError::RdmaNotBuilt => "node_rdma_not_built",
+            NodeError::TcpConnections(_) => "node_tcp_connections",
+            NodeError::VerbsConfig(_) => "node_verbs_config",
+            #[cfg(feature = "rdma")]
+            NodeError::Verbs(_) => "node_verbs",
+            NodeError::Shm(_) => "node_shm",
+        }
+    }
+}
+
 /// A running node.
 pub struct NodeHandle {
     /// The engine.

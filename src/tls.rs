@@ -93,6 +93,18 @@ pub enum TlsError {
     Config(String),
 }
 
+impl TlsError {
+    /// The stable code of this error (`docs/design.md`, "Errors").
+    pub fn code(&self) -> &'static str {
+        match self {
+            TlsError::NoTrust { .. } => "tls_no_trust",
+            TlsError::Read { .. } => "tls_read",
+            TlsError::NotBuilt => "tls_not_built",
+            TlsError::Config(_) => "tls_config",
+        }
+    }
+}
+
 /// Applies `identity` to a server builder.
 ///
 /// # Errors

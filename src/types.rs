@@ -160,6 +160,18 @@ pub enum IdError {
     Namespace(usize),
 }
 
+impl IdError {
+    /// The stable code of this error (`docs/design.md`, "Errors").
+    pub fn code(&self) -> &'static str {
+        match self {
+            IdError::HashLength(_) => "id_hash_length",
+            IdError::NodeAddr(_) => "id_node_addr",
+            IdError::SessionId(_) => "id_session_id",
+            IdError::Namespace(_) => "id_namespace",
+        }
+    }
+}
+
 /// `e` and its sources, joined by `": "` (one line for an error whose cause
 /// sits several `source()` levels down, e.g. a TLS or verbs setup failure).
 pub fn error_chain(e: &dyn std::error::Error) -> String {

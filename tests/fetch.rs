@@ -1243,7 +1243,8 @@ async fn peers_with_different_buffer_arrangements_exchange_blocks() {
         let rep = t.engine.fetch(NS, &hs).await;
         assert_eq!(rep.available, 0);
         match rep.stopped {
-            Some(FetchError::Shape(msg)) => {
+            Some(FetchError::Shape(m)) => {
+                let msg = m.to_string();
                 assert!(msg.contains("4 layers × 2 segment(s) × 4096 B"), "{msg}");
                 assert!(msg.contains("4 layers × 1 segment(s) × 8192 B"), "{msg}");
             }

@@ -25,7 +25,7 @@ Objects: :class:`MetaServer`, :class:`Node`; functions :func:`block_hashes`,
 :func:`namespace`; reports :class:`SaveReport`, :class:`FlushReport`,
 :class:`FetchReport`, :class:`LoadReport`, :class:`PrefixOwner`,
 :class:`KvCacheInfo`; exceptions in :mod:`kvferry.errors` (all derive from
-:class:`KvferryError` and carry ``cause``, the Rust error variant).
+:class:`KvferryError` and carry ``code``, the error's stable code).
 
 vLLM: :mod:`kvferry.vllm` is a vLLM v1 KV connector (``KvferryConnector``,
 loaded by vLLM by module path; importing it needs vLLM, nothing else here does).
@@ -96,9 +96,9 @@ def _int_arg(value: Any, name: str, lo: int, hi: int, cls: type = ConfigError) -
     try:
         v = operator.index(value)
     except TypeError:
-        raise ConfigError(f"{name} must be an integer, got {type(value).__name__} {value!r}", "Type") from None
+        raise ConfigError(f"{name} must be an integer, got {type(value).__name__} {value!r}", "type") from None
     if not lo <= v <= hi:
-        raise cls(f"{name} = {v} is out of range: it must be in [{lo}, {hi}]", "Range")
+        raise cls(f"{name} = {v} is out of range: it must be in [{lo}, {hi}]", "range")
     return v
 
 
@@ -114,7 +114,7 @@ def _block_ids(block_ids: Sequence[int], *, distinct: bool = False) -> List[int]
                 raise ConfigError(
                     f"block_ids[{seen[b]}] and block_ids[{i}] both name destination block {b}: each destination "
                     "block can receive one block, pass distinct block ids",
-                    "DuplicateBlock",
+                    "duplicate_block",
                 )
             seen[b] = i
     return out
@@ -124,7 +124,7 @@ def _check_metaserver(addr: str) -> str:
     """A ``host:port`` MetaServer address, else ``ConfigError`` naming
     ``metaserver`` (the node would otherwise start and only fail later)."""
     if not isinstance(addr, str):
-        raise ConfigError(f"metaserver must be a host:port string or a MetaServer, got {type(addr).__name__}", "Type")
+        raise ConfigError(f"metaserver must be a host:port string or a MetaServer, got {type(addr).__name__}", "type")
     _native.check_metaserver_address(addr)
     return addr
 
@@ -184,7 +184,7 @@ def namespace(
         raise ConfigError(
             "namespace() needs layers=N, the model's number of layers (part of the namespace, checked against the "
             "tensors given to register_kv_cache)",
-            "Layers",
+            "layers",
         )
     return _native.namespace(
         model,
@@ -249,7 +249,8 @@ class FetchReport:
         bytes: bytes read from peers.
         owners: peers asked, in order.
         stopped: why it stopped short (``None`` when ``available == requested``).
-        stopped_cause: the Rust variant of ``stopped`` (``"FetchError::NoOwner"``...).
+        stopped_code: the stable code of ``stopped`` (``"fetch_no_owner"``,
+            ``"fetch_metaserver"``...; ``docs/design.md``, "Errors").
     """
 
     requested: int
@@ -259,7 +260,12 @@ class FetchReport:
     bytes: int
     owners: List[str]
     stopped: Optional[str]
-    stopped_cause: Optional[str]
+    stopped_code: Optional[str]
+
+    @property
+    def stopped_cause(self) -> Optional[str]:
+        """``stopped_code`` (its former name)."""
+        return self.stopped_code
 
     @property
     def complete(self) -> bool:
@@ -277,8 +283,8 @@ class LoadReport:
 
     Attributes:
         loaded: blocks copied into the caller's cache.
-        failed: ``(position in the request, reason, cause)`` per block that
-            was not loaded (``"LoadError::NotResident"`` or a GPU error).
+        failed: ``(position in the request, reason, code)`` per block that
+            was not loaded (code ``"load_not_resident"`` or a GPU error's).
     """
 
     loaded: int
@@ -441,7 +447,7 @@ class Node:
         if isinstance(metaserver, MetaServer):
             metaserver = metaserver.address
         if gpu not in ("host", "cuda"):
-            raise ConfigError(f'unknown gpu backend {gpu!r}: use "host" or "cuda"', "Gpu")
+            raise ConfigError(f'unknown gpu backend {gpu!r}: use "host" or "cuda"', "gpu")
         self._device = _int_arg(device, "device", 0, (1 << 31) - 1)
         self._fetch_timeout = float(fetch_timeout)
         self._rpc_timeout = float(rpc_timeout)
@@ -485,17 +491,17 @@ class Node:
             raise BufferError(
                 f"{what} is a CUDA tensor but this node's backend is 'host': start the node with gpu='cuda' "
                 "or pass host memory",
-                "Device",
+                "device",
             )
         if self.gpu == "cuda":
             if info.device != "cuda":
                 raise BufferError(
                     f"{what} is host memory but this node's backend is 'cuda': pass CUDA tensors or use gpu='host'",
-                    "Device",
+                    "device",
                 )
             if info.device_index is not None and info.device_index != self._device:
                 raise BufferError(
-                    f"{what} is on cuda:{info.device_index} but this node uses cuda:{self._device}", "Device"
+                    f"{what} is on cuda:{info.device_index} but this node uses cuda:{self._device}", "device"
                 )
 
     def register_kv_cache(
@@ -536,9 +542,9 @@ class Node:
         ks = list(k_caches)
         vs = None if v_caches is None else list(v_caches)
         if not ks:
-            raise BufferError("k_caches is empty: pass one tensor per layer", "Shape")
+            raise BufferError("k_caches is empty: pass one tensor per layer", "shape")
         if vs is not None and len(vs) != len(ks):
-            raise LayoutError(f"{len(ks)} K tensors but {len(vs)} V tensors: pass one of each per layer", "Shape")
+            raise LayoutError(f"{len(ks)} K tensors but {len(vs)} V tensors: pass one of each per layer", "shape")
         tensors: List[Tuple[str, Any]] = []
         for i, k in enumerate(ks):
             tensors.append((f"K of layer {i}", k))
@@ -551,19 +557,19 @@ class Node:
             info = describe(t, what)
             self._check_device(info, what)
             if dtype is not None and info.dtype != dtype:
-                raise BufferError(f"{what} has dtype {info.dtype}, expected {dtype}", "Dtype")
+                raise BufferError(f"{what} has dtype {info.dtype}, expected {dtype}", "dtype")
             if info.readonly:
-                raise BufferError(f"{what} is read-only; kvferry loads into it", "ReadOnly")
+                raise BufferError(f"{what} is read-only; kvferry loads into it", "read_only")
             geo = block_geometry(info, what)
             if first is None:
                 first, geometry = info, geo
             else:
                 if info.dtype != first.dtype:
-                    raise BufferError(f"{what} has dtype {info.dtype} but K of layer 0 has {first.dtype}", "Dtype")
+                    raise BufferError(f"{what} has dtype {info.dtype} but K of layer 0 has {first.dtype}", "dtype")
                 if info.shape != first.shape:
-                    raise LayoutError(f"{what} has shape {info.shape} but K of layer 0 has {first.shape}", "Shape")
+                    raise LayoutError(f"{what} has shape {info.shape} but K of layer 0 has {first.shape}", "shape")
                 if geo != geometry:
-                    raise LayoutError(f"{what} has block stride {geo[2]} but K of layer 0 has {geometry[2]}", "Shape")
+                    raise LayoutError(f"{what} has block stride {geo[2]} but K of layer 0 has {geometry[2]}", "shape")
             infos.append((info, t))
         assert first is not None and geometry is not None
         num_blocks, bytes_per_block, block_stride = geometry
@@ -581,7 +587,7 @@ class Node:
             raise LayoutError(
                 f"namespace {namespace!r} already has a different layout on this node: use another namespace "
                 "or register the same tensors",
-                "EngineError::LayoutExists",
+                "engine_layout_exists",
             )
         # A pool that cannot hold one block of this cache would report
         # "no space" for every save: refuse it now.
@@ -593,7 +599,7 @@ class Node:
                 f"one block of this KV cache takes {block_bytes} bytes of pool ({len(ks)} layers x "
                 f"{2 if vs is not None else 1} segments x {bytes_per_block} bytes) but this node's pool_bytes "
                 f"holds {pool_capacity}: start the node with a pool_bytes of many blocks",
-                "PoolTooSmall",
+                "pool_too_small",
             )
         # One registered buffer per group of tensors that lie in one
         # allocation: tensors whose memory overlaps (K and V strided views of
@@ -733,7 +739,7 @@ class Node:
             timeout: seconds (default: the node's ``fetch_timeout``): the
                 fetch's deadline, passed down to every step (MetaServer
                 query, handshake, lock, reads); a fetch cut by it stops
-                short with ``stopped_cause`` ``"FetchError::Deadline"`` (or the
+                short with ``stopped_code`` ``"fetch_deadline"`` (or the
                 timeout of the step it cut). The
                 node's ``fetch_timeout`` bounds it too.
 

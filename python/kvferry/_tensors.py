@@ -91,7 +91,7 @@ def _c_strides(shape: Tuple[int, ...], itemsize: int) -> Tuple[int, ...]:
 def _from_typestr(typestr: str, what: str) -> Tuple[str, int]:
     key = typestr[1:]
     if key not in _TYPESTR:
-        raise BufferError(f"{what}: unsupported element type {typestr!r}", "Dtype")
+        raise BufferError(f"{what}: unsupported element type {typestr!r}", "dtype")
     return _TYPESTR[key], int(key[1:])
 
 
@@ -106,7 +106,7 @@ def describe(obj: Any, what: str = "tensor") -> TensorInfo:
         dev = obj.device
         kind = getattr(dev, "type", str(dev))
         if kind not in ("cpu", "cuda"):
-            raise BufferError(f"{what} is on device {dev}; kvferry takes CPU or CUDA tensors", "Device")
+            raise BufferError(f"{what} is on device {dev}; kvferry takes CPU or CUDA tensors", "device")
         itemsize = int(obj.element_size())
         dtype = str(obj.dtype).replace("torch.", "")
         shape = tuple(int(n) for n in obj.shape)
@@ -138,15 +138,15 @@ def describe(obj: Any, what: str = "tensor") -> TensorInfo:
         raise BufferError(
             f"{what} of type {type(obj).__name__} exposes no memory: pass a torch tensor, a CuPy/numpy array "
             "or a writable buffer",
-            "NoInterface",
+            "no_interface",
         ) from None
     if mv.readonly:
-        raise BufferError(f"{what} is read-only; kvferry loads into it, pass writable memory", "ReadOnly")
+        raise BufferError(f"{what} is read-only; kvferry loads into it, pass writable memory", "read_only")
     if not mv.c_contiguous:
-        raise BufferError(f"{what} is not C-contiguous", "NotContiguous")
+        raise BufferError(f"{what} is not C-contiguous", "not_contiguous")
     fmt = mv.format.lstrip("@=<")
     if fmt not in _FORMAT:
-        raise BufferError(f"{what}: unsupported buffer format {mv.format!r}", "Dtype")
+        raise BufferError(f"{what}: unsupported buffer format {mv.format!r}", "dtype")
     dtype, itemsize = _FORMAT[fmt]
     shape = tuple(mv.shape) if mv.ndim else (mv.nbytes // itemsize,)
     addr = ctypes.addressof((ctypes.c_char * mv.nbytes).from_buffer(mv)) if mv.nbytes else 0
@@ -165,10 +165,10 @@ def block_geometry(info: TensorInfo, what: str) -> Tuple[int, int, int]:
     if len(info.shape) < 2:
         raise BufferError(
             f"{what} has shape {info.shape}; want [num_blocks, ...] e.g. [num_blocks, block_tokens, kv_heads, head_dim]",
-            "Shape",
+            "shape",
         )
     if any(n <= 0 for n in info.shape):
-        raise BufferError(f"{what} has an empty axis: shape {info.shape}", "Shape")
+        raise BufferError(f"{what} has an empty axis: shape {info.shape}", "shape")
     inner_shape = info.shape[1:]
     want = _c_strides(inner_shape, info.itemsize)
     got = info.strides[1:]
@@ -176,7 +176,7 @@ def block_geometry(info: TensorInfo, what: str) -> Tuple[int, int, int]:
         raise BufferError(
             f"{what} is not contiguous inside a block (strides {info.strides} bytes, shape {info.shape}); "
             "each block must be one contiguous range: pass a contiguous tensor (e.g. .contiguous())",
-            "NotContiguous",
+            "not_contiguous",
         )
     bytes_per_block = info.itemsize
     for n in inner_shape:
@@ -187,8 +187,8 @@ def block_geometry(info: TensorInfo, what: str) -> Tuple[int, int, int]:
         raise BufferError(
             f"{what}: block stride {block_stride} bytes is smaller than a block ({bytes_per_block} bytes); blocks "
             "overlap or run backwards",
-            "NotContiguous",
+            "not_contiguous",
         )
     if info.addr == 0:
-        raise BufferError(f"{what} has a null data pointer (freed or empty?)", "NullPointer")
+        raise BufferError(f"{what} has a null data pointer (freed or empty?)", "null_pointer")
     return num_blocks, bytes_per_block, block_stride

@@ -1,9 +1,13 @@
 """Exceptions raised by kvferry.
 
-Every exception derives from :class:`KvferryError` and carries ``cause``: the
-name of the Rust error variant behind it (for example
-``"EngineError::BlockIndex"`` or ``"GpuError::OutOfRange"``), so code can
-branch on the typed cause without parsing messages. Messages say what to do.
+Every exception derives from :class:`KvferryError` and carries ``code``: the
+stable, snake_case code of the error behind it (the Rust error's ``code()``,
+for example ``"engine_block_index"`` or ``"gpu_out_of_range"``, or a code of
+the Python layer such as ``"dtype"``), so code can branch on the typed cause
+without parsing messages. Messages say what to do. The class of an error
+raised by the native layer is chosen from its code by :data:`CODE_CLASSES`
+(exact codes) and :data:`CODE_PREFIX_CLASSES` (code families); the table of
+codes is in ``docs/design.md`` ("Errors").
 
 Where it helps, a class also derives from the matching built-in exception
 (``ValueError``, ``IndexError``, ``LookupError``, ``TimeoutError``), so
@@ -25,6 +29,10 @@ __all__ = [
     "MetaServerError",
     "DeadlineError",
     "ClosedError",
+    "CODE_CLASSES",
+    "CODE_PREFIX_CLASSES",
+    "class_for",
+    "error_for",
 ]
 
 
@@ -32,17 +40,24 @@ class KvferryError(Exception):
     """Base class of every kvferry error.
 
     Attributes:
-        cause: the Rust error variant behind this exception (``"Enum::Variant"``),
-            or a short tag for errors found in Python before calling Rust.
+        code: the stable snake_case code of the error (the Rust error's
+            ``code()``, or a code of the Python layer for errors found before
+            calling Rust).
+        cause: the same value as ``code`` (its former name).
     """
 
-    def __init__(self, message: str, cause: str = "") -> None:
+    def __init__(self, message: str, code: str = "") -> None:
         super().__init__(message)
-        self.cause = cause
+        self.code = code
 
-    def __str__(self) -> str:  # the message, then the cause in brackets
+    @property
+    def cause(self) -> str:
+        """The error's code (kept for code written against ``cause``)."""
+        return self.code
+
+    def __str__(self) -> str:  # the message, then the code in brackets
         msg = super().__str__()
-        return f"{msg} [{self.cause}]" if self.cause else msg
+        return f"{msg} [{self.code}]" if self.code else msg
 
 
 class ConfigError(KvferryError, ValueError):
@@ -93,3 +108,65 @@ class DeadlineError(KvferryError, TimeoutError):
 
 class ClosedError(KvferryError):
     """The node or MetaServer was shut down."""
+
+
+#: Exact code → class, for codes whose class differs from their family's.
+CODE_CLASSES: dict[str, type[KvferryError]] = {
+    "engine_unknown_namespace": UnknownNamespaceError,
+    "engine_layout_exists": LayoutError,
+    "engine_family_mismatch": LayoutError,
+    "engine_buffer_in_use": LayoutError,
+    "engine_namespace_mismatch": LayoutError,
+    "engine_block_index": BlockIndexError,
+    "engine_task": KvferryError,
+    "lease_too_many": KvferryError,
+    "client_address": ConfigError,
+    "client_tls": ConfigError,
+    "closed": ClosedError,
+    "deadline": DeadlineError,
+    "runtime": StartError,
+    "task_lost": KvferryError,
+    "addr_parse": ConfigError,
+    "bad_timeout": ConfigError,
+    "bad_transport": ConfigError,
+    "bad_lease_id": ConfigError,
+    "bad_block_tokens": ConfigError,
+    "length_mismatch": ConfigError,
+}
+
+#: Code family (the code's prefix) → class, for codes :data:`CODE_CLASSES`
+#: does not name.
+CODE_PREFIX_CLASSES: dict[str, type[KvferryError]] = {
+    "layout_": LayoutError,
+    "pool_": PoolFullError,
+    "gpu_": GpuError,
+    "id_": ConfigError,
+    "hash_": ConfigError,
+    "lease_": ConfigError,
+    "client_": MetaServerError,
+    "metaserver_": StartError,
+    "node_": StartError,
+}
+
+
+def class_for(code: str) -> type[KvferryError]:
+    """The exception class of an error with ``code``: :data:`CODE_CLASSES`,
+    else the class of its family in :data:`CODE_PREFIX_CLASSES`, else
+    :class:`KvferryError`."""
+    cls = CODE_CLASSES.get(code)
+    if cls is not None:
+        return cls
+    for prefix, cls in CODE_PREFIX_CLASSES.items():
+        if code.startswith(prefix):
+            return cls
+    return KvferryError
+
+
+def error_for(code: str, message: str, class_name: str | None = None) -> KvferryError:
+    """The exception for an error of the native layer: of class
+    ``class_name`` when the call site chose one (a context such as a node's
+    start or a buffer's registration), else of :func:`class_for` ``(code)``."""
+    cls = globals().get(class_name) if class_name else None
+    if not (isinstance(cls, type) and issubclass(cls, KvferryError)):
+        cls = class_for(code)
+    return cls(message, code)

@@ -167,7 +167,7 @@ class ConnectorConfig:
             extra = {}
         if not isinstance(extra, dict):
             raise ConfigError(
-                f"kv_connector_extra_config must be a JSON object, got {type(extra).__name__}", "VllmConfig"
+                f"kv_connector_extra_config must be a JSON object, got {type(extra).__name__}", "vllm_config"
             )
         known = {f.name: f for f in fields(cls)}
         unknown = sorted(k for k in extra if k not in known)
@@ -175,11 +175,11 @@ class ConnectorConfig:
             raise ConfigError(
                 f"kv_connector_extra_config has unknown key(s) {unknown} for KvferryConnector; "
                 f"known keys: {sorted(known)}",
-                "VllmConfig",
+                "vllm_config",
             )
         if "metaserver" not in extra:
             raise ConfigError(
-                "kv_connector_extra_config needs 'metaserver': the kvferry MetaServer's host:port", "VllmConfig"
+                "kv_connector_extra_config needs 'metaserver': the kvferry MetaServer's host:port", "vllm_config"
             )
         out: Dict[str, Any] = {}
         for key, value in extra.items():
@@ -205,31 +205,33 @@ def _check_value(key: str, value: Any) -> Any:
         if key == "model_id" and value is None:
             return None
         if not isinstance(value, str) or not value:
-            raise ConfigError(f"{where} must be a non-empty string, got {type(value).__name__} {value!r}", "VllmConfig")
+            raise ConfigError(
+                f"{where} must be a non-empty string, got {type(value).__name__} {value!r}", "vllm_config"
+            )
         if key == "gpu" and value not in ("host", "cuda"):
-            raise ConfigError(f'{where} must be "host" or "cuda", got {value!r}', "VllmConfig")
+            raise ConfigError(f'{where} must be "host" or "cuda", got {value!r}', "vllm_config")
         if key == "metaserver":
             try:
                 kvferry._check_metaserver(value)
             except ConfigError as e:
-                raise ConfigError(f"{where}: {e}", "VllmConfig") from None
+                raise ConfigError(f"{where}: {e}", "vllm_config") from None
         return value
     if key == "check_metaserver":
         if not isinstance(value, bool):
-            raise ConfigError(f"{where} must be true or false, got {type(value).__name__} {value!r}", "VllmConfig")
+            raise ConfigError(f"{where} must be true or false, got {type(value).__name__} {value!r}", "vllm_config")
         return value
     if key in _INT_KEYS:
         lo, hi = _INT_KEYS[key]
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where} must be an integer, got {type(value).__name__} {value!r}", "VllmConfig")
+            raise ConfigError(f"{where} must be an integer, got {type(value).__name__} {value!r}", "vllm_config")
         if not lo <= value <= hi:
-            raise ConfigError(f"{where} = {value} is out of range [{lo}, {hi}]", "VllmConfig")
+            raise ConfigError(f"{where} = {value} is out of range [{lo}, {hi}]", "vllm_config")
         return value
     lo, hi = _FLOAT_KEYS[key]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{where} must be a number (seconds), got {type(value).__name__} {value!r}", "VllmConfig")
+        raise ConfigError(f"{where} must be a number (seconds), got {type(value).__name__} {value!r}", "vllm_config")
     if not lo <= float(value) <= hi:
-        raise ConfigError(f"{where} = {value} is out of range [{lo}, {hi}] seconds", "VllmConfig")
+        raise ConfigError(f"{where} = {value} is out of range [{lo}, {hi}] seconds", "vllm_config")
     return float(value)
 
 
@@ -268,7 +270,7 @@ def kv_layout(shape: Sequence[int], num_blocks: int, block_size: int) -> str:
         f"KV cache tensor of shape {list(s)} is not a layout kvferry supports (num_blocks={num_blocks}, "
         f"block_size={block_size}): the first axis must index vLLM's blocks ([num_blocks, ...] with the block's "
         "tokens inside, or [2, num_blocks, block_size, kv_heads, head_dim])",
-        "VllmLayout",
+        "vllm_layout",
     )
 
 
@@ -762,11 +764,11 @@ class KvferryConnector(KVConnectorBase_V1):
             try:
                 this = kv_layout(t.shape, nb, self.block_size)
             except LayoutError as e:
-                raise LayoutError(f"layer {name!r}: {e.args[0]}", e.cause) from None
+                raise LayoutError(f"layer {name!r}: {e.args[0]}", e.code) from None
             if layout is None:
                 layout = this
             elif this != layout:
-                raise LayoutError(f"layer {name!r} has layout {this} but the first layer has {layout}", "VllmLayout")
+                raise LayoutError(f"layer {name!r} has layout {this} but the first layer has {layout}", "vllm_layout")
             if this == "kv_first":
                 ks.append(_physical_block_view(t[0]))
                 vs.append(_physical_block_view(t[1]))
@@ -777,7 +779,7 @@ class KvferryConnector(KVConnectorBase_V1):
                 ks.append(_physical_block_view(t))
         if len(ks) != self.layers:
             raise LayoutError(
-                f"vLLM registered {len(ks)} KV layers but its KV cache config names {self.layers}", "VllmLayout"
+                f"vLLM registered {len(ks)} KV layers but its KV cache config names {self.layers}", "vllm_layout"
             )
         first = kv_caches[order[0]]
         self._cuda = first.device.type == "cuda"
@@ -801,7 +803,7 @@ class KvferryConnector(KVConnectorBase_V1):
                     f"vLLM's KV cache (KV cache layout {vllm_layout}, layer {order[0]!r} of shape "
                     f"{list(first.shape)} and strides {list(first.stride())}) cannot be registered: {e.args[0]}. "
                     "kvferry needs each block of a layer to be one run of bytes (layouts LBHNC, LBNHC, BLHNC, BLNHC)",
-                    "VllmLayout",
+                    "vllm_layout",
                 ) from None
         except BaseException:
             node.shutdown(1)
@@ -819,7 +821,9 @@ class KvferryConnector(KVConnectorBase_V1):
 
     def _require_node(self) -> "kvferry.Node":
         if self._node is None:
-            raise kvferry.ClosedError("KvferryConnector: register_kv_caches was not called (or shutdown was)", "VllmState")
+            raise kvferry.ClosedError(
+                "KvferryConnector: register_kv_caches was not called (or shutdown was)", "vllm_state"
+            )
         return self._node
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:

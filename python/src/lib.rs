@@ -13,7 +13,8 @@
 //! Ctrl-C interrupts a wait (the operation is then abandoned on the runtime,
 //! which is safe: a save finishes on its own task, a fetch releases its
 //! transfer lock from its guard). Errors are `kvferry.errors` exceptions
-//! whose `cause` names the Rust variant.
+//! whose `code` is the Rust error's stable `code()`; the class is chosen
+//! from the code (`kvferry.errors.CODE_CLASSES`), never from message text.
 
 mod adapter;
 
@@ -25,10 +26,11 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use kvferry::client::ClientError;
 use kvferry::engine::fetch::FetchReport;
-use kvferry::engine::{Engine, EngineError, LoadError};
+use kvferry::engine::{Engine, EngineError};
 use kvferry::gpu::GpuError;
 use kvferry::metaserver::{MetaServerConfig, MetaServerHandle};
 use kvferry::node::{NodeConfig, NodeError, NodeHandle};
+use kvferry::status::Code;
 use kvferry::types::BlockHash;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
@@ -55,18 +57,26 @@ const FETCH_OVERRUN_MAX: Duration = Duration::from_secs(1);
 /// least 2, so the caller's model keeps cores of its own.
 const RUNTIME_WORKERS_MAX: usize = 8;
 
-/// An error on its way to Python: the `kvferry.errors` class, the Rust
-/// cause (variant path) and the message.
+/// An error on its way to Python: its stable code (the Rust error's
+/// `code()`, or one of the binding's own), the message, and the
+/// `kvferry.errors` class where the call site picks one (`None`: the class
+/// `kvferry.errors.CODE_CLASSES` maps the code to). No text is parsed.
 #[derive(Debug)]
 struct Fail {
-    class: &'static str,
-    cause: String,
+    class: Option<&'static str>,
+    code: &'static str,
     msg: String,
 }
 
 impl Fail {
-    fn new(class: &'static str, cause: impl Into<String>, msg: impl Into<String>) -> Self {
-        Self { class, cause: cause.into(), msg: msg.into() }
+    /// A failure raised as `class` whatever its code.
+    fn new(class: &'static str, code: &'static str, msg: impl Into<String>) -> Self {
+        Self { class: Some(class), code, msg: msg.into() }
+    }
+
+    /// A failure raised as the class its code maps to.
+    fn coded(code: &'static str, msg: impl Into<String>) -> Self {
+        Self { class: None, code, msg: msg.into() }
     }
 }
 
@@ -74,8 +84,8 @@ impl From<Fail> for PyErr {
     fn from(f: Fail) -> PyErr {
         Python::attach(|py| {
             let made = PyModule::import(py, "kvferry.errors")
-                .and_then(|m| m.getattr(f.class))
-                .and_then(|c| c.call1((f.msg.clone(), f.cause.clone())));
+                .and_then(|m| m.getattr("error_for"))
+                .and_then(|make| make.call1((f.code, f.msg.clone(), f.class)));
             match made {
                 Ok(v) => PyErr::from_value(v),
                 Err(e) => e,
@@ -84,23 +94,7 @@ impl From<Fail> for PyErr {
     }
 }
 
-/// `Enum::Variant` from a value's `Debug` text (`Variant(..)`,
-/// `Variant { .. }`); a variant wrapping another enum's value gets that
-/// variant too (`GpuError::Buffer::Unaligned`).
-fn variant(prefix: &str, dbg: &str) -> String {
-    let ident = |s: &str| -> String { s.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect() };
-    let name = ident(dbg);
-    let rest = &dbg[name.len()..];
-    match rest.strip_prefix('(') {
-        Some(inner) if inner.starts_with(|c: char| c.is_ascii_uppercase()) => {
-            format!("{prefix}::{name}::{}", ident(inner))
-        }
-        _ => format!("{prefix}::{name}"),
-    }
-}
-
 fn gpu_fail(e: GpuError) -> Fail {
-    let cause = variant("GpuError", &format!("{e:?}"));
     let hint = match e {
         GpuError::Unavailable(_) => " (is the device visible and the driver loaded?)",
         GpuError::OutOfRange(_) | GpuError::UnknownBuffer(_) => {
@@ -114,67 +108,59 @@ fn gpu_fail(e: GpuError) -> Fail {
         }
         _ => "",
     };
-    Fail::new("GpuError", cause, format!("{e}{hint}"))
+    Fail::coded(e.code(), format!("{e}{hint}"))
 }
 
 fn engine_fail(e: EngineError) -> Fail {
-    let cause = variant("EngineError", &format!("{e:?}"));
+    let code = e.code();
     match e {
-        EngineError::UnknownNamespace(ns) => Fail::new(
-            "UnknownNamespaceError",
-            cause,
+        EngineError::UnknownNamespace(ns) => Fail::coded(
+            code,
             format!("no KV layout registered for namespace {ns:?}: call Node.register_kv_cache first"),
         ),
-        EngineError::LayoutExists(ns) => Fail::new(
-            "LayoutError",
-            cause,
+        EngineError::LayoutExists(ns) => Fail::coded(
+            code,
             format!("namespace {ns:?} already has a different layout: use another namespace or the same tensors"),
         ),
-        EngineError::Layout(l) => Fail::new(
-            "LayoutError",
-            variant("LayoutError", &format!("{l:?}")),
+        EngineError::Layout(l) => Fail::coded(
+            code,
             format!("layout rejected: {l} (check the tensors' shapes and that every buffer is large enough)"),
         ),
-        EngineError::BlockIndex { idx, num_blocks } => Fail::new(
-            "BlockIndexError",
-            cause,
+        EngineError::BlockIndex { idx, num_blocks } => Fail::coded(
+            code,
             format!("block index {idx} out of range: the registered cache has {num_blocks} blocks"),
         ),
         EngineError::Pool(p) => Fail::new(
             "PoolFullError",
-            cause,
+            code,
             format!("{p}: the pinned pool is full even after eviction; start the node with a larger pool_bytes"),
         ),
         EngineError::Gpu(g) => gpu_fail(g),
-        EngineError::Id(i) => Fail::new("ConfigError", cause, i.to_string()),
-        e @ EngineError::FamilyMismatch { .. } => Fail::new("LayoutError", cause, e.to_string()),
-        e @ EngineError::BufferInUse { .. } => Fail::new("LayoutError", cause, e.to_string()),
         e @ EngineError::Lease(kvferry::engine::leases::LeaseError::TooMany { .. }) => {
-            Fail::new("KvferryError", cause, format!("{e}: drain Node.ended_device_leases()"))
+            Fail::coded(code, format!("{e}: drain Node.ended_device_leases()"))
         }
-        e @ EngineError::Lease(_) => Fail::new("ConfigError", cause, e.to_string()),
         e @ EngineError::NamespaceMismatch { .. } => {
-            Fail::new("LayoutError", cause, format!("{e}: register one K (and V) tensor per layer the namespace names"))
+            Fail::coded(code, format!("{e}: register one K (and V) tensor per layer the namespace names"))
         }
-        other => Fail::new("KvferryError", cause, other.to_string()),
+        other => Fail::coded(code, other.to_string()),
     }
 }
 
 fn node_fail(e: NodeError) -> Fail {
-    let cause = variant("NodeError", &format!("{e:?}"));
+    let code = e.code();
     match e {
         NodeError::Engine(EngineError::Gpu(g)) => gpu_fail(g),
         NodeError::Client(c) => Fail::new(
             "ConfigError",
-            cause,
+            code,
             format!("{c}: pass the MetaServer as host:port (e.g. MetaServer().address)"),
         ),
-        other => Fail::new("StartError", cause, format!("node start failed: {other}")),
+        other => Fail::new("StartError", code, format!("node start failed: {other}")),
     }
 }
 
 fn closed() -> Fail {
-    Fail::new("ClosedError", "Closed", "this object was shut down; create a new one")
+    Fail::coded("closed", "this object was shut down; create a new one")
 }
 
 fn runtime() -> Result<Runtime, Fail> {
@@ -183,7 +169,7 @@ fn runtime() -> Result<Runtime, Fail> {
         .thread_name("kvferry-rt")
         .enable_all()
         .build()
-        .map_err(|e| Fail::new("StartError", "Runtime", format!("cannot start the tokio runtime: {e}")))
+        .map_err(|e| Fail::coded("runtime", format!("cannot start the tokio runtime: {e}")))
 }
 
 /// Runs `fut` on `rt` bounded by `timeout`, with the GIL released, polling
@@ -207,7 +193,7 @@ where
         match got {
             Ok(v) => return Ok(v),
             Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
-                return Err(Fail::new("KvferryError", "TaskLost", "the operation's task ended without a result").into());
+                return Err(Fail::coded("task_lost", "the operation's task ended without a result").into());
             }
             Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
                 if let Err(e) = py.check_signals() {
@@ -224,9 +210,8 @@ where
 }
 
 fn deadline_fail(what: &str, timeout: Duration) -> Fail {
-    Fail::new(
-        "DeadlineError",
-        "Deadline",
+    Fail::coded(
+        "deadline",
         format!(
             "{what} did not finish within {:.3} s; raise the timeout or check the MetaServer and peers",
             timeout.as_secs_f64()
@@ -236,9 +221,8 @@ fn deadline_fail(what: &str, timeout: Duration) -> Fail {
 
 fn secs(timeout_s: f64) -> PyResult<Duration> {
     if !(timeout_s.is_finite() && timeout_s > 0.0 && timeout_s <= 86_400.0) {
-        return Err(Fail::new(
-            "ConfigError",
-            "Timeout",
+        return Err(Fail::coded(
+            "bad_timeout",
             format!("timeout must be in (0, 86400] seconds, got {timeout_s}"),
         )
         .into());
@@ -250,7 +234,7 @@ fn hashes(list: Vec<Vec<u8>>) -> PyResult<Vec<BlockHash>> {
     list.into_iter()
         .map(|b| {
             let h = BlockHash::new(Bytes::from(b));
-            h.validate().map_err(|e| Fail::new("ConfigError", "IdError::HashLength", e.to_string()))?;
+            h.validate().map_err(|e| Fail::coded(e.code(), e.to_string()))?;
             Ok(h)
         })
         .collect()
@@ -258,9 +242,8 @@ fn hashes(list: Vec<Vec<u8>>) -> PyResult<Vec<BlockHash>> {
 
 fn pairs(hs: Vec<Vec<u8>>, idx: Vec<u64>) -> PyResult<Vec<(BlockHash, u64)>> {
     if hs.len() != idx.len() {
-        return Err(Fail::new(
-            "ConfigError",
-            "LengthMismatch",
+        return Err(Fail::coded(
+            "length_mismatch",
             format!("{} hashes but {} block indices: pass one block index per hash", hs.len(), idx.len()),
         )
         .into());
@@ -282,7 +265,7 @@ impl MetaServer {
     #[pyo3(signature = (addr, stale_after_s, ttl_s, sweep_interval_s))]
     fn new(py: Python<'_>, addr: &str, stale_after_s: u64, ttl_s: u64, sweep_interval_s: u64) -> PyResult<Self> {
         let sock = addr.parse().map_err(|e| {
-            Fail::new("ConfigError", "AddrParse", format!("bad MetaServer address {addr:?}: {e} (want ip:port)"))
+            Fail::coded("addr_parse", format!("bad MetaServer address {addr:?}: {e} (want ip:port)"))
         })?;
         let mut cfg = MetaServerConfig::new(sock);
         cfg.stale_after_secs = stale_after_s;
@@ -291,7 +274,7 @@ impl MetaServer {
         let rt = runtime()?;
         let started = py.detach(|| rt.block_on(kvferry::metaserver::start(cfg)));
         let h = started.map_err(|e| {
-            Fail::new("StartError", variant("StartError", &format!("{e:?}")), format!("MetaServer start failed: {e}"))
+            Fail::new("StartError", e.code(), format!("MetaServer start failed: {e}"))
         })?;
         let address = h.local_addr.to_string();
         Ok(Self { state: Mutex::new(Some((rt, h))), address })
@@ -366,7 +349,7 @@ fn fetch_dict<'py>(py: Python<'py>, r: &FetchReport) -> PyResult<Bound<'py, PyDi
     d.set_item("bytes", r.bytes)?;
     d.set_item("owners", r.owners.iter().map(|o| o.0.clone()).collect::<Vec<_>>())?;
     d.set_item("stopped", r.stopped.as_ref().map(|e| e.to_string()))?;
-    d.set_item("stopped_cause", r.stopped.as_ref().map(|e| variant("FetchError", &format!("{e:?}"))))?;
+    d.set_item("stopped_code", r.stopped.as_ref().map(|e| e.code()))?;
     Ok(d)
 }
 
@@ -376,11 +359,7 @@ fn load_dict<'py>(py: Python<'py>, r: &kvferry::engine::LoadReport) -> PyResult<
     let failed = PyList::empty(py);
     for (i, res) in r.results.iter().enumerate() {
         if let Err(e) = res {
-            let cause = match e {
-                LoadError::NotResident => "LoadError::NotResident".to_string(),
-                LoadError::Copy(g) => variant("GpuError", &format!("{g:?}")),
-            };
-            failed.append((i, e.to_string(), cause))?;
+            failed.append((i, e.to_string(), e.code()))?;
         }
     }
     d.set_item("failed", failed)?;
@@ -406,16 +385,15 @@ impl Node {
         rpc_timeout_s: f64,
     ) -> PyResult<Self> {
         if transport != "tcp" {
-            return Err(Fail::new(
-                "ConfigError",
-                "Transport",
+            return Err(Fail::coded(
+                "bad_transport",
                 format!("transport {transport:?} is not available from Python: use \"tcp\""),
             )
             .into());
         }
         let bind = |port: u16| {
             format!("{host}:{port}").parse().map_err(|e| {
-                Fail::new("ConfigError", "AddrParse", format!("bad host {host:?}: {e} (want an IP address)"))
+                Fail::coded("addr_parse", format!("bad host {host:?}: {e} (want an IP address)"))
             })
         };
         let mut cfg = NodeConfig::loopback(metaserver.to_string());
@@ -426,7 +404,7 @@ impl Node {
         cfg.engine.fetch_deadline = secs(fetch_timeout_s)?;
         cfg.engine.peer_rpc_timeout = secs(rpc_timeout_s)?;
         cfg.metaserver_rpc_timeout = secs(rpc_timeout_s)?;
-        let backend = Backend::open(gpu, device).map_err(|m| Fail::new("StartError", "GpuError::Unavailable", m))?;
+        let backend = Backend::open(gpu, device).map_err(|m| Fail::new("StartError", "gpu_unavailable", m))?;
         let rt = runtime()?;
         let g = backend.gpu();
         let started = py.detach(|| rt.block_on(kvferry::node::start(cfg, g)));
@@ -444,7 +422,7 @@ impl Node {
         let r = unsafe { adapter::register_buffer(&engine, addr, nbytes) };
         r.map(|id| id.0).map_err(|e| {
             let mut f = engine_fail(e);
-            f.class = "BufferError";
+            f.class = Some("BufferError");
             f.msg = format!("cannot register [{addr:#x}, +{nbytes}): {}", f.msg);
             f.into()
         })
@@ -457,7 +435,7 @@ impl Node {
         let (_, engine) = self.engine()?;
         adapter::group_buffers(&engine, &ranges).map_err(|e| {
             let mut f = gpu_fail(e);
-            f.class = "BufferError";
+            f.class = Some("BufferError");
             f.into()
         })
     }
@@ -551,16 +529,12 @@ impl Node {
             Ok(v) => Ok(v.into_iter().map(|(n, k)| (n.0, k)).collect()),
             Err(ClientError::Timeout(_)) => Err(deadline_fail("MetaServer query", t).into()),
             // The channel's own request timeout surfaces as a status.
-            Err(ClientError::Rpc(s))
-                if matches!(format!("{:?}", s.code()).as_str(), "Cancelled" | "DeadlineExceeded") =>
-            {
-                let mut f = deadline_fail("MetaServer query", t);
-                f.cause = format!("ClientError::Rpc({:?})", s.code());
-                Err(f.into())
+            Err(ClientError::Rpc(s)) if matches!(s.code(), Code::Cancelled | Code::DeadlineExceeded) => {
+                Err(deadline_fail("MetaServer query", t).into())
             }
             Err(e) => Err(Fail::new(
                 "MetaServerError",
-                variant("ClientError", &format!("{e:?}")),
+                e.code(),
                 format!("{e}: is the MetaServer running at the address this node was given?"),
             )
             .into()),
@@ -649,9 +623,8 @@ impl Node {
     fn end_device_lease(&self, id: &str) -> PyResult<bool> {
         let (_, engine) = self.engine()?;
         let Ok(n) = u128::from_str_radix(id, 16) else {
-            return Err(Fail::new(
-                "ConfigError",
-                "LeaseId",
+            return Err(Fail::coded(
+                "bad_lease_id",
                 format!("{id:?} is not a device lease id (32 hex characters)"),
             )
             .into());
@@ -776,11 +749,11 @@ fn block_hashes<'py>(
     block_tokens: usize,
 ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
     if block_tokens == 0 {
-        return Err(Fail::new("ConfigError", "BlockTokens", "block_tokens must be at least 1").into());
+        return Err(Fail::coded("bad_block_tokens", "block_tokens must be at least 1").into());
     }
     let hs = py
         .detach(|| adapter::block_hashes(namespace, &tokens, block_tokens))
-        .map_err(|e| Fail::new("ConfigError", variant("HashError", &format!("{e:?}")), e.to_string()))?;
+        .map_err(|e| Fail::coded(e.code(), e.to_string()))?;
     Ok(hs.iter().map(|h| PyBytes::new(py, h.as_bytes())).collect())
 }
 
@@ -788,7 +761,7 @@ fn block_hashes<'py>(
 #[pyfunction]
 fn namespace(model: &str, dtype: &str, block_tokens: u32, tp_rank: u32, tp_size: u32, layers: u32) -> PyResult<String> {
     adapter::namespace(model, dtype, block_tokens, tp_rank, tp_size, layers)
-        .map_err(|e| Fail::new("ConfigError", variant("HashError", &format!("{e:?}")), e.to_string()).into())
+        .map_err(|e| Fail::coded(e.code(), e.to_string()).into())
 }
 
 /// Checks a node's MetaServer address (`host:port`, no scheme: the Python
@@ -796,7 +769,7 @@ fn namespace(model: &str, dtype: &str, block_tokens: u32, tp_rank: u32, tp_size:
 /// `metaserver` argument.
 #[pyfunction]
 fn check_metaserver_address(addr: &str) -> PyResult<()> {
-    let fail = |why: String| Fail::new("ConfigError", "AddressError", format!("metaserver: {why}"));
+    let fail = |why: String| Fail::coded("client_address", format!("metaserver: {why}"));
     match kvferry::client::parse_metaserver_address(addr) {
         Ok(a) if a.scheme.is_some() => Err(fail(format!(
             "{addr:?}: pass the MetaServer as host:port without a scheme (e.g. {}:{}, or MetaServer().address)",

@@ -33,7 +33,7 @@ def test_bad_metaserver_address_is_refused_at_construction(addr, says):
         kvferry.Node(addr)
     assert str(e.value).startswith("metaserver: "), str(e.value)
     assert says.replace("'", '"') in str(e.value).replace("'", '"'), str(e.value)
-    assert e.value.cause == "AddressError"
+    assert e.value.code == "client_address"
 
 
 def test_good_metaserver_addresses_start(metaserver):
@@ -57,7 +57,7 @@ def test_good_metaserver_addresses_start(metaserver):
 def test_node_integers_out_of_range(metaserver, kw, name):
     with pytest.raises(kvferry.ConfigError, match=f"^{name} = .* out of range") as e:
         kvferry.Node(metaserver.address, **kw)
-    assert e.value.cause == "Range"
+    assert e.value.code == "range"
 
 
 def test_metaserver_integers_out_of_range():
@@ -68,7 +68,7 @@ def test_metaserver_integers_out_of_range():
 def test_namespace_needs_layers_and_sane_integers():
     with pytest.raises(kvferry.ConfigError, match="needs layers=N") as e:
         kvferry.namespace("m", "float32", 16)
-    assert e.value.cause == "Layers"
+    assert e.value.code == "layers"
     for kw, name in (
         ({"layers": -1}, "layers"),
         ({"layers": 0}, "layers"),
@@ -106,7 +106,7 @@ def test_block_ids_out_of_range(node, ns, bad, at):
     for call in (node.save, node.load, node.fetch_into, node.grant_device_lease):
         with pytest.raises(kvferry.BlockIndexError, match=rf"^block_ids\[{at}\] = {bad} is out of range") as e:
             call(ns, hs, ids)
-        assert e.value.cause == "Range"
+        assert e.value.code == "range"
 
 
 def test_duplicate_destinations_are_refused(node, ns):
@@ -117,7 +117,7 @@ def test_duplicate_destinations_are_refused(node, ns):
     for call in (node.load, node.fetch_into):
         with pytest.raises(kvferry.ConfigError, match=r"block_ids\[0\] and block_ids\[1\] both name destination block 4") as e:
             call(ns, hs, [4, 4, 4])
-        assert e.value.cause == "DuplicateBlock"
+        assert e.value.code == "duplicate_block"
     # Nothing was loaded.
     assert node.metrics()["loaded_blocks"] == 0
     # Saving from one source block twice is fine (a source may be read twice).
@@ -131,9 +131,28 @@ def test_pool_smaller_than_one_block_is_refused(metaserver, ns):
     with kvferry.Node(metaserver.address, pool_bytes=4096) as small:
         with pytest.raises(kvferry.ConfigError, match="pool_bytes") as e:
             small.register_kv_cache(ns, k, v)
-        assert e.value.cause == "PoolTooSmall"
+        assert e.value.code == "pool_too_small"
         with pytest.raises(kvferry.UnknownNamespaceError):
             small.kv_cache(ns)
     with kvferry.Node(metaserver.address, pool_bytes=LAYERS * 2 * k[0][0].nbytes) as one:
         one.register_kv_cache(ns, k, v)
         assert one.save(ns, kvferry.block_hashes(ns, tokens(BT), BT), [0]).saved == 1
+
+
+def test_codes_choose_the_exception_class():
+    # The class of a native error comes from its stable code alone.
+    from kvferry import errors
+
+    assert errors.class_for("engine_unknown_namespace") is kvferry.UnknownNamespaceError
+    assert errors.class_for("engine_block_index") is kvferry.BlockIndexError
+    assert errors.class_for("layout_overlap") is kvferry.LayoutError
+    assert errors.class_for("pool_exhausted") is kvferry.PoolFullError
+    assert errors.class_for("gpu_out_of_range") is kvferry.GpuError
+    assert errors.class_for("id_hash_length") is kvferry.ConfigError
+    assert errors.class_for("client_rpc") is kvferry.MetaServerError
+    assert errors.class_for("deadline") is kvferry.DeadlineError
+    assert errors.class_for("something_new") is kvferry.KvferryError
+    e = errors.error_for("pool_exhausted", "full")
+    assert isinstance(e, kvferry.PoolFullError) and e.code == "pool_exhausted" and e.cause == "pool_exhausted"
+    e = errors.error_for("pool_exhausted", "full", "StartError")
+    assert isinstance(e, kvferry.StartError) and e.code == "pool_exhausted"

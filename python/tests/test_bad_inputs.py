@@ -17,7 +17,7 @@ def test_wrong_dtype(node, ns):
     k, v = paged()
     with pytest.raises(kvferry.BufferError, match="dtype float32, expected bfloat16") as e:
         node.register_kv_cache(ns, k, v, dtype="bfloat16")
-    assert e.value.cause == "Dtype"
+    assert e.value.code == "dtype"
     v[1] = v[1].astype(np.float16)
     with pytest.raises(kvferry.BufferError, match="V of layer 1 has dtype float16"):
         node.register_kv_cache(ns, k, v)
@@ -29,7 +29,7 @@ def test_non_contiguous_block(node, ns):
     k[0] = big[..., ::2]  # every other element: a block is not one range
     with pytest.raises(kvferry.BufferError, match="not contiguous inside a block") as e:
         node.register_kv_cache(ns, k, v)
-    assert e.value.cause == "NotContiguous"
+    assert e.value.code == "not_contiguous"
 
 
 def test_strided_blocks_are_fine(node, ns):
@@ -69,7 +69,7 @@ class FakeCudaTensor:
 def test_tensor_on_another_device(node, ns):
     with pytest.raises(kvferry.BufferError, match="CUDA tensor but this node's backend is 'host'") as e:
         node.register_kv_cache(ns, [FakeCudaTensor(SHAPE)], [FakeCudaTensor(SHAPE)])
-    assert e.value.cause == "Device"
+    assert e.value.code == "device"
 
 
 def test_block_index_out_of_range(node, ns):
@@ -78,7 +78,7 @@ def test_block_index_out_of_range(node, ns):
     hs = kvferry.block_hashes(ns, tokens(BT), BT)
     with pytest.raises(kvferry.BlockIndexError, match=f"has {info.num_blocks} blocks") as e:
         node.save(ns, hs, [info.num_blocks])
-    assert e.value.cause == "EngineError::BlockIndex"
+    assert e.value.code == "engine_block_index"
 
 
 def test_unknown_namespace(node, ns):
@@ -102,7 +102,7 @@ def test_empty_hash_is_rejected(node, ns):
     node.register_kv_cache(ns, k, v)
     with pytest.raises(kvferry.ConfigError) as e:
         node.save(ns, [b""], [0])
-    assert e.value.cause == "IdError::HashLength"
+    assert e.value.code == "id_hash_length"
 
 
 def test_different_layout_for_a_namespace(node, ns):
@@ -123,7 +123,7 @@ class FakeHostArray:
 def test_freed_tensor_with_null_pointer(node, ns):
     with pytest.raises(kvferry.BufferError, match="null data pointer") as e:
         node.register_kv_cache(ns, [FakeHostArray(SHAPE, 0)])
-    assert e.value.cause == "NullPointer"
+    assert e.value.code == "null_pointer"
 
 
 def test_buffer_smaller_than_the_layout(node):
@@ -134,7 +134,7 @@ def test_buffer_smaller_than_the_layout(node):
     buf = node._node.register_buffer(k.ctypes.data, k.nbytes - 1)
     with pytest.raises(kvferry.LayoutError, match="large enough") as e:
         node._node.register_layout("raw/one-layer", [(buf, 0, None, 0, SHAPE[0], bpb, bpb)])
-    assert e.value.cause.startswith("LayoutError::")
+    assert e.value.code.startswith("layout_")
 
 
 def test_namespace_naming_other_layer_count(node, ns):
@@ -142,5 +142,5 @@ def test_namespace_naming_other_layer_count(node, ns):
     k, v = paged()
     with pytest.raises(kvferry.LayoutError, match="names 2 layers, the layout has 1") as e:
         node.register_kv_cache(ns, k[:1], v[:1])
-    assert e.value.cause == "EngineError::NamespaceMismatch"
+    assert e.value.code == "engine_namespace_mismatch"
     node.register_kv_cache(ns, k, v)

@@ -29,7 +29,7 @@ def test_metaserver_gone_before_the_handoff(ns):
     assert flush.timed_out or flush.dropped > 0
     f = d.fetch(ns, hs)
     assert (f.available, f.fetched) == (0, 0)
-    assert f.stopped_cause == "FetchError::MetaServer"
+    assert f.stopped_code == "fetch_metaserver"
     with pytest.raises((kvferry.MetaServerError, kvferry.DeadlineError)):
         d.query_prefix_remote(ns, hs)
     assert time.monotonic() - t0 < 15

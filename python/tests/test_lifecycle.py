@@ -17,7 +17,7 @@ def test_metaserver_starts_on_a_free_port_and_stops(metaserver):
 def test_taken_port_is_a_start_error(metaserver):
     with pytest.raises(kvferry.StartError) as e:
         kvferry.MetaServer(metaserver.address)
-    assert e.value.cause.startswith("StartError::Bind")
+    assert e.value.code == "metaserver_bind"
 
 
 def test_node_context_manager_shuts_down(metaserver):
@@ -103,4 +103,4 @@ def test_hash_and_namespace_match_the_rust_test_vectors():
     ]
     with pytest.raises(kvferry.ConfigError) as e:
         kvferry.namespace("", "bf16", 4, layers=1)
-    assert e.value.cause.startswith("HashError::")
+    assert e.value.code.startswith("hash_")

@@ -70,11 +70,11 @@ def test_partial_prefix_is_k_of_n(metaserver, ns):
         assert p.flush_saves_and_registrations(timeout=5).ok
         f = d.fetch(ns, hs)
         assert (f.requested, f.available, f.fetched) == (4, 2, 2)
-        assert f.stopped_cause == "FetchError::NoOwner"
+        assert f.stopped_code == "fetch_no_owner"
         assert not f.complete
         lrep = d.load(ns, hs, [0, 1, 2, 3])
         assert lrep.loaded == 2
-        assert [(i, c) for i, _, c in lrep.failed] == [(2, "LoadError::NotResident"), (3, "LoadError::NotResident")]
+        assert [(i, c) for i, _, c in lrep.failed] == [(2, "load_not_resident"), (3, "load_not_resident")]
 
 
 def test_save_releases_the_gil(metaserver, ns):

@@ -29,6 +29,7 @@ use crate::canary::Canary;
 use crate::limits;
 use crate::proto::meta_server_client::MetaServerClient as GrpcMetaClient;
 use crate::proto::*;
+use crate::status::RpcFailure;
 use crate::types::{BlockHash, NodeAddr, SessionId};
 
 /// Where the client gets "every block this node still owns" for a backfill
@@ -113,6 +114,19 @@ pub enum AddressError {
         /// What followed.
         rest: String,
     },
+}
+
+impl AddressError {
+    /// The stable code of this cause (`docs/design.md`, "Errors").
+    pub fn code(&self) -> &'static str {
+        match self {
+            AddressError::Scheme { .. } => "address_scheme",
+            AddressError::NoPort { .. } => "address_no_port",
+            AddressError::Port { .. } => "address_port",
+            AddressError::Host { .. } => "address_host",
+            AddressError::Trailing { .. } => "address_trailing",
+        }
+    }
 }
 
 /// A MetaServer address taken apart: `host:port` or `scheme://host:port`.
@@ -207,6 +221,34 @@ pub enum ClientError {
     /// The client was shut down.
     #[error("client is shut down")]
     Shutdown,
+}
+
+impl ClientError {
+    /// The stable code of this error (`docs/design.md`, "Errors").
+    pub fn code(&self) -> &'static str {
+        match self {
+            ClientError::Address { .. } | ClientError::BadAddress(_) => "client_address",
+            ClientError::Tls(_) => "client_tls",
+            ClientError::Rpc(_) => "client_rpc",
+            ClientError::Timeout(_) => "client_timeout",
+            ClientError::Shutdown => "client_shutdown",
+        }
+    }
+
+    /// This error as the failure of an RPC: the status's code and message
+    /// for [`ClientError::Rpc`], `DEADLINE_EXCEEDED` for a missed deadline,
+    /// `CANCELLED` after shutdown, `INVALID_ARGUMENT` for a bad address or
+    /// TLS setting (no RPC was sent).
+    pub fn rpc_failure(&self) -> RpcFailure {
+        match self {
+            ClientError::Rpc(s) => RpcFailure::from_status(s),
+            ClientError::Timeout(_) => RpcFailure::new(Code::DeadlineExceeded, self.to_string()),
+            ClientError::Shutdown => RpcFailure::new(Code::Cancelled, self.to_string()),
+            ClientError::Address { .. } | ClientError::BadAddress(_) | ClientError::Tls(_) => {
+                RpcFailure::new(Code::InvalidArgument, self.to_string())
+            }
+        }
+    }
 }
 
 /// One line for a failed RPC: the gRPC code, its message and the innermost

@@ -29,6 +29,7 @@
 pub mod backend;
 pub mod buf;
 pub mod check;
+mod codes;
 #[cfg(all(target_os = "linux", not(madsim)))]
 pub mod file;
 pub mod format;

@@ -7,6 +7,7 @@
 //! GC, fetch) are tasks, so the simulator runs the same code.
 
 pub mod cache;
+mod codes;
 pub mod device;
 pub mod fetch;
 pub mod layout;

@@ -143,6 +143,25 @@ pub enum GpuError {
     Peer(String),
 }
 
+impl GpuError {
+    /// The stable code of this error (`docs/design.md`, "Errors"); a
+    /// wrapped buffer or external-memory error answers its own code.
+    pub fn code(&self) -> &'static str {
+        match self {
+            GpuError::UnknownBuffer(_) => "gpu_unknown_buffer",
+            GpuError::OutOfRange(_) => "gpu_out_of_range",
+            GpuError::WrongHostKind(_) => "gpu_wrong_host_kind",
+            GpuError::Buffer(e) => e.code(),
+            GpuError::External(e) => e.code(),
+            GpuError::Alloc { .. } => "gpu_alloc",
+            GpuError::Unavailable(_) => "gpu_unavailable",
+            GpuError::Device(_) => "gpu_device",
+            GpuError::Unsupported(_) => "gpu_unsupported",
+            GpuError::Peer(_) => "gpu_peer",
+        }
+    }
+}
+
 /// Why the `cuda` backend refused an external range (checked with the
 /// driver's pointer attributes before anything is registered).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -189,4 +208,16 @@ pub enum ExternalMemoryError {
         /// Driver error.
         reason: String,
     },
+}
+
+impl ExternalMemoryError {
+    /// The stable code of this error (`docs/design.md`, "Errors").
+    pub fn code(&self) -> &'static str {
+        match self {
+            ExternalMemoryError::NotDeviceMemory { .. } => "gpu_external_not_device_memory",
+            ExternalMemoryError::OtherDevice { .. } => "gpu_external_other_device",
+            ExternalMemoryError::OutsideAllocation { .. } => "gpu_external_outside_allocation",
+            ExternalMemoryError::Query { .. } => "gpu_external_query",
+        }
+    }
 }

@@ -102,6 +102,22 @@ pub enum BufferError {
     },
 }
 
+impl BufferError {
+    /// The stable code of this error (`docs/design.md`, "Errors").
+    pub fn code(&self) -> &'static str {
+        match self {
+            BufferError::Null => "gpu_buffer_null",
+            BufferError::Empty { .. } => "gpu_buffer_empty",
+            BufferError::Unaligned { .. } => "gpu_buffer_unaligned",
+            BufferError::Wraps { .. } => "gpu_buffer_wraps",
+            BufferError::Overlap { .. } => "gpu_buffer_overlap",
+            BufferError::TooMany { .. } => "gpu_buffer_too_many",
+            BufferError::Unknown(_) => "gpu_buffer_unknown",
+            BufferError::Busy { .. } => "gpu_buffer_busy",
+        }
+    }
+}
+
 /// One live buffer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BufferEntry {

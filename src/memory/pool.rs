@@ -114,6 +114,18 @@ pub enum PoolError {
     },
 }
 
+impl PoolError {
+    /// The stable code of this error (`docs/design.md`, "Errors").
+    pub fn code(&self) -> &'static str {
+        match self {
+            PoolError::BadConfig { .. } => "pool_bad_config",
+            PoolError::ArenaAlloc { .. } => "pool_arena_alloc",
+            PoolError::Exhausted { .. } => "pool_exhausted",
+            PoolError::InUse { .. } => "pool_in_use",
+        }
+    }
+}
+
 /// A free that does not match a live allocation: an internal bug (double
 /// free, free of a range that was never handed out, or a wrong length), never
 /// the result of remote input.
@@ -139,6 +151,16 @@ pub enum FreeError {
         /// Rounded length recorded at allocation (bytes).
         allocated: u64,
     },
+}
+
+impl FreeError {
+    /// The stable code of this error (`docs/design.md`, "Errors").
+    pub fn code(&self) -> &'static str {
+        match self {
+            FreeError::NotAllocated { .. } => "pool_free_not_allocated",
+            FreeError::LengthMismatch { .. } => "pool_free_length_mismatch",
+        }
+    }
 }
 
 /// Best-fit allocator over `[0, capacity)`; pure bookkeeping, no memory.

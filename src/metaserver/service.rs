@@ -16,8 +16,90 @@ use super::store::{HeartbeatOutcome, MetaStore, StoreConfig, StoreError};
 use crate::limits;
 use crate::proto::meta_server_server::{MetaServer, MetaServerServer};
 use crate::proto::*;
-use crate::status::{from_id_error, to_status};
-use crate::types::{BlockHash, NodeAddr, SessionId, validate_namespace};
+use crate::status::{GrpcCode, to_status};
+use crate::types::{BlockHash, IdError, NodeAddr, SessionId, validate_namespace};
+
+/// Why the MetaServer service refused a request. Every refusal is one of
+/// these, turned into its status by [`to_status`]; the code per RPC is the
+/// table in `docs/wire.md`, pinned by `tests/metaserver_client.rs` and, per
+/// variant, by `tests/status_codes.rs`.
+#[derive(Debug, thiserror::Error)]
+pub enum ServiceError {
+    /// A malformed node address, session id, namespace or hash.
+    #[error(transparent)]
+    Id(#[from] IdError),
+    /// A query with no hashes.
+    #[error("empty query: block_hashes has no entries")]
+    EmptyQuery,
+    /// More than `HASHES_PER_REQUEST_MAX` hashes in one request.
+    #[error("{got} hashes in one request; the limit is {max}")]
+    TooManyHashes {
+        /// Hashes in the request.
+        got: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// The store refused the write or heartbeat (sessions, C5).
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The store panicked on this request (it was recovered; the server
+    /// keeps serving).
+    #[error("the metaserver failed on this request (store fault); it keeps serving")]
+    StoreFault,
+    /// The runtime ended under an offloaded write.
+    #[error("metaserver write not completed: {0}")]
+    WriteNotCompleted(String),
+    /// Fault hook: the request arrived during a stall.
+    #[error("request arrived during a stall (fault hook); not served")]
+    Stalled,
+    /// Fault hook: the registration was dropped.
+    #[error("registration dropped by fault hook")]
+    Dropped,
+    /// Fault hook: the write names the rejected hash.
+    #[error("hash {0:?} rejected")]
+    HashRejected(BlockHash),
+}
+
+impl ServiceError {
+    /// The stable code of this error (`docs/design.md`, "Errors"); an id or
+    /// store error answers its own code.
+    pub fn code(&self) -> &'static str {
+        match self {
+            ServiceError::Id(e) => e.code(),
+            ServiceError::EmptyQuery => "metaserver_empty_query",
+            ServiceError::TooManyHashes { .. } => "metaserver_too_many_hashes",
+            ServiceError::Store(e) => e.code(),
+            ServiceError::StoreFault => "metaserver_store_fault",
+            ServiceError::WriteNotCompleted(_) => "metaserver_write_not_completed",
+            ServiceError::Stalled => "metaserver_stalled",
+            ServiceError::Dropped => "metaserver_dropped",
+            ServiceError::HashRejected(_) => "metaserver_hash_rejected",
+        }
+    }
+}
+
+/// Bad input is `INVALID_ARGUMENT`, a session refusal
+/// `FAILED_PRECONDITION` ([`StoreError`]), a store fault `INTERNAL`, and a
+/// request not served (stall, drop, runtime ending) `UNAVAILABLE`.
+impl GrpcCode for ServiceError {
+    fn grpc_code(&self) -> tonic::Code {
+        use tonic::Code;
+        match self {
+            ServiceError::Id(_)
+            | ServiceError::EmptyQuery
+            | ServiceError::TooManyHashes { .. }
+            | ServiceError::HashRejected(_) => Code::InvalidArgument,
+            ServiceError::Store(e) => e.grpc_code(),
+            ServiceError::StoreFault => Code::Internal,
+            ServiceError::WriteNotCompleted(_) | ServiceError::Stalled | ServiceError::Dropped => Code::Unavailable,
+        }
+    }
+}
+
+/// [`to_status`] of a [`ServiceError`] (or anything that converts into one).
+fn refuse(e: impl Into<ServiceError>) -> Status {
+    to_status(e.into())
+}
 
 /// MetaServer settings (the `kvferry metaserver` flags).
 #[derive(Clone, Debug)]
@@ -196,9 +278,7 @@ impl MetaServerService {
     /// [`guarded`] on this service's store: a panicking operation answers
     /// `INTERNAL` (counted as rejected too) and the service keeps serving.
     fn with_store<T>(&self, op: impl FnOnce(&MetaStore) -> T) -> Result<T, Status> {
-        guarded(&self.store, &self.hooks, &self.metrics, op).or_else(|()| {
-            self.reject(Status::internal("the metaserver failed on this request (store fault); it keeps serving"))
-        })
+        guarded(&self.store, &self.hooks, &self.metrics, op).or_else(|()| self.reject(refuse(ServiceError::StoreFault)))
     }
 
     fn now_ms(&self) -> u64 {
@@ -219,7 +299,7 @@ impl MetaServerService {
         while self.hooks.stall.load(Ordering::Relaxed) {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        Err(Status::unavailable("request arrived during a stall (fault hook); not served"))
+        Err(refuse(ServiceError::Stalled))
     }
 
     fn drop_write(&self) -> bool {
@@ -263,7 +343,7 @@ impl MetaServerService {
             Err(s) => return self.reject(s),
         };
         if self.drop_write() {
-            return Err(Status::unavailable("registration dropped by fault hook"));
+            return Err(refuse(ServiceError::Dropped));
         }
         let now = self.now_ms();
         let offload = hashes.len() >= limits::METASERVER_OFFLOAD_HASHES;
@@ -274,12 +354,12 @@ impl MetaServerService {
                 Ok(res) => res,
                 // `with_store` catches the store's panics; this is the
                 // runtime shutting down under the write.
-                Err(e) => self.reject(Status::unavailable(format!("metaserver write not completed: {}", e.0))),
+                Err(e) => self.reject(refuse(ServiceError::WriteNotCompleted(e.0))),
             }
         } else {
             write(self)
         };
-        res?.or_else(|e| self.reject(to_status(e)))
+        res?.or_else(|e| self.reject(refuse(e)))
     }
 
     /// Validates a write's identity, namespace and hashes: all or nothing.
@@ -291,11 +371,11 @@ impl MetaServerService {
         node_id: &str,
     ) -> Result<(NodeAddr, SessionId, Vec<BlockHash>), Status> {
         let (node, session) = identity(node, node_id)?;
-        validate_namespace(namespace).map_err(from_id_error)?;
+        validate_namespace(namespace).map_err(refuse)?;
         let hashes = check_hashes(hashes)?;
         if let Some(poison) = self.hooks.reject_hash.lock().unwrap_or_else(PoisonError::into_inner).as_ref() {
             if hashes.contains(poison) {
-                return Err(Status::invalid_argument(format!("hash {poison:?} rejected")));
+                return Err(refuse(ServiceError::HashRejected(poison.clone())));
             }
         }
         Ok((node, session, hashes))
@@ -304,8 +384,8 @@ impl MetaServerService {
 
 /// Parses a request's `node` (advertise address) and `node_id` (session).
 fn identity(node: &str, node_id: &str) -> Result<(NodeAddr, SessionId), Status> {
-    let node = NodeAddr::parse(node).map_err(from_id_error)?;
-    let session = SessionId::parse(node_id).map_err(from_id_error)?;
+    let node = NodeAddr::parse(node).map_err(refuse)?;
+    let session = SessionId::parse(node_id).map_err(refuse)?;
     Ok((node, session))
 }
 
@@ -315,15 +395,11 @@ fn identity(node: &str, node_id: &str) -> Result<(NodeAddr, SessionId), Status> 
 /// hash on the hot insert path.
 fn check_hashes(hashes: Vec<bytes::Bytes>) -> Result<Vec<BlockHash>, Status> {
     if hashes.len() > limits::HASHES_PER_REQUEST_MAX {
-        return Err(Status::invalid_argument(format!(
-            "{} hashes in one request; the limit is {}",
-            hashes.len(),
-            limits::HASHES_PER_REQUEST_MAX
-        )));
+        return Err(refuse(ServiceError::TooManyHashes { got: hashes.len(), max: limits::HASHES_PER_REQUEST_MAX }));
     }
     let hashes: Vec<BlockHash> = hashes.into_iter().map(BlockHash).collect();
     if let Some(bad) = hashes.iter().find_map(|h| h.validate().err()) {
-        return Err(from_id_error(bad));
+        return Err(refuse(bad));
     }
     Ok(hashes)
 }
@@ -350,7 +426,7 @@ impl MetaServer for MetaServerService {
                     new_session: !matches!(o, HeartbeatOutcome::Refreshed),
                 }))
             }
-            Err(e) => self.reject(to_status(e)),
+            Err(e) => self.reject(refuse(e)),
         }
     }
 
@@ -420,10 +496,10 @@ impl MetaServer for MetaServerService {
         self.gate().await?;
         let mut r = request.into_inner();
         if r.block_hashes.is_empty() {
-            return self.reject(Status::invalid_argument("empty query: block_hashes has no entries"));
+            return self.reject(refuse(ServiceError::EmptyQuery));
         }
         if let Err(e) = validate_namespace(&r.namespace) {
-            return self.reject(from_id_error(e));
+            return self.reject(refuse(e));
         }
         let hashes = match check_hashes(std::mem::take(&mut r.block_hashes)) {
             Ok(h) => h,
@@ -465,6 +541,15 @@ pub enum ServeError {
     /// transport's own error).
     #[error("metaserver serving failed: {0}")]
     Transport(#[source] Box<dyn std::error::Error + Send + Sync + 'static>),
+}
+
+impl ServeError {
+    /// The stable code of this error (`docs/design.md`, "Errors").
+    pub fn code(&self) -> &'static str {
+        match self {
+            ServeError::Transport(_) => "metaserver_serve",
+        }
+    }
 }
 
 /// The serving task's end as the handle reports it; a task that was
@@ -536,6 +621,18 @@ pub enum StartError {
     /// certificate or key refused).
     #[error("metaserver TLS: {0}")]
     Tls(#[from] crate::tls::TlsError),
+}
+
+impl StartError {
+    /// The stable code of this error (`docs/design.md`, "Errors").
+    pub fn code(&self) -> &'static str {
+        match self {
+            StartError::Bind { .. } => "metaserver_bind",
+            StartError::IoThreads(_) => "metaserver_io_threads",
+            StartError::Config(_) => "metaserver_config",
+            StartError::Tls(_) => "metaserver_tls",
+        }
+    }
 }
 
 /// A [`MetaServerConfig`] duration setting, named in [`ConfigError`] so a
@@ -634,6 +731,21 @@ pub enum ConfigError {
         /// The bound (s).
         max: u64,
     },
+}
+
+impl ConfigError {
+    /// The stable code of this error (`docs/design.md`, "Errors").
+    pub fn code(&self) -> &'static str {
+        match self {
+            ConfigError::Zero(_) => "metaserver_config_zero",
+            ConfigError::TtlBelowStaleAfter { .. } => "metaserver_config_ttl_below_stale_after",
+            ConfigError::CapacityTooLarge { .. } => "metaserver_config_capacity_too_large",
+            ConfigError::CapacityUnavailable { .. } => "metaserver_config_capacity_unavailable",
+            ConfigError::Shards { .. } => "metaserver_config_shards",
+            ConfigError::IoThreads { .. } => "metaserver_config_io_threads",
+            ConfigError::TooLong { .. } => "metaserver_config_too_long",
+        }
+    }
 }
 
 impl ConfigError {

@@ -199,6 +199,17 @@ pub enum StoreError {
     },
 }
 
+impl StoreError {
+    /// The stable code of this error (`docs/design.md`, "Errors").
+    pub fn code(&self) -> &'static str {
+        match self {
+            StoreError::UnknownNode { .. } => "store_unknown_node",
+            StoreError::StaleSession { .. } => "store_stale_session",
+            StoreError::LiveSessionConflict { .. } => "store_live_session_conflict",
+        }
+    }
+}
+
 /// Store errors → `FAILED_PRECONDITION`, all three of them, as the peer
 /// MetaServer (pegaflow-metaserver) answers: an unknown node or a stale
 /// session on a write, and a heartbeat from a different session while the

@@ -376,6 +376,19 @@ pub enum PdError {
     Interrupted(&'static str),
 }
 
+impl PdError {
+    /// The stable code of this error (`docs/design.md`, "Errors").
+    pub fn code(&self) -> &'static str {
+        match self {
+            PdError::Trace(_) => "pd_trace",
+            PdError::Config(_) => "pd_config",
+            PdError::Start(_) => "pd_start",
+            PdError::Device(_) => "pd_device",
+            PdError::Interrupted(_) => "pd_interrupted",
+        }
+    }
+}
+
 /// Progress callbacks (the binary draws a bar; tests pass `()`).
 pub trait Progress: Send + Sync {
     /// Called once with the number of requests.

@@ -107,6 +107,23 @@ pub enum TraceError {
     UnknownModel(String),
 }
 
+impl TraceError {
+    /// The stable code of this error (`docs/design.md`, "Errors").
+    pub fn code(&self) -> &'static str {
+        match self {
+            TraceError::Io { .. } => "trace_io",
+            TraceError::Read { .. } => "trace_read",
+            TraceError::Json { .. } => "trace_json",
+            TraceError::EmptyHashIds { .. } => "trace_empty_hash_ids",
+            TraceError::InputLength { .. } => "trace_input_length",
+            TraceError::LineTooLong { .. } => "trace_line_too_long",
+            TraceError::Empty => "trace_empty",
+            TraceError::BlockTokens(_) => "trace_block_tokens",
+            TraceError::UnknownModel(_) => "trace_unknown_model",
+        }
+    }
+}
+
 /// One request of the trace.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TraceRequest {

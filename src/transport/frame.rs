@@ -299,6 +299,25 @@ pub enum FrameError {
 }
 
 impl FrameError {
+    /// The stable code of this error (`docs/design.md`, "Errors").
+    pub fn code(&self) -> &'static str {
+        match self {
+            FrameError::BadMagic(_) => "frame_bad_magic",
+            FrameError::BadVersion(_) => "frame_bad_version",
+            FrameError::BadKind(_) => "frame_bad_kind",
+            FrameError::BadFlags(_) => "frame_bad_flags",
+            FrameError::BadStatus(_) => "frame_bad_status",
+            FrameError::SessionLength(_) => "frame_session_length",
+            FrameError::SessionBytes => "frame_session_bytes",
+            FrameError::ZeroLength => "frame_zero_length",
+            FrameError::TooLarge { .. } => "frame_too_large",
+            FrameError::RangeOverflow { .. } => "frame_range_overflow",
+            FrameError::MessageUtf8 => "frame_message_utf8",
+        }
+    }
+}
+
+impl FrameError {
     /// The status a server answers this decode error with:
     /// [`Status::TooLarge`] for [`FrameError::TooLarge`], [`Status::Malformed`]
     /// for everything else.

@@ -352,6 +352,42 @@ pub enum HandshakeError {
     SameHostRegionMissing(u32),
 }
 
+impl HandshakeError {
+    /// The stable code of this error (`docs/design.md`, "Errors").
+    pub fn code(&self) -> &'static str {
+        match self {
+            HandshakeError::TooLong(_) => "handshake_too_long",
+            HandshakeError::BadMagic(_) => "handshake_bad_magic",
+            HandshakeError::UnsupportedVersion(_) => "handshake_unsupported_version",
+            HandshakeError::UnknownTransport(_) => "handshake_unknown_transport",
+            HandshakeError::Truncated => "handshake_truncated",
+            HandshakeError::TrailingBytes(_) => "handshake_trailing_bytes",
+            HandshakeError::InvalidUtf8 { .. } => "handshake_invalid_utf8",
+            HandshakeError::StringTooLong { .. } => "handshake_string_too_long",
+            HandshakeError::BadAddr { .. } => "handshake_bad_addr",
+            HandshakeError::DataAddrOnVerbs => "handshake_data_addr_on_verbs",
+            HandshakeError::TooManyRegions(_) => "handshake_too_many_regions",
+            HandshakeError::ZeroLengthRegion { .. } => "handshake_zero_length_region",
+            HandshakeError::RegionOverflow { .. } => "handshake_region_overflow",
+            HandshakeError::DuplicateRegionId(_) => "handshake_duplicate_region_id",
+            HandshakeError::OverlappingRegions { .. } => "handshake_overlapping_regions",
+            HandshakeError::MissingVerbs => "handshake_missing_verbs",
+            HandshakeError::UnexpectedVerbs(_) => "handshake_unexpected_verbs",
+            HandshakeError::BadVerbsFlag(_) => "handshake_bad_verbs_flag",
+            HandshakeError::UnknownLinkLayer(_) => "handshake_unknown_link_layer",
+            HandshakeError::ZeroLidOnInfiniBand => "handshake_zero_lid_on_infini_band",
+            HandshakeError::BadMtu(_) => "handshake_bad_mtu",
+            HandshakeError::BadPsn(_) => "handshake_bad_psn",
+            HandshakeError::BadQpn(_) => "handshake_bad_qpn",
+            HandshakeError::NoQpns => "handshake_no_qpns",
+            HandshakeError::TooManyQpns(_) => "handshake_too_many_qpns",
+            HandshakeError::BadSameHostFlag(_) => "handshake_bad_same_host_flag",
+            HandshakeError::BadSameHostField { .. } => "handshake_bad_same_host_field",
+            HandshakeError::SameHostRegionMissing(_) => "handshake_same_host_region_missing",
+        }
+    }
+}
+
 impl HandshakeMetadata {
     /// The region with this id, if any (linear scan; at most
     /// `limits::HANDSHAKE_REGIONS_MAX` regions).

@@ -66,6 +66,17 @@ pub enum AccessError {
     },
 }
 
+impl AccessError {
+    /// The stable code of this error (`docs/design.md`, "Errors").
+    pub fn code(&self) -> &'static str {
+        match self {
+            AccessError::UnknownSession => "access_unknown_session",
+            AccessError::ForeignSession => "access_foreign_session",
+            AccessError::OutOfRange { .. } => "access_out_of_range",
+        }
+    }
+}
+
 /// The serving side's access policy and memory: authorizes a read under a
 /// transfer session and returns the block extent (a clone that pins the
 /// memory while the bytes are sent) with the range's offset inside it.
@@ -93,43 +104,308 @@ pub struct ReadOp {
     pub local_offset: u64,
 }
 
-/// Transport errors.
+/// An OS-level failure: the [`std::io::ErrorKind`] (the cause, matchable)
+/// and the text the OS or the runtime gave (free text).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct IoFailure {
+    /// The kind of the failure (`ConnectionRefused`, `ConnectionReset`,
+    /// `UnexpectedEof`, …).
+    pub kind: std::io::ErrorKind,
+    /// The text that came with it.
+    pub message: String,
+}
+
+impl IoFailure {
+    /// A failure of `kind` with `message` (for failures kvferry detects
+    /// itself: a connection lost earlier in a batch, an owner that exited).
+    pub fn new(kind: std::io::ErrorKind, message: impl Into<String>) -> Self {
+        Self { kind, message: message.into() }
+    }
+}
+
+impl From<&std::io::Error> for IoFailure {
+    fn from(e: &std::io::Error) -> Self {
+        Self { kind: e.kind(), message: e.to_string() }
+    }
+}
+
+impl From<std::io::Error> for IoFailure {
+    fn from(e: std::io::Error) -> Self {
+        Self::from(&e)
+    }
+}
+
+/// A backend's own error carried through the [`Transport`] door: the
+/// backend error's stable code (`ShmError::code`, `PlanError::code`) and
+/// its text.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct BackendFailure {
+    /// The backend error's stable code (`shm_*`, `verbs_plan_*`).
+    pub code: &'static str,
+    /// Its text.
+    pub message: String,
+}
+
+/// Why a backend rejected a peer's handshake metadata or could not set up
+/// its side of the connection.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HandshakeRejected {
+    /// The peer speaks another backend.
+    #[error("peer speaks {theirs:?}, we speak {ours:?}")]
+    KindMismatch {
+        /// This backend.
+        ours: TransportKind,
+        /// The peer's.
+        theirs: TransportKind,
+    },
+    /// The peer's metadata names no data-plane address.
+    #[error("peer sent no data-plane address")]
+    NoDataAddress,
+    /// The shared-pool path could not be set up (a `shm::ShmError`).
+    #[error("shared pool: {0}")]
+    SharedPool(BackendFailure),
+    /// The shared-pool path was forced and this node has none.
+    #[error("shared pool forced, but this node has none")]
+    NoSharedPool,
+    /// The verbs plan refused the peer's offer or answer (a
+    /// `verbs::plan::PlanError`).
+    #[error(transparent)]
+    Plan(BackendFailure),
+    /// A verbs call failed (the verbs library's text).
+    #[error("verbs: {0}")]
+    Verbs(String),
+    /// A verbs answer matches no offer this node made.
+    #[error(
+        "the answer's PSN {psn:#x} matches no pending offer (expired, or the peer did not answer with \
+         VerbsTransport::accept)"
+    )]
+    NoPendingOffer {
+        /// The answer's packet sequence number.
+        psn: u32,
+    },
+    /// Our own metadata could not be encoded.
+    #[error(transparent)]
+    Metadata(#[from] handshake::HandshakeError),
+}
+
+impl HandshakeRejected {
+    /// The stable code of this cause (`docs/design.md`, "Errors").
+    pub fn code(&self) -> &'static str {
+        match self {
+            HandshakeRejected::KindMismatch { .. } => "transport_handshake_kind_mismatch",
+            HandshakeRejected::NoDataAddress => "transport_handshake_no_data_address",
+            HandshakeRejected::SharedPool(_) => "transport_handshake_shared_pool",
+            HandshakeRejected::NoSharedPool => "transport_handshake_no_shared_pool",
+            HandshakeRejected::Plan(_) => "transport_handshake_plan",
+            HandshakeRejected::Verbs(_) => "transport_handshake_verbs",
+            HandshakeRejected::NoPendingOffer { .. } => "transport_handshake_no_pending_offer",
+            HandshakeRejected::Metadata(_) => "transport_handshake_metadata",
+        }
+    }
+}
+
+/// Why a read is not connected to its peer.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NotConnected {
+    /// No handshake happened with this peer (or it was forgotten).
+    #[error("not connected to {0}")]
+    Peer(String),
+    /// The fetch holds no transfer session to read under.
+    #[error("not connected: no transfer session")]
+    NoSession,
+    /// An earlier error invalidated the connection (verbs).
+    #[error("not connected: connection invalidated by an earlier error")]
+    Invalidated,
+    /// An earlier error destroyed the queue pair (verbs).
+    #[error("not connected: queue pair destroyed by an earlier error")]
+    QueuePairDestroyed,
+}
+
+impl NotConnected {
+    /// The stable code of this cause (`docs/design.md`, "Errors").
+    pub fn code(&self) -> &'static str {
+        match self {
+            NotConnected::Peer(_) => "transport_not_connected_peer",
+            NotConnected::NoSession => "transport_not_connected_no_session",
+            NotConnected::Invalidated => "transport_not_connected_invalidated",
+            NotConnected::QueuePairDestroyed => "transport_not_connected_queue_pair_destroyed",
+        }
+    }
+}
+
+/// How a peer broke the data-plane protocol.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProtocolViolation {
+    /// The stream ended inside a response header.
+    #[error("short response header")]
+    ShortHeader,
+    /// A malformed response frame.
+    #[error(transparent)]
+    Frame(#[from] frame::FrameError),
+    /// A response for another request than the one expected.
+    #[error("response for request {got} while expecting {want}")]
+    OutOfOrder {
+        /// The response's request id.
+        got: u64,
+        /// The id expected.
+        want: u64,
+    },
+    /// A response of another length than the read asked for.
+    #[error("served {served} bytes for a read of {asked}")]
+    WrongLength {
+        /// Bytes the peer announced.
+        served: u64,
+        /// Bytes asked for.
+        asked: u64,
+    },
+}
+
+impl ProtocolViolation {
+    /// The stable code of this cause (`docs/design.md`, "Errors").
+    pub fn code(&self) -> &'static str {
+        match self {
+            ProtocolViolation::ShortHeader => "transport_protocol_short_header",
+            ProtocolViolation::Frame(_) => "transport_protocol_frame",
+            ProtocolViolation::OutOfOrder { .. } => "transport_protocol_out_of_order",
+            ProtocolViolation::WrongLength { .. } => "transport_protocol_wrong_length",
+        }
+    }
+}
+
+/// Why a read batch is malformed on the local side (nothing was read).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BadOp {
+    /// An op names a local extent the batch does not have.
+    #[error("local extent {index} of {extents}")]
+    NoExtent {
+        /// The index named.
+        index: usize,
+        /// Extents in the batch.
+        extents: usize,
+    },
+    /// An op's range is empty or leaves its local extent.
+    #[error("[{offset}, +{len}) outside local extent of {extent_len}")]
+    OutsideExtent {
+        /// Offset in the extent.
+        offset: u64,
+        /// Length.
+        len: u64,
+        /// The extent's length.
+        extent_len: u64,
+    },
+    /// An op reads more than one frame may carry.
+    #[error("read of {len} bytes over the frame limit")]
+    OverFrameLimit {
+        /// Bytes asked for.
+        len: u64,
+    },
+    /// The request could not be framed (a malformed session id, from a peer).
+    #[error(transparent)]
+    Frame(frame::FrameError),
+    /// An op's remote range is outside the peer's shared pool.
+    #[error("[{offset}, +{len}) of region {region} outside the shared pool ({pool_len} bytes, region {pool_region})")]
+    OutsideSharedPool {
+        /// Remote offset.
+        offset: u64,
+        /// Length.
+        len: u64,
+        /// Region named.
+        region: u32,
+        /// The mapping's length.
+        pool_len: u64,
+        /// The mapping's region.
+        pool_region: u32,
+    },
+    /// A local extent is not in the registered pool (verbs).
+    #[error("local extent {0} is not in the registered pool")]
+    NotRegistered(usize),
+    /// The verbs plan refused the batch (a `verbs::plan::PlanError`).
+    #[error(transparent)]
+    Plan(BackendFailure),
+}
+
+impl BadOp {
+    /// The stable code of this cause (`docs/design.md`, "Errors").
+    pub fn code(&self) -> &'static str {
+        match self {
+            BadOp::NoExtent { .. } => "transport_bad_op_no_extent",
+            BadOp::OutsideExtent { .. } => "transport_bad_op_outside_extent",
+            BadOp::OverFrameLimit { .. } => "transport_bad_op_over_frame_limit",
+            BadOp::Frame(_) => "transport_bad_op_frame",
+            BadOp::OutsideSharedPool { .. } => "transport_bad_op_outside_shared_pool",
+            BadOp::NotRegistered(_) => "transport_bad_op_not_registered",
+            BadOp::Plan(_) => "transport_bad_op_plan",
+        }
+    }
+}
+
+/// Transport errors. Every variant carries a typed cause; [`Self::code`]
+/// names the variant stably.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum TransportError {
     /// Could not reach the peer's data plane.
-    #[error("connect to {addr} failed: {reason}")]
+    #[error("connect to {addr} failed: {cause}")]
     Connect {
         /// Data-plane address.
         addr: String,
-        /// OS error text.
-        reason: String,
+        /// The OS's failure.
+        cause: IoFailure,
     },
     /// The peer's metadata is unusable for this backend.
     #[error("handshake rejected: {0}")]
-    Handshake(String),
-    /// No handshake happened with this peer.
-    #[error("not connected to {0}")]
-    NotConnected(String),
+    Handshake(HandshakeRejected),
+    /// No usable connection to this peer.
+    #[error("{0}")]
+    NotConnected(NotConnected),
     /// The peer refused the read.
-    #[error("peer refused read: {status} ({message})")]
+    #[error("peer refused read: {status:?} ({message})")]
     Refused {
-        /// Frame status name.
-        status: String,
+        /// The response frame's status.
+        status: frame::Status,
         /// Peer's message.
         message: String,
     },
     /// I/O error mid-read (peer died, connection reset).
     #[error("i/o error: {0}")]
-    Io(String),
+    Io(IoFailure),
     /// The peer broke the protocol.
     #[error("protocol error: {0}")]
-    Protocol(String),
+    Protocol(ProtocolViolation),
     /// The deadline passed.
     #[error("read deadline passed")]
     Timeout,
     /// The read batch itself is malformed (local ranges).
     #[error("bad read op: {0}")]
-    BadOp(String),
+    BadOp(BadOp),
+}
+
+impl TransportError {
+    /// The stable code of this error (`docs/design.md`, "Errors").
+    pub fn code(&self) -> &'static str {
+        match self {
+            TransportError::Connect { .. } => "transport_connect",
+            TransportError::Handshake(_) => "transport_handshake",
+            TransportError::NotConnected(_) => "transport_not_connected",
+            TransportError::Refused { .. } => "transport_refused",
+            TransportError::Io(_) => "transport_io",
+            TransportError::Protocol(_) => "transport_protocol",
+            TransportError::Timeout => "transport_timeout",
+            TransportError::BadOp(_) => "transport_bad_op",
+        }
+    }
+
+    /// An I/O error of `kind` that kvferry detected itself.
+    pub fn io(kind: std::io::ErrorKind, message: impl Into<String>) -> Self {
+        TransportError::Io(IoFailure::new(kind, message))
+    }
+}
+
+impl From<std::io::Error> for TransportError {
+    fn from(e: std::io::Error) -> Self {
+        TransportError::Io(IoFailure::from(e))
+    }
 }
 
 /// Completion of a read batch: every local extent, each with its result.
@@ -253,16 +529,15 @@ pub fn validate_local(ops: &[ReadOp], local: &[Extent]) -> Result<(), TransportE
     for op in ops {
         let ext = local
             .get(op.local_extent)
-            .ok_or_else(|| TransportError::BadOp(format!("local extent {} of {}", op.local_extent, local.len())))?;
+            .ok_or(TransportError::BadOp(BadOp::NoExtent { index: op.local_extent, extents: local.len() }))?;
         match op.local_offset.checked_add(op.len) {
             Some(end) if end <= ext.len() && op.len > 0 => {}
             _ => {
-                return Err(TransportError::BadOp(format!(
-                    "[{}, +{}) outside local extent of {}",
-                    op.local_offset,
-                    op.len,
-                    ext.len()
-                )));
+                return Err(TransportError::BadOp(BadOp::OutsideExtent {
+                    offset: op.local_offset,
+                    len: op.len,
+                    extent_len: ext.len(),
+                }));
             }
         }
     }

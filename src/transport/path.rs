@@ -34,7 +34,7 @@ use tokio::time::Instant;
 use super::handshake::{HandshakeMetadata, TransportKind};
 #[cfg(target_os = "linux")]
 use super::shm::ShmTransport;
-use super::{ReadCompletion, ReadOp, Transport, TransportError};
+use super::{HandshakeRejected, ReadCompletion, ReadOp, Transport, TransportError};
 use crate::memory::pool::Extent;
 use crate::types::NodeAddr;
 
@@ -294,7 +294,7 @@ impl Transport for PathTransport {
                 Err(e) => {
                     self.shm_counters.attach_failures.fetch_add(1, Ordering::Relaxed);
                     if self.choice == PathChoice::Shm {
-                        return Err(TransportError::Handshake(format!("shared pool (path forced): {e}")));
+                        return Err(TransportError::Handshake(HandshakeRejected::SharedPool(e.into())));
                     }
                     tracing::debug!(%peer, error = %e, "shared pool not used; reading over TCP");
                 }
@@ -304,7 +304,7 @@ impl Transport for PathTransport {
             if shm_ok {
                 return Ok(());
             }
-            return Err(TransportError::Handshake("shared pool forced, but this node has none".into()));
+            return Err(TransportError::Handshake(HandshakeRejected::NoSharedPool));
         }
         match self.tcp.connect(peer, remote, deadline).await {
             Ok(()) => Ok(()),
@@ -384,7 +384,8 @@ mod tests {
         let offsets: Vec<u64> = local.iter().map(Extent::offset).collect();
         let op = |e: usize, at: u64| ReadOp { region: 0, remote_offset: at, len: 8, local_extent: e, local_offset: at };
         let ops = vec![op(0, 0), op(1, 8), op(1, 16), op(2, 24), op(3, 32)];
-        let results = vec![Ok(()), Err(TransportError::Timeout), Ok(()), Err(TransportError::Io("x".into()))];
+        let results =
+            vec![Ok(()), Err(TransportError::Timeout), Ok(()), Err(TransportError::io(std::io::ErrorKind::Other, "x"))];
         let (failed, sub_ops, sub, kept) = retry_subset(&ops, local, &results);
         assert_eq!(failed, vec![1, 3]);
         assert_eq!(sub_ops, vec![op(0, 8), op(0, 16), op(1, 32)]);

@@ -95,7 +95,10 @@ use rand::{RngCore, SeedableRng};
 use tokio::time::Instant;
 
 use super::handshake::{HandshakeMetadata, SameHost, TOKEN_BYTES, TransportKind};
-use super::{ReadCompletion, ReadOp, Transport, TransportError, validate_local};
+use super::{
+    BackendFailure, BadOp, HandshakeRejected, NotConnected, ReadCompletion, ReadOp, Transport, TransportError,
+    validate_local,
+};
 use crate::limits;
 use crate::memory::pool::{Extent, Pool};
 use crate::types::NodeAddr;
@@ -202,6 +205,34 @@ pub enum ShmError {
     /// [`limits::SHM_MAPPINGS_MAX`] peer pools are mapped already.
     #[error("too many mapped peer pools (limit {0})")]
     TooManyMappings(usize),
+}
+
+impl ShmError {
+    /// The stable code of this error (`docs/design.md`, "Errors").
+    pub fn code(&self) -> &'static str {
+        match self {
+            ShmError::Unavailable(_) => "shm_unavailable",
+            ShmError::NoSection => "shm_no_section",
+            ShmError::NotSameHost { .. } => "shm_not_same_host",
+            ShmError::NoToken => "shm_no_token",
+            ShmError::NoRegion(_) => "shm_no_region",
+            ShmError::Refused(_) => "shm_refused",
+            ShmError::WrongUid { .. } => "shm_wrong_uid",
+            ShmError::Unsealed(_) => "shm_unsealed",
+            ShmError::SizeMismatch { .. } => "shm_size_mismatch",
+            ShmError::NoFd => "shm_no_fd",
+            ShmError::Protocol(_) => "shm_protocol",
+            ShmError::Io(_) => "shm_io",
+            ShmError::Timeout => "shm_timeout",
+            ShmError::TooManyMappings(_) => "shm_too_many_mappings",
+        }
+    }
+}
+
+impl From<ShmError> for BackendFailure {
+    fn from(e: ShmError) -> Self {
+        BackendFailure { code: e.code(), message: e.to_string() }
+    }
 }
 
 fn io_err(what: &str, e: std::io::Error) -> ShmError {
@@ -864,7 +895,9 @@ impl Transport for ShmTransport {
         remote: &HandshakeMetadata,
         deadline: Instant,
     ) -> Result<(), TransportError> {
-        self.attach(peer, remote, deadline).await.map_err(|e| TransportError::Handshake(e.to_string()))
+        self.attach(peer, remote, deadline)
+            .await
+            .map_err(|e| TransportError::Handshake(HandshakeRejected::SharedPool(e.into())))
     }
 
     fn disconnect(&self, peer: &NodeAddr) {
@@ -884,15 +917,18 @@ impl Transport for ShmTransport {
             return fail_all(local, e);
         }
         let Some(map) = self.peers.lock().expect("peers lock").get(peer).cloned() else {
-            return fail_all(local, TransportError::NotConnected(peer.0.clone()));
+            return fail_all(local, TransportError::NotConnected(NotConnected::Peer(peer.0.clone())));
         };
         if let Some(op) = ops.iter().find(|op| !in_mapping(&map, op)) {
             return fail_all(
                 local,
-                TransportError::BadOp(format!(
-                    "[{}, +{}) of region {} outside the shared pool ({} bytes, region {})",
-                    op.remote_offset, op.len, op.region, map.len, map.region
-                )),
+                TransportError::BadOp(BadOp::OutsideSharedPool {
+                    offset: op.remote_offset,
+                    len: op.len,
+                    region: op.region,
+                    pool_len: map.len as u64,
+                    pool_region: map.region,
+                }),
             );
         }
         if Instant::now() >= deadline {
@@ -903,10 +939,16 @@ impl Transport for ShmTransport {
             // its blocks in another pool. Forget this mapping; the next
             // handshake maps the new one, TCP serves meanwhile.
             self.peers.lock().expect("peers lock").remove(peer);
-            return fail_all(local, TransportError::Io("shared-pool owner process exited".into()));
+            return fail_all(
+                local,
+                TransportError::io(std::io::ErrorKind::BrokenPipe, "shared-pool owner process exited"),
+            );
         }
         if self.hooks.fail_next_reads.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok() {
-            return fail_all(local, TransportError::Io("injected shared-pool read error (test hook)".into()));
+            return fail_all(
+                local,
+                TransportError::io(std::io::ErrorKind::Other, "injected shared-pool read error (test hook)"),
+            );
         }
         let total: u64 = ops.iter().map(|op| op.len).sum();
         let n = local.len();

@@ -27,6 +27,7 @@
 //! bound, is closed, and is counted in [`TcpHooks::connections_refused`].
 
 use std::collections::HashMap;
+use std::io::ErrorKind;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -41,7 +42,10 @@ use tokio::time::Instant;
 use super::AccessError;
 use super::frame::{self, ReadRequest, Request, ResponseHeader, Status};
 use super::handshake::{HandshakeMetadata, Region, TransportKind};
-use super::{DataSource, RawCopy, RawCopyRun, ReadCompletion, ReadOp, Transport, TransportError, validate_local};
+use super::{
+    BadOp, DataSource, HandshakeRejected, IoFailure, NotConnected, ProtocolViolation, RawCopy, RawCopyRun,
+    ReadCompletion, ReadOp, Transport, TransportError, validate_local,
+};
 use crate::limits;
 use crate::memory::pool::Extent;
 use crate::types::NodeAddr;
@@ -509,7 +513,7 @@ async fn serve_read(
 type ConnWork = Vec<(usize, Extent, Vec<ReadOp>)>;
 
 fn io_err(e: std::io::Error) -> TransportError {
-    TransportError::Io(e.to_string())
+    TransportError::from(e)
 }
 
 /// Every extent of a connection's share, failed with `e`.
@@ -550,7 +554,7 @@ async fn run_conn(
             });
             if let Err(e) = frame::encode_request(&req, &mut wire) {
                 // A malformed session id (it came from a peer): nothing was sent.
-                let out = fail_share(work, &TransportError::BadOp(e.to_string()));
+                let out = fail_share(work, &TransportError::BadOp(BadOp::Frame(e)));
                 return ConnOutcome { out, stream: Some(stream), dead_before_any_response: false };
             }
             req_id += 1;
@@ -582,7 +586,8 @@ async fn run_conn(
                 let id = expect;
                 expect += 1;
                 if !healthy {
-                    result = Err(TransportError::Io("connection lost earlier in the batch".into()));
+                    result =
+                        Err(TransportError::io(ErrorKind::ConnectionAborted, "connection lost earlier in the batch"));
                     continue;
                 }
                 if let Err(fatal) = hooks.before_read_op(deadline).await {
@@ -639,7 +644,7 @@ impl TcpHooks {
         }
         if self.fail_next_reads.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok() {
             self.injected_read_errors.fetch_add(1, Ordering::Relaxed);
-            return Err(TransportError::Io("injected read error (test hook)".into()));
+            return Err(TransportError::io(ErrorKind::Other, "injected read error (test hook)"));
         }
         Ok(())
     }
@@ -665,8 +670,8 @@ async fn read_one(
     }
     let h = match frame::decode_response_header(&hdr) {
         Ok(Some((h, _))) => h,
-        Ok(None) => return Err(TransportError::Protocol("short response header".into())),
-        Err(e) => return Err(TransportError::Protocol(e.to_string())),
+        Ok(None) => return Err(TransportError::Protocol(ProtocolViolation::ShortHeader)),
+        Err(e) => return Err(TransportError::Protocol(ProtocolViolation::Frame(e))),
     };
     if h.req_id == 0 && h.status != Status::Ok {
         // A connection-level error (a malformed frame, or the server's
@@ -674,14 +679,11 @@ async fn read_one(
         let n = (h.len as usize).min(frame::ERROR_MESSAGE_BYTES_MAX);
         let mut msg = vec![0u8; n];
         let _ = timeout_at(deadline, rd.read_exact(&mut msg)).await;
-        return Err(TransportError::Refused {
-            status: format!("{:?}", h.status),
-            message: String::from_utf8_lossy(&msg).into_owned(),
-        });
+        return Err(TransportError::Refused { status: h.status, message: String::from_utf8_lossy(&msg).into_owned() });
     }
     if h.req_id != id {
         // Anything out of order is a broken peer.
-        return Err(TransportError::Protocol(format!("response for request {} while expecting {id}", h.req_id)));
+        return Err(TransportError::Protocol(ProtocolViolation::OutOfOrder { got: h.req_id, want: id }));
     }
     if h.status != Status::Ok {
         let n = (h.len as usize).min(frame::ERROR_MESSAGE_BYTES_MAX);
@@ -692,12 +694,12 @@ async fn read_one(
             Err(_) => return Err(TransportError::Timeout),
         }
         return Ok(Err(TransportError::Refused {
-            status: format!("{:?}", h.status),
+            status: h.status,
             message: String::from_utf8_lossy(&msg).into_owned(),
         }));
     }
     if h.len != op.len {
-        return Err(TransportError::Protocol(format!("served {} bytes for a read of {}", h.len, op.len)));
+        return Err(TransportError::Protocol(ProtocolViolation::WrongLength { served: h.len, asked: op.len }));
     }
     let dst = &mut ext.as_mut_slice()[op.local_offset as usize..(op.local_offset + op.len) as usize];
     quick_ack.arm();
@@ -709,13 +711,13 @@ async fn read_one(
 }
 
 async fn dial(addr: &str, deadline: Instant) -> Result<TcpStream, TransportError> {
-    let err = |reason: String| TransportError::Connect { addr: addr.to_string(), reason };
+    let err = |cause: IoFailure| TransportError::Connect { addr: addr.to_string(), cause };
     match timeout_at(deadline, TcpStream::connect(addr)).await {
         Ok(Ok(s)) => {
             let _ = s.set_nodelay(true);
             Ok(s)
         }
-        Ok(Err(e)) => Err(err(e.to_string())),
+        Ok(Err(e)) => Err(err(IoFailure::from(e))),
         Err(_) => Err(TransportError::Timeout),
     }
 }
@@ -737,10 +739,13 @@ impl Transport for TcpTransport {
         deadline: Instant,
     ) -> Result<(), TransportError> {
         if remote.transport != TransportKind::Tcp {
-            return Err(TransportError::Handshake(format!("peer speaks {:?}, we speak tcp", remote.transport)));
+            return Err(TransportError::Handshake(HandshakeRejected::KindMismatch {
+                ours: TransportKind::Tcp,
+                theirs: remote.transport,
+            }));
         }
         if remote.data_addr.is_empty() {
-            return Err(TransportError::Handshake("peer sent no data-plane address".into()));
+            return Err(TransportError::Handshake(HandshakeRejected::NoDataAddress));
         }
         let first = dial(&remote.data_addr, deadline).await?;
         let conns: Vec<_> = (0..self.conns_per_peer).map(|_| tokio::sync::Mutex::new(None)).collect();
@@ -773,10 +778,10 @@ impl Transport for TcpTransport {
             return fail_all(local, e);
         }
         if let Some(op) = ops.iter().find(|op| op.len > limits::TCP_READ_BYTES_MAX) {
-            return fail_all(local, TransportError::BadOp(format!("read of {} bytes over the frame limit", op.len)));
+            return fail_all(local, TransportError::BadOp(BadOp::OverFrameLimit { len: op.len }));
         }
         let Some(p) = self.peers.lock().expect("peers lock").get(peer).cloned() else {
-            return fail_all(local, TransportError::NotConnected(peer.0.clone()));
+            return fail_all(local, TransportError::NotConnected(NotConnected::Peer(peer.0.clone())));
         };
         // Group ops by extent, spread extents over the connections.
         let mut per_ext: Vec<Vec<ReadOp>> = vec![Vec::new(); n];

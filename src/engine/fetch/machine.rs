@@ -31,7 +31,9 @@ use std::time::Duration;
 
 use crate::engine::layout::LayoutFamily;
 use crate::proto::TransferBlockInfo;
+use crate::status::RpcFailure;
 use crate::transport::TransportError;
+use crate::transport::handshake::HandshakeError;
 use crate::types::{BlockHash, NodeAddr};
 
 /// What the machine needs to know about the fetching node and its policy.
@@ -68,7 +70,7 @@ pub struct LockGrant {
 pub enum Event {
     /// Answer to [`Action::QueryOwners`]: `(owner, prefix length)` in the
     /// MetaServer's order, or why the query failed.
-    Owners(Result<Vec<(NodeAddr, u32)>, String>),
+    Owners(Result<Vec<(NodeAddr, u32)>, RpcFailure>),
     /// Answer to [`Action::Handshake`].
     Handshake(Result<(), FetchError>),
     /// Answer to [`Action::Lock`]; a lock answered with an empty session is
@@ -413,8 +415,9 @@ impl FetchMachine {
                                 bad = Some(FetchError::Checksum);
                             }
                             _ => {
-                                bad = Some(FetchError::Transport(TransportError::Io(
-                                    "checksum pass did not finish".into(),
+                                bad = Some(FetchError::Transport(TransportError::io(
+                                    std::io::ErrorKind::Interrupted,
+                                    "checksum pass did not finish",
                                 )))
                             }
                         }
@@ -438,7 +441,7 @@ impl FetchMachine {
         out
     }
 
-    fn on_owners(&mut self, res: Result<Vec<(NodeAddr, u32)>, String>, out: &mut Vec<Action>) {
+    fn on_owners(&mut self, res: Result<Vec<(NodeAddr, u32)>, RpcFailure>, out: &mut Vec<Action>) {
         let owners = match res {
             Ok(o) => o,
             Err(e) => {
@@ -571,7 +574,8 @@ impl FetchMachine {
                 out.push(Action::ForgetPeer { owner: t.owner.clone(), disconnect: true });
             }
         }
-        tracing::debug!(owner = %t.owner, got, stop = ?stop, "fetch from owner");
+        let code = stop.as_ref().map(FetchError::code);
+        tracing::debug!(owner = %t.owner, got, code, stop = ?stop, "fetch from owner");
         self.rep.stopped = stop;
         // C8 canary: an owner that delivered part of the blocks and then
         // failed on the transport is never sent its release.
@@ -627,21 +631,102 @@ fn as_advertised(sums: &[u32], b: &TransferBlockInfo) -> bool {
     sums.iter().copied().eq(b.slots.iter().map(|s| s.crc32c))
 }
 
-/// Why a fetch stopped short of `n`.
+/// Why a peer RPC of a fetch failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PeerFailure {
+    /// No channel could be made for the owner's address (the channel
+    /// library's text).
+    #[error("bad peer endpoint: {0}")]
+    Endpoint(String),
+    /// The peer's channel was forgotten before the lock was asked for.
+    #[error("no client for the owner")]
+    NoClient,
+    /// The lock RPC did not answer within the peer RPC timeout.
+    #[error("lock rpc timed out")]
+    Timeout,
+    /// The lock RPC answered an error status.
+    #[error(transparent)]
+    Rpc(RpcFailure),
+    /// The task running the lock RPC ended without an answer (runtime
+    /// shutting down).
+    #[error("lock task ended")]
+    TaskEnded,
+}
+
+impl PeerFailure {
+    /// The stable code of this cause (`docs/design.md`, "Errors").
+    pub fn code(&self) -> &'static str {
+        match self {
+            PeerFailure::Endpoint(_) => "peer_endpoint",
+            PeerFailure::NoClient => "peer_no_client",
+            PeerFailure::Timeout => "peer_timeout",
+            PeerFailure::Rpc(_) => "peer_rpc",
+            PeerFailure::TaskEnded => "peer_task_ended",
+        }
+    }
+}
+
+/// Why the handshake with an owner failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HandshakeFailure {
+    /// The handshake RPC answered an error status.
+    #[error(transparent)]
+    Rpc(RpcFailure),
+    /// The owner answered with a not-ok status (its message).
+    #[error("refused by the owner: {0}")]
+    Refused(String),
+    /// The owner's handshake metadata does not decode.
+    #[error("owner's metadata: {0}")]
+    Metadata(HandshakeError),
+    /// This node's transport could not connect with the owner's metadata.
+    #[error(transparent)]
+    Transport(TransportError),
+}
+
+impl HandshakeFailure {
+    /// The stable code of this cause (`docs/design.md`, "Errors").
+    pub fn code(&self) -> &'static str {
+        match self {
+            HandshakeFailure::Rpc(_) => "handshake_rpc",
+            HandshakeFailure::Refused(_) => "handshake_refused",
+            HandshakeFailure::Metadata(_) => "handshake_metadata",
+            HandshakeFailure::Transport(_) => "handshake_transport",
+        }
+    }
+}
+
+/// A peer's block is not of the local layout's family (C15).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the owner's blocks are {owner}, this node's layout is {local}: the namespace names two different KV layouts (a \
+     namespace must name one layout family, see kvferry::hash::KvFamily)"
+)]
+pub struct ShapeMismatch {
+    /// The family the owner's block description has.
+    pub owner: LayoutFamily,
+    /// The local layout's family.
+    pub local: LayoutFamily,
+    /// Whether a split slot has K and V of different sizes (which no
+    /// family describes).
+    pub split_unequal: bool,
+}
+
+/// Why a fetch stopped short of `n`. Every variant carries a typed cause;
+/// [`Self::code`] names it stably.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum FetchError {
     /// The MetaServer query failed (down, partitioned, stalled).
     #[error("metaserver query failed: {0}")]
-    MetaServer(String),
+    MetaServer(RpcFailure),
     /// No owner (other than us) holds the next block.
     #[error("no remote owner for the next block")]
     NoOwner,
     /// A peer RPC failed.
     #[error("peer rpc failed: {0}")]
-    Peer(String),
+    Peer(PeerFailure),
     /// The handshake failed.
     #[error("handshake failed: {0}")]
-    Handshake(String),
+    Handshake(HandshakeFailure),
     /// The owner no longer has the block (stale index entry).
     #[error("owner no longer holds the next block")]
     Stale,
@@ -653,7 +738,7 @@ pub enum FetchError {
     Checksum,
     /// The peer described a block that does not fit our layout.
     #[error("peer block shape does not match the local layout: {0}")]
-    Shape(String),
+    Shape(ShapeMismatch),
     /// No room in the local pool.
     #[error("local pool has no room")]
     NoSpace,
@@ -669,6 +754,27 @@ pub enum FetchError {
     /// No transport is installed.
     #[error("no transport installed")]
     NoTransport,
+}
+
+impl FetchError {
+    /// The stable code of this error (`docs/design.md`, "Errors").
+    pub fn code(&self) -> &'static str {
+        match self {
+            FetchError::MetaServer(_) => "fetch_metaserver",
+            FetchError::NoOwner => "fetch_no_owner",
+            FetchError::Peer(_) => "fetch_peer",
+            FetchError::Handshake(_) => "fetch_handshake",
+            FetchError::Stale => "fetch_stale",
+            FetchError::Transport(_) => "fetch_transport",
+            FetchError::Checksum => "fetch_checksum",
+            FetchError::Shape(_) => "fetch_shape",
+            FetchError::NoSpace => "fetch_no_space",
+            FetchError::UnknownNamespace => "fetch_unknown_namespace",
+            FetchError::Deadline => "fetch_deadline",
+            FetchError::OwnersExhausted => "fetch_owners_exhausted",
+            FetchError::NoTransport => "fetch_no_transport",
+        }
+    }
 }
 
 /// Outcome of [`Engine::fetch`](crate::engine::Engine::fetch): "k of n".
@@ -747,14 +853,11 @@ impl FetchPhases {
 /// Checks a peer's block description against the local layout's family:
 /// the two must be of one [`LayoutFamily`] (per layer the segment count and
 /// bytes), whatever buffers each side registered (C15).
-pub(crate) fn check_shape_family(local: &LayoutFamily, b: &TransferBlockInfo) -> Result<(), String> {
+pub(crate) fn check_shape_family(local: &LayoutFamily, b: &TransferBlockInfo) -> Result<(), ShapeMismatch> {
     let peer = LayoutFamily { slots: b.slots.iter().map(|s| (if s.v_size == 0 { 1 } else { 2 }, s.k_size)).collect() };
-    let split_unequal = b.slots.iter().position(|s| s.v_size != 0 && s.v_size != s.k_size);
-    if peer != *local || split_unequal.is_some() {
-        return Err(format!(
-            "the owner's blocks are {peer}, this node's layout is {local}: the namespace names two different KV \
-             layouts (a namespace must name one layout family, see kvferry::hash::KvFamily)"
-        ));
+    let split_unequal = b.slots.iter().any(|s| s.v_size != 0 && s.v_size != s.k_size);
+    if peer != *local || split_unequal {
+        return Err(ShapeMismatch { owner: peer, local: local.clone(), split_unequal });
     }
     Ok(())
 }
@@ -973,7 +1076,7 @@ mod tests {
         match a {
             Action::QueryOwners { from } => {
                 let ev = if s.chance(10) {
-                    Event::Owners(Err("metaserver down".into()))
+                    Event::Owners(Err(RpcFailure::new(tonic::Code::Unavailable, "metaserver down")))
                 } else {
                     let k = s.below(4);
                     let mut list = Vec::new();
@@ -991,7 +1094,11 @@ mod tests {
             }
             Action::Handshake { owner } => {
                 assert_ne!(&owner, me, "chose itself as an owner");
-                let res = if s.chance(10) { Err(FetchError::Handshake("refused".into())) } else { Ok(()) };
+                let res = if s.chance(10) {
+                    Err(FetchError::Handshake(HandshakeFailure::Refused("refused".into())))
+                } else {
+                    Ok(())
+                };
                 w.pending.push((Event::Handshake(res), Vec::new(), false));
                 None
             }
@@ -1001,7 +1108,10 @@ mod tests {
                     blocks.start == m.report().available && blocks.end <= m.report().requested && !blocks.is_empty()
                 );
                 let ev = match s.next().map_or(9, |b| b % 10) {
-                    0 => Event::Locked(Err(FetchError::Peer("down".into()))),
+                    0 => Event::Locked(Err(FetchError::Peer(PeerFailure::Rpc(RpcFailure::new(
+                        tonic::Code::Unavailable,
+                        "down",
+                    ))))),
                     1 => Event::Locked(Err(FetchError::Stale)),
                     _ => {
                         w.sessions += 1;
@@ -1039,7 +1149,11 @@ mod tests {
                     w.slots[i] = Slot::InRead;
                     let ok = !s.chance(8);
                     w.read_ok.insert(i, ok);
-                    results.push(if ok { Ok(()) } else { Err(TransportError::Io("reset".into())) });
+                    results.push(if ok {
+                        Ok(())
+                    } else {
+                        Err(TransportError::io(std::io::ErrorKind::ConnectionReset, "reset"))
+                    });
                 }
                 w.pending.push((Event::ReadDone { part, results }, blocks.collect(), false));
                 None

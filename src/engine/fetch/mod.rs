@@ -40,7 +40,10 @@ use futures::stream::FuturesUnordered;
 use tokio::time::Instant;
 use tonic::transport::Channel;
 
-pub use machine::{Action, Event, FetchError, FetchMachine, FetchPhases, FetchReport, LockGrant, MachineConfig};
+pub use machine::{
+    Action, Event, FetchError, FetchMachine, FetchPhases, FetchReport, HandshakeFailure, LockGrant, MachineConfig,
+    PeerFailure, ShapeMismatch,
+};
 
 use super::cache::CachedBlock;
 use super::layout::Layout;
@@ -53,7 +56,8 @@ use crate::proto::{
     TransferBlockInfo,
 };
 use crate::rt::timeout_at;
-use crate::transport::{HandshakeMetadata, ReadCompletion, ReadOp, Transport, TransportError};
+use crate::status::RpcFailure;
+use crate::transport::{HandshakeMetadata, NotConnected, ReadCompletion, ReadOp, Transport, TransportError};
 use crate::types::{BlockHash, NodeAddr};
 
 /// Result of [`Engine::fetch_into`].
@@ -373,15 +377,18 @@ impl Engine {
                 let resp = timeout_at(deadline, grpc.rdma_handshake(req))
                     .await
                     .map_err(|_| FetchError::Deadline)?
-                    .map_err(|s| FetchError::Handshake(s.to_string()))?
+                    .map_err(|s| FetchError::Handshake(HandshakeFailure::Rpc(RpcFailure::from_status(&s))))?
                     .into_inner();
                 if !resp.status.as_ref().is_some_and(|s| s.ok) {
                     let msg = resp.status.map(|s| s.message).unwrap_or_default();
-                    return Err(FetchError::Handshake(msg));
+                    return Err(FetchError::Handshake(HandshakeFailure::Refused(msg)));
                 }
                 let meta = HandshakeMetadata::decode(&resp.handshake_metadata)
-                    .map_err(|e| FetchError::Handshake(e.to_string()))?;
-                transport.connect(owner, &meta, deadline).await.map_err(|e| FetchError::Handshake(e.to_string()))
+                    .map_err(|e| FetchError::Handshake(HandshakeFailure::Metadata(e)))?;
+                transport
+                    .connect(owner, &meta, deadline)
+                    .await
+                    .map_err(|e| FetchError::Handshake(HandshakeFailure::Transport(e)))
             })
             .await
             .map(|_| ())
@@ -524,7 +531,7 @@ impl<'a> Driver<'a> {
                 let (ns, rest) = (self.namespace, &self.hashes[from..]);
                 self.rpc = Some(Rpc::Query);
                 pending.push(Box::pin(async move {
-                    let res = engine.client().query_prefix(ns, rest, left).await.map_err(|e| e.to_string());
+                    let res = engine.client().query_prefix(ns, rest, left).await.map_err(|e| e.rpc_failure());
                     Outcome::Rpc(Event::Owners(res))
                 }));
                 None
@@ -534,7 +541,7 @@ impl<'a> Driver<'a> {
                     .inner
                     .peers
                     .get(&owner, engine.inner.cfg.peer_rpc_timeout)
-                    .map_err(|e| FetchError::Peer(e.to_string()))
+                    .map_err(|e| FetchError::Peer(PeerFailure::Endpoint(e.to_string())))
                 {
                     Ok(p) => p,
                     Err(e) => return Some(Event::Handshake(Err(e))),
@@ -549,7 +556,7 @@ impl<'a> Driver<'a> {
             }
             Action::Lock { owner, blocks } => {
                 let Some(mut grpc) = self.grpc(&owner) else {
-                    return Some(Event::Locked(Err(FetchError::Peer("no client for the owner".into()))));
+                    return Some(Event::Locked(Err(FetchError::Peer(PeerFailure::NoClient))));
                 };
                 // Device ranges are asked for only where they can land: a
                 // fetch into the engine's KV, a backend with peer copies.
@@ -579,8 +586,8 @@ impl<'a> Driver<'a> {
                 tokio::spawn(async move {
                     let answer = tokio::time::timeout(rpc_timeout, grpc.query_blocks_for_transfer(req)).await;
                     let (res, device) = match answer {
-                        Err(_) => (Err(FetchError::Peer("lock rpc timed out".into())), None),
-                        Ok(Err(s)) => (Err(FetchError::Peer(s.to_string())), None),
+                        Err(_) => (Err(FetchError::Peer(PeerFailure::Timeout)), None),
+                        Ok(Err(s)) => (Err(FetchError::Peer(PeerFailure::Rpc(RpcFailure::from_status(&s)))), None),
                         Ok(Ok(r)) => {
                             let r = r.into_inner();
                             if r.transfer_session_id.is_empty() {
@@ -601,7 +608,7 @@ impl<'a> Driver<'a> {
                     let _ = tx.send(Outcome::Locked(res, device));
                 });
                 pending.push(Box::pin(async move {
-                    rx.await.unwrap_or(Outcome::Locked(Err(FetchError::Peer("lock task ended".into())), None))
+                    rx.await.unwrap_or(Outcome::Locked(Err(FetchError::Peer(PeerFailure::TaskEnded)), None))
                 }));
                 None
             }
@@ -612,7 +619,7 @@ impl<'a> Driver<'a> {
             }
             Action::Read { part, blocks } => {
                 let Some((owner, session)) = self.m.transfer_session() else {
-                    let results = vec![Err(TransportError::NotConnected("no transfer session".into())); blocks.len()];
+                    let results = vec![Err(TransportError::NotConnected(NotConnected::NoSession)); blocks.len()];
                     return Some(Event::ReadDone { part, results });
                 };
                 let (owner, session) = (owner.clone(), session.to_string());

@@ -31,7 +31,10 @@ use crate::limits;
 use crate::memory::pool::{Extent, Pool};
 use crate::rt::timeout_at;
 use crate::transport::handshake::{HandshakeMetadata, LinkLayer, Region, TransportKind};
-use crate::transport::{DataSource, ReadCompletion, ReadOp, Transport, TransportError, validate_local};
+use crate::transport::{
+    BadOp, DataSource, HandshakeRejected, NotConnected, ReadCompletion, ReadOp, Transport, TransportError,
+    validate_local,
+};
 use crate::types::{NodeAddr, error_chain};
 
 /// Why the verbs backend could not start. Each variant is a distinct
@@ -91,11 +94,25 @@ pub enum VerbsError {
     },
 }
 
+impl VerbsError {
+    /// The stable code of this error (`docs/design.md`, "Errors").
+    pub fn code(&self) -> &'static str {
+        match self {
+            VerbsError::NoRdma { .. } => "verbs_no_rdma",
+            VerbsError::NoDevices { .. } => "verbs_no_devices",
+            VerbsError::DeviceNotFound { .. } => "verbs_device_not_found",
+            VerbsError::Config(_) => "verbs_config",
+            VerbsError::Port { .. } => "verbs_port",
+            VerbsError::Device { .. } => "verbs_device",
+        }
+    }
+}
+
 impl From<VerbsError> for TransportError {
     /// Startup errors surfaced through the trait's error type (`Io`), for
     /// callers that only handle [`TransportError`].
     fn from(e: VerbsError) -> Self {
-        TransportError::Io(e.to_string())
+        TransportError::io(std::io::ErrorKind::Other, e.to_string())
     }
 }
 
@@ -355,13 +372,13 @@ impl VerbsTransport {
         let mut qps = Vec::with_capacity(remote.endpoint.qpns.len());
         for &rq in &remote.endpoint.qpns {
             let plan = plan::plan_qp(&s.port, psn, &remote, rq, &s.limits.tuning)?;
-            let mut qp = s.create_qp(&s.served_cq, 1, 1).map_err(TransportError::Handshake)?;
-            apply_plan(&mut qp, &plan).map_err(TransportError::Handshake)?;
+            let mut qp = s.create_qp(&s.served_cq, 1, 1).map_err(verbs_rejected)?;
+            apply_plan(&mut qp, &plan).map_err(verbs_rejected)?;
             qps.push(qp);
         }
         let qpns = qps.iter().map(|q| q.qp_number()).collect();
         let answer = plan::verbs_metadata(&s.node.0, s.regions.clone(), s.port.endpoint(qpns, psn))
-            .map_err(|e| TransportError::Handshake(e.to_string()))?;
+            .map_err(|e| TransportError::Handshake(HandshakeRejected::Metadata(e)))?;
         let evicted = {
             let mut served = s.served.lock().expect("served lock");
             let mut evicted = None;
@@ -446,6 +463,11 @@ fn apply_init(qp: &mut BasicQueuePair, a: &InitAttrs) -> Result<(), String> {
 }
 
 /// Applies INIT → RTR → RTS (the QP is already in INIT).
+/// A failed verbs call during a handshake (the library's text).
+fn verbs_rejected(why: String) -> TransportError {
+    TransportError::Handshake(HandshakeRejected::Verbs(why))
+}
+
 fn apply_plan(qp: &mut BasicQueuePair, p: &QpPlan) -> Result<(), String> {
     let mut ah = AddressHandleAttribute::new();
     ah.setup_dest_lid(p.rtr.av.dlid).setup_service_level(p.rtr.av.service_level).setup_port(p.rtr.av.port_num);
@@ -572,10 +594,10 @@ async fn run_qp(
         return fail_all(TransportError::Timeout);
     };
     if !peer.valid.load(Ordering::SeqCst) {
-        return fail_all(TransportError::NotConnected("connection invalidated by an earlier error".into()));
+        return fail_all(TransportError::NotConnected(NotConnected::Invalidated));
     }
     let Some(conn) = slot.as_mut() else {
-        return fail_all(TransportError::NotConnected("queue pair destroyed by an earlier error".into()));
+        return fail_all(TransportError::NotConnected(NotConnected::QueuePairDestroyed));
     };
     let n = idxs.len();
     let generation = shared.next_generation.fetch_add(1, Ordering::Relaxed);
@@ -624,7 +646,10 @@ async fn run_qp(
                         // failing one is not reported): count the whole
                         // window as in flight and drain.
                         shared.stats.wr_errors.fetch_add(1, Ordering::Relaxed);
-                        let err = TransportError::Io(format!("ibv_post_send: {}", error_chain(&e)));
+                        let err = TransportError::io(
+                            std::io::ErrorKind::Other,
+                            format!("ibv_post_send: {}", error_chain(&e)),
+                        );
                         for j in posted..posted + k {
                             tr.fail(j, err.clone());
                         }
@@ -652,7 +677,10 @@ async fn run_qp(
                 }
                 Err(PollCompletionQueueError::CompletionQueueEmpty) => {}
                 Err(e) => {
-                    tr.fail_pending(&TransportError::Io(format!("ibv_poll_cq: {}", error_chain(&e))));
+                    tr.fail_pending(&TransportError::io(
+                        std::io::ErrorKind::Other,
+                        format!("ibv_poll_cq: {}", error_chain(&e)),
+                    ));
                     failing.get_or_insert_with(StdInstant::now);
                     destroyed = true; // cannot learn when the NIC is done: destroy to stop it
                 }
@@ -692,14 +720,23 @@ async fn run_qp(
             // Nothing more is posted; what never was fails now (and never
             // completes: the drain waits for the `posted` ones only).
             for j in posted..n {
-                tr.fail(j, TransportError::Io("not posted: the queue pair failed earlier in the batch".into()));
+                tr.fail(
+                    j,
+                    TransportError::io(
+                        std::io::ErrorKind::ConnectionAborted,
+                        "not posted: the queue pair failed earlier in the batch",
+                    ),
+                );
             }
             let drained = tr.hw_completed() >= posted;
             let bound = since.elapsed() >= Duration::from_millis(limits::VERBS_FLUSH_DRAIN_MS_MAX);
             if drained || destroyed || bound {
                 if !drained {
                     shared.stats.drain_timeouts.fetch_add(1, Ordering::Relaxed);
-                    tr.fail_pending(&TransportError::Io("queue pair destroyed before its completions arrived".into()));
+                    tr.fail_pending(&TransportError::io(
+                        std::io::ErrorKind::ConnectionAborted,
+                        "queue pair destroyed before its completions arrived",
+                    ));
                 }
                 // Destroying the QP (dropping it) ends its DMA; only then are
                 // the extents released by the caller.
@@ -723,7 +760,7 @@ async fn run_qp(
     let out = idxs
         .iter()
         .zip(results)
-        .map(|(&i, r)| (i, r.unwrap_or_else(|| Err(TransportError::Io("no completion".into())))))
+        .map(|(&i, r)| (i, r.unwrap_or_else(|| Err(TransportError::io(std::io::ErrorKind::Other, "no completion")))))
         .collect();
     (out, failed)
 }
@@ -781,16 +818,13 @@ impl Transport for VerbsTransport {
         let psn = rp.endpoint.psn;
         let taken = s.offers.lock().expect("offers lock").take(psn, StdInstant::now());
         let Some(mut qps) = taken else {
-            return Err(TransportError::Handshake(format!(
-                "the answer's PSN {psn:#x} matches no pending offer (expired, or the peer did not answer with \
-                 VerbsTransport::accept)"
-            )));
+            return Err(TransportError::Handshake(HandshakeRejected::NoPendingOffer { psn }));
         };
         let local_qpns: Vec<u32> = qps.iter().map(|q| q.qp.qp_number()).collect();
         let pairs = plan::pair_qpns(&local_qpns, &rp.endpoint.qpns)?;
         for (conn, (_, rq)) in qps.iter_mut().zip(pairs) {
             let p = plan::plan_qp(&s.port, psn, &rp, rq, &s.limits.tuning)?;
-            apply_plan(&mut conn.qp, &p).map_err(TransportError::Handshake)?;
+            apply_plan(&mut conn.qp, &p).map_err(verbs_rejected)?;
         }
         let conn = Arc::new(PeerConn {
             remote: rp,
@@ -832,13 +866,13 @@ impl Transport for VerbsTransport {
         let s = self.shared.clone();
         let conn = s.peers.lock().expect("peers lock").get(peer).cloned();
         let Some(conn) = conn.filter(|c| c.valid.load(Ordering::SeqCst)) else {
-            return fail_all(local, TransportError::NotConnected(peer.0.clone()));
+            return fail_all(local, TransportError::NotConnected(NotConnected::Peer(peer.0.clone())));
         };
         let bufs: Vec<LocalBuf> =
             local.iter_mut().map(|e| LocalBuf { addr: e.as_mut_ptr() as u64, len: e.len() }).collect();
         if let Some(i) = bufs.iter().position(|b| b.addr < s.arena_base || b.addr + b.len > s.arena_base + s.arena_len)
         {
-            return fail_all(local, TransportError::BadOp(format!("local extent {i} is not in the registered pool")));
+            return fail_all(local, TransportError::BadOp(BadOp::NotRegistered(i)));
         }
         let wrs = match plan::plan_reads(&ops, &conn.remote.regions, &bufs, s.lkey, &s.limits.plan) {
             Ok(w) => w,
@@ -872,8 +906,12 @@ impl Transport for VerbsTransport {
             if failed {
                 s.invalidate(&addr, &conn);
             }
-            let results =
-                plan::extent_results(&wrs, &wr_results, local.len(), &TransportError::Io("no completion".into()));
+            let results = plan::extent_results(
+                &wrs,
+                &wr_results,
+                local.len(),
+                &TransportError::io(std::io::ErrorKind::Other, "no completion"),
+            );
             let _ = tx.send(ReadCompletion { local, results });
         });
         match rx.await {

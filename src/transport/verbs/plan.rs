@@ -23,7 +23,7 @@ use super::super::handshake::{
     HandshakeError, HandshakeMetadata, LinkLayer, MTU_BYTES_MAX, MTU_BYTES_MIN, PSN_QPN_LIMIT, Region, TransportKind,
     VerbsEndpoint,
 };
-use super::super::{ReadOp, TransportError};
+use super::super::{BackendFailure, BadOp, HandshakeRejected, ReadOp, TransportError};
 use crate::limits::{
     VERBS_DEVICE_NAME_BYTES_MAX, VERBS_QP_RETRY_COUNT_DEFAULT, VERBS_QP_TIMEOUT_EXP_DEFAULT,
     VERBS_QPS_PER_PEER_DEFAULT, VERBS_QPS_PER_PEER_MAX, VERBS_READ_MESSAGE_BYTES_MAX,
@@ -113,6 +113,33 @@ pub enum PlanError {
     EmptyRead,
 }
 
+impl PlanError {
+    /// The stable code of this error (`docs/design.md`, "Errors").
+    pub fn code(&self) -> &'static str {
+        match self {
+            PlanError::BadConfig(_) => "verbs_plan_bad_config",
+            PlanError::DeviceTooSmall { .. } => "verbs_plan_device_too_small",
+            PlanError::NotVerbs(_) => "verbs_plan_not_verbs",
+            PlanError::Metadata(_) => "verbs_plan_metadata",
+            PlanError::LinkLayerMismatch { .. } => "verbs_plan_link_layer_mismatch",
+            PlanError::ZeroGid(_) => "verbs_plan_zero_gid",
+            PlanError::ZeroLocalLid => "verbs_plan_zero_local_lid",
+            PlanError::QpnCountMismatch { .. } => "verbs_plan_qpn_count_mismatch",
+            PlanError::UnknownRegion(_) => "verbs_plan_unknown_region",
+            PlanError::OutOfRegion { .. } => "verbs_plan_out_of_region",
+            PlanError::DuplicateRegion(_) => "verbs_plan_duplicate_region",
+            PlanError::LocalOutOfRange { .. } => "verbs_plan_local_out_of_range",
+            PlanError::EmptyRead => "verbs_plan_empty_read",
+        }
+    }
+}
+
+impl From<PlanError> for BackendFailure {
+    fn from(e: PlanError) -> Self {
+        BackendFailure { code: e.code(), message: e.to_string() }
+    }
+}
+
 impl From<PlanError> for TransportError {
     fn from(e: PlanError) -> Self {
         match e {
@@ -122,8 +149,8 @@ impl From<PlanError> for TransportError {
             | PlanError::ZeroGid(_)
             | PlanError::ZeroLocalLid
             | PlanError::QpnCountMismatch { .. }
-            | PlanError::DuplicateRegion(_) => TransportError::Handshake(e.to_string()),
-            _ => TransportError::BadOp(e.to_string()),
+            | PlanError::DuplicateRegion(_) => TransportError::Handshake(HandshakeRejected::Plan(e.into())),
+            _ => TransportError::BadOp(BadOp::Plan(e.into())),
         }
     }
 }
@@ -1048,10 +1075,13 @@ pub fn wc_failure(status: u32, vendor_err: u32) -> TransportError {
         4 | 8 => ": the local buffer is not in the registered region",
         _ => "",
     };
-    TransportError::Io(format!(
-        "rdma work completion {} (status {status}, vendor error {vendor_err:#x}){hint}",
-        wc_status_name(status)
-    ))
+    TransportError::io(
+        std::io::ErrorKind::ConnectionAborted,
+        format!(
+            "rdma work completion {} (status {status}, vendor error {vendor_err:#x}){hint}",
+            wc_status_name(status)
+        ),
+    )
 }
 
 /// One completion as polled from the CQ.
@@ -1861,7 +1891,10 @@ mod tests {
             assert!(matches!(wc_failure(s, 0x51), TransportError::Io(_)), "{s}");
         }
         match wc_failure(WC_REM_ACCESS_ERR, 0x88) {
-            TransportError::Io(m) => assert!(m.contains("REM_ACCESS_ERR") && m.contains("0x88") && m.contains("rkey")),
+            TransportError::Io(m) => {
+                let m = &m.message;
+                assert!(m.contains("REM_ACCESS_ERR") && m.contains("0x88") && m.contains("rkey"))
+            }
             e => panic!("{e:?}"),
         }
     }
@@ -1912,7 +1945,7 @@ mod tests {
             extents,
         };
         let wrs = vec![wr(vec![0, 1]), wr(vec![1]), wr(vec![2]), wr(vec![3])];
-        let io = TransportError::Io("x".into());
+        let io = TransportError::io(std::io::ErrorKind::Other, "x");
         let results = vec![Some(Ok(())), Some(Err(io.clone())), Some(Ok(())), None];
         let out = extent_results(&wrs, &results, 5, &TransportError::Timeout);
         assert_eq!(out, vec![Ok(()), Err(io), Ok(()), Err(TransportError::Timeout), Ok(())]);
