@@ -588,6 +588,8 @@ async fn heartbeat(inner: &Inner, beat: Beat) -> (bool, Vec<Action>) {
             let r = resp.into_inner();
             inner.metrics.heartbeats_ok.fetch_add(1, Ordering::Relaxed);
             let stale_after = Duration::from_secs(r.stale_after_secs.max(1));
+            // `registrations_lost` is read from the queue under the core
+            // lock, when the answer is fed.
             Answer::Accepted { new_session: r.new_session, stale_after, registrations_lost: false }
         }
         Ok(Err(status)) if status.code() == Code::FailedPrecondition => {
