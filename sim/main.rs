@@ -123,8 +123,8 @@ regression!(
     143,
     "inv_index_converges (C6): a restarted node fenced until its old session went stale dropped its \
      registrations, and its first successful heartbeat did not backfill (only later sessions did), so \
-     its blocks stayed invisible even after a MetaServer restart. Fix: src/client/mod.rs backfills on \
-     first contact when registrations were already dropped."
+     its blocks stayed invisible even after a MetaServer restart. Fix: the client backfills on first \
+     contact when registrations were already dropped (src/client/session.rs)."
 );
 regression!(
     regression_backfill_on_first_contact_3194,

@@ -11,8 +11,9 @@
 //! surface is wire-compatible with PegaFlow (package `pegaflow`).
 //!
 //! ## Layout
-//! - [`client`]: the registration queue (pure, [`client::queue`]) and its
-//!   async driver with the flush barrier.
+//! - [`client`]: the registration queue (pure, [`client::queue`]), the
+//!   session lifecycle (pure, [`client::session`]) and their async driver
+//!   with the flush barrier.
 //! - [`metaserver`]: the index store (pure, [`metaserver::store`]) and the
 //!   gRPC service.
 //! - [`memory`]: the bottom layer — the pinned pool and its extents, the

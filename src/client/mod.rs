@@ -7,14 +7,19 @@
 //! task owns all network I/O to the MetaServer: heartbeats (every
 //! `stale_after / 2`, exponential backoff on failure), batches (drain all,
 //! net, chunk, send with a per-RPC deadline), backfill after a MetaServer
-//! restart (C6) and the best-effort unregister at shutdown.
+//! restart (C6) and the best-effort unregister at shutdown. When to
+//! heartbeat, when to backfill and what a refusal, a fenced write or a
+//! close changes is decided by the pure [`session::SessionMachine`], which
+//! sits beside the queue under the same lock; the driver performs its
+//! actions and feeds back what happened.
 //!
 //! The driver is a task, not an OS thread, so the simulator can run it.
 
 pub mod queue;
+pub mod session;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -24,6 +29,7 @@ use tonic::transport::Channel;
 
 use queue::{Chunk, ChunkOutcome, RegistrationQueue, TicketId};
 pub use queue::{DropReason, FlushReport, Op, QueueConfig, QueueCounters};
+use session::{Action, Answer, Beat, Event, Notice, SessionMachine, SessionPolicy};
 
 use crate::canary::Canary;
 use crate::limits;
@@ -289,6 +295,9 @@ pub struct ClientMetrics {
 
 struct Core {
     queue: RegistrationQueue,
+    /// The session lifecycle, beside the queue so a heartbeat's answer sees
+    /// the queue's drops under the same lock.
+    session: SessionMachine,
     waiters: HashMap<TicketId, oneshot::Sender<FlushReport>>,
 }
 
@@ -298,24 +307,8 @@ struct Inner {
     wake: Notify,
     grpc: GrpcMetaClient<Channel>,
     source: Mutex<Option<Arc<dyn OwnershipSource>>>,
-    /// Set when the MetaServer told us it does not know our session.
-    needs_backfill: AtomicBool,
-    /// Set once any heartbeat succeeded.
-    ever_registered: AtomicBool,
-    /// Set when a write saw FAILED_PRECONDITION: heartbeat before the next write.
-    needs_heartbeat: AtomicBool,
-    /// The MetaServer accepted our session at the last heartbeat that got
-    /// an answer: set by an accepted heartbeat, cleared by a refused one
-    /// (`FAILED_PRECONDITION`: another live session holds our address).
-    /// A heartbeat that got no answer (timeout, server down) changes
-    /// nothing: it says nothing about our session.
-    registered: AtomicBool,
-    /// The last answered heartbeat was refused. While set, heartbeats go
-    /// only on the driver's backoff schedule: neither a fenced write nor
-    /// `needs_heartbeat` sends an extra one, so a refused client does not
-    /// hammer the server (one heartbeat per fenced chunk, or a tight loop).
-    refused: AtomicBool,
-    closed: AtomicBool,
+    /// Time zero of the session machine's clock.
+    origin: tokio::time::Instant,
     stop: watch::Sender<bool>,
     metrics: ClientMetrics,
 }
@@ -365,17 +358,16 @@ impl MetaServerClient {
             .max_encoding_message_size(limits::GRPC_MESSAGE_BYTES_MAX);
         let (stop, stop_rx) = watch::channel(false);
         let inner = Arc::new(Inner {
-            core: Mutex::new(Core { queue: RegistrationQueue::new(cfg.queue), waiters: HashMap::new() }),
+            core: Mutex::new(Core {
+                queue: RegistrationQueue::new(cfg.queue),
+                session: SessionMachine::new(SessionPolicy::default()),
+                waiters: HashMap::new(),
+            }),
             cfg,
             wake: Notify::new(),
             grpc,
             source: Mutex::new(None),
-            needs_backfill: AtomicBool::new(false),
-            ever_registered: AtomicBool::new(false),
-            needs_heartbeat: AtomicBool::new(false),
-            registered: AtomicBool::new(false),
-            refused: AtomicBool::new(false),
-            closed: AtomicBool::new(false),
+            origin: tokio::time::Instant::now(),
             stop,
             metrics: ClientMetrics::default(),
         });
@@ -397,7 +389,7 @@ impl MetaServerClient {
     /// answered heartbeat (false before the first accepted one, and after a
     /// refused one until the next is accepted).
     pub fn is_registered(&self) -> bool {
-        self.inner.registered.load(Ordering::Relaxed)
+        self.inner.core.lock().expect("core lock").session.is_registered()
     }
 
     /// This client's session id.
@@ -532,12 +524,21 @@ impl MetaServerClient {
     /// tell): queued commands are dropped (`Shutdown`), waiting flushes
     /// resolve, the driver stops. Returns false if already stopped.
     pub fn abort(&self) -> bool {
-        if self.inner.closed.swap(true, Ordering::SeqCst) {
-            return false;
+        let mut core = self.inner.core.lock().expect("core lock");
+        let actions = core.session.on(Event::Close, now(&self.inner));
+        for a in &actions {
+            match a {
+                Action::FailPending => {
+                    let done = core.queue.close();
+                    hand_out(&mut core, done);
+                }
+                Action::Stop => {
+                    let _ = self.inner.stop.send(true);
+                }
+                other => debug_assert!(false, "close asked for {other:?}"),
+            }
         }
-        resolve(&self.inner, |core| core.queue.close());
-        let _ = self.inner.stop.send(true);
-        true
+        !actions.is_empty()
     }
 }
 
@@ -545,6 +546,11 @@ impl MetaServerClient {
 fn resolve(inner: &Inner, f: impl FnOnce(&mut Core) -> Vec<(TicketId, FlushReport)>) {
     let mut core = inner.core.lock().expect("core lock");
     let done = f(&mut core);
+    hand_out(&mut core, done);
+}
+
+/// Hands resolved tickets to their waiters.
+fn hand_out(core: &mut Core, done: Vec<(TicketId, FlushReport)>) {
     for (id, report) in done {
         if let Some(tx) = core.waiters.remove(&id) {
             let _ = tx.send(report);
@@ -552,38 +558,32 @@ fn resolve(inner: &Inner, f: impl FnOnce(&mut Core) -> Vec<(TicketId, FlushRepor
     }
 }
 
+/// The session machine's clock: time since the client started.
+fn now(inner: &Inner) -> Duration {
+    tokio::time::Instant::now().saturating_duration_since(inner.origin)
+}
+
+/// Feeds the session machine one event, now.
+fn session_on(inner: &Inner, ev: Event) -> Vec<Action> {
+    inner.core.lock().expect("core lock").session.on(ev, now(inner))
+}
+
 async fn drive(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
-    let mut backoff = Duration::from_millis(limits::HEARTBEAT_BACKOFF_MS_MIN);
-    let mut next_heartbeat = tokio::time::Instant::now();
     loop {
-        if *stop.borrow() {
+        // A turn: a scheduled heartbeat if due, a backfill if owed (both
+        // the session machine's call), then one batch.
+        if !perform(&inner, session_on(&inner, Event::Turn)).await {
             return;
-        }
-        let now = tokio::time::Instant::now();
-        // `needs_heartbeat` jumps the schedule, except after a refusal:
-        // then the backoff alone decides.
-        let jump = inner.needs_heartbeat.load(Ordering::Relaxed) && !inner.refused.load(Ordering::Relaxed);
-        if now >= next_heartbeat || jump {
-            match heartbeat(&inner).await {
-                Some(stale_after) => {
-                    let interval = (stale_after / 2).max(Duration::from_millis(100));
-                    backoff = Duration::from_millis(limits::HEARTBEAT_BACKOFF_MS_MIN);
-                    next_heartbeat = tokio::time::Instant::now() + interval;
-                }
-                None => {
-                    next_heartbeat = tokio::time::Instant::now() + backoff;
-                    backoff = (backoff * 2).min(Duration::from_millis(limits::HEARTBEAT_BACKOFF_MS_MAX));
-                }
-            }
-        }
-        if inner.needs_backfill.load(Ordering::Relaxed) && !inner.needs_heartbeat.load(Ordering::Relaxed) {
-            backfill(&inner).await;
         }
         let batch = inner.core.lock().expect("core lock").queue.take_batch();
         if let Some(chunks) = batch {
             send_batch(&inner, chunks).await;
             continue; // more may have queued meanwhile
         }
+        let until = match session_on(&inner, Event::Idle).as_slice() {
+            [Action::Sleep { until }] => inner.origin + *until,
+            _ => return, // `Stop`: closed
+        };
         // `biased`: an unbiased select! draws from tokio's thread RNG, whose
         // seed mixes a process-global counter, so a simulation seed would
         // replay differently depending on what ran before it in the process.
@@ -591,74 +591,107 @@ async fn drive(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
             biased;
             _ = stop.changed() => {}
             _ = inner.wake.notified() => {}
-            _ = tokio::time::sleep_until(next_heartbeat) => {}
+            _ = tokio::time::sleep_until(until) => {}
         }
     }
 }
 
-/// One heartbeat. Returns the server's `stale_after` on success.
-async fn heartbeat(inner: &Inner) -> Option<Duration> {
+/// Performs a turn's session actions in order, feeding each outcome back
+/// to the machine. Returns false on [`Action::Stop`].
+async fn perform(inner: &Inner, actions: Vec<Action>) -> bool {
+    let mut todo = std::collections::VecDeque::from(actions);
+    while let Some(action) = todo.pop_front() {
+        match action {
+            Action::SendHeartbeat(beat) => todo.extend(heartbeat(inner, beat).await.1),
+            Action::Backfill => {
+                if let Err(fenced) = backfill(inner).await {
+                    todo.extend(session_on(inner, Event::BackfillFailed { fenced }));
+                }
+            }
+            Action::Stop => return false,
+            // A turn's events ask for none of these.
+            Action::Sleep { .. } | Action::FailPending | Action::Notice(_) => {
+                debug_assert!(false, "a turn asked for {action:?}")
+            }
+        }
+    }
+    true
+}
+
+/// One heartbeat, its answer fed to the session machine. Returns whether
+/// it was accepted, and the actions the answer asks for.
+async fn heartbeat(inner: &Inner, beat: Beat) -> (bool, Vec<Action>) {
     let req = HeartbeatNodeRequest { node: inner.cfg.node.0.clone(), node_id: inner.cfg.session.0.clone() };
     let mut grpc = inner.grpc.clone();
     let res = tokio::time::timeout(inner.cfg.rpc_timeout, grpc.heartbeat_node(req)).await;
-    match res {
+    let mut refusal = None;
+    let answer = match res {
         Ok(Ok(resp)) => {
             let r = resp.into_inner();
             inner.metrics.heartbeats_ok.fetch_add(1, Ordering::Relaxed);
-            inner.needs_heartbeat.store(false, Ordering::Relaxed);
-            inner.registered.store(true, Ordering::Relaxed);
-            inner.refused.store(false, Ordering::Relaxed);
-            let was_registered = inner.ever_registered.swap(true, Ordering::Relaxed);
-            // On first contact a backfill is needed only if registrations
-            // were already lost (e.g. a restarted node fenced until its old
-            // session went stale); without this, such blocks stayed
-            // invisible even across later MetaServer restarts (C6, found by
-            // the simulator).
-            let lost_before_contact =
-                !was_registered && inner.core.lock().expect("core lock").queue.counters().dropped() > 0;
-            if r.new_session && (was_registered || lost_before_contact) {
-                tracing::info!(node = %inner.cfg.node, "metaserver lost our session; backfilling");
-                inner.needs_backfill.store(true, Ordering::Relaxed);
-            }
-            Some(Duration::from_secs(r.stale_after_secs.max(1)))
+            let stale_after = Duration::from_secs(r.stale_after_secs.max(1));
+            // `registrations_lost` is read from the queue under the core
+            // lock, when the answer is fed.
+            Answer::Accepted { new_session: r.new_session, stale_after, registrations_lost: false }
         }
         Ok(Err(status)) if status.code() == Code::FailedPrecondition => {
             // Another live session holds our address (the peer MetaServer's
-            // answer, and ours). Not registered any more: writes would be
-            // fenced, so heartbeat again on the backoff schedule until the
-            // other session goes stale and ours takes over (then the server
-            // answers `new_session` and the backfill rule above applies).
+            // answer, and ours): the machine stops trusting our session and
+            // heartbeats on the backoff schedule until the other session
+            // goes stale and ours takes over.
             inner.metrics.heartbeats_failed.fetch_add(1, Ordering::Relaxed);
             inner.metrics.heartbeats_refused.fetch_add(1, Ordering::Relaxed);
-            inner.needs_heartbeat.store(true, Ordering::Relaxed);
-            inner.registered.store(false, Ordering::Relaxed);
-            if !inner.refused.swap(true, Ordering::Relaxed) {
-                tracing::warn!(node = %inner.cfg.node, %status, "metaserver refused our heartbeat; retrying with backoff");
-            }
-            None
+            refusal = Some(status);
+            Answer::Refused
         }
         Ok(Err(status)) => {
             inner.metrics.heartbeats_failed.fetch_add(1, Ordering::Relaxed);
             tracing::debug!(%status, "heartbeat failed");
-            None
+            Answer::NoAnswer
         }
         Err(_) => {
             inner.metrics.heartbeats_failed.fetch_add(1, Ordering::Relaxed);
             tracing::debug!("heartbeat timed out");
-            None
+            Answer::NoAnswer
+        }
+    };
+    let accepted = matches!(answer, Answer::Accepted { .. });
+    let actions = {
+        let mut core = inner.core.lock().expect("core lock");
+        let answer = match answer {
+            Answer::Accepted { new_session, stale_after, .. } => {
+                let registrations_lost = core.queue.counters().dropped() > 0;
+                Answer::Accepted { new_session, stale_after, registrations_lost }
+            }
+            other => other,
+        };
+        core.session.on(Event::Heartbeat { beat, answer }, now(inner))
+    };
+    let mut rest = Vec::with_capacity(actions.len());
+    for a in actions {
+        match a {
+            Action::Notice(Notice::SessionLost) => {
+                tracing::info!(node = %inner.cfg.node, "metaserver lost our session; backfilling");
+            }
+            Action::Notice(Notice::Refused) => {
+                if let Some(status) = &refusal {
+                    tracing::warn!(node = %inner.cfg.node, %status, "metaserver refused our heartbeat; retrying with backoff");
+                }
+            }
+            other => rest.push(other),
         }
     }
+    (accepted, rest)
 }
 
-/// Re-advertises every resident block (C6). On any failure the flag stays
-/// set and the next driver turn retries.
-async fn backfill(inner: &Inner) {
+/// Re-advertises every resident block (C6). On a failed RPC stops and
+/// returns `Err(fenced)` (`fenced`: the failure was `FAILED_PRECONDITION`);
+/// the session machine then owes the backfill again.
+async fn backfill(inner: &Inner) -> Result<(), bool> {
     let source = inner.source.lock().expect("source lock").clone();
     let Some(source) = source else {
-        inner.needs_backfill.store(false, Ordering::Relaxed);
-        return;
+        return Ok(());
     };
-    inner.needs_backfill.store(false, Ordering::Relaxed);
     let mut sent = 0u64;
     let mut resident = source.resident_blocks();
     if crate::canary::active(Canary::C6NoBackfill) {
@@ -677,21 +710,15 @@ async fn backfill(inner: &Inner) {
                 Ok(Ok(_)) => sent += part.len() as u64,
                 Ok(Err(status)) => {
                     tracing::debug!(%status, "backfill rpc failed");
-                    if status.code() == Code::FailedPrecondition {
-                        inner.needs_heartbeat.store(true, Ordering::Relaxed);
-                    }
-                    inner.needs_backfill.store(true, Ordering::Relaxed);
-                    return;
+                    return Err(status.code() == Code::FailedPrecondition);
                 }
-                Err(_) => {
-                    inner.needs_backfill.store(true, Ordering::Relaxed);
-                    return;
-                }
+                Err(_) => return Err(false),
             }
         }
     }
     inner.metrics.backfills.fetch_add(1, Ordering::Relaxed);
     inner.metrics.backfilled_hashes.fetch_add(sent, Ordering::Relaxed);
+    Ok(())
 }
 
 async fn rpc_chunk(inner: &Inner, chunk: &Chunk) -> Result<(), tonic::Status> {
@@ -744,19 +771,19 @@ async fn send_batch(inner: &Inner, chunks: Vec<Chunk>) {
 async fn send_chunk(inner: &Inner, chunk: Chunk) {
     let mut work = vec![(chunk, 0u32)];
     while let Some((chunk, depth)) = work.pop() {
-        if inner.closed.load(Ordering::Relaxed) {
+        if inner.core.lock().expect("core lock").session.is_closed() {
             resolve(inner, |core| core.queue.complete_chunk(chunk.id, ChunkOutcome::Dropped(DropReason::Shutdown)));
             continue;
         }
         let mut res = rpc_chunk(inner, &chunk).await;
         if let Err(status) = &res {
             if status.code() == Code::FailedPrecondition {
-                // Re-heartbeat inline (the server lost or fenced our
-                // session, e.g. it restarted), unless our heartbeats are
-                // being refused: then wait for the backoff.
-                let inline = !inner.refused.load(Ordering::Relaxed);
-                inner.needs_heartbeat.store(true, Ordering::Relaxed);
-                if inline && heartbeat(inner).await.is_some() {
+                // The server lost or fenced our session (e.g. it
+                // restarted): the machine asks for an inline heartbeat,
+                // unless our heartbeats are being refused (then the
+                // backoff decides), and an accepted one earns a retry.
+                let inline = session_on(inner, Event::ChunkFenced).contains(&Action::SendHeartbeat(Beat::Inline));
+                if inline && heartbeat(inner, Beat::Inline).await.0 {
                     res = rpc_chunk(inner, &chunk).await;
                 }
             }
