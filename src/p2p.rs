@@ -205,7 +205,8 @@ impl EngineRpc for P2pTransferService {
         };
         let (session, found) = self
             .engine
-            .lock_for_transfer(&r.namespace, &hashes)
+            .lock_for_transfer_staged(&r.namespace, &hashes)
+            .await
             .map_err(|e| Status::resource_exhausted(e.to_string()))?;
         let mut blocks: Vec<_> = found.iter().map(|(h, b)| transfer_block_info(&layout, h, b)).collect();
         let grant = match (&session, r.device.as_ref().and_then(|d| self.device_ask(d, &r.requester_id))) {
