@@ -230,6 +230,8 @@ pub struct DiskMetrics {
 /// gauges.
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct DiskStats {
+    /// Which backend runs (its display name).
+    pub backend: String,
     /// The tier's counters.
     pub tier: TierCounters,
     /// Pool victims the tier took (see
@@ -450,13 +452,15 @@ impl DiskTier {
 
     /// A snapshot of the counters and gauges.
     pub(crate) fn stats(&self) -> DiskStats {
-        let (tier, records, used, cap) = {
+        let (backend, tier, records, used, cap) = {
             let st = self.state.lock().expect("disk lock");
-            (st.tier.counters().clone(), st.tier.len() as u64, st.tier.used_bytes(), st.tier.capacity())
+            let t = &st.tier;
+            (t.backend().to_string(), t.counters().clone(), t.len() as u64, t.used_bytes(), t.capacity())
         };
         let m = &self.metrics;
         let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
         DiskStats {
+            backend,
             tier,
             evicted_to_disk: 0,
             write_refused: ld(&m.write_refused),
