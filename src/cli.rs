@@ -12,7 +12,7 @@ use kvferry::gpu::host::HostGpu;
 use kvferry::metaserver::service::{ConfigField, StartError};
 use kvferry::metaserver::{self, MetaServerConfig};
 use kvferry::node::TransportChoice;
-use kvferry::replay::pd::{self, PdConfig, PdError, Routing};
+use kvferry::replay::pd::{self, PdConfig, PdError, Routing, SsdRoles};
 use kvferry::tls::TlsIdentity;
 use kvferry::transport::verbs::VerbsConfig;
 
@@ -196,6 +196,12 @@ struct PdArgs {
     /// Size of each node's disk tier, e.g. 8GiB (with --ssd-dir).
     #[arg(long, default_value = "8GiB", value_parser = parse_size, allow_hyphen_values = true, requires = "ssd_dir")]
     ssd_size: u64,
+    /// Which nodes get a disk tier (with --ssd-dir): all, or prefill nodes only.
+    #[arg(long, value_enum, default_value = "all", requires = "ssd_dir")]
+    ssd_roles: SsdRoles,
+    /// Write-behind queue of each node's disk tier (blocks, 1-4096; with --ssd-dir); a full queue drops the evicted block.
+    #[arg(long, default_value_t = kvferry::limits::PD_SSD_WRITE_QUEUE_DEFAULT, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=4096), requires = "ssd_dir")]
+    ssd_write_queue: usize,
     /// Read parts a decode fetch keeps in flight (each spread over the transport's connections).
     #[arg(long, default_value_t = kvferry::limits::FETCH_READS_IN_FLIGHT, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=64))]
     reads_in_flight: usize,
@@ -742,6 +748,8 @@ async fn run_pd(a: PdArgs) -> Result<ExitCode, String> {
         pool_bytes: a.pool_size,
         ssd_dir: a.ssd_dir,
         ssd_bytes: a.ssd_size,
+        ssd_roles: a.ssd_roles,
+        ssd_write_queue: a.ssd_write_queue,
         fetch_reads_in_flight: a.reads_in_flight,
         fetch_read_part_bytes: a.read_part_size,
         routing: a.routing,

@@ -560,3 +560,10 @@ pub const DISK_STAGE_DEADLINE_MS_DEFAULT: u64 = 2_000;
 /// record buffer of a block's size until its bytes are copied into the
 /// pool.
 pub const DISK_STAGE_READS_IN_FLIGHT: usize = 16;
+
+/// Write-behind queue of each `kvferry pd` node's disk tier by default
+/// (blocks; `--ssd-write-queue`): deeper than the library's default so
+/// bursts of evictions (a long request's saves) are absorbed while the
+/// disk catches up; 1 024 of the default replay's 64 KiB blocks hold
+/// 68 MiB of record buffers per node.
+pub const PD_SSD_WRITE_QUEUE_DEFAULT: usize = 1_024;

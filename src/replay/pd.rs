@@ -51,6 +51,19 @@ pub enum Routing {
     PrefixAware,
 }
 
+/// Which nodes of the replay get a disk tier (`--ssd-roles`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
+pub enum SsdRoles {
+    /// Every node.
+    #[default]
+    All,
+    /// Prefill nodes only: decode nodes hold copies of what prefill nodes
+    /// saved, so their disk writes duplicate the prefill nodes' and share
+    /// the same device's bandwidth.
+    Prefill,
+}
+
 /// A node's role in the replay.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub enum Role {
@@ -206,6 +219,11 @@ pub struct PdConfig {
     pub ssd_dir: Option<PathBuf>,
     /// Size of each node's disk tier (bytes, `--ssd-size`).
     pub ssd_bytes: u64,
+    /// Which nodes get a disk tier (`--ssd-roles`).
+    pub ssd_roles: SsdRoles,
+    /// Write-behind queue of each node's disk tier (blocks,
+    /// `--ssd-write-queue`).
+    pub ssd_write_queue: usize,
     /// When this turns true (the binary's Ctrl-C), no further request is
     /// started; the requests in flight finish (each bounded by its flush
     /// and fetch deadlines) and the report covers the requests replayed so
@@ -241,6 +259,8 @@ impl Default for PdConfig {
             path: PathChoice::Auto,
             ssd_dir: None,
             ssd_bytes: 8 << 30,
+            ssd_roles: SsdRoles::All,
+            ssd_write_queue: limits::PD_SSD_WRITE_QUEUE_DEFAULT,
             stop: None,
         }
     }
@@ -1049,11 +1069,15 @@ async fn start_node(
         fetch_read_part_bytes: cfg.fetch_read_part_bytes.max(1),
         lock_timeout_secs: 10,
         disk: match &cfg.ssd_dir {
+            Some(_) if cfg.ssd_roles == SsdRoles::Prefill && i >= cfg.prefill => None,
             Some(dir) => {
                 let sub = dir.join(format!("node-{i}"));
                 std::fs::create_dir_all(&sub)
                     .map_err(|e| PdError::Start(format!("--ssd-dir: cannot create {}: {e}", sub.display())))?;
-                Some(crate::engine::DiskConfig::new(sub, cfg.ssd_bytes))
+                Some(crate::engine::DiskConfig {
+                    write_queue_max: cfg.ssd_write_queue,
+                    ..crate::engine::DiskConfig::new(sub, cfg.ssd_bytes)
+                })
             }
             None => None,
         },
