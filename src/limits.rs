@@ -559,7 +559,7 @@ pub const DISK_STAGE_DEADLINE_MS_DEFAULT: u64 = 2_000;
 /// Disk reads one staging keeps in flight at once (blocks): each holds a
 /// record buffer of a block's size until its bytes are copied into the
 /// pool.
-pub const DISK_STAGE_READS_IN_FLIGHT: usize = 16;
+pub const DISK_STAGE_READS_IN_FLIGHT: usize = 64;
 
 /// Write-behind queue of each `kvferry pd` node's disk tier by default
 /// (blocks; `--ssd-write-queue`): deeper than the library's default so
@@ -567,3 +567,4 @@ pub const DISK_STAGE_READS_IN_FLIGHT: usize = 16;
 /// disk catches up; 1 024 of the default replay's 64 KiB blocks hold
 /// 68 MiB of record buffers per node.
 pub const PD_SSD_WRITE_QUEUE_DEFAULT: usize = 1_024;
+
