@@ -567,4 +567,3 @@ pub const DISK_STAGE_READS_IN_FLIGHT: usize = 64;
 /// disk catches up; 1 024 of the default replay's 64 KiB blocks hold
 /// 68 MiB of record buffers per node.
 pub const PD_SSD_WRITE_QUEUE_DEFAULT: usize = 1_024;
-

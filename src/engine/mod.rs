@@ -8,7 +8,7 @@
 
 pub mod cache;
 pub mod device;
-pub mod disk;
+mod disk;
 pub mod fetch;
 pub mod layout;
 pub mod leases;
@@ -33,7 +33,7 @@ use crate::memory::DeviceBufferId;
 use crate::transport::{DataSource, Transport};
 use crate::types::{BlockHash, IdError, NodeAddr, validate_namespace};
 use cache::{BlockCache, CachedBlock};
-pub use disk::{DiskConfig, DiskOpenError, DiskStats, SimDiskSlot};
+pub use disk::{DiskConfig, DiskMetrics, DiskOpenError, DiskStats, SimDiskSlot, family_id};
 pub use fetch::{FetchIntoReport, FetchReport};
 use layout::{LayerLayout, Layout, LayoutError, LayoutFamily};
 use locks::{AccessError, LockError, LockTable};
