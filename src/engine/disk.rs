@@ -519,6 +519,8 @@ impl Drop for DiskTier {
         let Some(slot) = self.slot.take() else { return };
         let Ok(st) = self.state.get_mut() else { return };
         let tier = std::mem::replace(&mut st.tier, placeholder_tier());
+        // Irrefutable where the simulator has no file-backed disk.
+        #[allow(irrefutable_let_patterns)]
         if let NodeDisk::Sim(d) = tier.into_io() {
             slot.put(*d);
         }
