@@ -42,8 +42,10 @@
 //!   content right after the grant).
 //! - `inv_accounting` (C4), counters: on every live node at every tick,
 //!   `offered == delivered + dropped + pending`, `evicted ==
-//!   removals_enqueued + removals_dropped_at_enqueue`, `offered_removes ==
-//!   evicted`, `dropped_queue_full_removes == removals_dropped_at_enqueue`,
+//!   removals_enqueued + removals_dropped_at_enqueue + evicted_to_disk`,
+//!   `offered_removes == evicted - evicted_to_disk + the disk tier's
+//!   removals`, `dropped_queue_full_removes == removals_dropped_at_enqueue
+//!   + the disk tier's`,
 //!   `offered_inserts <= saved_blocks + fetched_blocks` (equality at the
 //!   end). These identities are kept by the code they check, so they catch
 //!   miscounting, not a lost command.
@@ -474,15 +476,25 @@ pub fn inv_accounting(shared: &Shared, node: usize, n: &NodeSlot, quiescent: boo
             c.pending
         ));
     }
-    if evicted != enq + door {
-        bad.push(format!("engine: evicted {evicted} != removals_enqueued {enq} + removals_dropped_at_enqueue {door}"));
-    }
-    if c.offered_removes != evicted {
-        bad.push(format!("offered_removes {} != evicted {evicted}", c.offered_removes));
-    }
-    if c.dropped_queue_full_removes != door {
+    // With a disk tier, a victim the tier took keeps its registration, and
+    // a record leaving the tier offers a removal of its own.
+    let to_disk = ld(&m.evicted_to_disk);
+    let (disk_enq, disk_door) =
+        n.engine.disk_stats().map_or((0, 0), |d| (d.removals_enqueued, d.removals_dropped_at_enqueue));
+    if evicted != enq + door + to_disk {
         bad.push(format!(
-            "dropped_queue_full_removes {} != removals_dropped_at_enqueue {door}",
+            "engine: evicted {evicted} != removals_enqueued {enq} + removals_dropped_at_enqueue {door} + evicted_to_disk {to_disk}"
+        ));
+    }
+    if c.offered_removes != evicted - to_disk.min(evicted) + disk_enq + disk_door {
+        bad.push(format!(
+            "offered_removes {} != evicted {evicted} - evicted_to_disk {to_disk} + disk removals {disk_enq} + {disk_door}",
+            c.offered_removes
+        ));
+    }
+    if c.dropped_queue_full_removes != door + disk_door {
+        bad.push(format!(
+            "dropped_queue_full_removes {} != removals_dropped_at_enqueue {door} + disk {disk_door}",
             c.dropped_queue_full_removes
         ));
     }

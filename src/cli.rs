@@ -12,7 +12,7 @@ use kvferry::gpu::host::HostGpu;
 use kvferry::metaserver::service::{ConfigField, StartError};
 use kvferry::metaserver::{self, MetaServerConfig};
 use kvferry::node::TransportChoice;
-use kvferry::replay::pd::{self, PdConfig, PdError, Routing};
+use kvferry::replay::pd::{self, PdConfig, PdError, Routing, SsdRoles};
 use kvferry::tls::TlsIdentity;
 use kvferry::transport::verbs::VerbsConfig;
 
@@ -190,6 +190,18 @@ struct PdArgs {
     /// Routing of requests to prefill nodes.
     #[arg(long, value_enum, default_value = "round-robin")]
     routing: Routing,
+    /// Disk tier below each node's pool: an existing directory on an SSD; node i uses the subdirectory node-i (created).
+    #[arg(long)]
+    ssd_dir: Option<PathBuf>,
+    /// Size of each node's disk tier, e.g. 8GiB (with --ssd-dir).
+    #[arg(long, default_value = "8GiB", value_parser = parse_size, allow_hyphen_values = true, requires = "ssd_dir")]
+    ssd_size: u64,
+    /// Which nodes get a disk tier (with --ssd-dir): all, or prefill nodes only.
+    #[arg(long, value_enum, default_value = "all", requires = "ssd_dir")]
+    ssd_roles: SsdRoles,
+    /// Write-behind queue of each node's disk tier (blocks, 1-4096; with --ssd-dir); a full queue drops the evicted block.
+    #[arg(long, default_value_t = kvferry::limits::PD_SSD_WRITE_QUEUE_DEFAULT, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=4096), requires = "ssd_dir")]
+    ssd_write_queue: usize,
     /// Read parts a decode fetch keeps in flight (each spread over the transport's connections).
     #[arg(long, default_value_t = kvferry::limits::FETCH_READS_IN_FLIGHT, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=64))]
     reads_in_flight: usize,
@@ -485,6 +497,23 @@ fn report_text(r: &pd::PdReport) -> String {
         r.pool_bytes / r.block_bytes.max(1),
         r.evicted_blocks
     );
+    if let Some(d) = &r.ssd {
+        println!(
+            "  ssd                    {:>8.2} GiB per node ({}): {} blocks written, {} read ({} hits, {} staged), {} evicted, {} verify failures",
+            d.bytes_per_node as f64 / (1u64 << 30) as f64,
+            d.backend,
+            d.written_blocks,
+            d.read_blocks,
+            d.hits,
+            d.staged_blocks,
+            d.evicted,
+            d.verify_failures
+        );
+        println!(
+            "    ssd throughput       write {:.2} GB/s, read {:.2} GB/s (over the wall time); {} writes refused ({} no space), {} stagings failed",
+            d.write_gbps, d.read_gbps, d.write_refused, d.write_refused_no_space, d.stage_failures
+        );
+    }
     println!("  decode blocks          {:>8}", r.blocks_total);
     println!("    fetched from peers   {:>8}", r.blocks_fetched);
     println!("    already local        {:>8}", r.blocks_decode_local);
@@ -717,6 +746,10 @@ async fn run_pd(a: PdArgs) -> Result<ExitCode, String> {
         prefill: a.prefill,
         decode: a.decode,
         pool_bytes: a.pool_size,
+        ssd_dir: a.ssd_dir,
+        ssd_bytes: a.ssd_size,
+        ssd_roles: a.ssd_roles,
+        ssd_write_queue: a.ssd_write_queue,
         fetch_reads_in_flight: a.reads_in_flight,
         fetch_read_part_bytes: a.read_part_size,
         routing: a.routing,

@@ -540,3 +540,30 @@ pub const DISK_RECOVERY_CHUNK_BYTES: u64 = 8 << 20;
 /// Spare I/O buffers the tier keeps for reuse after their operation
 /// completed (count); more are freed.
 pub const DISK_SPARE_BUFFERS_MAX: usize = 64;
+
+/// How long the engine's disk driver waits between polls of the tier while
+/// operations are in flight (µs). The tokio timer rounds it up to its 1 ms
+/// tick; a disk read of a multi-MiB block takes about that long anyway.
+pub const DISK_POLL_INTERVAL_US: u64 = 500;
+
+/// How long the engine's disk driver sleeps when nothing is in flight and
+/// nothing woke it (ms): the period at which an idle driver notices its
+/// engine is gone.
+pub const DISK_IDLE_POLL_MS: u64 = 100;
+
+/// Deadline of staging blocks from the disk tier into the pool for a local
+/// `load` or lookup, by default (ms); a peer's lock request uses the
+/// smaller of this and half its RPC timeout.
+pub const DISK_STAGE_DEADLINE_MS_DEFAULT: u64 = 2_000;
+
+/// Disk reads one staging keeps in flight at once (blocks): each holds a
+/// record buffer of a block's size until its bytes are copied into the
+/// pool.
+pub const DISK_STAGE_READS_IN_FLIGHT: usize = 64;
+
+/// Write-behind queue of each `kvferry pd` node's disk tier by default
+/// (blocks; `--ssd-write-queue`): deeper than the library's default so
+/// bursts of evictions (a long request's saves) are absorbed while the
+/// disk catches up; 1 024 of the default replay's 64 KiB blocks hold
+/// 68 MiB of record buffers per node.
+pub const PD_SSD_WRITE_QUEUE_DEFAULT: usize = 1_024;

@@ -300,8 +300,11 @@ impl EngineRpc for P2pTransferService {
                 device_lease_ms_left: 0,
             }));
         };
-        let (session, found) =
-            self.engine.lock_for_transfer(&r.namespace, &hashes).map_err(|e| to_status(P2pError::Lock(e)))?;
+        let (session, found) = self
+            .engine
+            .lock_for_transfer_staged(&r.namespace, &hashes)
+            .await
+            .map_err(|e| to_status(P2pError::Lock(e)))?;
         let mut blocks: Vec<_> = found.iter().map(|(h, b)| transfer_block_info(&layout, h, b)).collect();
         let grant = match (&session, r.device.as_ref().and_then(|d| self.device_ask(d, &r.requester_id))) {
             (Some(s), Some(ask)) => {

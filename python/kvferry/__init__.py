@@ -41,6 +41,7 @@ child).
 from __future__ import annotations
 
 import operator
+import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -88,6 +89,8 @@ _U64_MAX = (1 << 64) - 1
 # The smallest pool a node starts with: one page. Real KV blocks are larger;
 # a pool smaller than the cache's blocks is refused by register_kv_cache.
 _POOL_BYTES_MIN = 4096
+# Smallest disk tier (bytes): kvferry::limits::DISK_CAPACITY_BYTES_MIN.
+_SSD_BYTES_MIN = 1 << 20
 
 
 def _int_arg(value: Any, name: str, lo: int, hi: int, cls: type = ConfigError) -> int:
@@ -421,10 +424,16 @@ class Node:
         grpc_port, data_port: ports to bind (0: any free port).
         fetch_timeout: the engine's bound on a whole fetch (seconds).
         rpc_timeout: the bound on each MetaServer and peer request (seconds).
+        ssd_dir: an existing directory on a local SSD for the disk tier
+            below the pool (None: no tier). Blocks the pool evicts are
+            written there and stay advertised; a lookup, load or a peer's
+            fetch reads them back, verified. A node restarted on the same
+            directory serves what it finds there again.
+        ssd_bytes: size of the disk tier's file (bytes; with ``ssd_dir``).
 
     Raises:
         StartError: a port is taken, the pool cannot be allocated, the GPU
-            backend is unavailable.
+            backend is unavailable, the disk tier cannot be opened.
         ConfigError: a malformed address or setting.
 
     Use as a context manager, or call :meth:`shutdown`.
@@ -443,6 +452,8 @@ class Node:
         data_port: int = 0,
         fetch_timeout: float = 5.0,
         rpc_timeout: float = 2.0,
+        ssd_dir: Optional[Union[str, "os.PathLike[str]"]] = None,
+        ssd_bytes: int = 0,
     ) -> None:
         if isinstance(metaserver, MetaServer):
             metaserver = metaserver.address
@@ -463,6 +474,8 @@ class Node:
             _int_arg(data_port, "data_port", 0, 65535),
             self._fetch_timeout,
             self._rpc_timeout,
+            None if ssd_dir is None else os.fspath(ssd_dir),
+            _int_arg(ssd_bytes, "ssd_bytes", 0 if ssd_dir is None else _SSD_BYTES_MIN, _U64_MAX),
         )
         # namespace -> (info, [(buffer id, owner object)]); the owners keep
         # registered memory alive while the engine may copy into it.

@@ -150,6 +150,9 @@ fn node_fail(e: NodeError) -> Fail {
     let code = e.code();
     match e {
         NodeError::Engine(EngineError::Gpu(g)) => gpu_fail(g),
+        NodeError::Engine(e @ EngineError::Disk(_)) => {
+            Fail::new("StartError", cause, format!("{e} (ssd_dir must exist, on a local SSD file system)"))
+        }
         NodeError::Client(c) => Fail::new(
             "ConfigError",
             code,
@@ -369,7 +372,7 @@ fn load_dict<'py>(py: Python<'py>, r: &kvferry::engine::LoadReport) -> PyResult<
 #[pymethods]
 impl Node {
     #[new]
-    #[pyo3(signature = (metaserver, pool_bytes, gpu, device, transport, host, grpc_port, data_port, fetch_timeout_s, rpc_timeout_s))]
+    #[pyo3(signature = (metaserver, pool_bytes, gpu, device, transport, host, grpc_port, data_port, fetch_timeout_s, rpc_timeout_s, ssd_dir=None, ssd_bytes=0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -383,6 +386,8 @@ impl Node {
         data_port: u16,
         fetch_timeout_s: f64,
         rpc_timeout_s: f64,
+        ssd_dir: Option<std::path::PathBuf>,
+        ssd_bytes: u64,
     ) -> PyResult<Self> {
         if transport != "tcp" {
             return Err(Fail::coded(
@@ -401,6 +406,7 @@ impl Node {
         cfg.data_addr = bind(data_port)?;
         cfg.advertise_host = host.to_string();
         cfg.engine.pool_bytes = pool_bytes;
+        cfg.engine.disk = ssd_dir.map(|dir| kvferry::engine::DiskConfig::new(dir, ssd_bytes));
         cfg.engine.fetch_deadline = secs(fetch_timeout_s)?;
         cfg.engine.peer_rpc_timeout = secs(rpc_timeout_s)?;
         cfg.metaserver_rpc_timeout = secs(rpc_timeout_s)?;

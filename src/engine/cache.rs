@@ -117,6 +117,13 @@ impl BlockCache {
     /// inspected. Returns the evicted keys (the caller enqueues a removal for
     /// each, C4).
     pub fn evict(&mut self, bytes_wanted: u64, scan_max: usize) -> Vec<(Arc<str>, BlockHash)> {
+        self.evict_blocks(bytes_wanted, scan_max).into_iter().map(|(k, _)| k).collect()
+    }
+
+    /// [`evict`](Self::evict), also handing back each victim's block (its
+    /// extent is freed when the caller drops it: e.g. after writing it to
+    /// the disk tier).
+    pub fn evict_blocks(&mut self, bytes_wanted: u64, scan_max: usize) -> Vec<((Arc<str>, BlockHash), CachedBlock)> {
         let mut released = 0u64;
         let mut victims = Vec::new();
         for (tick, key) in self.lru.iter().take(scan_max) {
@@ -132,12 +139,11 @@ impl BlockCache {
         }
         victims
             .into_iter()
-            .map(|(tick, key)| {
+            .filter_map(|(tick, key)| {
                 self.lru.remove(&tick);
-                if let Some(e) = self.map.remove(&key) {
-                    self.bytes -= e.block.extent.len();
-                }
-                key
+                let e = self.map.remove(&key)?;
+                self.bytes -= e.block.extent.len();
+                Some((key, e.block))
             })
             .collect()
     }

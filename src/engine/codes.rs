@@ -31,6 +31,7 @@ impl EngineError {
             EngineError::Lock(e) => e.code(),
             EngineError::Lease(e) => e.code(),
             EngineError::Task(_) => "engine_task",
+            EngineError::Disk(e) => e.code(),
         }
     }
 }
@@ -64,6 +65,22 @@ impl GrpcCode for EngineError {
             EngineError::Lease(LeaseError::Duplicate) => Code::Aborted,
             EngineError::Lease(LeaseError::Blocks { .. } | LeaseError::Ttl { .. }) => Code::InvalidArgument,
             EngineError::Task(_) => Code::Unavailable,
+            EngineError::Disk(_) => Code::FailedPrecondition,
+        }
+    }
+}
+
+impl super::disk::DiskOpenError {
+    /// The stable code of this error (a wrapped file or tier error answers
+    /// its own).
+    pub fn code(&self) -> &'static str {
+        use super::disk::DiskOpenError;
+        match self {
+            #[cfg(all(target_os = "linux", not(madsim)))]
+            DiskOpenError::File(e) => e.code(),
+            DiskOpenError::Tier(e) => e.code(),
+            DiskOpenError::NoFileBackend => "disk_no_file_backend",
+            DiskOpenError::SimDiskTaken => "disk_sim_taken",
         }
     }
 }

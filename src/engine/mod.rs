@@ -9,6 +9,7 @@
 pub mod cache;
 mod codes;
 pub mod device;
+mod disk;
 pub mod fetch;
 pub mod layout;
 pub mod leases;
@@ -33,6 +34,7 @@ use crate::memory::DeviceBufferId;
 use crate::transport::{DataSource, Transport};
 use crate::types::{BlockHash, IdError, NodeAddr, validate_namespace};
 use cache::{BlockCache, CachedBlock};
+pub use disk::{DiskConfig, DiskMetrics, DiskOpenError, DiskStats, SimDiskSlot, family_id};
 pub use fetch::{FetchIntoReport, FetchReport};
 use layout::{LayerLayout, Layout, LayoutError, LayoutFamily};
 use locks::{AccessError, LockError, LockTable};
@@ -90,6 +92,10 @@ pub struct EngineConfig {
     /// same-host owner that granted a device lease on them (C19); on by
     /// default. A node whose path is forced to `shm` or `tcp` turns it off.
     pub device_direct: bool,
+    /// The disk tier below the pool (issue 32): evicted blocks are written
+    /// to it and staged back on a lookup, `load`, fetch or a peer's lock
+    /// request. `None` (the default): no tier, eviction drops blocks.
+    pub disk: Option<DiskConfig>,
 }
 
 impl Default for EngineConfig {
@@ -108,6 +114,7 @@ impl Default for EngineConfig {
             fetch_verify_task_bytes_min: limits::FETCH_VERIFY_PART_BYTES_MIN,
             seed: None,
             device_direct: true,
+            disk: None,
         }
     }
 }
@@ -176,6 +183,9 @@ pub enum EngineError {
     /// The transfer-lock table refused.
     #[error(transparent)]
     Lock(#[from] LockError),
+    /// The disk tier could not be opened.
+    #[error("disk tier: {0}")]
+    Disk(#[from] DiskOpenError),
     /// A device lease was refused (C19).
     #[error(transparent)]
     Lease(leases::LeaseError),
@@ -236,8 +246,11 @@ pub struct EngineMetrics {
     pub loaded_blocks: AtomicU64,
     /// Blocks that failed to load.
     pub load_failures: AtomicU64,
-    /// Blocks evicted under pressure.
+    /// Blocks evicted under pressure (C4: `evicted == removals_enqueued +
+    /// removals_dropped_at_enqueue + evicted_to_disk`).
     pub evicted: AtomicU64,
+    /// Evicted blocks the disk tier took (they stay advertised; no removal).
+    pub evicted_to_disk: AtomicU64,
     /// Removals enqueued for evicted blocks.
     pub removals_enqueued: AtomicU64,
     /// Removals dropped at the door (queue full) for evicted blocks.
@@ -332,6 +345,8 @@ pub(crate) struct EngineInner {
     /// Exports of this engine's device buffers, made once per buffer and
     /// kind.
     exports: Mutex<HashMap<(DeviceBufferId, crate::gpu::peer::PeerKind), crate::gpu::peer::BufferExport>>,
+    /// The disk tier below the pool, if configured.
+    disk: Option<disk::DiskTier>,
 }
 
 /// The engine. Cheap to clone (one `Arc`).
@@ -387,7 +402,7 @@ struct Source(Weak<EngineInner>);
 impl OwnershipSource for Source {
     fn resident_blocks(&self) -> Vec<(String, Vec<BlockHash>)> {
         match self.0.upgrade() {
-            Some(e) => e.cache.lock().expect("cache lock").resident(),
+            Some(e) => e.resident_blocks(),
             None => Vec::new(),
         }
     }
@@ -435,6 +450,13 @@ impl Engine {
             None => rand::rngs::StdRng::from_os_rng(),
         };
         let incarnation = rng.next_u64();
+        let (disk, recovered) = match &cfg.disk {
+            Some(d) => {
+                let (t, keys) = disk::DiskTier::open(d)?;
+                (Some(t), keys)
+            }
+            None => (None, Vec::new()),
+        };
         let inner = Arc::new(EngineInner {
             node,
             pool,
@@ -452,10 +474,27 @@ impl Engine {
             peers: peers::PeerTable::default(),
             leases: Mutex::new(leases::DeviceLeases::new()),
             exports: Mutex::new(HashMap::new()),
+            disk,
             cfg,
         });
         client.set_ownership_source(Arc::new(Source(Arc::downgrade(&inner))));
         tokio::spawn(lock_gc(Arc::downgrade(&inner)));
+        if let Some(d) = &inner.disk {
+            tokio::spawn(disk::drive(Arc::downgrade(&inner), d.wake.clone()));
+            // C18: what recovery verified is advertised again.
+            let mut by_ns: HashMap<Arc<str>, Vec<BlockHash>> = HashMap::new();
+            for k in recovered {
+                by_ns.entry(k.namespace).or_default().push(k.hash);
+            }
+            for (ns, hashes) in by_ns {
+                let accepted = client.try_register(&ns, &hashes);
+                d.metrics().recovered_advertised.fetch_add(accepted as u64, Ordering::Relaxed);
+                inner
+                    .metrics
+                    .registrations_dropped_at_enqueue
+                    .fetch_add((hashes.len() - accepted) as u64, Ordering::Relaxed);
+            }
+        }
         Ok(Self { inner })
     }
 
@@ -685,23 +724,31 @@ impl Engine {
         Err(EngineError::Pool(last.expect("at least one attempt")))
     }
 
-    /// Evicts unpinned LRU blocks worth at least `bytes` (bounded scan) and
-    /// enqueues a removal for each (C4). Returns blocks evicted.
+    /// Evicts unpinned LRU blocks worth at least `bytes` (bounded scan).
+    /// With a disk tier each victim is handed to its write-behind queue
+    /// and stays advertised when taken; every other victim gets a removal
+    /// enqueued (C4). Returns blocks evicted.
     pub fn evict(&self, bytes: u64) -> usize {
-        let victims = self.inner.cache.lock().expect("cache lock").evict(bytes, limits::EVICTION_SCAN_MAX);
+        let victims = self.inner.cache.lock().expect("cache lock").evict_blocks(bytes, limits::EVICTION_SCAN_MAX);
         let m = &self.inner.metrics;
-        for (i, (ns, hash)) in victims.iter().enumerate() {
-            if i + 1 == victims.len() && canary::active(Canary::C4RemovalLost) {
+        let n = victims.len();
+        for (i, ((ns, hash), block)) in victims.into_iter().enumerate() {
+            if i + 1 == n && canary::active(Canary::C4RemovalLost) {
                 continue; // C4 canary: neither counted nor offered
             }
             m.evicted.fetch_add(1, Ordering::Relaxed);
-            if self.inner.client.try_unregister(ns, std::slice::from_ref(hash)) == 1 {
+            if self.write_to_disk(&ns, &hash, &block) {
+                m.evicted_to_disk.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            drop(block);
+            if self.inner.client.try_unregister(&ns, std::slice::from_ref(&hash)) == 1 {
                 m.removals_enqueued.fetch_add(1, Ordering::Relaxed);
             } else {
                 m.removals_dropped_at_enqueue.fetch_add(1, Ordering::Relaxed);
             }
         }
-        victims.len()
+        n
     }
 
     /// Saves blocks: skips resident ones, allocates pool slots, copies
@@ -942,7 +989,26 @@ impl Engine {
     }
 
     /// How many hashes, from the first, are resident here (a gap ends it).
+    /// With a disk tier a block whose record is on disk counts too: a
+    /// `load`, a fetch or a peer's lock request stages it into the pool.
     pub fn query_prefix(&self, namespace: &str, hashes: &[BlockHash]) -> usize {
+        let Ok((ns, layout)) = self.layout(namespace) else { return 0 };
+        let cache = self.inner.cache.lock().expect("cache lock");
+        match &self.inner.disk {
+            None => hashes.iter().take_while(|h| cache.contains(&ns, h)).count(),
+            Some(d) => {
+                let family = disk::family_id(&layout.family());
+                hashes
+                    .iter()
+                    .take_while(|h| cache.contains(&ns, h) || d.on_disk(&disk::block_key(&ns, h, family)))
+                    .count()
+            }
+        }
+    }
+
+    /// How many hashes, from the first, are in the pool (disk not
+    /// consulted).
+    pub fn resident_prefix(&self, namespace: &str, hashes: &[BlockHash]) -> usize {
         let Ok((ns, _)) = self.layout(namespace) else { return 0 };
         let cache = self.inner.cache.lock().expect("cache lock");
         hashes.iter().take_while(|h| cache.contains(&ns, h)).count()
@@ -968,6 +1034,10 @@ impl Engine {
         let (ns, layout) = self.layout(namespace)?;
         Self::check_indices(&layout, blocks.iter().map(|(_, i)| i))?;
         self.inner.metrics.loads.fetch_add(1, Ordering::Relaxed);
+        if let Some(d) = &self.inner.disk {
+            let hashes: Vec<BlockHash> = blocks.iter().map(|(h, _)| h.clone()).collect();
+            self.stage(&ns, &layout, &hashes, false, Instant::now() + d.stage_deadline).await;
+        }
         let mut results: Vec<Result<(), LoadError>> = Vec::with_capacity(blocks.len());
         // Leases on the resident blocks (the cache lock is held only here).
         let mut hits: Vec<(usize, SealedExtent, u64)> = Vec::with_capacity(blocks.len());
@@ -1032,8 +1102,9 @@ impl Engine {
     }
 
     /// Resident blocks per namespace (the backfill source, C6).
+    /// With a disk tier, also every block whose record is on disk (C18).
     pub fn resident_blocks(&self) -> Vec<(String, Vec<BlockHash>)> {
-        self.inner.cache.lock().expect("cache lock").resident()
+        self.inner.resident_blocks()
     }
 
     /// Locks exactly the resident blocks among `hashes` for a peer's read

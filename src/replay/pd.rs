@@ -51,6 +51,19 @@ pub enum Routing {
     PrefixAware,
 }
 
+/// Which nodes of the replay get a disk tier (`--ssd-roles`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
+pub enum SsdRoles {
+    /// Every node.
+    #[default]
+    All,
+    /// Prefill nodes only: decode nodes hold copies of what prefill nodes
+    /// saved, so their disk writes duplicate the prefill nodes' and share
+    /// the same device's bandwidth.
+    Prefill,
+}
+
 /// A node's role in the replay.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub enum Role {
@@ -201,6 +214,16 @@ pub struct PdConfig {
     /// [`PathChoice::Auto`] (the default) every fetch goes through the
     /// owner's shared pool; [`PathChoice::Tcp`] forces TCP loopback.
     pub path: PathChoice,
+    /// Disk tier below each node's pool (`--ssd-dir`): node `i` keeps its
+    /// file in the subdirectory `node-i` (created). None: no disk tier.
+    pub ssd_dir: Option<PathBuf>,
+    /// Size of each node's disk tier (bytes, `--ssd-size`).
+    pub ssd_bytes: u64,
+    /// Which nodes get a disk tier (`--ssd-roles`).
+    pub ssd_roles: SsdRoles,
+    /// Write-behind queue of each node's disk tier (blocks,
+    /// `--ssd-write-queue`).
+    pub ssd_write_queue: usize,
     /// When this turns true (the binary's Ctrl-C), no further request is
     /// started; the requests in flight finish (each bounded by its flush
     /// and fetch deadlines) and the report covers the requests replayed so
@@ -234,6 +257,10 @@ impl Default for PdConfig {
             fetch_deadline: Duration::from_secs(5),
             transport: TransportChoice::Tcp,
             path: PathChoice::Auto,
+            ssd_dir: None,
+            ssd_bytes: 8 << 30,
+            ssd_roles: SsdRoles::All,
+            ssd_write_queue: limits::PD_SSD_WRITE_QUEUE_DEFAULT,
             stop: None,
         }
     }
@@ -350,8 +377,50 @@ pub struct PdReport {
     pub evicted_blocks: u64,
     /// Per-node device copy statistics.
     pub nodes: Vec<NodeStat>,
+    /// The disk tier below the pools (`--ssd-dir`), all nodes; None
+    /// without one.
+    pub ssd: Option<SsdLine>,
     /// Wall-clock seconds.
     pub wall_s: f64,
+}
+
+/// The disk tier's figures over the replay, summed over nodes (the pd
+/// report's `ssd` line and JSON object).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct SsdLine {
+    /// Size of each node's tier (bytes).
+    pub bytes_per_node: u64,
+    /// Which backend ran (`io_uring + O_DIRECT`, threads, simulated).
+    pub backend: String,
+    /// Blocks written (records completed).
+    pub written_blocks: u64,
+    /// Block bytes written.
+    pub written_bytes: u64,
+    /// Blocks read back and verified.
+    pub read_blocks: u64,
+    /// Block bytes read back and verified.
+    pub read_bytes: u64,
+    /// Reads started on a block found on disk.
+    pub hits: u64,
+    /// Blocks staged into a pool from disk (local lookups, loads, peers'
+    /// lock requests).
+    pub staged_blocks: u64,
+    /// Records evicted from the disk (its LRU).
+    pub evicted: u64,
+    /// Reads whose bytes did not verify (C17): never served.
+    pub verify_failures: u64,
+    /// Pool evictions the tier refused (queue full, no space): dropped.
+    pub write_refused: u64,
+    /// Of those, for want of disk space.
+    pub write_refused_no_space: u64,
+    /// Stagings that failed or missed their deadline.
+    pub stage_failures: u64,
+    /// Records recovered at start (a directory reused from a previous run).
+    pub recovered: u64,
+    /// Write throughput averaged over the replay's wall time (GB/s).
+    pub write_gbps: f64,
+    /// Read throughput averaged over the replay's wall time (GB/s).
+    pub read_gbps: f64,
 }
 
 /// Replay errors: all are configuration or input problems, reported before
@@ -966,8 +1035,32 @@ pub async fn run_with_observer(
     }))
     .collect();
 
+    let ssd_stats: Vec<crate::engine::DiskStats> = nodes.iter().filter_map(|n| n.engine.disk_stats()).collect();
     stop_cluster(&nodes, ms).await;
     rep.wall_s = wall.elapsed().as_secs_f64();
+    if let Some(first) = ssd_stats.first() {
+        let mut l =
+            SsdLine { bytes_per_node: first.capacity_bytes, backend: first.backend.clone(), ..Default::default() };
+        for st in &ssd_stats {
+            let t = &st.tier;
+            l.written_blocks += t.written_blocks;
+            l.written_bytes += t.written_bytes;
+            l.read_blocks += t.read_blocks;
+            l.read_bytes += t.read_bytes;
+            l.hits += t.hits;
+            l.evicted += t.evicted;
+            l.verify_failures += t.verify_failures;
+            l.write_refused += st.write_refused;
+            l.write_refused_no_space += t.write_refused_no_space;
+            l.staged_blocks += st.staged_blocks;
+            l.stage_failures += st.stage_failures + st.stage_timeouts;
+            l.recovered += t.recovered;
+        }
+        let gbps = |b: u64| if rep.wall_s > 0.0 { b as f64 / rep.wall_s / 1e9 } else { 0.0 };
+        l.write_gbps = gbps(l.written_bytes);
+        l.read_gbps = gbps(l.read_bytes);
+        rep.ssd = Some(l);
+    }
     Ok(rep)
 }
 
@@ -988,6 +1081,19 @@ async fn start_node(
         fetch_reads_in_flight: cfg.fetch_reads_in_flight.max(1),
         fetch_read_part_bytes: cfg.fetch_read_part_bytes.max(1),
         lock_timeout_secs: 10,
+        disk: match &cfg.ssd_dir {
+            Some(_) if cfg.ssd_roles == SsdRoles::Prefill && i >= cfg.prefill => None,
+            Some(dir) => {
+                let sub = dir.join(format!("node-{i}"));
+                std::fs::create_dir_all(&sub)
+                    .map_err(|e| PdError::Start(format!("--ssd-dir: cannot create {}: {e}", sub.display())))?;
+                Some(crate::engine::DiskConfig {
+                    write_queue_max: cfg.ssd_write_queue,
+                    ..crate::engine::DiskConfig::new(sub, cfg.ssd_bytes)
+                })
+            }
+            None => None,
+        },
         ..EngineConfig::default()
     };
     ncfg.metaserver_rpc_timeout = Duration::from_millis(1000);

@@ -284,7 +284,7 @@ impl Engine {
             started + self.inner.cfg.fetch_deadline
         };
         let deadline = until.map_or(own, |u| u.min(own));
-        let local = self.query_prefix(namespace, hashes);
+        let local = self.stage_local_prefix(namespace, hashes, deadline).await;
         let mut pipe = load.map(|blocks| LoadPipe {
             blocks,
             results: vec![None; blocks.len()],

@@ -1,0 +1,755 @@
+//! The engine's disk tier (issue 32): the node's [`Tier`] below the pinned
+//! pool, and the task that drives it.
+//!
+//! # What goes where
+//!
+//! - Pool eviction hands each victim to the tier's write-behind queue
+//!   ([`DiskTier::write`]; the copy into the aligned record buffer, checked
+//!   against the seal checksums, happens inside it, so the pool extent is
+//!   free once it returns: C11 holds as for a plain eviction). An accepted
+//!   write keeps the block advertised at the MetaServer; a refused one
+//!   (queue full, no space, bad input) is counted and the engine registers
+//!   the removal as it does without a tier (C4).
+//! - A record that leaves the tier (disk LRU eviction, a failed write, a
+//!   read that did not verify: [`TierEvent::Removed`]) has its removal
+//!   registered by the driver, unless the block is resident in the pool
+//!   again.
+//! - Staging ([`DiskTier::read`]): a lookup, `load`, a fetch's local part or
+//!   a peer's lock request that names a block on disk and not in the pool
+//!   reads it (verified: identity and every slot CRC, C17), copies it into a
+//!   fresh pool extent and seals it into the cache with the record's slot
+//!   checksums. A read that fails or misses its deadline leaves the block
+//!   absent; the caller degrades (C9).
+//! - Recovery: [`Tier::open`] keeps only records that verify (C18); the
+//!   engine re-advertises them at start and includes every written record
+//!   in its backfill (C6).
+//!
+//! # The driver
+//!
+//! [`Tier`] is synchronous and never blocks unless asked to; the driver is
+//! one task per engine that polls it without waiting, hands out read
+//! results, registers removals and, while operations are in flight, sleeps
+//! [`DISK_POLL_INTERVAL_US`] between polls (else it waits to be woken).
+//! Only runtime time and tasks are used, so the same code runs on tokio and
+//! under the simulator.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use tokio::sync::{Notify, oneshot};
+use tokio::time::Instant;
+
+use super::EngineInner;
+use super::layout::LayoutFamily;
+use crate::disk::io::{BackendKind, Completion, Errno, IoOp, Refused};
+use crate::disk::sim::SimDisk;
+use crate::disk::tier::{IoFailure, ReadBlock, ReadRefused, TierError, WriteOutcome, WriteRefused};
+use crate::disk::{BlockKey, DiskIo, SlotSum, Tier, TierConfig, TierCounters, TierEvent};
+use crate::limits::{
+    DISK_ALIGN_BYTES, DISK_IDLE_POLL_MS, DISK_POLL_INTERVAL_US, DISK_QUEUE_DEPTH_DEFAULT,
+    DISK_STAGE_DEADLINE_MS_DEFAULT, DISK_WRITE_QUEUE_DEFAULT,
+};
+use crate::types::BlockHash;
+
+/// A simulated disk handed to an engine instead of a file: the engine takes
+/// it at start and puts it back when it is dropped, so a test or the
+/// simulator can crash it ([`SimDisk::crash`]) and start a node on it again.
+#[derive(Clone, Default)]
+pub struct SimDiskSlot(Arc<Mutex<Option<SimDisk>>>);
+
+impl SimDiskSlot {
+    /// A slot holding `disk`.
+    pub fn new(disk: SimDisk) -> Self {
+        Self(Arc::new(Mutex::new(Some(disk))))
+    }
+
+    /// Takes the disk out (None while an engine holds it).
+    pub fn take(&self) -> Option<SimDisk> {
+        self.0.lock().expect("sim disk slot").take()
+    }
+
+    /// Puts a disk in (replacing any there).
+    pub fn put(&self, disk: SimDisk) {
+        *self.0.lock().expect("sim disk slot") = Some(disk);
+    }
+}
+
+impl std::fmt::Debug for SimDiskSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let held = self.0.lock().map(|s| s.is_some()).unwrap_or(false);
+        f.debug_struct("SimDiskSlot").field("holds_disk", &held).finish()
+    }
+}
+
+/// Settings of an engine's disk tier ([`super::EngineConfig::disk`]).
+#[derive(Clone, Debug)]
+pub struct DiskConfig {
+    /// Directory of the tier's file (must exist; on the SSD). Ignored when
+    /// `sim` is set.
+    pub dir: PathBuf,
+    /// Size of the tier's file (bytes; rounded down to 4 KiB).
+    pub bytes: u64,
+    /// Operations in flight at the backend, at most (count).
+    pub queue_depth: usize,
+    /// Writes accepted and not completed, at most (blocks): the
+    /// write-behind queue. An eviction beyond it drops the block.
+    pub write_queue_max: usize,
+    /// Record alignment (bytes, a power of two ≥ 4 KiB; see
+    /// [`TierConfig::record_align`]).
+    pub record_align: u64,
+    /// How long a local staging (lookup, `load`, a fetch's local part) may
+    /// wait for disk reads.
+    pub stage_deadline: Duration,
+    /// Use this simulated disk instead of a file (tests, the simulator).
+    pub sim: Option<SimDiskSlot>,
+}
+
+impl DiskConfig {
+    /// A tier of `bytes` in `dir`, other settings at their defaults.
+    pub fn new(dir: impl Into<PathBuf>, bytes: u64) -> Self {
+        Self {
+            dir: dir.into(),
+            bytes,
+            queue_depth: DISK_QUEUE_DEPTH_DEFAULT,
+            write_queue_max: DISK_WRITE_QUEUE_DEFAULT,
+            record_align: DISK_ALIGN_BYTES,
+            stage_deadline: Duration::from_millis(DISK_STAGE_DEADLINE_MS_DEFAULT),
+            sim: None,
+        }
+    }
+
+    /// A tier over a simulated disk of `bytes` held in `slot`.
+    pub fn simulated(slot: SimDiskSlot, bytes: u64) -> Self {
+        Self { sim: Some(slot), ..Self::new(PathBuf::new(), bytes) }
+    }
+}
+
+/// Why the disk tier could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum DiskOpenError {
+    /// The file or backend could not be opened.
+    #[cfg(all(target_os = "linux", not(madsim)))]
+    #[error(transparent)]
+    File(#[from] crate::disk::file::OpenError),
+    /// The tier refused its settings or recovery failed.
+    #[error(transparent)]
+    Tier(#[from] TierError),
+    /// A file-backed tier was asked for where only the simulated disk
+    /// exists (the simulator, non-Linux).
+    #[error("no file-backed disk tier on this platform; use a simulated disk")]
+    NoFileBackend,
+    /// The simulated disk's slot was empty (another engine holds it).
+    #[error("the simulated disk is held by another engine")]
+    SimDiskTaken,
+}
+
+/// The backend an engine's tier runs on.
+enum NodeDisk {
+    #[cfg(all(target_os = "linux", not(madsim)))]
+    Real(crate::disk::backend::RealDisk),
+    Sim(Box<SimDisk>),
+}
+
+impl DiskIo for NodeDisk {
+    fn kind(&self) -> BackendKind {
+        match self {
+            #[cfg(all(target_os = "linux", not(madsim)))]
+            NodeDisk::Real(d) => d.kind(),
+            NodeDisk::Sim(d) => d.kind(),
+        }
+    }
+    fn capacity(&self) -> u64 {
+        match self {
+            #[cfg(all(target_os = "linux", not(madsim)))]
+            NodeDisk::Real(d) => d.capacity(),
+            NodeDisk::Sim(d) => d.capacity(),
+        }
+    }
+    fn queue_depth(&self) -> usize {
+        match self {
+            #[cfg(all(target_os = "linux", not(madsim)))]
+            NodeDisk::Real(d) => d.queue_depth(),
+            NodeDisk::Sim(d) => d.queue_depth(),
+        }
+    }
+    fn in_flight(&self) -> usize {
+        match self {
+            #[cfg(all(target_os = "linux", not(madsim)))]
+            NodeDisk::Real(d) => d.in_flight(),
+            NodeDisk::Sim(d) => d.in_flight(),
+        }
+    }
+    fn submit(&mut self, op: IoOp) -> Result<(), Refused> {
+        match self {
+            #[cfg(all(target_os = "linux", not(madsim)))]
+            NodeDisk::Real(d) => d.submit(op),
+            NodeDisk::Sim(d) => d.submit(op),
+        }
+    }
+    fn reap(&mut self, wait: bool, out: &mut Vec<Completion>) -> Result<usize, Errno> {
+        match self {
+            #[cfg(all(target_os = "linux", not(madsim)))]
+            NodeDisk::Real(d) => d.reap(wait, out),
+            NodeDisk::Sim(d) => d.reap(wait, out),
+        }
+    }
+}
+
+/// Counters of the engine's use of its disk tier (monotonic); the tier's
+/// own counters are in [`TierCounters`].
+#[derive(Debug, Default)]
+pub struct DiskMetrics {
+    /// Pool victims the tier refused (queue full, no space, bad input):
+    /// dropped, their removal registered.
+    pub write_refused: AtomicU64,
+    /// Removals enqueued for records that left the tier.
+    pub removals_enqueued: AtomicU64,
+    /// Removals of records that left the tier dropped at a full queue.
+    pub removals_dropped_at_enqueue: AtomicU64,
+    /// Records that left the tier while the block was resident in the pool
+    /// (no removal).
+    pub removals_skipped_resident: AtomicU64,
+    /// Blocks staged from disk into the pool (verified, sealed).
+    pub staged_blocks: AtomicU64,
+    /// Stagings that failed: the read failed or did not verify, the record
+    /// was not readable (still being written), or no pool room.
+    pub stage_failures: AtomicU64,
+    /// Stagings that missed their deadline.
+    pub stage_timeouts: AtomicU64,
+    /// Blocks found by recovery at start and advertised again.
+    pub recovered_advertised: AtomicU64,
+    /// Nanoseconds from a staging read's start to its verified bytes
+    /// (summed over reads).
+    pub read_ns: AtomicU64,
+}
+
+/// A point-in-time view of the tier: its counters, the engine's, and
+/// gauges.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct DiskStats {
+    /// Which backend runs (its display name).
+    pub backend: String,
+    /// The tier's counters.
+    pub tier: TierCounters,
+    /// Pool victims the tier took (see
+    /// [`super::EngineMetrics::evicted_to_disk`]).
+    pub evicted_to_disk: u64,
+    /// See [`DiskMetrics::write_refused`].
+    pub write_refused: u64,
+    /// See [`DiskMetrics::removals_enqueued`].
+    pub removals_enqueued: u64,
+    /// See [`DiskMetrics::removals_dropped_at_enqueue`].
+    pub removals_dropped_at_enqueue: u64,
+    /// See [`DiskMetrics::staged_blocks`].
+    pub staged_blocks: u64,
+    /// See [`DiskMetrics::stage_failures`].
+    pub stage_failures: u64,
+    /// See [`DiskMetrics::stage_timeouts`].
+    pub stage_timeouts: u64,
+    /// See [`DiskMetrics::recovered_advertised`].
+    pub recovered_advertised: u64,
+    /// See [`DiskMetrics::read_ns`].
+    pub read_ns: u64,
+    /// Records indexed now (count).
+    pub records: u64,
+    /// Bytes records take now.
+    pub used_bytes: u64,
+    /// The tier's size (bytes).
+    pub capacity_bytes: u64,
+}
+
+struct State {
+    tier: Tier<NodeDisk>,
+    /// Reads in flight, by tag: who waits for the bytes.
+    readers: HashMap<u64, (oneshot::Sender<Result<ReadBlock, IoFailure>>, Instant)>,
+}
+
+/// An engine's disk tier; see the module doc.
+pub(crate) struct DiskTier {
+    state: Mutex<State>,
+    pub(crate) wake: Arc<Notify>,
+    metrics: DiskMetrics,
+    slot: Option<SimDiskSlot>,
+    pub(crate) stage_deadline: Duration,
+}
+
+impl std::fmt::Debug for DiskTier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DiskTier").finish_non_exhaustive()
+    }
+}
+
+/// The key a block of namespace `ns` and layout family `family` has on disk.
+pub(crate) fn block_key(ns: &Arc<str>, hash: &BlockHash, family: u64) -> BlockKey {
+    BlockKey { namespace: ns.clone(), hash: hash.clone(), family }
+}
+
+/// A stable 64-bit id of a layout family (FNV-1a over the per-layer
+/// segments and bytes): what disk records carry, the same in every process.
+pub fn family_id(f: &LayoutFamily) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |bytes: &[u8]| {
+        for b in bytes {
+            h ^= u64::from(*b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    };
+    eat(&(f.slots.len() as u64).to_le_bytes());
+    for (segments, bytes) in &f.slots {
+        eat(&[*segments]);
+        eat(&bytes.to_le_bytes());
+    }
+    h
+}
+
+/// The slot lengths and seal checksums of a block of family `f`, as the
+/// tier takes them; `None` when the counts disagree or a slot exceeds 4 GiB.
+pub(crate) fn slot_sums(f: &LayoutFamily, checksums: &[u32]) -> Option<Vec<SlotSum>> {
+    if f.slots.len() != checksums.len() {
+        return None;
+    }
+    f.slots
+        .iter()
+        .zip(checksums)
+        .map(|((segments, bytes), crc)| {
+            let len = u64::from(*segments).checked_mul(*bytes)?;
+            Some(SlotSum { len: u32::try_from(len).ok()?, crc32c: *crc })
+        })
+        .collect()
+}
+
+/// How a staging read ended.
+pub(crate) enum ReadEnd {
+    /// Verified bytes.
+    Block(ReadBlock),
+    /// Not on disk, or not readable yet (still being written).
+    Absent,
+    /// The read failed or did not verify (the record was dropped).
+    Failed,
+    /// The deadline passed.
+    TimedOut,
+}
+
+impl DiskTier {
+    /// Opens the tier per `cfg` (scanning for records, C18); returns it and
+    /// the blocks recovery kept.
+    pub(crate) fn open(cfg: &DiskConfig) -> Result<(Self, Vec<BlockKey>), DiskOpenError> {
+        let io = match &cfg.sim {
+            Some(slot) => NodeDisk::Sim(Box::new(slot.take().ok_or(DiskOpenError::SimDiskTaken)?)),
+            None => Self::open_file(cfg)?,
+        };
+        let tcfg = TierConfig { write_queue_max: cfg.write_queue_max, record_align: cfg.record_align };
+        let (tier, rec) = Tier::open(io, tcfg)?;
+        tracing::info!(
+            backend = %tier.backend(),
+            capacity = tier.capacity(),
+            recovered = rec.blocks.len(),
+            rejected = rec.rejected,
+            "disk tier open"
+        );
+        let keys = rec.blocks.into_iter().map(|b| b.key).collect();
+        Ok((
+            Self {
+                state: Mutex::new(State { tier, readers: HashMap::new() }),
+                wake: Arc::new(Notify::new()),
+                metrics: DiskMetrics::default(),
+                slot: cfg.sim.clone(),
+                stage_deadline: cfg.stage_deadline,
+            },
+            keys,
+        ))
+    }
+
+    #[cfg(all(target_os = "linux", not(madsim)))]
+    fn open_file(cfg: &DiskConfig) -> Result<NodeDisk, DiskOpenError> {
+        let d = crate::disk::backend::open_backend(
+            &cfg.dir,
+            cfg.bytes,
+            cfg.queue_depth,
+            crate::disk::backend::BackendChoice::Auto,
+        )?;
+        Ok(NodeDisk::Real(d))
+    }
+
+    #[cfg(not(all(target_os = "linux", not(madsim))))]
+    fn open_file(_cfg: &DiskConfig) -> Result<NodeDisk, DiskOpenError> {
+        Err(DiskOpenError::NoFileBackend)
+    }
+
+    pub(crate) fn metrics(&self) -> &DiskMetrics {
+        &self.metrics
+    }
+
+    /// Whether `key`'s record is on disk and readable (its write completed).
+    pub(crate) fn on_disk(&self, key: &BlockKey) -> bool {
+        matches!(self.state.lock().expect("disk lock").tier.lookup(key), Some((_, true)))
+    }
+
+    /// Every block with a completed record, by namespace (the backfill).
+    pub(crate) fn written_keys(&self) -> Vec<BlockKey> {
+        self.state.lock().expect("disk lock").tier.written_keys().into_iter().map(|(k, _)| k).collect()
+    }
+
+    /// Hands a pool victim to the write-behind queue. `true` when the tier
+    /// holds it (queued or already on disk): it stays advertised.
+    pub(crate) fn write(&self, key: &BlockKey, slots: &[SlotSum], bytes: &[u8]) -> bool {
+        let r = self.state.lock().expect("disk lock").tier.write(key, slots, bytes);
+        self.wake.notify_one();
+        match r {
+            Ok(WriteOutcome::Queued { .. } | WriteOutcome::AlreadyOnDisk { .. }) => true,
+            Err(e) => {
+                self.metrics.write_refused.fetch_add(1, Ordering::Relaxed);
+                match e {
+                    WriteRefused::QueueFull { .. } => tracing::debug!("disk tier: write queue full, block dropped"),
+                    e => tracing::warn!(error = %e, "disk tier: write refused, block dropped"),
+                }
+                false
+            }
+        }
+    }
+
+    /// Reads `key`'s record (verified, C17) by `deadline`.
+    pub(crate) async fn read(&self, key: &BlockKey, deadline: Instant) -> ReadEnd {
+        let started = Instant::now();
+        let rx = {
+            let mut st = self.state.lock().expect("disk lock");
+            match st.tier.read(key) {
+                Ok(tag) => {
+                    let (tx, rx) = oneshot::channel();
+                    st.readers.insert(tag, (tx, started));
+                    rx
+                }
+                Err(ReadRefused::NotFound | ReadRefused::Writing) => return ReadEnd::Absent,
+                Err(ReadRefused::Buffer(e)) => {
+                    tracing::warn!(error = %e, "disk tier: no read buffer");
+                    return ReadEnd::Failed;
+                }
+            }
+        };
+        self.wake.notify_one();
+        match crate::rt::timeout_at(deadline, rx).await {
+            Ok(Ok(Ok(block))) => {
+                self.metrics.read_ns.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                ReadEnd::Block(block)
+            }
+            Ok(Ok(Err(_)) | Err(_)) => ReadEnd::Failed,
+            Err(_) => ReadEnd::TimedOut,
+        }
+    }
+
+    /// Gives a read buffer back for reuse.
+    pub(crate) fn recycle(&self, block: ReadBlock) {
+        self.state.lock().expect("disk lock").tier.recycle(block.buf);
+    }
+
+    /// Operations issued and not completed (count).
+    pub(crate) fn ops_pending(&self) -> usize {
+        self.state.lock().expect("disk lock").tier.ops_pending()
+    }
+
+    /// A snapshot of the counters and gauges.
+    pub(crate) fn stats(&self) -> DiskStats {
+        let (backend, tier, records, used, cap) = {
+            let st = self.state.lock().expect("disk lock");
+            let t = &st.tier;
+            (t.backend().to_string(), t.counters().clone(), t.len() as u64, t.used_bytes(), t.capacity())
+        };
+        let m = &self.metrics;
+        let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        DiskStats {
+            backend,
+            tier,
+            evicted_to_disk: 0,
+            write_refused: ld(&m.write_refused),
+            removals_enqueued: ld(&m.removals_enqueued),
+            removals_dropped_at_enqueue: ld(&m.removals_dropped_at_enqueue),
+            staged_blocks: ld(&m.staged_blocks),
+            stage_failures: ld(&m.stage_failures),
+            stage_timeouts: ld(&m.stage_timeouts),
+            recovered_advertised: ld(&m.recovered_advertised),
+            read_ns: ld(&m.read_ns),
+            records,
+            used_bytes: used,
+            capacity_bytes: cap,
+        }
+    }
+
+    /// One round of the driver: polls the tier without waiting, hands out
+    /// read results and returns the blocks whose records left the tier and
+    /// whether operations are still in flight.
+    fn round(&self) -> (Vec<BlockKey>, bool) {
+        let mut st = self.state.lock().expect("disk lock");
+        let events = match st.tier.poll(false) {
+            Ok(ev) => ev,
+            Err(e) => {
+                tracing::error!(error = %e, "disk tier: backend cannot be polled");
+                Vec::new()
+            }
+        };
+        let mut removed = Vec::new();
+        for ev in events {
+            match ev {
+                TierEvent::Written { .. } => {}
+                TierEvent::Read { tag, result, .. } => match st.readers.remove(&tag) {
+                    Some((tx, _)) => {
+                        if let Err(Ok(block)) = tx.send(result) {
+                            st.tier.recycle(block.buf); // the reader gave up
+                        }
+                    }
+                    None => {
+                        if let Ok(block) = result {
+                            st.tier.recycle(block.buf);
+                        }
+                    }
+                },
+                TierEvent::Removed { key, .. } => removed.push(key),
+            }
+        }
+        (removed, st.tier.ops_pending() > 0)
+    }
+}
+
+impl Drop for DiskTier {
+    /// A simulated disk goes back to its slot (with whatever is still in
+    /// flight: a later [`SimDisk::crash`] tears it).
+    fn drop(&mut self) {
+        let Some(slot) = self.slot.take() else { return };
+        let Ok(st) = self.state.get_mut() else { return };
+        let tier = std::mem::replace(&mut st.tier, placeholder_tier());
+        // Irrefutable where the simulator has no file-backed disk.
+        #[allow(irrefutable_let_patterns)]
+        if let NodeDisk::Sim(d) = tier.into_io() {
+            slot.put(*d);
+        }
+    }
+}
+
+/// An empty tier over a tiny simulated disk (what a dropped [`DiskTier`]
+/// leaves behind while its real disk goes back to its slot).
+fn placeholder_tier() -> Tier<NodeDisk> {
+    let io = NodeDisk::Sim(Box::new(SimDisk::new(crate::limits::DISK_CAPACITY_BYTES_MIN, 1, 0)));
+    match Tier::open(io, TierConfig::default()) {
+        Ok((t, _)) => t,
+        Err(e) => unreachable!("a zeroed 1 MiB simulated tier opens: {e}"),
+    }
+}
+
+/// The driver task of `engine`'s tier (see the module doc); ends when the
+/// engine is gone. `wake` is the tier's wake-up (held here so an idle
+/// driver does not keep the engine alive).
+pub(crate) async fn drive(engine: Weak<EngineInner>, wake: Arc<Notify>) {
+    loop {
+        let busy = {
+            let Some(e) = engine.upgrade() else { return };
+            let Some(disk) = e.disk.as_ref() else { return };
+            let (removed, busy) = disk.round();
+            if !removed.is_empty() {
+                e.disk_removed(&removed);
+            }
+            busy
+        };
+        if busy {
+            tokio::time::sleep(Duration::from_micros(DISK_POLL_INTERVAL_US)).await;
+        } else {
+            let _ = tokio::time::timeout(Duration::from_millis(DISK_IDLE_POLL_MS), wake.notified()).await;
+        }
+    }
+}
+
+impl EngineInner {
+    /// Resident blocks per namespace: the pool's and, with a disk tier,
+    /// every block with a completed record (the backfill source, C6, C18).
+    pub(crate) fn resident_blocks(&self) -> Vec<(String, Vec<BlockHash>)> {
+        let pool = self.cache.lock().expect("cache lock").resident();
+        let Some(d) = &self.disk else { return pool };
+        let mut by_ns: std::collections::BTreeMap<String, std::collections::BTreeSet<BlockHash>> =
+            pool.into_iter().map(|(ns, v)| (ns, v.into_iter().collect())).collect();
+        for k in d.written_keys() {
+            by_ns.entry(k.namespace.to_string()).or_default().insert(k.hash);
+        }
+        by_ns.into_iter().map(|(ns, set)| (ns, set.into_iter().collect())).collect()
+    }
+
+    /// Registers the removal of each block whose record left the tier,
+    /// unless it is resident in the pool again (C4, C17).
+    fn disk_removed(&self, keys: &[BlockKey]) {
+        let Some(d) = &self.disk else { return };
+        let m = d.metrics();
+        for k in keys {
+            if self.cache.lock().expect("cache lock").contains(&k.namespace, &k.hash) {
+                m.removals_skipped_resident.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            if self.client.try_unregister(&k.namespace, std::slice::from_ref(&k.hash)) == 1 {
+                m.removals_enqueued.fetch_add(1, Ordering::Relaxed);
+            } else {
+                m.removals_dropped_at_enqueue.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+impl super::Engine {
+    /// Hands a pool victim to the disk tier's write-behind queue; `true`
+    /// when the tier took it (the block stays advertised).
+    pub(crate) fn write_to_disk(&self, ns: &Arc<str>, hash: &BlockHash, block: &super::CachedBlock) -> bool {
+        let Some(d) = &self.inner.disk else { return false };
+        let family = match self.inner.layouts.read().expect("layouts lock").families.get(ns) {
+            Some(f) => f.clone(),
+            None => return false,
+        };
+        let Some(slots) = slot_sums(&family, &block.checksums) else {
+            tracing::warn!(namespace = %ns, "disk tier: block's checksums do not match its family; dropped");
+            return false;
+        };
+        d.write(&block_key(ns, hash, family_id(&family)), &slots, block.extent.as_slice())
+    }
+
+    /// Stages blocks among `hashes` that are on disk and not in the pool:
+    /// reads them (verified, C17), copies each into a fresh pool extent and
+    /// seals it into the cache with the record's slot checksums. With
+    /// `prefix`, stops at the first block in neither place. Gives up on
+    /// whatever is not done by `deadline` (the block stays absent). Returns
+    /// blocks staged.
+    pub(crate) async fn stage(
+        &self,
+        ns: &Arc<str>,
+        layout: &super::Layout,
+        hashes: &[BlockHash],
+        prefix: bool,
+        deadline: Instant,
+    ) -> usize {
+        let Some(d) = &self.inner.disk else { return 0 };
+        let family = family_id(&layout.family());
+        let mut want = Vec::new();
+        for h in hashes {
+            if self.inner.cache.lock().expect("cache lock").contains(ns, h) {
+                continue;
+            }
+            let k = block_key(ns, h, family);
+            if d.on_disk(&k) {
+                want.push(k);
+            } else if prefix {
+                break;
+            }
+        }
+        let m = d.metrics();
+        let mut staged = 0;
+        for chunk in want.chunks(crate::limits::DISK_STAGE_READS_IN_FLIGHT) {
+            let ends = futures::future::join_all(chunk.iter().map(|k| d.read(k, deadline))).await;
+            for (k, end) in chunk.iter().zip(ends) {
+                match end {
+                    ReadEnd::Block(b) => {
+                        if self.seal_from_disk(ns, layout, k, b) {
+                            staged += 1;
+                            m.staged_blocks.fetch_add(1, Ordering::Relaxed);
+                        } else {
+                            m.stage_failures.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                    ReadEnd::Absent | ReadEnd::Failed => {
+                        m.stage_failures.fetch_add(1, Ordering::Relaxed);
+                    }
+                    ReadEnd::TimedOut => {
+                        m.stage_timeouts.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+            if Instant::now() >= deadline {
+                break;
+            }
+        }
+        staged
+    }
+
+    /// Copies a verified disk block into a fresh pool extent and seals it
+    /// into the cache. `false` when its shape is not the layout's or the
+    /// pool has no room.
+    fn seal_from_disk(&self, ns: &Arc<str>, layout: &super::Layout, key: &BlockKey, b: ReadBlock) -> bool {
+        let Some(d) = &self.inner.disk else { return false };
+        let len = layout.block_bytes();
+        if b.bytes().len() as u64 != len || b.slots.len() != layout.layers().len() {
+            // The family id matched, so this is a bug or a hash collision.
+            tracing::warn!(namespace = %ns, "disk tier: a verified record has another shape than the layout");
+            d.recycle(b);
+            return false;
+        }
+        let mut ext = match self.alloc(len) {
+            Ok(e) => e,
+            Err(_) => {
+                d.recycle(b);
+                return false;
+            }
+        };
+        ext.as_mut_slice().copy_from_slice(b.bytes());
+        let checksums: Arc<[u32]> = b.slots.iter().map(|s| s.crc32c).collect();
+        d.recycle(b);
+        let inserted = self.insert_sealed(ns, key.hash.clone(), super::CachedBlock { extent: ext.seal(), checksums });
+        // The record may have left the tier meanwhile, its removal
+        // registered: the pool holds the block now, so advertise it again.
+        if inserted && !d.on_disk(key) {
+            self.advertise(ns, std::slice::from_ref(&key.hash));
+        }
+        true
+    }
+
+    /// A fetch's local part: stages the disk-resident prefix of `hashes`
+    /// (by the earlier of `until` and the tier's staging deadline) and
+    /// returns how many hashes from the first are in the pool now.
+    pub(crate) async fn stage_local_prefix(&self, namespace: &str, hashes: &[BlockHash], until: Instant) -> usize {
+        if let (Some(d), Ok((ns, layout))) = (&self.inner.disk, self.layout(namespace)) {
+            let deadline = until.min(Instant::now() + d.stage_deadline);
+            self.stage(&ns, &layout, hashes, true, deadline).await;
+        }
+        self.resident_prefix(namespace, hashes)
+    }
+
+    /// [`lock_for_transfer`](Self::lock_for_transfer) for a peer's request:
+    /// first stages the requested blocks that are on disk (C18), by the
+    /// smaller of the tier's staging deadline and half the peer RPC
+    /// timeout (the requester's deadline for this call), so a slow disk
+    /// makes the blocks absent, never the call late.
+    ///
+    /// # Errors
+    /// As [`lock_for_transfer`](Self::lock_for_transfer).
+    pub async fn lock_for_transfer_staged(
+        &self,
+        namespace: &str,
+        hashes: &[BlockHash],
+    ) -> Result<super::TransferLock, super::EngineError> {
+        if let (Some(d), Ok((ns, layout))) = (&self.inner.disk, self.layout(namespace)) {
+            let budget = d.stage_deadline.min(self.inner.cfg.peer_rpc_timeout / 2);
+            self.stage(&ns, &layout, hashes, false, Instant::now() + budget).await;
+        }
+        self.lock_for_transfer(namespace, hashes)
+    }
+
+    /// The disk tier's counters and gauges; `None` without a tier.
+    pub fn disk_stats(&self) -> Option<DiskStats> {
+        let d = self.inner.disk.as_ref()?;
+        let mut s = d.stats();
+        s.evicted_to_disk = self.inner.metrics.evicted_to_disk.load(Ordering::Relaxed);
+        Some(s)
+    }
+
+    /// Waits until the disk tier has no operation in flight (queued writes
+    /// landed), at most `deadline`; `true` when it drained. Without a tier,
+    /// `true` at once.
+    pub async fn disk_drain(&self, deadline: Duration) -> bool {
+        let Some(d) = &self.inner.disk else { return true };
+        let end = Instant::now() + deadline;
+        loop {
+            d.wake.notify_one();
+            if d.ops_pending() == 0 {
+                return true;
+            }
+            if Instant::now() >= end {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+}
