@@ -151,7 +151,7 @@ fn node_fail(e: NodeError) -> Fail {
     match e {
         NodeError::Engine(EngineError::Gpu(g)) => gpu_fail(g),
         NodeError::Engine(e @ EngineError::Disk(_)) => {
-            Fail::new("StartError", cause, format!("{e} (ssd_dir must exist, on a local SSD file system)"))
+            Fail::new("StartError", code, format!("{e} (ssd_dir must exist, on a local SSD file system)"))
         }
         NodeError::Client(c) => Fail::new(
             "ConfigError",

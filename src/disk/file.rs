@@ -147,6 +147,20 @@ impl DiskFile {
             })?;
         let have = file.metadata().map_err(|source| OpenError::Open { path: path.clone(), source })?.len();
         if have < capacity {
+            // Refuse before allocating what the file system does not have:
+            // a failing fallocate first fills it (ext4 keeps the extents it
+            // got until the file is truncated), starving its other users.
+            let free = free_bytes(&file).map_err(|source| OpenError::Open { path: path.clone(), source })?;
+            if capacity - have > free {
+                if have == 0 {
+                    let _ = std::fs::remove_file(&path);
+                }
+                return Err(OpenError::Allocate {
+                    path,
+                    bytes: capacity,
+                    source: std::io::Error::from_raw_os_error(libc::ENOSPC),
+                });
+            }
             // SAFETY: plain syscall on an fd we own.
             let r = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, capacity as libc::off_t) };
             if r != 0 {
@@ -198,4 +212,17 @@ impl DiskFile {
     pub fn file(&self) -> &File {
         &self.file
     }
+}
+
+/// Bytes an unprivileged writer may still allocate on `file`'s file system
+/// (`fstatvfs`: available blocks × fragment size).
+fn free_bytes(file: &File) -> std::io::Result<u64> {
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: `fstatvfs` fills the struct for an fd we own.
+    if unsafe { libc::fstatvfs(file.as_raw_fd(), st.as_mut_ptr()) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: initialised by the successful call above.
+    let st = unsafe { st.assume_init() };
+    Ok(st.f_bavail.saturating_mul(st.f_frsize))
 }

@@ -1084,6 +1084,11 @@ async fn start_node(
         disk: match &cfg.ssd_dir {
             Some(_) if cfg.ssd_roles == SsdRoles::Prefill && i >= cfg.prefill => None,
             Some(dir) => {
+                // DIR itself is never created: a typo must not preallocate
+                // tier files on another disk (`docs` and `--help` say so).
+                if !dir.is_dir() {
+                    return Err(PdError::Start(format!("--ssd-dir: {} is not an existing directory", dir.display())));
+                }
                 let sub = dir.join(format!("node-{i}"));
                 std::fs::create_dir_all(&sub)
                     .map_err(|e| PdError::Start(format!("--ssd-dir: cannot create {}: {e}", sub.display())))?;
