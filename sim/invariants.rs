@@ -44,8 +44,8 @@
 //!   `offered == delivered + dropped + pending`, `evicted ==
 //!   removals_enqueued + removals_dropped_at_enqueue + evicted_to_disk`,
 //!   `offered_removes == evicted - evicted_to_disk + the disk tier's
-//!   removals`, `dropped_queue_full_removes == removals_dropped_at_enqueue
-//!   + the disk tier's`,
+//!   removals`, `dropped_queue_full_removes ==
+//!   removals_dropped_at_enqueue + the disk tier's`,
 //!   `offered_inserts <= saved_blocks + fetched_blocks` (equality at the
 //!   end). These identities are kept by the code they check, so they catch
 //!   miscounting, not a lost command.
