@@ -126,10 +126,9 @@ fn engine_fail(e: EngineError) -> Fail {
             code,
             format!("layout rejected: {l} (check the tensors' shapes and that every buffer is large enough)"),
         ),
-        EngineError::BlockIndex { idx, num_blocks } => Fail::coded(
-            code,
-            format!("block index {idx} out of range: the registered cache has {num_blocks} blocks"),
-        ),
+        EngineError::BlockIndex { idx, num_blocks } => {
+            Fail::coded(code, format!("block index {idx} out of range: the registered cache has {num_blocks} blocks"))
+        }
         EngineError::Pool(p) => Fail::new(
             "PoolFullError",
             code,
@@ -153,11 +152,9 @@ fn node_fail(e: NodeError) -> Fail {
         NodeError::Engine(e @ EngineError::Disk(_)) => {
             Fail::new("StartError", code, format!("{e} (ssd_dir must exist, on a local SSD file system)"))
         }
-        NodeError::Client(c) => Fail::new(
-            "ConfigError",
-            code,
-            format!("{c}: pass the MetaServer as host:port (e.g. MetaServer().address)"),
-        ),
+        NodeError::Client(c) => {
+            Fail::new("ConfigError", code, format!("{c}: pass the MetaServer as host:port (e.g. MetaServer().address)"))
+        }
         other => Fail::new("StartError", code, format!("node start failed: {other}")),
     }
 }
@@ -224,11 +221,9 @@ fn deadline_fail(what: &str, timeout: Duration) -> Fail {
 
 fn secs(timeout_s: f64) -> PyResult<Duration> {
     if !(timeout_s.is_finite() && timeout_s > 0.0 && timeout_s <= 86_400.0) {
-        return Err(Fail::coded(
-            "bad_timeout",
-            format!("timeout must be in (0, 86400] seconds, got {timeout_s}"),
-        )
-        .into());
+        return Err(
+            Fail::coded("bad_timeout", format!("timeout must be in (0, 86400] seconds, got {timeout_s}")).into()
+        );
     }
     Ok(Duration::from_secs_f64(timeout_s))
 }
@@ -267,18 +262,16 @@ impl MetaServer {
     #[new]
     #[pyo3(signature = (addr, stale_after_s, ttl_s, sweep_interval_s))]
     fn new(py: Python<'_>, addr: &str, stale_after_s: u64, ttl_s: u64, sweep_interval_s: u64) -> PyResult<Self> {
-        let sock = addr.parse().map_err(|e| {
-            Fail::coded("addr_parse", format!("bad MetaServer address {addr:?}: {e} (want ip:port)"))
-        })?;
+        let sock = addr
+            .parse()
+            .map_err(|e| Fail::coded("addr_parse", format!("bad MetaServer address {addr:?}: {e} (want ip:port)")))?;
         let mut cfg = MetaServerConfig::new(sock);
         cfg.stale_after_secs = stale_after_s;
         cfg.ttl_secs = ttl_s;
         cfg.sweep_interval_secs = sweep_interval_s;
         let rt = runtime()?;
         let started = py.detach(|| rt.block_on(kvferry::metaserver::start(cfg)));
-        let h = started.map_err(|e| {
-            Fail::new("StartError", e.code(), format!("MetaServer start failed: {e}"))
-        })?;
+        let h = started.map_err(|e| Fail::new("StartError", e.code(), format!("MetaServer start failed: {e}")))?;
         let address = h.local_addr.to_string();
         Ok(Self { state: Mutex::new(Some((rt, h))), address })
     }
@@ -397,9 +390,9 @@ impl Node {
             .into());
         }
         let bind = |port: u16| {
-            format!("{host}:{port}").parse().map_err(|e| {
-                Fail::coded("addr_parse", format!("bad host {host:?}: {e} (want an IP address)"))
-            })
+            format!("{host}:{port}")
+                .parse()
+                .map_err(|e| Fail::coded("addr_parse", format!("bad host {host:?}: {e} (want an IP address)")))
         };
         let mut cfg = NodeConfig::loopback(metaserver.to_string());
         cfg.grpc_addr = bind(grpc_port)?;
@@ -629,11 +622,9 @@ impl Node {
     fn end_device_lease(&self, id: &str) -> PyResult<bool> {
         let (_, engine) = self.engine()?;
         let Ok(n) = u128::from_str_radix(id, 16) else {
-            return Err(Fail::coded(
-                "bad_lease_id",
-                format!("{id:?} is not a device lease id (32 hex characters)"),
-            )
-            .into());
+            return Err(
+                Fail::coded("bad_lease_id", format!("{id:?} is not a device lease id (32 hex characters)")).into()
+            );
         };
         Ok(id.len() == 32 && engine.end_device_lease(kvferry::engine::leases::DeviceLeaseId(n)))
     }
