@@ -313,19 +313,7 @@ impl Inner {
                 && op.len.is_multiple_of(STRIPE_BYTES)
                 && (from | to).is_multiple_of(16);
             if fused {
-                let mut off = 0;
-                while off < op.len {
-                    // Every piece is a whole number of stripes too.
-                    let n = (op.len - off).min(PIECE_BYTES_MAX);
-                    // SAFETY: `n_fused <= n_out < crc_bound`: the bound counts these pieces.
-                    unsafe {
-                        write3(table.host, fused_at + 3 * n_fused, [from + off, to + off, n | (n_out as u64) << 32])
-                    };
-                    for &(r, at) in p.in_ranges.of(i) {
-                        folds.push((r, at + off, n, n_out));
-                    }
-                    (n_out, n_fused, off) = (n_out + 1, n_fused + 1, off + n);
-                }
+                // Copied by the fused kernel below, piece by piece.
             } else if op.len >= self.cfg.dma_min_bytes {
                 // Earlier kernel pieces first: one stream keeps the order.
                 flush(n_copy, n_sum, n_fused, &mut launched)?;
@@ -345,16 +333,27 @@ impl Inner {
                     off += n;
                 }
             }
-            if summed && !fused {
+            if summed {
+                // One output per piece, from the fused kernel (which copies
+                // it too) or from the checksum kernel reading the landed
+                // destination; a fused op's pieces are whole stripes too.
                 let mut off = 0;
                 while off < op.len {
                     let n = (op.len - off).min(PIECE_BYTES_MAX);
-                    // SAFETY: `n_sum <= n_out < crc_bound`, as above.
-                    unsafe { write3(table.host, crc_at + 3 * n_sum, [to + off, n_out as u64, n]) };
+                    let (at, desc) = if fused {
+                        n_fused += 1;
+                        (fused_at + 3 * (n_fused - 1), [from + off, to + off, n | (n_out as u64) << 32])
+                    } else {
+                        n_sum += 1;
+                        (crc_at + 3 * (n_sum - 1), [to + off, n_out as u64, n])
+                    };
+                    // SAFETY: `n_fused, n_sum <= n_out < crc_bound`: the
+                    // bound counts these pieces.
+                    unsafe { write3(table.host, at, desc) };
                     for &(r, at) in p.in_ranges.of(i) {
                         folds.push((r, at + off, n, n_out));
                     }
-                    (n_out, n_sum) = (n_out + 1, n_sum + 1);
+                    n_out += 1;
                     off += n;
                 }
             }
