@@ -125,6 +125,12 @@ pub const DEVICE_LEASE_MARGIN_MS: u64 = 50;
 /// Most exported device buffers one transfer answer names.
 pub const DEVICE_EXPORTS_PER_ANSWER_MAX: usize = 4_096;
 
+/// Most runs (one per layer and segment) in the device layout of one
+/// transfer answer: two segments of each of at most 1,024 layers (the
+/// layout module's `LAYERS_MAX`). A reader refuses a larger layout (and
+/// reads the owner's pool) before walking it.
+pub const DEVICE_LAYOUT_RUNS_MAX: usize = 2_048;
+
 /// Most blocks an eviction pass inspects before giving up (bounded scan): a
 /// pool full of pinned blocks fails an allocation fast instead of walking
 /// millions of entries.

@@ -298,6 +298,7 @@ impl EngineRpc for P2pTransferService {
                 lock_timeout_secs: 0,
                 device_buffers: Vec::new(),
                 device_lease_ms_left: 0,
+                device_layout: None,
             }));
         };
         let (session, found) = self
@@ -313,13 +314,20 @@ impl EngineRpc for P2pTransferService {
             }
             _ => None,
         };
-        let (device_buffers, device_lease_ms_left) = match grant {
-            None => (Vec::new(), 0),
+        let (device_buffers, device_lease_ms_left, device_layout) = match grant {
+            None => (Vec::new(), 0, None),
             Some(g) => {
-                for (b, segs) in blocks.iter_mut().zip(g.segments) {
-                    b.device_segments =
-                        segs.into_iter().map(|(buffer, offset, len)| DeviceSegment { buffer, offset, len }).collect();
+                for (b, index) in blocks.iter_mut().zip(g.blocks) {
+                    b.device_block = index;
                 }
+                let layout = DeviceLayout {
+                    num_blocks: g.num_blocks,
+                    runs: g
+                        .runs
+                        .iter()
+                        .map(|r| DeviceRun { buffer: r.export, offset: r.offset, stride: r.stride, len: r.len })
+                        .collect(),
+                };
                 let exports = g
                     .exports
                     .into_iter()
@@ -330,7 +338,7 @@ impl EngineRpc for P2pTransferService {
                         len: e.len,
                     })
                     .collect();
-                (exports, g.ms_left)
+                (exports, g.ms_left, Some(layout))
             }
         };
         Ok(Response::new(QueryBlocksForTransferResponse {
@@ -340,6 +348,7 @@ impl EngineRpc for P2pTransferService {
             lock_timeout_secs: self.engine.lock_timeout_secs(),
             device_buffers,
             device_lease_ms_left,
+            device_layout,
         }))
     }
 

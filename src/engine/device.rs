@@ -43,15 +43,36 @@ pub struct DeviceAsk {
     pub proven_same_host: bool,
 }
 
-/// The device half of a transfer lock's answer.
+/// One (layer, segment) of a device layout as a reader sees it: segment
+/// bytes of device block `b` are the `len` bytes at `offset + b * stride`
+/// of export `export` (an index into the answer's exports). All in bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ExportRun {
+    /// Index of the export holding the segment.
+    pub export: u32,
+    /// Offset of block 0 inside the export's buffer.
+    pub offset: u64,
+    /// Distance between consecutive blocks.
+    pub stride: u64,
+    /// Bytes of one block's segment.
+    pub len: u64,
+}
+
+/// The device half of a transfer lock's answer: the owner's layout once
+/// (exports and one run per (layer, segment) in pool byte order) and each
+/// locked block's device index.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct DeviceGrant {
-    /// Exports the segments name (by index).
+    /// Exports the runs name (by index).
     pub exports: Vec<BufferExport>,
-    /// Per locked block (same order), its device ranges
-    /// `(export index, offset, len)` in pool byte order; empty for a block
-    /// no lease of this session covers.
-    pub segments: Vec<Vec<(u32, u64, u64)>>,
+    /// Blocks of the layout (valid device indices are `0..num_blocks`).
+    pub num_blocks: u64,
+    /// Per (layer, segment), in pool byte order (layer 0's K, its V,
+    /// layer 1's K…): where that segment of every device block sits.
+    pub runs: Vec<ExportRun>,
+    /// Per locked block (same order), its device block index; `None` for
+    /// a block no lease of this session covers.
+    pub blocks: Vec<Option<u64>>,
     /// Time left on the earliest of the taken leases (ms).
     pub ms_left: u64,
 }
@@ -137,8 +158,8 @@ impl Engine {
 
     /// The device half of a transfer lock for `session` (which locked
     /// `found`, in request order): takes the leases covering them for the
-    /// session and describes where each leased block sits in this engine's
-    /// device buffers. `None` when the asker may not have device ranges
+    /// session and describes this engine's device layout (once) and each
+    /// leased block's index in it. `None` when the asker may not have device ranges
     /// (module doc), no lease covers a found block, or a buffer cannot be
     /// exported (the reader then reads the pool).
     pub fn device_grant(
@@ -191,13 +212,25 @@ impl Engine {
         if taken.blocks.is_empty() {
             return None;
         }
-        let mut segments = vec![Vec::new(); found.len()];
+        // The layout once per answer; each block only names its index
+        // (the reader derives the ranges: `super::fetch::device`).
+        let runs = layout
+            .layers()
+            .iter()
+            .flat_map(|l| {
+                l.segment_bases().map(|base| ExportRun {
+                    export: index[&base.buffer],
+                    offset: base.offset,
+                    stride: l.block_stride,
+                    len: l.bytes_per_block,
+                })
+            })
+            .collect();
+        let mut blocks = vec![None; found.len()];
         for &(i, b) in &taken.blocks {
-            if layout.check_block(b).is_err() {
-                continue;
+            if layout.check_block(b).is_ok() {
+                blocks[i] = Some(b);
             }
-            segments[i] =
-                layout.coalesced_copies(b).iter().map(|c| (index[&c.buffer], c.device_offset, c.len)).collect();
         }
         self.inner.metrics.device_leases_taken.fetch_add(1, Ordering::Relaxed);
         let ids: Vec<String> = taken.leases.iter().map(ToString::to_string).collect();
@@ -217,7 +250,7 @@ impl Engine {
         } else {
             taken.expires_ms.saturating_sub(now)
         };
-        Some(DeviceGrant { exports, segments, ms_left })
+        Some(DeviceGrant { exports, num_blocks: layout.num_blocks(), runs, blocks, ms_left })
     }
 
     /// Ends the leases `session` took (its reader released it).

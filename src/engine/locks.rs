@@ -263,5 +263,5 @@ pub fn transfer_block_info(layout: &Layout, hash: &BlockHash, block: &CachedBloc
             }
         })
         .collect();
-    TransferBlockInfo { block_hash: hash.0.clone(), slots, device_segments: Vec::new() }
+    TransferBlockInfo { block_hash: hash.0.clone(), slots, device_block: None }
 }

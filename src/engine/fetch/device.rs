@@ -11,31 +11,117 @@
 //! from the owner's pool (shared pool or TCP) into the slots the fetch
 //! already holds, within the fetch's deadline: never a wrong byte.
 //!
-//! The owner and the reader may arrange their KV differently (other
-//! buffers, other strides; one family, C15): [`plan_part`] walks both
-//! sides' ranges of each block in pool byte order and cuts a copy wherever
-//! either side's range ends, so each copy is contiguous on both.
+//! The owner describes its device layout once per answer (one run per
+//! layer and segment: export, block 0's offset, stride, length) and each
+//! block by its device index; [`OwnerLayout::check`] validates that
+//! description against the owner's exports and this node's layout family
+//! before any of it is used, and [`plan_part`] derives each block's ranges
+//! from it. The owner and the reader may arrange their KV differently
+//! (other buffers, other strides; one family, C15): [`plan_part`] walks
+//! both sides' ranges of each block in pool byte order and cuts a copy
+//! wherever either side's range ends, so each copy is contiguous on both.
 
 use std::ops::Range;
 use std::sync::Arc;
 
-use crate::engine::layout::Layout;
+use super::machine::LockedBlock;
+use crate::engine::device::ExportRun;
+use crate::engine::layout::{LAYERS_MAX, Layout};
 use crate::gpu::peer::{BufferExport, HANDLE_BYTES_MAX, PeerCopyOp, PeerKind};
-use crate::proto::{DeviceBufferExport, TransferBlockInfo};
+use crate::limits::DEVICE_LAYOUT_RUNS_MAX;
+use crate::proto::{DeviceBufferExport, DeviceLayout};
 
-/// The device half of an owner's lock answer, as the reader keeps it.
+// A layout of `LAYERS_MAX` split layers fits the runs limit.
+const _: () = assert!(DEVICE_LAYOUT_RUNS_MAX == 2 * LAYERS_MAX);
+
+/// The device half of an owner's lock answer, as the reader keeps it:
+/// every field checked ([`DeviceSide::from_answer`]).
 pub(crate) struct DeviceSide {
-    /// The owner's exports, by the index its segments use.
+    /// The owner's exports, by the index its runs use.
     pub exports: Vec<BufferExport>,
+    /// The owner's device layout.
+    pub layout: OwnerLayout,
     /// The lease's end on this node's clock, less
     /// [`crate::limits::DEVICE_LEASE_MARGIN_MS`]: no copy starts after it.
     pub until: tokio::time::Instant,
 }
 
+/// An owner's device layout, checked against its exports and this node's
+/// layout family: every block index below `num_blocks` yields in-bounds,
+/// overflow-free ranges that tile one block in pool byte order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct OwnerLayout {
+    num_blocks: u64,
+    runs: Vec<ExportRun>,
+}
+
+impl OwnerLayout {
+    /// Checks the owner's `wire` layout. Refused (the reason in words):
+    /// more than [`DEVICE_LAYOUT_RUNS_MAX`] runs; zero blocks; runs whose
+    /// lengths are not this node's family, per (layer, segment) in pool
+    /// byte order (`local`: the same model's blocks, C15); a run naming an
+    /// export past `exports`; a run whose last block's end overflows `u64`
+    /// or passes its export's length.
+    pub fn check(wire: &DeviceLayout, exports: &[BufferExport], local: &Layout) -> Result<Self, String> {
+        if wire.runs.len() > DEVICE_LAYOUT_RUNS_MAX {
+            return Err(format!("{} runs (max {DEVICE_LAYOUT_RUNS_MAX})", wire.runs.len()));
+        }
+        let last = wire.num_blocks.checked_sub(1).ok_or("a layout of zero blocks")?;
+        let family = local.layers().iter().flat_map(|l| std::iter::repeat_n(l.bytes_per_block, l.segments().into()));
+        if !wire.runs.iter().map(|r| r.len).eq(family) {
+            return Err("its runs are not this node's layout family".into());
+        }
+        let mut runs = Vec::with_capacity(wire.runs.len());
+        for r in &wire.runs {
+            let e = exports.get(r.buffer as usize).ok_or_else(|| format!("a run names export {}", r.buffer))?;
+            let end =
+                last.checked_mul(r.stride).and_then(|o| o.checked_add(r.offset)).and_then(|o| o.checked_add(r.len));
+            match end {
+                Some(end) if end <= e.len => {}
+                _ => return Err(format!("a run passes export {} ({} B)", r.buffer, e.len)),
+            }
+            runs.push(ExportRun { export: r.buffer, offset: r.offset, stride: r.stride, len: r.len });
+        }
+        Ok(Self { num_blocks: wire.num_blocks, runs })
+    }
+
+    /// Whether `block` is a device block of this layout.
+    pub fn has_block(&self, block: u64) -> bool {
+        block < self.num_blocks
+    }
+
+    /// Device block `block`'s ranges `(export, offset, len)` in pool byte
+    /// order, merged where contiguous in one export; `None` past the
+    /// layout.
+    fn segments(&self, block: u64) -> Option<Vec<(usize, u64, u64)>> {
+        if !self.has_block(block) {
+            return None;
+        }
+        let mut out: Vec<(usize, u64, u64)> = Vec::with_capacity(self.runs.len());
+        for r in &self.runs {
+            // In bounds and overflow-free: `check` bounded the last block.
+            let (buf, off) = (r.export as usize, r.offset + block * r.stride);
+            match out.last_mut() {
+                Some((b, o, l)) if *b == buf && *o + *l == off => *l += r.len,
+                _ => out.push((buf, off, r.len)),
+            }
+        }
+        Some(out)
+    }
+}
+
 impl DeviceSide {
-    /// Parses an answer's exports; `None` when there are none or one is
-    /// malformed (unknown kind, over-long handle): the pool path is used.
-    pub fn from_answer(buffers: &[DeviceBufferExport], ms_left: u64, now: tokio::time::Instant) -> Option<Self> {
+    /// Parses and checks an answer's device half; `None` when it has none
+    /// or any of it is malformed — an unknown handle kind, an over-long
+    /// handle, too many exports, no layout or one [`OwnerLayout::check`]
+    /// refuses, too little lease left: the pool path is used.
+    pub fn from_answer(
+        buffers: &[DeviceBufferExport],
+        layout: Option<&DeviceLayout>,
+        ms_left: u64,
+        local: &Layout,
+        now: tokio::time::Instant,
+    ) -> Option<Self> {
         if buffers.is_empty() || buffers.len() > crate::limits::DEVICE_EXPORTS_PER_ANSWER_MAX {
             return None;
         }
@@ -51,9 +137,18 @@ impl DeviceSide {
                 })
             })
             .collect::<Option<Vec<_>>>()?;
+        let layout = match layout.map(|l| OwnerLayout::check(l, &exports, local)) {
+            Some(Ok(l)) => l,
+            Some(Err(why)) => {
+                tracing::debug!(%why, "the owner's device layout is refused: its blocks are read from the pool");
+                return None;
+            }
+            None => return None,
+        };
         let left = ms_left.checked_sub(crate::limits::DEVICE_LEASE_MARGIN_MS)?;
         Some(Self {
             exports,
+            layout,
             until: now + std::time::Duration::from_millis(left.min(crate::limits::DEVICE_LEASE_TTL_MS_MAX)),
         })
     }
@@ -74,43 +169,35 @@ pub(crate) struct PartPlan {
     pub bytes: u64,
 }
 
-/// Plans the device copy of `plan` (the owner's blocks, each with device
-/// segments) into this node's device blocks `dst` (same order).
+/// Plans the device copy of `plan` (the owner's blocks, each with a device
+/// block index in `owner`) into this node's device blocks `dst` (same
+/// order).
 ///
 /// # Errors
-/// A description of the first malformed block (segments that do not tile
-/// the block, an export index out of range, a slot count other than the
-/// layout's): the part is read from the pool instead.
+/// A description of the first malformed block (no device index, or one
+/// past the owner's layout; a slot count other than the layout's; a
+/// destination index past this node's layout): the part is read from the
+/// pool instead.
 pub(crate) fn plan_part(
     layout: &Layout,
-    plan: &[&TransferBlockInfo],
+    owner: &OwnerLayout,
+    plan: &[&LockedBlock],
     dst: &[u64],
-    exports: usize,
 ) -> Result<PartPlan, String> {
     let mut out = PartPlan::default();
     let block_bytes = layout.block_bytes();
     for (b, &d) in plan.iter().zip(dst) {
-        if b.device_segments.is_empty() {
-            return Err("a block without device segments".into());
-        }
+        let index = b.device_block.ok_or("a block without a device index")?;
+        let segments =
+            owner.segments(index).ok_or_else(|| format!("device block {index} is past the owner's layout"))?;
         if b.slots.len() != layout.layers().len() {
             return Err(format!("{} slots, the layout has {} layers", b.slots.len(), layout.layers().len()));
         }
         layout.check_block(d).map_err(|e| e.to_string())?;
-        let mut total = 0u64;
-        for s in &b.device_segments {
-            if s.buffer as usize >= exports {
-                return Err(format!("segment names export {} of {exports}", s.buffer));
-            }
-            s.offset.checked_add(s.len).ok_or("segment past u64")?;
-            total = total.checked_add(s.len).ok_or("segments past u64")?;
-        }
-        if total != block_bytes {
-            return Err(format!("device segments cover {total} bytes, a block is {block_bytes}"));
-        }
         out.expected.push(b.slots.iter().map(|s| s.crc32c).collect());
-        // Walk the owner's segments alongside ours, in pool byte order.
-        let mut src = b.device_segments.iter().map(|s| (s.buffer as usize, s.offset, s.len));
+        // Walk the owner's segments alongside ours, in pool byte order
+        // (both tile one block: `OwnerLayout::check` matched the family).
+        let mut src = segments.into_iter();
         let (mut cur, mut used) = (src.next(), 0u64);
         let mut layer_start: Option<(usize, usize)> = None;
         for c in layout.segment_copies(d) {
@@ -132,6 +219,9 @@ pub(crate) fn plan_part(
                 }
             }
         }
+        if cur.is_some() {
+            return Err("device segments longer than a block".into());
+        }
         if let Some((_, start)) = layer_start {
             out.checksums.push(start..out.ops.len());
         }
@@ -142,19 +232,20 @@ pub(crate) fn plan_part(
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
+
     use super::*;
+    use crate::engine::fetch::machine::LockedSlot;
     use crate::engine::layout::LayerLayout;
     use crate::memory::DeviceBufferId;
-    use crate::proto::{DeviceSegment, TransferSlotInfo};
+    use crate::proto::DeviceRun;
+    use crate::types::BlockHash;
 
-    fn block(segments: &[(u32, u64, u64)], crcs: &[u32]) -> TransferBlockInfo {
-        TransferBlockInfo {
-            block_hash: vec![1; 32].into(),
-            slots: crcs.iter().map(|&crc32c| TransferSlotInfo { crc32c, ..Default::default() }).collect(),
-            device_segments: segments
-                .iter()
-                .map(|&(buffer, offset, len)| DeviceSegment { buffer, offset, len })
-                .collect(),
+    fn block(device_block: Option<u64>, crcs: &[u32]) -> LockedBlock {
+        LockedBlock {
+            hash: BlockHash::new(vec![1; 32]),
+            slots: crcs.iter().map(|&crc32c| LockedSlot { crc32c, ..Default::default() }).collect(),
+            device_block,
         }
     }
 
@@ -167,39 +258,149 @@ mod tests {
         Layout::new(layers, |_| Some(800)).unwrap()
     }
 
+    fn exports(lens: &[u64]) -> Vec<BufferExport> {
+        lens.iter().map(|&len| BufferExport { kind: PeerKind::Process, handle: vec![0; 8], offset: 0, len }).collect()
+    }
+
+    /// The owner of the same family arranged differently: layer 0's K and
+    /// V and layer 1's K back to back per block in export 0 (stride 400
+    /// from 1000), layer 1's V paged in export 1; 4 blocks.
+    fn owner_wire() -> DeviceLayout {
+        let run = |buffer, offset, stride| DeviceRun { buffer, offset, stride, len: 100 };
+        DeviceLayout {
+            num_blocks: 4,
+            runs: vec![run(0, 1000, 400), run(0, 1100, 400), run(0, 1200, 400), run(1, 0, 100)],
+        }
+    }
+
+    /// Export lengths `owner_wire` just fits.
+    const FIT: [u64; 2] = [1000 + 3 * 400 + 300, 400];
+
     #[test]
-    fn ranges_are_cut_where_either_side_ends_and_checksums_follow_slots() {
+    fn ranges_come_from_the_layout_once_and_checksums_follow_slots() {
         let l = layout();
-        // The owner holds the block as one 250-byte run and one 150-byte
-        // run (another arrangement of the same family).
-        let b = block(&[(0, 1000, 250), (1, 0, 150)], &[7, 8]);
-        let p = plan_part(&l, &[&b], &[3], 2).unwrap();
+        let owner = OwnerLayout::check(&owner_wire(), &exports(&FIT), &l).unwrap();
+        // Owner block 2: one 300-byte range in export 0 (three runs merged),
+        // one in export 1; cut at this node's 100-byte segments (block 3).
+        assert_eq!(owner.segments(2).unwrap(), vec![(0, 1800, 300), (1, 200, 100)]);
+        let b = block(Some(2), &[7, 8]);
+        let p = plan_part(&l, &owner, &[&b], &[3]).unwrap();
         let ops: Vec<_> = p.ops.iter().map(|o| (o.src, o.src_offset, o.dst.0, o.dst_offset, o.len)).collect();
         assert_eq!(
             ops,
-            vec![
-                (0, 1000, 0, 300, 100),
-                (0, 1100, 1, 300, 100),
-                (0, 1200, 2, 300, 50),
-                (1, 0, 2, 350, 50),
-                (1, 50, 3, 300, 100)
-            ]
+            vec![(0, 1800, 0, 300, 100), (0, 1900, 1, 300, 100), (0, 2000, 2, 300, 100), (1, 200, 3, 300, 100)]
         );
-        assert_eq!(p.checksums, vec![0..2, 2..5]);
+        assert_eq!(p.checksums, vec![0..2, 2..4]);
         assert_eq!(&*p.expected[0], &[7, 8]);
         assert_eq!(p.bytes, 400);
+    }
+
+    /// Every malformed layout from the network is refused before use:
+    /// too many runs, zero blocks, another family, an export index out of
+    /// range, a last block past its export or past `u64`.
+    #[test]
+    fn malformed_layouts_are_refused() {
+        let l = layout();
+        let ex = exports(&FIT);
+        let check = |f: &dyn Fn(&mut DeviceLayout)| {
+            let mut w = owner_wire();
+            f(&mut w);
+            OwnerLayout::check(&w, &ex, &l)
+        };
+        assert!(check(&|_| {}).is_ok());
+        let too_many = DeviceRun { buffer: 0, offset: 0, stride: 0, len: 100 };
+        assert!(check(&|w| w.runs = vec![too_many; DEVICE_LAYOUT_RUNS_MAX + 1]).is_err(), "runs limit");
+        assert!(check(&|w| w.num_blocks = 0).is_err(), "zero blocks");
+        assert!(check(&|w| w.runs[3].len = 99).is_err(), "family: a short segment");
+        assert!(check(&|w| w.runs.truncate(3)).is_err(), "family: a missing segment");
+        assert!(check(&|w| w.runs.push(w.runs[3])).is_err(), "family: an extra segment");
+        assert!(check(&|w| w.runs[3].buffer = 2).is_err(), "export index");
+        assert!(check(&|w| w.runs[0].offset += 1).is_err(), "one byte past export 0");
+        assert!(check(&|w| w.num_blocks = 5).is_err(), "a block past export 0");
+        assert!(check(&|w| w.runs[3].offset = u64::MAX - 50).is_err(), "offset overflow");
+        assert!(check(&|w| w.runs[3].stride = u64::MAX / 2).is_err(), "stride overflow");
+        assert!(OwnerLayout::check(&owner_wire(), &exports(&[FIT[0], FIT[1] - 1]), &l).is_err(), "export 1 short");
+        // One block of the owner's layout is fine whatever the stride.
+        assert!(
+            check(&|w| {
+                w.num_blocks = 1;
+                w.runs[0].stride = u64::MAX
+            })
+            .is_ok()
+        );
     }
 
     #[test]
     fn malformed_blocks_are_refused() {
         let l = layout();
-        assert!(plan_part(&l, &[&block(&[(0, 0, 399)], &[1, 2])], &[0], 1).is_err(), "short");
-        assert!(plan_part(&l, &[&block(&[(0, 0, 401)], &[1, 2])], &[0], 1).is_err(), "long");
-        assert!(plan_part(&l, &[&block(&[(1, 0, 400)], &[1, 2])], &[0], 1).is_err(), "export index");
-        assert!(plan_part(&l, &[&block(&[(0, 0, 400)], &[1])], &[0], 1).is_err(), "slot count");
-        assert!(plan_part(&l, &[&block(&[(0, u64::MAX, 400)], &[1, 2])], &[0], 1).is_err(), "overflow");
-        assert!(plan_part(&l, &[&block(&[], &[1, 2])], &[0], 1).is_err(), "no segments");
-        assert!(plan_part(&l, &[&block(&[(0, 0, 400)], &[1, 2])], &[8], 1).is_err(), "our index");
-        assert!(plan_part(&l, &[&block(&[(0, 0, 400)], &[1, 2])], &[7], 1).is_ok());
+        let owner = OwnerLayout::check(&owner_wire(), &exports(&FIT), &l).unwrap();
+        assert!(plan_part(&l, &owner, &[&block(None, &[1, 2])], &[0]).is_err(), "no device index");
+        assert!(plan_part(&l, &owner, &[&block(Some(4), &[1, 2])], &[0]).is_err(), "past the owner's layout");
+        assert!(plan_part(&l, &owner, &[&block(Some(u64::MAX), &[1, 2])], &[0]).is_err(), "far past");
+        assert!(plan_part(&l, &owner, &[&block(Some(3), &[1])], &[0]).is_err(), "slot count");
+        assert!(plan_part(&l, &owner, &[&block(Some(3), &[1, 2])], &[8]).is_err(), "our index");
+        assert!(plan_part(&l, &owner, &[&block(Some(3), &[1, 2])], &[7]).is_ok());
+    }
+
+    proptest! {
+        /// Whatever an owner sends, the check does not panic, and a layout
+        /// it accepts yields, for every block index, ranges inside their
+        /// exports that tile exactly one block.
+        #[test]
+        fn accepted_layouts_stay_in_bounds(
+            num_blocks in prop_oneof![4 => 0u64..6, 1 => any::<u64>()],
+            runs in proptest::collection::vec(
+                (0u32..3, prop_oneof![4 => 0u64..1500, 1 => any::<u64>()],
+                 prop_oneof![4 => 0u64..300, 1 => any::<u64>()], prop_oneof![8 => Just(100u64), 1 => any::<u64>()]),
+                3..6,
+            ),
+            lens in proptest::collection::vec(0u64..4000, 0..4),
+            block in any::<u64>(),
+        ) {
+            let l = layout();
+            let wire = DeviceLayout {
+                num_blocks,
+                runs: runs.iter().map(|&(buffer, offset, stride, len)| DeviceRun { buffer, offset, stride, len }).collect(),
+            };
+            let ex = exports(&lens);
+            if let Ok(owner) = OwnerLayout::check(&wire, &ex, &l) {
+                for b in [0, num_blocks - 1, block % num_blocks] {
+                    let segs = owner.segments(b).unwrap();
+                    prop_assert_eq!(segs.iter().map(|s| s.2).sum::<u64>(), l.block_bytes());
+                    for (e, off, len) in segs {
+                        prop_assert!(off + len <= ex[e].len);
+                    }
+                    prop_assert!(plan_part(&l, &owner, &[&block_of(Some(b))], &[0]).is_ok());
+                }
+                prop_assert!(owner.segments(num_blocks).is_none());
+            }
+        }
+    }
+
+    fn block_of(device_block: Option<u64>) -> LockedBlock {
+        block(device_block, &[1, 2])
+    }
+
+    /// The answer's device half is accepted whole or not at all.
+    #[test]
+    fn answers_with_a_bad_layout_have_no_device_side() {
+        let l = layout();
+        let now = tokio::time::Instant::now();
+        let wire: Vec<DeviceBufferExport> = FIT
+            .iter()
+            .map(|&len| DeviceBufferExport {
+                kind: PeerKind::Process.to_u32(),
+                handle: vec![0; 8].into(),
+                offset: 0,
+                len,
+            })
+            .collect();
+        let good = owner_wire();
+        assert!(DeviceSide::from_answer(&wire, Some(&good), 10_000, &l, now).is_some());
+        assert!(DeviceSide::from_answer(&wire, None, 10_000, &l, now).is_none(), "no layout");
+        let mut bad = owner_wire();
+        bad.runs[2].offset = 1 << 40;
+        assert!(DeviceSide::from_answer(&wire, Some(&bad), 10_000, &l, now).is_none(), "a run past its export");
+        assert!(DeviceSide::from_answer(&wire[..1], Some(&good), 10_000, &l, now).is_none(), "a missing export");
     }
 }

@@ -30,7 +30,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::engine::layout::LayoutFamily;
-use crate::proto::TransferBlockInfo;
 use crate::status::RpcFailure;
 use crate::transport::TransportError;
 use crate::transport::handshake::HandshakeError;
@@ -62,7 +61,39 @@ pub struct LockGrant {
     /// The transfer session (non-empty).
     pub session: String,
     /// The pinned blocks, in any order.
-    pub blocks: Vec<TransferBlockInfo>,
+    pub blocks: Vec<LockedBlock>,
+}
+
+/// One block an owner pinned for this fetch, as the machine and its driver
+/// use it (the driver converts the owner's wire answer into this, in one
+/// place: [`super`]'s lock task).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LockedBlock {
+    /// The block's hash (matched against the request's).
+    pub hash: BlockHash,
+    /// Per layer, where the slot sits in the owner's pool and its checksum.
+    pub slots: Vec<LockedSlot>,
+    /// The block's index in the owner's device KV (C19), already checked
+    /// against the owner's device layout; `None` when no device lease of
+    /// this fetch's session covers it or the owner's description of it was
+    /// refused (the block is read from the pool).
+    pub device_block: Option<u64>,
+}
+
+/// One layer's slot of a [`LockedBlock`] in the owner's pool. Offsets and
+/// lengths in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LockedSlot {
+    /// Offset of the slot's K (or whole) segment in the owner's pool.
+    pub k_offset: u64,
+    /// Bytes of K (or of the whole slot).
+    pub k_len: u64,
+    /// Offset of V in the owner's pool (meaningless when `v_len` is 0).
+    pub v_offset: u64,
+    /// Bytes of V; 0 for a single-segment slot.
+    pub v_len: u64,
+    /// CRC-32C of the slot's bytes (K then V) taken at seal time (C10).
+    pub crc32c: u32,
 }
 
 /// What happened, fed to [`FetchMachine::step`].
@@ -217,7 +248,7 @@ struct Transfer {
     base: usize,
     /// Blocks asked of this owner.
     asked: usize,
-    plan: Vec<TransferBlockInfo>,
+    plan: Vec<LockedBlock>,
     parts: Vec<(Range<usize>, Part)>,
     /// Parts before this one are settled; sealing continues here.
     next_settle: usize,
@@ -289,7 +320,7 @@ impl FetchMachine {
 
     /// The blocks locked from the current owner (plan indices), as it
     /// described them; empty outside a transfer.
-    pub fn plan(&self) -> &[TransferBlockInfo] {
+    pub fn plan(&self) -> &[LockedBlock] {
         match &self.stage {
             Stage::Allocating(t) | Stage::Reading(t) => &t.plan,
             _ => &[],
@@ -472,7 +503,7 @@ impl FetchMachine {
         let mut stop = None;
         let mut offered = grant.blocks;
         for h in &self.hashes[base..base + len] {
-            let Some(pos) = offered.iter().position(|b| b.block_hash == h.as_bytes()) else {
+            let Some(pos) = offered.iter().position(|b| b.hash == *h) else {
                 stop = Some(FetchError::Stale);
                 break;
             };
@@ -627,7 +658,7 @@ impl FetchMachine {
 
 /// Whether a fetched block's slot checksums are the ones its owner advertised
 /// for it (C10).
-fn as_advertised(sums: &[u32], b: &TransferBlockInfo) -> bool {
+fn as_advertised(sums: &[u32], b: &LockedBlock) -> bool {
     sums.iter().copied().eq(b.slots.iter().map(|s| s.crc32c))
 }
 
@@ -853,9 +884,9 @@ impl FetchPhases {
 /// Checks a peer's block description against the local layout's family:
 /// the two must be of one [`LayoutFamily`] (per layer the segment count and
 /// bytes), whatever buffers each side registered (C15).
-pub(crate) fn check_shape_family(local: &LayoutFamily, b: &TransferBlockInfo) -> Result<(), ShapeMismatch> {
-    let peer = LayoutFamily { slots: b.slots.iter().map(|s| (if s.v_size == 0 { 1 } else { 2 }, s.k_size)).collect() };
-    let split_unequal = b.slots.iter().any(|s| s.v_size != 0 && s.v_size != s.k_size);
+pub(crate) fn check_shape_family(local: &LayoutFamily, b: &LockedBlock) -> Result<(), ShapeMismatch> {
+    let peer = LayoutFamily { slots: b.slots.iter().map(|s| (if s.v_len == 0 { 1 } else { 2 }, s.k_len)).collect() };
+    let split_unequal = b.slots.iter().any(|s| s.v_len != 0 && s.v_len != s.k_len);
     if peer != *local || split_unequal {
         return Err(ShapeMismatch { owner: peer, local: local.clone(), split_unequal });
     }
@@ -874,7 +905,6 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
-    use crate::proto::TransferSlotInfo;
 
     const SEG: u64 = 64;
 
@@ -892,11 +922,10 @@ mod tests {
         Arc::from(vec![i as u32 * 7 + 1, i as u32 * 7 + 2])
     }
 
-    fn info(i: usize, seg: u64) -> TransferBlockInfo {
+    fn info(i: usize, seg: u64) -> LockedBlock {
         let s = sums(i);
-        let slot =
-            |c: u32| TransferSlotInfo { k_ptr: 0, k_size: seg, v_ptr: seg, v_size: seg, numa_node: 0, crc32c: c };
-        TransferBlockInfo { block_hash: hash(i).0, slots: vec![slot(s[0]), slot(s[1])], device_segments: Vec::new() }
+        let slot = |c: u32| LockedSlot { k_offset: 0, k_len: seg, v_offset: seg, v_len: seg, crc32c: c };
+        LockedBlock { hash: hash(i), slots: vec![slot(s[0]), slot(s[1])], device_block: None }
     }
 
     /// Draws from the script; once it runs out every draw is "nothing goes
@@ -1117,7 +1146,7 @@ mod tests {
                         w.sessions += 1;
                         let session = format!("s{}", w.sessions);
                         // The owner pins the asked blocks it still has, in any order, maybe one of a wrong shape.
-                        let mut pinned: Vec<TransferBlockInfo> = Vec::new();
+                        let mut pinned: Vec<LockedBlock> = Vec::new();
                         for i in blocks.clone() {
                             if !s.chance(10) {
                                 pinned.push(info(i, if s.chance(3) { SEG / 2 } else { SEG }));

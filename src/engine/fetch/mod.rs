@@ -41,8 +41,8 @@ use tokio::time::Instant;
 use tonic::transport::Channel;
 
 pub use machine::{
-    Action, Event, FetchError, FetchMachine, FetchPhases, FetchReport, HandshakeFailure, LockGrant, MachineConfig,
-    PeerFailure, ShapeMismatch,
+    Action, Event, FetchError, FetchMachine, FetchPhases, FetchReport, HandshakeFailure, LockGrant, LockedBlock,
+    LockedSlot, MachineConfig, PeerFailure, ShapeMismatch,
 };
 
 use super::cache::CachedBlock;
@@ -52,8 +52,8 @@ use super::pool::Extent;
 use super::{Engine, EngineError, LoadError, LoadReport, slot_checksums};
 use crate::proto::engine_client::EngineClient;
 use crate::proto::{
-    DeviceCapability, QueryBlocksForTransferRequest, RdmaHandshakeRequest, ReleaseTransferLockRequest,
-    TransferBlockInfo,
+    DeviceCapability, QueryBlocksForTransferRequest, QueryBlocksForTransferResponse, RdmaHandshakeRequest,
+    ReleaseTransferLockRequest,
 };
 use crate::rt::timeout_at;
 use crate::status::RpcFailure;
@@ -582,6 +582,7 @@ impl<'a> Driver<'a> {
                 // owner's answer and a grant nobody took is released at
                 // once instead of waiting out the owner's lock timeout (C8).
                 let rpc_timeout = engine.inner.cfg.peer_rpc_timeout;
+                let layout = self.layout.clone();
                 let (tx, rx) = tokio::sync::oneshot::channel();
                 tokio::spawn(async move {
                     let answer = tokio::time::timeout(rpc_timeout, grpc.query_blocks_for_transfer(req)).await;
@@ -593,12 +594,7 @@ impl<'a> Driver<'a> {
                             if r.transfer_session_id.is_empty() {
                                 (Err(FetchError::Stale), None)
                             } else {
-                                let device = device::DeviceSide::from_answer(
-                                    &r.device_buffers,
-                                    r.device_lease_ms_left,
-                                    Instant::now(),
-                                );
-                                let grant = LockGrant { session: r.transfer_session_id, blocks: r.blocks };
+                                let (grant, device) = from_answer(r, &layout, Instant::now());
                                 (Ok(Box::new(LateRelease::new(grant, grpc, rpc_timeout))), device)
                             }
                         }
@@ -623,7 +619,7 @@ impl<'a> Driver<'a> {
                     return Some(Event::ReadDone { part, results });
                 };
                 let (owner, session) = (owner.clone(), session.to_string());
-                let plan: Vec<&TransferBlockInfo> = self.m.plan()[blocks.clone()].iter().collect();
+                let plan: Vec<&LockedBlock> = self.m.plan()[blocks.clone()].iter().collect();
                 let ops = read_ops(&self.layout, &plan);
                 let direct = self.device_copy(&blocks);
                 let local = self.take(&blocks);
@@ -774,8 +770,8 @@ impl<'a> Driver<'a> {
         let side = self.device.as_ref()?;
         let load = self.load.as_ref()?;
         let base = self.m.plan_base()?;
-        let plan: Vec<&TransferBlockInfo> = self.m.plan()[blocks.clone()].iter().collect();
-        if plan.iter().any(|b| b.device_segments.is_empty()) {
+        let plan: Vec<&LockedBlock> = self.m.plan()[blocks.clone()].iter().collect();
+        if plan.iter().any(|b| b.device_block.is_none()) {
             return None;
         }
         let fallback = |why: String| -> Option<Pin<Box<dyn Future<Output = _> + Send + 'a>>> {
@@ -785,7 +781,7 @@ impl<'a> Driver<'a> {
             return fallback("too little of the device lease is left".into());
         }
         let dst: Vec<u64> = blocks.clone().map(|i| load.blocks[base + i].1).collect();
-        let plan = match device::plan_part(&self.layout, &plan, &dst, side.exports.len()) {
+        let plan = match device::plan_part(&self.layout, &side.layout, &plan, &dst) {
             Ok(p) => p,
             Err(e) => return fallback(format!("owner's device ranges: {e}")),
         };
@@ -871,6 +867,61 @@ impl Drop for Driver<'_> {
             spawn_release(grpc, session, self.engine.inner.cfg.peer_rpc_timeout);
         }
     }
+}
+
+/// An owner's lock answer in the fetch machine's terms: the one place the
+/// wire's block descriptions are converted. The device half is checked
+/// whole ([`device::DeviceSide::from_answer`]: exports, the owner's device
+/// layout against `layout`'s family, the lease left); a block keeps its
+/// device index only when that half was accepted and the index lies inside
+/// the owner's layout, so every other block — and any part holding one —
+/// is read from the owner's pool.
+fn from_answer(
+    r: QueryBlocksForTransferResponse,
+    layout: &Layout,
+    now: Instant,
+) -> (LockGrant, Option<device::DeviceSide>) {
+    let device = device::DeviceSide::from_answer(
+        &r.device_buffers,
+        r.device_layout.as_ref(),
+        r.device_lease_ms_left,
+        layout,
+        now,
+    );
+    let mut refused = 0usize;
+    let blocks = r
+        .blocks
+        .into_iter()
+        .map(|b| {
+            let device_block = b.device_block.filter(|&i| {
+                let ok = device.as_ref().is_some_and(|d| d.layout.has_block(i));
+                refused += usize::from(!ok && device.is_some());
+                ok
+            });
+            LockedBlock {
+                hash: BlockHash(b.block_hash),
+                slots: b
+                    .slots
+                    .iter()
+                    .map(|s| LockedSlot {
+                        k_offset: s.k_ptr,
+                        k_len: s.k_size,
+                        v_offset: s.v_ptr,
+                        v_len: s.v_size,
+                        crc32c: s.crc32c,
+                    })
+                    .collect(),
+                device_block,
+            }
+        })
+        .collect();
+    if refused > 0 {
+        tracing::debug!(
+            refused,
+            "device block indices past the owner's device layout: those blocks are read from the pool"
+        );
+    }
+    (LockGrant { session: r.transfer_session_id, blocks }, device)
 }
 
 /// Maximal runs of consecutive indices in `v` (ascending).
@@ -1031,24 +1082,24 @@ fn part_blocks(missing: usize, block_bytes: u64, part_bytes_max: u64, reads_in_f
 
 /// The read ops that fill `blocks[i]` into local extent `i` (slot by slot,
 /// coalesced where contiguous on both sides).
-fn read_ops(layout: &super::layout::Layout, blocks: &[&TransferBlockInfo]) -> Vec<ReadOp> {
+fn read_ops(layout: &super::layout::Layout, blocks: &[&LockedBlock]) -> Vec<ReadOp> {
     let mut ops: Vec<ReadOp> = Vec::new();
     for (i, b) in blocks.iter().enumerate() {
         for (l, s) in b.slots.iter().enumerate() {
             let base = layout.slot_offset(l);
             push_coalesced(
                 &mut ops,
-                ReadOp { region: 0, remote_offset: s.k_ptr, len: s.k_size, local_extent: i, local_offset: base },
+                ReadOp { region: 0, remote_offset: s.k_offset, len: s.k_len, local_extent: i, local_offset: base },
             );
-            if s.v_size > 0 {
+            if s.v_len > 0 {
                 push_coalesced(
                     &mut ops,
                     ReadOp {
                         region: 0,
-                        remote_offset: s.v_ptr,
-                        len: s.v_size,
+                        remote_offset: s.v_offset,
+                        len: s.v_len,
                         local_extent: i,
-                        local_offset: base + s.k_size,
+                        local_offset: base + s.k_len,
                     },
                 );
             }
