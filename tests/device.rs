@@ -11,6 +11,7 @@
 //! | `expired_revoked_and_unleased_blocks_take_the_pool_path` | C19 expiry and revocation, C15 |
 //! | `forced_paths_and_foreign_askers_get_no_device_ranges` | C19 who may read |
 //! | `bad_grants_are_refused_and_change_nothing` | bad input |
+//! | `malformed_device_answers_are_read_from_the_pool` | C19 bad input from the network, C10 |
 
 #![cfg(not(madsim))]
 
@@ -25,9 +26,18 @@ const MIB: u64 = 1 << 20;
 use kvferry::engine::leases::LeaseEnd;
 use kvferry::engine::{Engine, EngineError};
 use kvferry::node::{NodeConfig, PathChoice};
+use kvferry::client::{ClientConfig, MetaServerClient};
+use kvferry::gpu::Gpu;
+use kvferry::gpu::host::HostGpu;
+use kvferry::p2p::P2pTransferService;
 use kvferry::proto::engine_client::EngineClient;
-use kvferry::proto::{DeviceCapability, QueryBlocksForTransferRequest};
-use kvferry::types::BlockHash;
+use kvferry::proto::engine_server::{Engine as EngineRpc, EngineServer};
+use kvferry::proto::*;
+use kvferry::transport::tcp::TcpTransport;
+use kvferry::types::{BlockHash, NodeAddr, SessionId};
+use rand::SeedableRng;
+use std::sync::Arc;
+use tonic::{Request, Response, Status};
 
 fn cfg(ms: &kvferry::metaserver::MetaServerHandle, path: PathChoice) -> NodeConfig {
     let mut c = node_cfg(ms.local_addr, 4 * MIB);
@@ -196,7 +206,7 @@ async fn forced_paths_and_foreign_askers_get_no_device_ranges() {
             let r = c.query_blocks_for_transfer(ask(kind, pid)).await.unwrap().into_inner();
             assert!(!r.transfer_session_id.is_empty());
             assert!(r.device_buffers.is_empty(), "kind {kind} pid {pid}");
-            assert!(r.blocks.iter().all(|b| b.device_segments.is_empty()));
+            assert!(r.device_layout.is_none() && r.blocks.iter().all(|b| b.device_block.is_none()));
         }
         assert_eq!(p.engine.device_leases_live(), 1);
         // The right asker gets every block's ranges: a reader in this
@@ -206,7 +216,9 @@ async fn forced_paths_and_foreign_askers_get_no_device_ranges() {
         assert_eq!(r.device_buffers.len(), 1);
         assert_eq!(r.device_buffers[0].kind, 2, "an in-process token");
         assert!(r.device_lease_ms_left > 0);
-        assert!(r.blocks.iter().all(|b| !b.device_segments.is_empty()));
+        assert!(r.blocks.iter().all(|b| b.device_block.is_some()));
+        let dl = r.device_layout.as_ref().expect("a device layout");
+        assert_eq!((dl.num_blocks, dl.runs.len()), (16, 2 * kp.layers.len()), "one run per layer and segment, once");
         // ...and a second session asking again gets none: one reader.
         let r = c.query_blocks_for_transfer(ask(2, std::process::id())).await.unwrap().into_inner();
         assert!(r.device_buffers.is_empty());
@@ -246,6 +258,174 @@ async fn bad_grants_are_refused_and_change_nothing() {
         assert!(matches!(e.grant_device_lease(NS, &[(hs[0].clone(), 1)], sec), Err(EngineError::Lease(_))));
         assert_eq!(e.device_leases_live(), 1);
         drop(kp);
+    })
+    .await;
+}
+
+/// How a [`Tampering`] owner rewrites its transfer answers.
+type Tamper = fn(&mut QueryBlocksForTransferResponse);
+
+/// The owner's real P2P service with its `QueryBlocksForTransfer` answers
+/// rewritten on the way out: what a broken or hostile same-host owner
+/// could send. Everything else is passed through.
+struct Tampering {
+    inner: P2pTransferService,
+    tamper: Tamper,
+}
+
+#[tonic::async_trait]
+impl EngineRpc for Tampering {
+    async fn register_context_batch(
+        &self,
+        r: Request<RegisterContextBatchRequest>,
+    ) -> Result<Response<SimpleResponse>, Status> {
+        self.inner.register_context_batch(r).await
+    }
+    async fn save(&self, r: Request<SaveRequest>) -> Result<Response<SimpleResponse>, Status> {
+        self.inner.save(r).await
+    }
+    async fn load(&self, r: Request<LoadRequest>) -> Result<Response<SimpleResponse>, Status> {
+        self.inner.load(r).await
+    }
+    async fn query_prefetch(&self, r: Request<QueryPrefetchRequest>) -> Result<Response<SimpleResponse>, Status> {
+        self.inner.query_prefetch(r).await
+    }
+    async fn release(&self, r: Request<ReleaseRequest>) -> Result<Response<SimpleResponse>, Status> {
+        self.inner.release(r).await
+    }
+    async fn unregister_context(
+        &self,
+        r: Request<UnregisterContextRequest>,
+    ) -> Result<Response<SimpleResponse>, Status> {
+        self.inner.unregister_context(r).await
+    }
+    async fn shutdown(&self, r: Request<ShutdownRequest>) -> Result<Response<SimpleResponse>, Status> {
+        self.inner.shutdown(r).await
+    }
+    type SessionStream = <P2pTransferService as EngineRpc>::SessionStream;
+    async fn session(&self, r: Request<SessionRequest>) -> Result<Response<Self::SessionStream>, Status> {
+        self.inner.session(r).await
+    }
+    async fn rdma_handshake(
+        &self,
+        r: Request<RdmaHandshakeRequest>,
+    ) -> Result<Response<RdmaHandshakeResponse>, Status> {
+        self.inner.rdma_handshake(r).await
+    }
+    async fn query_blocks_for_transfer(
+        &self,
+        r: Request<QueryBlocksForTransferRequest>,
+    ) -> Result<Response<QueryBlocksForTransferResponse>, Status> {
+        let mut answer = self.inner.query_blocks_for_transfer(r).await?.into_inner();
+        (self.tamper)(&mut answer);
+        Ok(Response::new(answer))
+    }
+    async fn release_transfer_lock(
+        &self,
+        r: Request<ReleaseTransferLockRequest>,
+    ) -> Result<Response<ReleaseTransferLockResponse>, Status> {
+        self.inner.release_transfer_lock(r).await
+    }
+    async fn health(&self, r: Request<HealthRequest>) -> Result<Response<HealthResponse>, Status> {
+        self.inner.health(r).await
+    }
+}
+
+/// An owner assembled from the parts `node::start` uses (engine, TCP data
+/// plane, P2P service), serving through [`Tampering`]; its KV is the
+/// paged shape (a K and a V tensor per layer; returned, to keep its memory
+/// alive) with `hs` saved in device blocks `0..` under a device lease.
+async fn tampering_owner(
+    ms: &kvferry::metaserver::MetaServerHandle,
+    hs: &[BlockHash],
+    tamper: Tamper,
+) -> (Engine, Kv) {
+    let bound = kvferry::rt::bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let port = bound.local_addr.port();
+    let node = NodeAddr::parse(&format!("127.0.0.1:{port}")).unwrap();
+    let session = SessionId::random(&mut rand::rngs::StdRng::seed_from_u64(u64::from(port)));
+    let mut cc = ClientConfig::new(format!("http://{}", ms.local_addr), node.clone(), session);
+    cc.rpc_timeout = RPC_TIMEOUT;
+    let client = MetaServerClient::start(cc).unwrap();
+    let gpu: Arc<dyn Gpu> = Arc::new(HostGpu::new());
+    let engine = Engine::new(node.clone(), engine_cfg(4 * MIB), gpu, client).unwrap();
+    let transport = TcpTransport::start(
+        "127.0.0.1:0".parse().unwrap(),
+        "127.0.0.1",
+        node,
+        engine.pool().arena_len(),
+        engine.data_source(),
+        kvferry::limits::TCP_CONNECTIONS_PER_PEER_DEFAULT,
+    )
+    .await
+    .unwrap();
+    engine.set_transport(Arc::new(transport));
+    let svc = Tampering { inner: P2pTransferService::new(engine.clone()), tamper };
+    let router = kvferry::rt::server_builder().add_service(EngineServer::new(svc));
+    tokio::spawn(kvferry::rt::serve(router, bound, std::future::pending()));
+    let kv = register_paged(&engine, NS, 16);
+    prefill_leased(&engine, &kv, hs, Duration::from_secs(30)).await;
+    (engine, kv)
+}
+
+/// A same-host owner's device half is input from the network: a layout
+/// run past its export, an export shorter than the layout, a layout of
+/// another family, too many runs, zero blocks, a block index past the
+/// layout — each refused before any copy, and every block read from the
+/// owner's pool instead, byte-identical. A layout that is in bounds but
+/// points every block at the next one's bytes is copied, fails the slot
+/// checksums (C10) and is re-read from the pool. The untampered owner
+/// (first case) copies device to device, so each case can fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_device_answers_are_read_from_the_pool() {
+    // (what the owner does, blocks expected device to device)
+    let cases: [(&str, Tamper, u64); 8] = [
+        ("untampered", |_| {}, 6),
+        ("a run past its export", |r| r.device_layout.as_mut().unwrap().runs[5].offset += 1, 0),
+        ("an export shorter than the layout", |r| r.device_buffers.iter_mut().for_each(|b| b.len -= 1), 0),
+        ("another family", |r| r.device_layout.as_mut().unwrap().runs[0].len *= 2, 0),
+        (
+            "too many runs",
+            |r| {
+                let l = r.device_layout.as_mut().unwrap();
+                l.runs = vec![l.runs[0]; kvferry::limits::DEVICE_LAYOUT_RUNS_MAX + 1];
+            },
+            0,
+        ),
+        ("zero blocks", |r| r.device_layout.as_mut().unwrap().num_blocks = 0, 0),
+        (
+            "block indices past the layout",
+            |r| {
+                let n = r.device_layout.as_ref().unwrap().num_blocks;
+                r.blocks.iter_mut().for_each(|b| b.device_block = Some(n));
+            },
+            0,
+        ),
+        ("every block pointed at the next one", |r| r.blocks.iter_mut().for_each(|b| b.device_block = b.device_block.map(|i| i + 1)), 0),
+    ];
+    bounded(async {
+        let ms = start_ms().await;
+        for (i, (name, tamper, device)) in cases.into_iter().enumerate() {
+            let hs = hashes(7600 + 100 * i as u64..7606 + 100 * i as u64);
+            let _owner = tampering_owner(&ms, &hs, tamper).await;
+            let (d, _) = start_node_cfg(cfg(&ms, PathChoice::Ipc)).await;
+            let kd = register_default(&d.engine, 16);
+            let wanted: Vec<(BlockHash, u64)> = hs.iter().cloned().zip(0u64..).collect();
+            let got = d.engine.fetch_into(NS, &wanted).await.unwrap();
+            assert_eq!(got.ready(), 6, "{name}: {:?}", got.fetch);
+            for (j, h) in hs.iter().enumerate() {
+                assert!(verify(&d.engine, &kd, j as u64, h), "{name}: block {j} byte-identical");
+            }
+            let m = d.engine.metrics();
+            assert_eq!(m.device_blocks.load(Ordering::Relaxed), device, "{name}");
+            if device == 0 {
+                assert!(m.fetched_bytes.load(Ordering::Relaxed) >= 6 * kd.block_bytes(), "{name}: read from the pool");
+            }
+            if name == "every block pointed at the next one" {
+                assert!(m.checksum_failures.load(Ordering::Relaxed) >= 1, "{name}: the copy was judged (C10)");
+                assert!(m.device_fallbacks.load(Ordering::Relaxed) >= 1, "{name}");
+            }
+        }
     })
     .await;
 }
