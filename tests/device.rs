@@ -23,12 +23,12 @@ use std::time::Duration;
 use common::*;
 
 const MIB: u64 = 1 << 20;
+use kvferry::client::{ClientConfig, MetaServerClient};
 use kvferry::engine::leases::LeaseEnd;
 use kvferry::engine::{Engine, EngineError};
-use kvferry::node::{NodeConfig, PathChoice};
-use kvferry::client::{ClientConfig, MetaServerClient};
 use kvferry::gpu::Gpu;
 use kvferry::gpu::host::HostGpu;
+use kvferry::node::{NodeConfig, PathChoice};
 use kvferry::p2p::P2pTransferService;
 use kvferry::proto::engine_client::EngineClient;
 use kvferry::proto::engine_server::{Engine as EngineRpc, EngineServer};
@@ -335,11 +335,7 @@ impl EngineRpc for Tampering {
 /// plane, P2P service), serving through [`Tampering`]; its KV is the
 /// paged shape (a K and a V tensor per layer; returned, to keep its memory
 /// alive) with `hs` saved in device blocks `0..` under a device lease.
-async fn tampering_owner(
-    ms: &kvferry::metaserver::MetaServerHandle,
-    hs: &[BlockHash],
-    tamper: Tamper,
-) -> (Engine, Kv) {
+async fn tampering_owner(ms: &kvferry::metaserver::MetaServerHandle, hs: &[BlockHash], tamper: Tamper) -> (Engine, Kv) {
     let bound = kvferry::rt::bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
     let port = bound.local_addr.port();
     let node = NodeAddr::parse(&format!("127.0.0.1:{port}")).unwrap();
@@ -401,7 +397,11 @@ async fn malformed_device_answers_are_read_from_the_pool() {
             },
             0,
         ),
-        ("every block pointed at the next one", |r| r.blocks.iter_mut().for_each(|b| b.device_block = b.device_block.map(|i| i + 1)), 0),
+        (
+            "every block pointed at the next one",
+            |r| r.blocks.iter_mut().for_each(|b| b.device_block = b.device_block.map(|i| i + 1)),
+            0,
+        ),
     ];
     bounded(async {
         let ms = start_ms().await;

@@ -315,7 +315,7 @@ mod tests {
         assert!(check(&|w| w.runs.truncate(3)).is_err(), "family: a missing segment");
         assert!(check(&|w| w.runs.push(w.runs[3])).is_err(), "family: an extra segment");
         assert!(check(&|w| w.runs[3].buffer = 2).is_err(), "export index");
-        assert!(check(&|w| w.runs[0].offset += 1).is_err(), "one byte past export 0");
+        assert!(check(&|w| w.runs[2].offset += 1).is_err(), "one byte past export 0");
         assert!(check(&|w| w.num_blocks = 5).is_err(), "a block past export 0");
         assert!(check(&|w| w.runs[3].offset = u64::MAX - 50).is_err(), "offset overflow");
         assert!(check(&|w| w.runs[3].stride = u64::MAX / 2).is_err(), "stride overflow");
