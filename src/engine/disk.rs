@@ -54,6 +54,14 @@ use crate::limits::{
 };
 use crate::types::BlockHash;
 
+/// `tracing` target of the event emitted for every block staged from the
+/// disk tier into the pool (`node`, `namespace`, `hash` in hex,
+/// `generation`, and `payload_crc`: the CRC-32C of the bytes copied into
+/// the pool extent), at TRACE level, just before the block is sealed into
+/// the cache. The CRC is computed only while the target is enabled (the
+/// simulator's C17 check compares it with the bytes that were saved).
+pub const DISK_STAGED_TRACE_TARGET: &str = "kvferry::disk_staged";
+
 /// A simulated disk handed to an engine instead of a file: the engine takes
 /// it at start and puts it back when it is dropped, so a test or the
 /// simulator can crash it ([`SimDisk::crash`]) and start a node on it again.
@@ -219,8 +227,19 @@ pub struct DiskMetrics {
     pub stage_failures: AtomicU64,
     /// Stagings that missed their deadline.
     pub stage_timeouts: AtomicU64,
-    /// Blocks found by recovery at start and advertised again.
+    /// Blocks staged for a peer's transfer-lock request (a subset of
+    /// `staged_blocks`: disk blocks served to peers).
+    pub peer_staged_blocks: AtomicU64,
+    /// Pool victims refused because the write-behind queue was full (a
+    /// subset of `write_refused`).
+    pub write_queue_full: AtomicU64,
+    /// Blocks found by recovery at start and advertised again (inserts
+    /// offered).
     pub recovered_advertised: AtomicU64,
+    /// Staged blocks whose record left the tier (its removal registered)
+    /// while they were being staged, advertised again from the pool
+    /// (inserts offered).
+    pub readvertised: AtomicU64,
     /// Nanoseconds from a staging read's start to its verified bytes
     /// (summed over reads).
     pub read_ns: AtomicU64,
@@ -249,8 +268,14 @@ pub struct DiskStats {
     pub stage_failures: u64,
     /// See [`DiskMetrics::stage_timeouts`].
     pub stage_timeouts: u64,
+    /// See [`DiskMetrics::peer_staged_blocks`].
+    pub peer_staged_blocks: u64,
+    /// See [`DiskMetrics::write_queue_full`].
+    pub write_queue_full: u64,
     /// See [`DiskMetrics::recovered_advertised`].
     pub recovered_advertised: u64,
+    /// See [`DiskMetrics::readvertised`].
+    pub readvertised: u64,
     /// See [`DiskMetrics::read_ns`].
     pub read_ns: u64,
     /// Records indexed now (count).
@@ -403,7 +428,21 @@ impl DiskTier {
             Err(e) => {
                 self.metrics.write_refused.fetch_add(1, Ordering::Relaxed);
                 match e {
-                    WriteRefused::QueueFull { .. } => tracing::debug!("disk tier: write queue full, block dropped"),
+                    WriteRefused::QueueFull { .. } => {
+                        let n = self.metrics.write_queue_full.fetch_add(1, Ordering::Relaxed) + 1;
+                        // Counted every time; logged at debug per refusal, and
+                        // at info on the first and on every power of two
+                        // from 1024 on (rate-limited: a full queue under a
+                        // burst of evictions refuses thousands).
+                        if n == 1 || n.is_power_of_two() && n >= 1024 {
+                            tracing::info!(
+                                refusals = n,
+                                "disk tier: write-behind queue full, evicted block dropped (raise --ssd-write-queue?)"
+                            );
+                        } else {
+                            tracing::debug!(refusals = n, "disk tier: write queue full, block dropped");
+                        }
+                    }
                     e => tracing::warn!(error = %e, "disk tier: write refused, block dropped"),
                 }
                 false
@@ -469,7 +508,10 @@ impl DiskTier {
             staged_blocks: ld(&m.staged_blocks),
             stage_failures: ld(&m.stage_failures),
             stage_timeouts: ld(&m.stage_timeouts),
+            peer_staged_blocks: ld(&m.peer_staged_blocks),
+            write_queue_full: ld(&m.write_queue_full),
             recovered_advertised: ld(&m.recovered_advertised),
+            readvertised: ld(&m.readvertised),
             read_ns: ld(&m.read_ns),
             records,
             used_bytes: used,
@@ -685,13 +727,25 @@ impl super::Engine {
             }
         };
         ext.as_mut_slice().copy_from_slice(b.bytes());
+        if tracing::enabled!(target: DISK_STAGED_TRACE_TARGET, tracing::Level::TRACE) {
+            tracing::trace!(
+                target: DISK_STAGED_TRACE_TARGET,
+                node = %self.inner.node,
+                namespace = %ns,
+                hash = %hex::encode(key.hash.as_bytes()),
+                generation = b.generation,
+                payload_crc = crc32c::crc32c(ext.as_slice()),
+                "disk block staged"
+            );
+        }
         let checksums: Arc<[u32]> = b.slots.iter().map(|s| s.crc32c).collect();
         d.recycle(b);
         let inserted = self.insert_sealed(ns, key.hash.clone(), super::CachedBlock { extent: ext.seal(), checksums });
         // The record may have left the tier meanwhile, its removal
         // registered: the pool holds the block now, so advertise it again.
         if inserted && !d.on_disk(key) {
-            self.advertise(ns, std::slice::from_ref(&key.hash));
+            let n = self.advertise(ns, std::slice::from_ref(&key.hash));
+            d.metrics().readvertised.fetch_add(n as u64, Ordering::Relaxed);
         }
         true
     }
@@ -722,7 +776,8 @@ impl super::Engine {
     ) -> Result<super::TransferLock, super::EngineError> {
         if let (Some(d), Ok((ns, layout))) = (&self.inner.disk, self.layout(namespace)) {
             let budget = d.stage_deadline.min(self.inner.cfg.peer_rpc_timeout / 2);
-            self.stage(&ns, &layout, hashes, false, Instant::now() + budget).await;
+            let staged = self.stage(&ns, &layout, hashes, false, Instant::now() + budget).await;
+            d.metrics().peer_staged_blocks.fetch_add(staged as u64, Ordering::Relaxed);
         }
         self.lock_for_transfer(namespace, hashes)
     }
