@@ -375,6 +375,9 @@ pub struct Cluster {
     pub ms_id: NodeId,
     /// madsim ids of the kvferry nodes.
     pub node_ids: Vec<NodeId>,
+    /// Issue 32: each node's simulated disk (its "directory"), if it has
+    /// one; kept across incarnations.
+    disk_slots: Vec<Option<SimDiskSlot>>,
     up: Mutex<Up>,
     net: Mutex<Clogs>,
 }
@@ -447,6 +450,7 @@ impl Cluster {
         let mut node_ids = Vec::with_capacity(NODES);
         let gpu_watch = Arc::new(GpuWatch::default());
         let mut disk_heal = Vec::new();
+        let mut disk_slots = Vec::new();
         for i in 0..NODES {
             let slot: Arc<Mutex<Option<NodeSlot>>> = Arc::new(Mutex::new(None));
             let incarnations = Arc::new(AtomicU64::new(0));
@@ -458,6 +462,7 @@ impl Cluster {
                 disk_heal.push(sd.heal_switch());
                 SimDiskSlot::new(sd)
             });
+            disk_slots.push(disk.clone());
             let (s, inc, p, w) = (slot.clone(), incarnations, params.clone(), gpu_watch.clone());
             let id = handle
                 .create_node()
@@ -467,11 +472,6 @@ impl Cluster {
                     let (slot, inc, p, w, disk) = (s.clone(), inc.clone(), p.clone(), w.clone(), disk.clone());
                     async move {
                         let incarnation = inc.fetch_add(1, Ordering::SeqCst) + 1;
-                        if let (Some(disk), Some(plan)) = (&disk, &p.disk) {
-                            if incarnation > 1 {
-                                crash_disk(i, disk, plan).await;
-                            }
-                        }
                         let published = boot_node(i, incarnation, &p, w, disk).await;
                         let keep = published.1;
                         *slot.lock().expect("node slot") = Some(published.0);
@@ -516,6 +516,7 @@ impl Cluster {
             shared,
             ms_id,
             node_ids,
+            disk_slots,
             up: Mutex::new(Up { ms: true, nodes: vec![true; NODES] }),
             net: Mutex::new(Clogs::default()),
         };
@@ -556,6 +557,12 @@ impl Cluster {
             up.nodes[i] = false;
         }
         Handle::current().kill(self.node_ids[i]);
+        // Issue 32: the process died with its disk writes in flight: they
+        // are torn, and whatever is left of the dead incarnation can no
+        // longer touch the disk.
+        if let (Some(slot), Some(plan)) = (&self.disk_slots[i], &self.shared.params.disk) {
+            slot.crash(plan.faults.clone());
+        }
         if let Some(slot) = self.shared.nodes[i].lock().expect("node slot").take() {
             let m = slot.engine.metrics();
             let mut r = self.shared.retired.lock().expect("retired");
@@ -694,25 +701,6 @@ impl Cluster {
     {
         Handle::current().get_node(self.node_ids[i]).expect("node exists").spawn(fut)
     }
-}
-
-/// A restarted disk node's disk: the dead incarnation's engine put it back
-/// in its slot when it was dropped (with its operations still in flight);
-/// the crash tears those writes and loses their completions, and the
-/// plan's faults are switched on again for the new incarnation (its
-/// recovery reads them too).
-async fn crash_disk(i: usize, slot: &SimDiskSlot, plan: &crate::faults::DiskPlan) {
-    for _ in 0..500 {
-        if let Some(d) = slot.take() {
-            let mut d = d.crash();
-            d.set_faults(plan.faults.clone());
-            slot.put(d);
-            return;
-        }
-        // The dead incarnation's engine is still being dropped.
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("node{}: the killed incarnation's engine still held its simulated disk 5 s after the kill", i + 1);
 }
 
 /// Starts one node through `node::start` and registers the sim namespace.

@@ -62,33 +62,127 @@ use crate::types::BlockHash;
 /// simulator's C17 check compares it with the bytes that were saved).
 pub const DISK_STAGED_TRACE_TARGET: &str = "kvferry::disk_staged";
 
-/// A simulated disk handed to an engine instead of a file: the engine takes
-/// it at start and puts it back when it is dropped, so a test or the
-/// simulator can crash it ([`SimDisk::crash`]) and start a node on it again.
+/// A simulated disk handed to an engine instead of a file (its
+/// "directory"): the engine opens it at start and uses it in place; a
+/// test or the simulator crashes it ([`SimDiskSlot::crash`]) when the
+/// node's process "dies" — the writes in flight are torn, the dead
+/// incarnation's handle is fenced off (it can do nothing more, whether or
+/// not its engine was dropped) — and starts a node on it again.
 #[derive(Clone, Default)]
-pub struct SimDiskSlot(Arc<Mutex<Option<SimDisk>>>);
+pub struct SimDiskSlot(Arc<Mutex<SlotState>>);
+
+#[derive(Default)]
+struct SlotState {
+    disk: Option<SimDisk>,
+    /// Bumped by every crash: a handle of an older epoch is fenced.
+    epoch: u64,
+    /// An engine of the current epoch holds the disk.
+    held: bool,
+}
 
 impl SimDiskSlot {
     /// A slot holding `disk`.
     pub fn new(disk: SimDisk) -> Self {
-        Self(Arc::new(Mutex::new(Some(disk))))
+        Self(Arc::new(Mutex::new(SlotState { disk: Some(disk), epoch: 0, held: false })))
     }
 
-    /// Takes the disk out (None while an engine holds it).
+    /// Takes the disk out (None while an engine of this epoch holds it).
     pub fn take(&self) -> Option<SimDisk> {
-        self.0.lock().expect("sim disk slot").take()
+        let mut st = self.0.lock().expect("sim disk slot");
+        if st.held { None } else { st.disk.take() }
     }
 
     /// Puts a disk in (replacing any there).
     pub fn put(&self, disk: SimDisk) {
-        *self.0.lock().expect("sim disk slot") = Some(disk);
+        self.0.lock().expect("sim disk slot").disk = Some(disk);
+    }
+
+    /// The process using the disk died: its writes in flight are torn and
+    /// its completions lost ([`SimDisk::crash`]), and its handle is fenced
+    /// (every later operation through it is refused, every reap empty).
+    /// `faults` is the fault mix from now on (a crash switches faults
+    /// off). Returns `false` when the slot holds no disk.
+    pub fn crash(&self, faults: crate::disk::sim::SimFaults) -> bool {
+        let mut st = self.0.lock().expect("sim disk slot");
+        let Some(d) = st.disk.take() else { return false };
+        let mut d = d.crash();
+        d.set_faults(faults);
+        st.disk = Some(d);
+        st.epoch += 1;
+        st.held = false;
+        true
+    }
+
+    /// Opens the disk for an engine: `None` when the slot is empty or an
+    /// engine of this epoch holds it.
+    fn open(&self) -> Option<SimHandle> {
+        let mut st = self.0.lock().expect("sim disk slot");
+        if st.held || st.disk.is_none() {
+            return None;
+        }
+        st.held = true;
+        Some(SimHandle { slot: self.clone(), epoch: st.epoch, depth: st.disk.as_ref().map_or(1, |d| d.queue_depth()) })
     }
 }
 
 impl std::fmt::Debug for SimDiskSlot {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let held = self.0.lock().map(|s| s.is_some()).unwrap_or(false);
-        f.debug_struct("SimDiskSlot").field("holds_disk", &held).finish()
+        let (disk, held) = self.0.lock().map(|s| (s.disk.is_some(), s.held)).unwrap_or((false, false));
+        f.debug_struct("SimDiskSlot").field("holds_disk", &disk).field("held", &held).finish()
+    }
+}
+
+/// An engine's use of a [`SimDiskSlot`]'s disk, for one epoch.
+struct SimHandle {
+    slot: SimDiskSlot,
+    epoch: u64,
+    depth: usize,
+}
+
+impl SimHandle {
+    /// Runs `f` on the disk while this handle's epoch is current; `None`
+    /// once fenced (or without a disk).
+    fn with<R>(&self, f: impl FnOnce(&mut SimDisk) -> R) -> Option<R> {
+        let mut st = self.slot.0.lock().expect("sim disk slot");
+        if st.epoch != self.epoch {
+            return None;
+        }
+        st.disk.as_mut().map(f)
+    }
+}
+
+impl Drop for SimHandle {
+    fn drop(&mut self) {
+        let mut st = self.slot.0.lock().expect("sim disk slot");
+        if st.epoch == self.epoch {
+            st.held = false;
+        }
+    }
+}
+
+impl DiskIo for SimHandle {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Sim
+    }
+    fn capacity(&self) -> u64 {
+        self.with(|d| d.capacity()).unwrap_or(0)
+    }
+    fn queue_depth(&self) -> usize {
+        self.depth
+    }
+    fn in_flight(&self) -> usize {
+        self.with(|d| d.in_flight()).unwrap_or(0)
+    }
+    fn submit(&mut self, op: IoOp) -> Result<(), Refused> {
+        let mut st = self.slot.0.lock().expect("sim disk slot");
+        match st.disk.as_mut() {
+            Some(d) if st.epoch == self.epoch => d.submit(op),
+            // Fenced: the process this handle belonged to is dead.
+            _ => Err(Refused { error: crate::disk::io::SubmitError::Broken(crate::disk::io::EIO), op }),
+        }
+    }
+    fn reap(&mut self, wait: bool, out: &mut Vec<Completion>) -> Result<usize, Errno> {
+        self.with(|d| d.reap(wait, out)).unwrap_or(Ok(0))
     }
 }
 
@@ -158,7 +252,7 @@ pub enum DiskOpenError {
 enum NodeDisk {
     #[cfg(all(target_os = "linux", not(madsim)))]
     Real(crate::disk::backend::RealDisk),
-    Sim(Box<SimDisk>),
+    Sim(SimHandle),
 }
 
 impl DiskIo for NodeDisk {
@@ -297,7 +391,6 @@ pub(crate) struct DiskTier {
     state: Mutex<State>,
     pub(crate) wake: Arc<Notify>,
     metrics: DiskMetrics,
-    slot: Option<SimDiskSlot>,
     pub(crate) stage_deadline: Duration,
 }
 
@@ -363,7 +456,7 @@ impl DiskTier {
     /// the blocks recovery kept.
     pub(crate) fn open(cfg: &DiskConfig) -> Result<(Self, Vec<BlockKey>), DiskOpenError> {
         let io = match &cfg.sim {
-            Some(slot) => NodeDisk::Sim(Box::new(slot.take().ok_or(DiskOpenError::SimDiskTaken)?)),
+            Some(slot) => NodeDisk::Sim(slot.open().ok_or(DiskOpenError::SimDiskTaken)?),
             None => Self::open_file(cfg)?,
         };
         let tcfg = TierConfig { write_queue_max: cfg.write_queue_max, record_align: cfg.record_align };
@@ -381,7 +474,6 @@ impl DiskTier {
                 state: Mutex::new(State { tier, readers: HashMap::new() }),
                 wake: Arc::new(Notify::new()),
                 metrics: DiskMetrics::default(),
-                slot: cfg.sim.clone(),
                 stage_deadline: cfg.stage_deadline,
             },
             keys,
@@ -551,31 +643,6 @@ impl DiskTier {
             }
         }
         (removed, st.tier.ops_pending() > 0)
-    }
-}
-
-impl Drop for DiskTier {
-    /// A simulated disk goes back to its slot (with whatever is still in
-    /// flight: a later [`SimDisk::crash`] tears it).
-    fn drop(&mut self) {
-        let Some(slot) = self.slot.take() else { return };
-        let Ok(st) = self.state.get_mut() else { return };
-        let tier = std::mem::replace(&mut st.tier, placeholder_tier());
-        // Irrefutable where the simulator has no file-backed disk.
-        #[allow(irrefutable_let_patterns)]
-        if let NodeDisk::Sim(d) = tier.into_io() {
-            slot.put(*d);
-        }
-    }
-}
-
-/// An empty tier over a tiny simulated disk (what a dropped [`DiskTier`]
-/// leaves behind while its real disk goes back to its slot).
-fn placeholder_tier() -> Tier<NodeDisk> {
-    let io = NodeDisk::Sim(Box::new(SimDisk::new(crate::limits::DISK_CAPACITY_BYTES_MIN, 1, 0)));
-    match Tier::open(io, TierConfig::default()) {
-        Ok((t, _)) => t,
-        Err(e) => unreachable!("a zeroed 1 MiB simulated tier opens: {e}"),
     }
 }
 
