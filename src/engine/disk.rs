@@ -174,7 +174,8 @@ impl DiskIo for SimHandle {
         self.with(|d| d.in_flight()).unwrap_or(0)
     }
     fn submit(&mut self, op: IoOp) -> Result<(), Refused> {
-        let mut st = self.slot.0.lock().expect("sim disk slot");
+        let mut guard = self.slot.0.lock().expect("sim disk slot");
+        let st = &mut *guard;
         match st.disk.as_mut() {
             Some(d) if st.epoch == self.epoch => d.submit(op),
             // Fenced: the process this handle belonged to is dead.
