@@ -171,6 +171,23 @@ regression!(
      (engine::fetch's LateRelease), and nothing is excused. Found in a 20,000-seed sweep."
 );
 
+// Issue 32: the cluster runs a simulated disk tier on some nodes (a fourth
+// RNG stream; every seed's swarm plan, workload and issue 29 mix are
+// unchanged, but the runs differ). Found in the first 500-seed sweep with
+// it; each failed with the fix reverted and passes with it.
+regression!(
+    regression_disk_removal_of_a_rewritten_block_155,
+    155,
+    Sparse,
+    "inv_index_matches_engine (C4), issue 32: a staged block's old disk record left the tier (its space taken \
+     by the disk's LRU) and, before the driver's next poll, the pool evicted the block again and queued a newer \
+     record; the driver then registered the old record's removal (the block was not in the pool), so the store \
+     lost a block the node still held on disk. Fix: src/engine/disk.rs skips the removal of a record whose key \
+     has a newer record (checked under the tier's lock, and again after the pool check)."
+);
+regression!(regression_disk_removal_of_a_rewritten_block_23, 23, Sparse, "Same bug as seed 155.");
+regression!(regression_disk_removal_of_a_rewritten_block_181, 181, "Same bug as seed 155 (on a prefill node).");
+
 /// `MADSIM_TEST_CHECK_DETERMINISM` for seeds that diverged between two runs
 /// in one process: an unbiased `tokio::select!` draws from tokio's thread
 /// RNG, seeded with a process-global counter. Fix: `biased;` in the

@@ -312,6 +312,9 @@ pub struct DiskMetrics {
     pub removals_enqueued: AtomicU64,
     /// Removals of records that left the tier dropped at a full queue.
     pub removals_dropped_at_enqueue: AtomicU64,
+    /// Records that left the tier while a newer record of the block was
+    /// already queued (no removal: the block is still on disk).
+    pub removals_skipped_rewritten: AtomicU64,
     /// Records that left the tier while the block was resident in the pool
     /// (no removal).
     pub removals_skipped_resident: AtomicU64,
@@ -506,6 +509,11 @@ impl DiskTier {
         matches!(self.state.lock().expect("disk lock").tier.lookup(key), Some((_, true)))
     }
 
+    /// Whether `key` has a record (written or being written).
+    pub(crate) fn indexed(&self, key: &BlockKey) -> bool {
+        self.state.lock().expect("disk lock").tier.lookup(key).is_some()
+    }
+
     /// Every block with a completed record, by namespace (the backfill).
     pub(crate) fn written_keys(&self) -> Vec<BlockKey> {
         self.state.lock().expect("disk lock").tier.written_keys().into_iter().map(|(k, _)| k).collect()
@@ -640,6 +648,16 @@ impl DiskTier {
                         }
                     }
                 },
+                // A newer record of the block was queued after this one
+                // left (the pool evicted the block again before this
+                // poll): the block stays on disk and advertised; that
+                // record's own removal, if it fails, comes as its own
+                // event.
+                TierEvent::Removed { key, generation, .. }
+                    if st.tier.lookup(&key).is_some_and(|(g, _)| g != generation) =>
+                {
+                    self.metrics.removals_skipped_rewritten.fetch_add(1, Ordering::Relaxed);
+                }
                 TierEvent::Removed { key, .. } => removed.push(key),
             }
         }
@@ -691,6 +709,12 @@ impl EngineInner {
         for k in keys {
             if self.cache.lock().expect("cache lock").contains(&k.namespace, &k.hash) {
                 m.removals_skipped_resident.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            // Evicted from the pool and queued to disk again since the
+            // poll that reported this removal (another thread's eviction).
+            if d.indexed(k) {
+                m.removals_skipped_rewritten.fetch_add(1, Ordering::Relaxed);
                 continue;
             }
             if self.client.try_unregister(&k.namespace, std::slice::from_ref(&k.hash)) == 1 {
