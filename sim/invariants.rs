@@ -145,6 +145,22 @@
 //!   churned buffers) saw no copy, read or write reach a buffer after its
 //!   unregister answered `Ok`, and no `Ok` unregister while copies were in
 //!   flight on it; one case per `Ok` unregister of the buffer churn.
+//! - `inv_disk_staged_verified` (C17, issue 32): every block any node
+//!   staged from its simulated disk tier into its pool (lookup, `load`, a
+//!   fetch's local part, a peer's lock request; every incarnation; trace
+//!   event `kvferry::disk_staged` with the CRC-32C of the staged bytes) has
+//!   exactly the bytes its prefill saved (`fill_kv` recomputation). One
+//!   case per staged block.
+//! - `inv_disk_recovery_verified` (C18, issue 32): every record a restarted
+//!   disk node's recovery found valid (`kvferry::disk_recovered`, with the
+//!   CRC-32C of the payload on the medium) holds exactly the bytes that
+//!   were saved; one case per record. The fetch half of C18 (a block
+//!   advertised from disk is fetched or degrades in time) is
+//!   `inv_degrade_bounded` over fetches that stage disk blocks at owners
+//!   (`c18_peer_disk_staged` counts them). `inv_fetch_progress` is skipped
+//!   (`inv_fetch_progress.skip.disk_record_failed_verify`) when a listed
+//!   owner's disk record failed verification during the probe (a bit a disk
+//!   fault flipped in the safety phase: the block is dropped, C17).
 //! - `inv_index_converges` (C6): after liveness, the MetaServer's visible
 //!   entries equal the union of the live nodes' resident blocks. When the
 //!   run lost registrations (fire-and-forget drops are allowed by C1/C3),
