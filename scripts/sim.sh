@@ -13,13 +13,15 @@
 # 3. determinism sample: DET_SEEDS seeds (default 6) under
 #    MADSIM_TEST_CHECK_DETERMINISM=1 (madsim checks one seed per run), and
 #    each run twice more with byte-identical output required;
-# 4. every starred contract (C1 C2 C4 C6 C8 C9 C10 C11 C15 C16 C19) has
+# 4. every starred contract (C1 C2 C4 C6 C8 C9 C10 C11 C15 C16 C17 C18 C19) has
 #    invariants that checked at least one case over the sweep (the per-seed
 #    `checks=` counts, summed); a starred invariant that checked nothing
 #    fails the sweep, so the suite cannot pass vacuously; likewise issue
 #    29's reach counters (SIM-SUMMARY `c8_partial_read_errors`,
 #    `c9_deadline_fetches`, `c13_expired_reads`, `c15_busy_refusals`, and
-#    issue 28's `c19_device_reads`: the
+#    issue 28's `c19_device_reads`, issue 32's `c17_disk_staged`,
+#    `c18_disk_recovered`, `c18_peer_disk_staged` and
+#    `disk_verify_failures`: the
 #    paths its four bug classes live on) must each be non-zero over the
 #    sweep, and the seeds with a deadline-bound fetch are counted;
 # 5. canaries (skip with SIM_BROKEN=0): the `--features canaries` build is
@@ -123,7 +125,7 @@ awk '
             for (j = 1; j <= n; j++) { m = split(items[j], p, ":"); if (m >= 2) sum[kv[1] " " p[1]] += p[2] }
         } else if (kv[1] == "c9_overrun_max_ms") {
             if (kv[2] > tot[kv[1]]) tot[kv[1]] = kv[2]
-        } else if (kv[1] == "done" || kv[1] == "lost" || kv[1] == "reused" || kv[1] == "saved" || kv[1] == "fetched" || kv[1] == "verified" || kv[1] == "recomputed" || kv[1] ~ /^corrupt_/ || kv[1] == "checksum_rejected" || kv[1] == "poisoned_frees" || kv[1] ~ /^c[0-9]+_/) {
+        } else if (kv[1] == "done" || kv[1] == "lost" || kv[1] == "reused" || kv[1] == "saved" || kv[1] == "fetched" || kv[1] == "verified" || kv[1] == "recomputed" || kv[1] ~ /^corrupt_/ || kv[1] == "checksum_rejected" || kv[1] == "poisoned_frees" || kv[1] ~ /^c[0-9]+_/ || kv[1] ~ /^disk_/) {
             tot[kv[1]] += kv[2]
             if (kv[1] == "c9_deadline_fetches" && kv[2] > 0) tot["seeds_with_c9_deadline_fetch"]++
         } else if (kv[1] == "repair_restart" && kv[2] == "true") { tot["repair_restart"]++ }
@@ -142,7 +144,8 @@ C11:inv_no_early_free_pool C11:inv_no_early_free_lease C11:inv_no_early_free_loa
 C11:inv_no_early_free_checksum C11:inv_no_early_free_resident C15:inv_embedder_memory
 C16:inv_session_ids_unique C8:inv_lock_released_once C8:inv_no_lock_expiry_after_fetch
 C16:inv_no_read_after_expiry C15:inv_no_access_after_unregister
-C19:inv_device_read_under_lease C19:inv_lease_ends_once"
+C19:inv_device_read_under_lease C19:inv_lease_ends_once
+C17:inv_disk_staged_verified C18:inv_disk_recovery_verified"
 if [ "$passed" -gt 0 ]; then
     for ci in $STARRED; do
         inv=${ci#*:}
@@ -153,7 +156,8 @@ if [ "$passed" -gt 0 ]; then
         fi
     done
     # Issue 29: the path each of its bug classes lives on was reached.
-    for ck in C8:c8_partial_read_errors C9:c9_deadline_fetches C13:c13_expired_reads C15:c15_busy_refusals C19:c19_device_reads; do
+    for ck in C8:c8_partial_read_errors C9:c9_deadline_fetches C13:c13_expired_reads C15:c15_busy_refusals C19:c19_device_reads \
+        C17:c17_disk_staged C18:c18_disk_recovered C18:c18_peer_disk_staged C17:disk_verify_failures; do
         k=${ck#*:}
         n=$(grep -o " $k=[0-9]*" "$LOGS/totals.txt" | cut -d= -f2)
         if [ -z "$n" ] || [ "$n" -eq 0 ]; then

@@ -28,7 +28,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use kvferry::disk::sim::SimDisk;
 use kvferry::engine::layout::{DeviceBufferId, LayerLayout, buffer_bytes_needed, contiguous};
+use kvferry::engine::{DiskConfig, SimDiskSlot};
 use kvferry::engine::{Engine, EngineConfig};
 use kvferry::gpu::Gpu;
 use kvferry::gpu::host::HostGpu;
@@ -96,6 +98,8 @@ pub struct Params {
     pub sweep_interval_secs: u64,
     /// Device blocks per node (request slots × blocks per request).
     pub device_blocks: u64,
+    /// Issue 32: the disk tier plan (None: no node has one).
+    pub disk: Option<crate::faults::DiskPlan>,
 }
 
 impl Params {
@@ -156,9 +160,74 @@ pub struct Retired {
     pub corrupt_lost: u64,
     /// Extents poisoned on free (C11).
     pub poisoned_frees: u64,
+    /// Disk tier counters (issue 32).
+    pub disk: DiskTotals,
+}
+
+/// Disk tier counters summed over nodes and incarnations (issue 32).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct DiskTotals {
+    /// Pool victims the tier took (write-behind).
+    pub evicted_to_disk: u64,
+    /// Records written.
+    pub written: u64,
+    /// Pool victims refused (queue full, no space).
+    pub write_refused: u64,
+    /// Of those, refused at a full write-behind queue.
+    pub write_queue_full: u64,
+    /// Writes failed at the disk (EIO, ENOSPC, short, misdirected).
+    pub write_failed: u64,
+    /// Reads failed at the disk (EIO, short, misdirected).
+    pub read_failed: u64,
+    /// Reads whose bytes did not verify (C17: dropped, never served).
+    pub verify_failures: u64,
+    /// Records evicted from the disk (LRU).
+    pub evicted: u64,
+    /// Blocks staged into the pool, and those for peers' lock requests.
+    pub staged: u64,
+    pub peer_staged: u64,
+    /// Stagings that failed or missed their deadline.
+    pub stage_failures: u64,
+    pub stage_timeouts: u64,
+    /// Records recovered at a restart and re-advertised.
+    pub recovered: u64,
+    /// Stale completions ignored.
+    pub stale: u64,
+}
+
+impl DiskTotals {
+    /// Adds one engine's disk stats.
+    pub fn add(&mut self, d: &kvferry::engine::DiskStats) {
+        self.evicted_to_disk += d.evicted_to_disk;
+        self.written += d.tier.written_blocks;
+        self.write_refused += d.write_refused;
+        self.write_queue_full += d.write_queue_full;
+        self.write_failed += d.tier.write_failed;
+        self.read_failed += d.tier.read_failed;
+        self.verify_failures += d.tier.verify_failures;
+        self.evicted += d.tier.evicted;
+        self.staged += d.staged_blocks;
+        self.peer_staged += d.peer_staged_blocks;
+        self.stage_failures += d.stage_failures;
+        self.stage_timeouts += d.stage_timeouts;
+        self.recovered += d.recovered_advertised;
+        self.stale += d.tier.stale_completions;
+    }
 }
 
 impl Shared {
+    /// The disk tier counters over the whole run (dead incarnations
+    /// included).
+    pub fn disk_totals(&self) -> DiskTotals {
+        let mut t = self.retired.lock().expect("retired").disk;
+        for i in 0..self.nodes.len() {
+            if let Some(d) = self.node(i).and_then(|n| n.engine.disk_stats()) {
+                t.add(&d);
+            }
+        }
+        t
+    }
+
     /// `(corrupted payloads sent, corruptions lost with their server,
     /// checksum rejections, extents poisoned on free)` over the whole run,
     /// dead incarnations included.
@@ -229,6 +298,9 @@ pub struct Shared {
     /// Device leases (C19): per node, the ids its engines granted and the
     /// ends drained so far.
     pub leases: Mutex<LeaseBook>,
+    /// Issue 32: the simulated disks' heal switches (set by the liveness
+    /// phase: no disk fault from then on).
+    pub disk_heal: Vec<Arc<std::sync::atomic::AtomicBool>>,
 }
 
 /// What the workload knows of device leases (C19), per node index.
@@ -303,6 +375,9 @@ pub struct Cluster {
     pub ms_id: NodeId,
     /// madsim ids of the kvferry nodes.
     pub node_ids: Vec<NodeId>,
+    /// Issue 32: each node's simulated disk (its "directory"), if it has
+    /// one; kept across incarnations.
+    disk_slots: Vec<Option<SimDiskSlot>>,
     up: Mutex<Up>,
     net: Mutex<Clogs>,
 }
@@ -374,19 +449,30 @@ impl Cluster {
         let mut nodes = Vec::with_capacity(NODES);
         let mut node_ids = Vec::with_capacity(NODES);
         let gpu_watch = Arc::new(GpuWatch::default());
+        let mut disk_heal = Vec::new();
+        let mut disk_slots = Vec::new();
         for i in 0..NODES {
             let slot: Arc<Mutex<Option<NodeSlot>>> = Arc::new(Mutex::new(None));
             let incarnations = Arc::new(AtomicU64::new(0));
+            // Issue 32: the node's simulated disk, kept across its
+            // incarnations (its "directory").
+            let disk = params.disk.as_ref().filter(|d| d.nodes[i]).map(|d| {
+                let mut sd = SimDisk::new(d.bytes, d.queue_depth, params.seed ^ ((i as u64 + 1) << 32) ^ 0xD15C);
+                sd.set_faults(d.faults.clone());
+                disk_heal.push(sd.heal_switch());
+                SimDiskSlot::new(sd)
+            });
+            disk_slots.push(disk.clone());
             let (s, inc, p, w) = (slot.clone(), incarnations, params.clone(), gpu_watch.clone());
             let id = handle
                 .create_node()
                 .name(format!("node{}", i + 1))
                 .ip(node_ip(i))
                 .init(move || {
-                    let (slot, inc, p, w) = (s.clone(), inc.clone(), p.clone(), w.clone());
+                    let (slot, inc, p, w, disk) = (s.clone(), inc.clone(), p.clone(), w.clone(), disk.clone());
                     async move {
                         let incarnation = inc.fetch_add(1, Ordering::SeqCst) + 1;
-                        let published = boot_node(i, incarnation, &p, w).await;
+                        let published = boot_node(i, incarnation, &p, w, disk).await;
                         let keep = published.1;
                         *slot.lock().expect("node slot") = Some(published.0);
                         std::future::pending::<()>().await;
@@ -418,6 +504,7 @@ impl Cluster {
             partial_read_errors: AtomicU64::new(0),
             deadline_fetches: AtomicU64::new(0),
             fetch_overrun_max_us: AtomicU64::new(0),
+            disk_heal,
             leases: Mutex::new(LeaseBook {
                 granted: vec![Default::default(); NODES],
                 ended: vec![Default::default(); NODES],
@@ -429,6 +516,7 @@ impl Cluster {
             shared,
             ms_id,
             node_ids,
+            disk_slots,
             up: Mutex::new(Up { ms: true, nodes: vec![true; NODES] }),
             net: Mutex::new(Clogs::default()),
         };
@@ -469,6 +557,12 @@ impl Cluster {
             up.nodes[i] = false;
         }
         Handle::current().kill(self.node_ids[i]);
+        // Issue 32: the process died with its disk writes in flight: they
+        // are torn, and whatever is left of the dead incarnation can no
+        // longer touch the disk.
+        if let (Some(slot), Some(plan)) = (&self.disk_slots[i], &self.shared.params.disk) {
+            slot.crash(plan.faults.clone());
+        }
         if let Some(slot) = self.shared.nodes[i].lock().expect("node slot").take() {
             let m = slot.engine.metrics();
             let mut r = self.shared.retired.lock().expect("retired");
@@ -477,6 +571,9 @@ impl Cluster {
             r.corrupt_sent += slot.transport.hooks.corrupt_sent.load(Ordering::SeqCst);
             r.corrupt_lost += slot.transport.hooks.corrupt_next_reads.load(Ordering::SeqCst);
             r.poisoned_frees += slot.engine.pool().poisoned_frees();
+            if let Some(d) = slot.engine.disk_stats() {
+                r.disk.add(&d);
+            }
         }
         true
     }
@@ -608,7 +705,13 @@ impl Cluster {
 
 /// Starts one node through `node::start` and registers the sim namespace.
 /// Returns the published slot and the handle to keep alive.
-async fn boot_node(i: usize, incarnation: u64, p: &Params, watch: Arc<GpuWatch>) -> (NodeSlot, node::NodeHandle) {
+async fn boot_node(
+    i: usize,
+    incarnation: u64,
+    p: &Params,
+    watch: Arc<GpuWatch>,
+    disk: Option<SimDiskSlot>,
+) -> (NodeSlot, node::NodeHandle) {
     // Half the nodes (alternating with the seed) seal with slot checksums
     // taken the way the CUDA backend takes them (device pieces folded per
     // slot), so C10 is checked over both seal paths; no RNG draw is spent.
@@ -655,7 +758,14 @@ async fn boot_node(i: usize, incarnation: u64, p: &Params, watch: Arc<GpuWatch>)
         // an owner granted a device lease (C19; the host backend's
         // in-process kind, every simulated node being in this process).
         device_direct: true,
-        disk: None,
+        // Issue 32: production's disk tier over the node's simulated disk.
+        disk: disk.zip(p.disk.as_ref()).map(|(slot, d)| DiskConfig {
+            queue_depth: d.queue_depth,
+            write_queue_max: d.write_queue_max,
+            record_align: d.record_align,
+            stage_deadline: Duration::from_millis(d.stage_deadline_ms),
+            ..DiskConfig::simulated(slot, d.bytes)
+        }),
     };
     let h = node::start(cfg, gpu.clone() as Arc<dyn Gpu>).await.expect("node start");
     // C11: freed pool memory is poisoned, so a read of freed (or freed and

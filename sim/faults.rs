@@ -242,6 +242,62 @@ pub struct Plan {
     pub lock_gc_ms: u64,
     /// Issue 29's buffer churn (C15).
     pub buffer_churn: bool,
+    /// Issue 32's disk tier (C17, C18), when this seed runs one.
+    pub disk: Option<DiskPlan>,
+}
+
+/// Issue 32: which nodes run a simulated disk tier under their pool, its
+/// shape and the faults its disk injects (drawn from its own RNG stream).
+#[derive(Clone, Debug)]
+pub struct DiskPlan {
+    /// Per node index: runs a disk tier.
+    pub nodes: Vec<bool>,
+    /// Disk size per node (bytes; the tier's minimum, 1 MiB).
+    pub bytes: u64,
+    /// Record alignment (bytes): 4, 16 or 64 KiB, so the 1 MiB disk holds
+    /// 128, 64 or 16 blocks of the workload (disk LRU eviction happens).
+    pub record_align: u64,
+    /// Operations in flight at the simulated disk, at most.
+    pub queue_depth: usize,
+    /// The write-behind queue bound (blocks).
+    pub write_queue_max: usize,
+    /// Deadline of local staging (ms).
+    pub stage_deadline_ms: u64,
+    /// What the disk injects ([`SimFaults::random`]; silent corruption of
+    /// reads and writes in half the disk seeds).
+    pub faults: kvferry::disk::sim::SimFaults,
+}
+
+impl DiskPlan {
+    /// Draws the disk plan of a seed (p = 1/2 that it has one); `events`
+    /// gets 1..=2 restarts of disk nodes (crash, torn writes, recovery,
+    /// re-advertise).
+    fn draw(rng: &mut StdRng, events: &mut Vec<Event>) -> Option<DiskPlan> {
+        if !rng.random_bool(0.5) {
+            return None;
+        }
+        let mut nodes: Vec<bool> = (0..NODES).map(|_| rng.random_bool(0.7)).collect();
+        if !nodes.iter().any(|&b| b) {
+            nodes[rng.random_range(0..PREFILL)] = true;
+        }
+        let silent = rng.random_bool(0.5);
+        let plan = DiskPlan {
+            bytes: kvferry::limits::DISK_CAPACITY_BYTES_MIN,
+            record_align: 4096 << (2 * rng.random_range(0..=2u32)),
+            queue_depth: rng.random_range(1..=8),
+            write_queue_max: rng.random_range(1..=16),
+            stage_deadline_ms: [100, 500, 2_000][rng.random_range(0..3)],
+            faults: kvferry::disk::sim::SimFaults::random(rng, silent),
+            nodes,
+        };
+        let with: Vec<usize> = (0..NODES).filter(|&i| plan.nodes[i]).collect();
+        for _ in 0..rng.random_range(1..=2) {
+            let node = with[rng.random_range(0..with.len())];
+            let at_ms = rng.random_range(FAULTS_FROM_MS..FAULTS_UNTIL_MS);
+            events.push(Event { at_ms, for_ms: rng.random_range(200..2_000), action: Action::NodeRestart(node) });
+        }
+        Some(plan)
+    }
 }
 
 /// How many faults a seed runs (the swarm's second draw, from its own RNG
@@ -289,12 +345,14 @@ fn target(rng: &mut StdRng) -> Target {
 impl Plan {
     /// Draws the plan (swarm: each kind on with probability 1/2, then the
     /// density drawn from `swarm` thins or thickens it).
-    pub fn draw(rng: &mut StdRng, swarm: &mut StdRng, extra: &mut StdRng) -> Plan {
+    pub fn draw(rng: &mut StdRng, swarm: &mut StdRng, extra: &mut StdRng, disk: &mut StdRng) -> Plan {
         let mut plan = Plan::draw_base(rng);
         let drawn = Density::draw(swarm);
         plan.density = FORCE_DENSITY.with(|f| f.get()).unwrap_or(drawn);
         plan.apply_density(swarm);
         plan.draw_extra(extra);
+        plan.disk = DiskPlan::draw(disk, &mut plan.events);
+        plan.events.sort_by_key(|e| e.at_ms);
         plan
     }
 
@@ -416,6 +474,7 @@ impl Plan {
             lock_timeout_secs: 8,
             lock_gc_ms: 500,
             buffer_churn: false,
+            disk: None,
         }
     }
 
@@ -448,6 +507,20 @@ impl fmt::Display for Plan {
             "issue 29 mix: expiry={} (lock timeout {} s, lock gc every {} ms) buffer_churn={}",
             self.expiry, self.lock_timeout_secs, self.lock_gc_ms, self.buffer_churn
         )?;
+        match &self.disk {
+            None => writeln!(f, "issue 32 disk tier: off")?,
+            Some(d) => writeln!(
+                f,
+                "issue 32 disk tier on nodes [{}]: {} B, record align {} B, depth {}, write queue {}, stage deadline {} ms, faults {:?}",
+                (0..NODES).filter(|&i| d.nodes[i]).map(|i| format!("node{}", i + 1)).collect::<Vec<_>>().join(", "),
+                d.bytes,
+                d.record_align,
+                d.queue_depth,
+                d.write_queue_max,
+                d.stage_deadline_ms,
+                d.faults
+            )?,
+        }
         for e in &self.events {
             writeln!(
                 f,
@@ -591,6 +664,10 @@ pub async fn heal(c: &Cluster, injectors: Vec<madsim::task::JoinHandle<()>>) {
     }
     c.heal_network();
     let s = &c.shared;
+    // Issue 32: the simulated disks inject nothing more.
+    for h in &s.disk_heal {
+        h.store(true, Ordering::SeqCst);
+    }
     s.drop_active.store(0, Ordering::SeqCst);
     c.restart_metaserver().await;
     if let Some(ms) = s.ms() {

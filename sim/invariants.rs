@@ -46,8 +46,8 @@
 //!   `offered_removes == evicted - evicted_to_disk + the disk tier's
 //!   removals`, `dropped_queue_full_removes ==
 //!   removals_dropped_at_enqueue + the disk tier's`,
-//!   `offered_inserts <= saved_blocks + fetched_blocks` (equality at the
-//!   end). These identities are kept by the code they check, so they catch
+//!   `offered_inserts <= saved_blocks + fetched_blocks + the disk tier's
+//!   recovered and re-advertised blocks` (equality at the end). These identities are kept by the code they check, so they catch
 //!   miscounting, not a lost command.
 //! - `inv_index_matches_engine` (C4), what was delivered: once every fault
 //!   is healed and every node flushed, before any repair, the MetaServer's
@@ -145,6 +145,22 @@
 //!   churned buffers) saw no copy, read or write reach a buffer after its
 //!   unregister answered `Ok`, and no `Ok` unregister while copies were in
 //!   flight on it; one case per `Ok` unregister of the buffer churn.
+//! - `inv_disk_staged_verified` (C17, issue 32): every block any node
+//!   staged from its simulated disk tier into its pool (lookup, `load`, a
+//!   fetch's local part, a peer's lock request; every incarnation; trace
+//!   event `kvferry::disk_staged` with the CRC-32C of the staged bytes) has
+//!   exactly the bytes its prefill saved (`fill_kv` recomputation). One
+//!   case per staged block.
+//! - `inv_disk_recovery_verified` (C18, issue 32): every record a restarted
+//!   disk node's recovery found valid (`kvferry::disk_recovered`, with the
+//!   CRC-32C of the payload on the medium) holds exactly the bytes that
+//!   were saved; one case per record. The fetch half of C18 (a block
+//!   advertised from disk is fetched or degrades in time) is
+//!   `inv_degrade_bounded` over fetches that stage disk blocks at owners
+//!   (`c18_peer_disk_staged` counts them). `inv_fetch_progress` is skipped
+//!   (`inv_fetch_progress.skip.disk_record_failed_verify`) when a listed
+//!   owner's disk record failed verification during the probe (a bit a disk
+//!   fault flipped in the safety phase: the block is dropped, C17).
 //! - `inv_index_converges` (C6): after liveness, the MetaServer's visible
 //!   entries equal the union of the live nodes' resident blocks. When the
 //!   run lost registrations (fire-and-forget drops are allowed by C1/C3),
@@ -499,8 +515,15 @@ pub fn inv_accounting(shared: &Shared, node: usize, n: &NodeSlot, quiescent: boo
         ));
     }
     let (saved, fetched) = (ld(&m.saved_blocks), ld(&m.fetched_blocks));
-    if c.offered_inserts > saved + fetched || (quiescent && c.offered_inserts != saved + fetched) {
-        bad.push(format!("offered_inserts {} != saved_blocks {saved} + fetched_blocks {fetched}", c.offered_inserts));
+    // A disk tier offers inserts of its own: the blocks recovery found at
+    // start, and staged blocks whose record left the tier meanwhile.
+    let disk_ins = n.engine.disk_stats().map_or(0, |d| d.recovered_advertised + d.readvertised);
+    if c.offered_inserts > saved + fetched + disk_ins || (quiescent && c.offered_inserts != saved + fetched + disk_ins)
+    {
+        bad.push(format!(
+            "offered_inserts {} != saved_blocks {saved} + fetched_blocks {fetched} + disk (recovered, re-advertised) {disk_ins}",
+            c.offered_inserts
+        ));
     }
     if bad.is_empty() {
         return ok!(shared, "inv_accounting");
@@ -1240,4 +1263,158 @@ pub fn inv_pins_exact(shared: &Shared, grants: &SessionGrants) -> Result<(), Vio
         shared.checker.count("inv_pins_exact", false);
     }
     Ok(())
+}
+
+/// What the disk tiers told about the run (issue 32), from the trace
+/// events the production code emits: every block staged from disk into a
+/// pool (`kvferry::disk_staged`, C17) and every record recovery found
+/// valid on a node's restart (`kvferry::disk_recovered`, C18), each with
+/// the CRC-32C of its bytes. Judged at the end against recomputation
+/// ([`inv_disk_staged_verified`], [`inv_disk_recovery_verified`]).
+#[derive(Clone, Default)]
+pub struct DiskWatch(Arc<Mutex<DiskSeen>>);
+
+/// One disk event: `(namespace, hash hex, payload crc, node or "")`.
+type DiskSeenBlock = (String, String, u32, String);
+
+#[derive(Default)]
+struct DiskSeen {
+    staged: Vec<DiskSeenBlock>,
+    recovered: Vec<DiskSeenBlock>,
+}
+
+impl DiskWatch {
+    /// The `tracing` layer that records the disk events into `self`.
+    pub fn layer<S>(&self) -> impl tracing_subscriber::Layer<S>
+    where
+        S: tracing::Subscriber + for<'span> tracing_subscriber::registry::LookupSpan<'span>,
+    {
+        use tracing_subscriber::Layer as _;
+        DiskLayer(self.clone()).with_filter(tracing_subscriber::filter::filter_fn(|m| {
+            m.target() == kvferry::engine::DISK_STAGED_TRACE_TARGET
+                || m.target() == kvferry::disk::tier::DISK_RECOVERED_TRACE_TARGET
+        }))
+    }
+
+    /// `(blocks staged from disk, records recovered)` seen so far.
+    pub fn counts(&self) -> (u64, u64) {
+        let s = self.0.lock().expect("disk watch");
+        (s.staged.len() as u64, s.recovered.len() as u64)
+    }
+}
+
+struct DiskLayer(DiskWatch);
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for DiskLayer {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        #[derive(Default)]
+        struct Fields(BTreeMap<&'static str, String>);
+        impl tracing::field::Visit for Fields {
+            fn record_debug(&mut self, f: &tracing::field::Field, v: &dyn std::fmt::Debug) {
+                self.0.insert(f.name(), format!("{v:?}"));
+            }
+            fn record_str(&mut self, f: &tracing::field::Field, v: &str) {
+                self.0.insert(f.name(), v.to_string());
+            }
+        }
+        let mut f = Fields::default();
+        event.record(&mut f);
+        let get = |k: &str| f.0.get(k).cloned().unwrap_or_default();
+        let crc = get("payload_crc").parse::<u32>().unwrap_or(0);
+        let seen = (get("namespace"), get("hash"), crc, get("node"));
+        let mut w = (self.0).0.lock().expect("disk watch");
+        if event.metadata().target() == kvferry::engine::DISK_STAGED_TRACE_TARGET {
+            w.staged.push(seen);
+        } else {
+            w.recovered.push(seen);
+        }
+    }
+}
+
+/// The CRC-32C of block `hash_hex`'s bytes in namespace `ns` as its
+/// prefill saved them (recomputation: `fill_kv` per layer and segment,
+/// slots in layer order, K then V, as the pool holds them); `None` for a
+/// hash that does not parse.
+fn saved_crc(layers: &[kvferry::engine::layout::LayerLayout], ns: &str, hash_hex: &str) -> Option<u32> {
+    let hash = BlockHash::new(hex::decode(hash_hex).ok()?);
+    let mut buf = vec![0u8; crate::workload::segment_bytes() as usize];
+    let mut crc = 0u32;
+    for (l, ly) in layers.iter().enumerate() {
+        for s in 0..ly.segments() {
+            kvferry::replay::trace::fill_kv(ns, &hash, l as u32, u32::from(s), &mut buf);
+            crc = crc32c::crc32c_append(crc, &buf);
+        }
+    }
+    Some(crc)
+}
+
+/// Judges `blocks` against recomputation; returns the bad ones, described.
+fn disk_bad(layers: &[kvferry::engine::layout::LayerLayout], blocks: &[DiskSeenBlock]) -> Vec<String> {
+    let mut memo: BTreeMap<(String, String), Option<u32>> = BTreeMap::new();
+    blocks
+        .iter()
+        .filter(|(ns, h, crc, _)| {
+            let want = *memo.entry((ns.clone(), h.clone())).or_insert_with(|| saved_crc(layers, ns, h));
+            want != Some(*crc)
+        })
+        .map(|(ns, h, crc, node)| format!("{node} {ns}/{} (payload crc {crc:08x})", &h[..h.len().min(24)]))
+        .collect()
+}
+
+/// C17 (issue 32): every block any node staged from its disk tier into its
+/// pool — for a local lookup, `load`, a fetch's local part or a peer's
+/// transfer-lock request, every incarnation — has exactly the bytes its
+/// prefill saved (the CRC-32C of the staged bytes equals recomputation).
+/// One case per staged block. `layers`: the sim layout (every node's
+/// family is the same).
+pub fn inv_disk_staged_verified(
+    shared: &Shared,
+    watch: &DiskWatch,
+    layers: &[kvferry::engine::layout::LayerLayout],
+) -> Result<(), Violation> {
+    let staged = watch.0.lock().expect("disk watch").staged.clone();
+    let bad = disk_bad(layers, &staged);
+    if bad.is_empty() {
+        for _ in 0..staged.len() {
+            shared.checker.count("inv_disk_staged_verified", false);
+        }
+        return Ok(());
+    }
+    Err(violation(
+        "inv_disk_staged_verified",
+        format!(
+            "{} of {} block(s) staged from disk into a pool differ from what was saved: {}",
+            bad.len(),
+            staged.len(),
+            bad.iter().take(8).cloned().collect::<Vec<_>>().join(", ")
+        ),
+    ))
+}
+
+/// C18 (issue 32): every record a restarted node's recovery found valid
+/// (what it re-advertises; older generations of a key are dropped after
+/// the scan, and are judged too) holds exactly the bytes that were saved
+/// for its block. One case per record.
+pub fn inv_disk_recovery_verified(
+    shared: &Shared,
+    watch: &DiskWatch,
+    layers: &[kvferry::engine::layout::LayerLayout],
+) -> Result<(), Violation> {
+    let recovered = watch.0.lock().expect("disk watch").recovered.clone();
+    let bad = disk_bad(layers, &recovered);
+    if bad.is_empty() {
+        for _ in 0..recovered.len() {
+            shared.checker.count("inv_disk_recovery_verified", false);
+        }
+        return Ok(());
+    }
+    Err(violation(
+        "inv_disk_recovery_verified",
+        format!(
+            "{} of {} record(s) recovery kept after a restart differ from what was saved: {}",
+            bad.len(),
+            recovered.len(),
+            bad.iter().take(8).cloned().collect::<Vec<_>>().join(", ")
+        ),
+    ))
 }

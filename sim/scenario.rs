@@ -82,6 +82,13 @@ pub struct Reach {
     pub lease_grants: u64,
     pub lease_ends: u64,
     pub device_reads: u64,
+    /// Issue 32: disk nodes; blocks staged from disk (C17's cases) and
+    /// records recovered at restarts (C18's), from the trace events; the
+    /// disk tiers' counters.
+    pub disk_nodes: u64,
+    pub disk_staged: u64,
+    pub disk_recovered: u64,
+    pub disk: crate::cluster::DiskTotals,
 }
 
 /// A failed run.
@@ -135,13 +142,16 @@ pub async fn run() -> Result<Summary, Failure> {
     // session-grant collector (C16), plus library logs when SIM_LOG is set
     // (e.g. SIM_LOG=kvferry=debug), stamped with simulated time.
     let grants = invariants::SessionGrants::default();
+    let disk_watch = invariants::DiskWatch::default();
     let logs = std::env::var("SIM_LOG").ok().map(|filter| {
         tracing_subscriber::fmt::layer()
             .with_timer(SimTime)
             .with_ansi(false)
             .with_filter(tracing_subscriber::EnvFilter::new(filter))
     });
-    let _trace = tracing::subscriber::set_default(tracing_subscriber::registry().with(grants.layer()).with(logs));
+    let _trace = tracing::subscriber::set_default(
+        tracing_subscriber::registry().with(grants.layer()).with(disk_watch.layer()).with(logs),
+    );
     let seed = madsim::runtime::Handle::current().seed();
     let mut rng = StdRng::seed_from_u64(seed);
     // The swarm density has its own stream: normal-density seeds draw the
@@ -149,7 +159,9 @@ pub async fn run() -> Result<Summary, Failure> {
     let mut swarm = StdRng::seed_from_u64(seed ^ 0x5A4A_4D00_D315_1717);
     // Issue 29's mix has a third stream, for the same reason.
     let mut extra = StdRng::seed_from_u64(seed ^ 0x0029_C8C9_C13C_1500);
-    let plan = Plan::draw(&mut rng, &mut swarm, &mut extra);
+    // Issue 32's disk tier has a fourth stream, for the same reason.
+    let mut disk = StdRng::seed_from_u64(seed ^ 0x0032_D15C_0017_0018);
+    let plan = Plan::draw(&mut rng, &mut swarm, &mut extra, &mut disk);
     let requests = workload::generate(&mut rng, ARRIVAL_SPAN_MS);
     let blocks: usize = requests.iter().map(|r| r.hashes.len()).sum();
     println!("=== kvferry sim: seed {seed}");
@@ -160,7 +172,7 @@ pub async fn run() -> Result<Summary, Failure> {
         requests.len(),
         workload::block_bytes()
     );
-    let r = tokio::time::timeout(RUN_LIMIT, run_plan(seed, &plan, requests, &grants)).await;
+    let r = tokio::time::timeout(RUN_LIMIT, run_plan(seed, &plan, requests, &grants, &disk_watch)).await;
     let (summary, violations) = match r {
         Ok(v) => v,
         Err(_) => (
@@ -216,6 +228,27 @@ fn summary_line(seed: u64, s: &Summary) -> String {
         r.lease_ends,
         r.device_reads
     );
+    let d = &r.disk;
+    let _ = write!(
+        out,
+        " c17_disk_staged={} c18_disk_recovered={} c18_peer_disk_staged={} disk_nodes={} disk_to_disk={} disk_written={} disk_write_refused={} disk_queue_full={} disk_write_failed={} disk_read_failed={} disk_verify_failures={} disk_evicted={} disk_stage_failures={} disk_stage_timeouts={} disk_recovered_advertised={} disk_stale={}",
+        r.disk_staged,
+        r.disk_recovered,
+        d.peer_staged,
+        r.disk_nodes,
+        d.evicted_to_disk,
+        d.written,
+        d.write_refused,
+        d.write_queue_full,
+        d.write_failed,
+        d.read_failed,
+        d.verify_failures,
+        d.evicted,
+        d.stage_failures,
+        d.stage_timeouts,
+        d.recovered,
+        d.stale
+    );
     out.push_str(" faults=");
     let f: Vec<String> = s.faults.iter().map(|(k, (a, sk))| format!("{k}:{a}:{sk}")).collect();
     out.push_str(&f.join(","));
@@ -228,7 +261,13 @@ fn summary_line(seed: u64, s: &Summary) -> String {
 fn params(seed: u64, plan: &Plan) -> Params {
     Params {
         seed,
-        pool_bytes: if plan.small_pool { 24 * workload::block_bytes() } else { 256 * workload::block_bytes() },
+        // A disk seed always runs small pools, so eviction to disk and
+        // staging back from it happen.
+        pool_bytes: if plan.small_pool || plan.disk.is_some() {
+            24 * workload::block_bytes()
+        } else {
+            256 * workload::block_bytes()
+        },
         layer_first: plan.layer_first,
         fetch_deadline: Duration::from_secs(3),
         peer_rpc_timeout: Duration::from_secs(1),
@@ -239,6 +278,7 @@ fn params(seed: u64, plan: &Plan) -> Params {
         ttl_secs: 12,
         sweep_interval_secs: 2,
         device_blocks: ((workload::REQUESTS_MAX + 1) * workload::BLOCKS_PER_REQUEST_MAX) as u64,
+        disk: plan.disk.clone(),
     }
 }
 
@@ -287,6 +327,7 @@ async fn run_plan(
     plan: &Plan,
     requests: Vec<Request>,
     grants: &invariants::SessionGrants,
+    disk_watch: &invariants::DiskWatch,
 ) -> (Summary, Vec<Violation>) {
     invariants::set_origin();
     let cluster = Arc::new(Cluster::boot(params(seed, plan), Checker::default()).await);
@@ -413,6 +454,12 @@ async fn run_plan(
         (book.grants, book.ended.iter().map(std::collections::BTreeSet::len).sum::<usize>() as u64)
     };
     shared.checker.record(invariants::inv_no_access_after_unregister(&shared));
+    // Issue 32: what was staged from disk and recovered (C17, C18).
+    if let Some(n) = (0..NODES).find_map(|i| shared.node(i)) {
+        shared.checker.record(invariants::inv_disk_staged_verified(&shared, disk_watch, &n.layers));
+        shared.checker.record(invariants::inv_disk_recovery_verified(&shared, disk_watch, &n.layers));
+    }
+    let (disk_staged, disk_recovered) = disk_watch.counts();
     let w = &shared.gpu_watch;
     summary.reach = Reach {
         partial_read_errors: shared.partial_read_errors.load(Ordering::SeqCst),
@@ -425,6 +472,10 @@ async fn run_plan(
         lease_grants,
         lease_ends,
         device_reads,
+        disk_nodes: plan.disk.as_ref().map_or(0, |d| d.nodes.iter().filter(|&&b| b).count() as u64),
+        disk_staged,
+        disk_recovered,
+        disk: shared.disk_totals(),
     };
     // Last: under the C15 canary this unregisters the nodes' device buffers.
     for i in 0..NODES {
@@ -597,6 +648,8 @@ async fn cancel_probe(c: &Cluster, requests: &[Request]) -> bool {
         // fault-free fetch may still fail once per restarted peer.
         let engine = n.engine.clone();
         let hashes = req.hashes.clone();
+        let verify_failures = |s: &Shared| s.disk_totals().verify_failures;
+        let vf0 = verify_failures(s);
         let got = c
             .spawn_on(d, async move {
                 let first = engine.fetch(NAMESPACE, &hashes).await;
@@ -606,7 +659,16 @@ async fn cancel_probe(c: &Cluster, requests: &[Request]) -> bool {
                 engine.fetch(NAMESPACE, &hashes).await
             })
             .await;
-        s.checker.record(invariants::inv_fetch_progress(d, req.id, listed, got.as_ref().ok()));
+        let short = got.as_ref().map_or(true, |r| r.available < listed);
+        if short && verify_failures(s) > vf0 {
+            // Issue 32: a listed owner's disk record did not verify when
+            // staged (a bit a disk fault flipped on the medium in the
+            // safety phase, found only now): the block is dropped and its
+            // removal registered, and the fetch degrades (C17).
+            s.checker.count("inv_fetch_progress.skip.disk_record_failed_verify", false);
+        } else {
+            s.checker.record(invariants::inv_fetch_progress(d, req.id, listed, got.as_ref().ok()));
+        }
         // Prompt release on the success path: a completed fetch leaves no
         // lock on its owners once the release RPC had time to land.
         tokio::time::sleep(invariants::RELEASE_GRACE).await;

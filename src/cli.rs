@@ -16,6 +16,35 @@ use kvferry::replay::pd::{self, PdConfig, PdError, Routing, SsdRoles};
 use kvferry::tls::TlsIdentity;
 use kvferry::transport::verbs::VerbsConfig;
 
+/// Exit status when stdout or stderr is a closed pipe: what a process
+/// killed by `SIGPIPE` reports (128 + 13), without a panic message.
+const EXIT_CLOSED_PIPE: i32 = 141;
+
+/// Writes one line to `w`; a closed pipe (`kvferry pd | head -1`) ends the
+/// process quietly with [`EXIT_CLOSED_PIPE`] instead of panicking as
+/// `println!` does; other write errors are ignored (nothing can report
+/// them).
+fn emit_line(mut w: impl std::io::Write, args: std::fmt::Arguments<'_>) {
+    let r = w.write_fmt(args).and_then(|()| w.write_all(b"\n")).and_then(|()| w.flush());
+    if let Err(e) = r {
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            std::process::exit(EXIT_CLOSED_PIPE);
+        }
+    }
+}
+
+/// `println!` that survives a closed stdout (see [`emit_line`]).
+macro_rules! outln {
+    () => { emit_line(std::io::stdout().lock(), format_args!("")) };
+    ($($t:tt)*) => { emit_line(std::io::stdout().lock(), format_args!($($t)*)) };
+}
+
+/// `eprintln!` that survives a closed stderr (see [`emit_line`]).
+macro_rules! errln {
+    () => { emit_line(std::io::stderr().lock(), format_args!("")) };
+    ($($t:tt)*) => { emit_line(std::io::stderr().lock(), format_args!($($t)*)) };
+}
+
 #[derive(Parser)]
 #[command(name = "kvferry", version, about = "KV-cache storage and transfer core for P/D disaggregated LLM serving")]
 struct Cli {
@@ -123,7 +152,7 @@ enum BenchCmd {
     },
     /// Disk tier write and read vs raw O_DIRECT of the same blocks at the same queue depth (issue 32); Linux.
     Ssd {
-        /// Directory on the file system to measure (must exist; the tier file of --size is made in it, and the raw baseline runs over the same file).
+        /// Directory on the file system to measure (must exist; the tier file of --size is made in it, the raw baseline runs over the same file, and both it and the lock file are removed at the end unless they were there before).
         #[arg(long)]
         dir: PathBuf,
         /// Size of the tier file (e.g. 2GiB).
@@ -510,8 +539,13 @@ fn report_text(r: &pd::PdReport) -> String {
             d.verify_failures
         );
         println!(
-            "    ssd throughput       write {:.2} GB/s, read {:.2} GB/s (over the wall time); {} writes refused ({} no space), {} stagings failed",
-            d.write_gbps, d.read_gbps, d.write_refused, d.write_refused_no_space, d.stage_failures
+            "    ssd throughput       write {:.2} GB/s, read {:.2} GB/s (over the wall time); {} writes refused ({} no space, {} write queue full), {} stagings failed",
+            d.write_gbps,
+            d.read_gbps,
+            d.write_refused,
+            d.write_refused_no_space,
+            d.write_refused_queue_full,
+            d.stage_failures
         );
     }
     println!("  decode blocks          {:>8}", r.blocks_total);
@@ -710,7 +744,7 @@ fn stop_on_ctrl_c() -> (tokio::sync::watch::Receiver<bool>, tokio::task::JoinHan
         if tokio::signal::ctrl_c().await.is_err() {
             return;
         }
-        eprintln!("\ninterrupted: finishing the requests in flight, then the report (Ctrl-C again quits at once)");
+        errln!("\ninterrupted: finishing the requests in flight, then the report (Ctrl-C again quits at once)");
         let _ = tx.send(true);
         if tokio::signal::ctrl_c().await.is_ok() {
             std::process::exit(i32::from(EXIT_INTERRUPTED));
@@ -783,7 +817,7 @@ async fn run_pd(a: PdArgs) -> Result<ExitCode, String> {
             let collect: kvferry::exporter::Collect =
                 Arc::new(move || engines.iter().flat_map(kvferry::exporter::engine_samples).collect());
             kvferry::exporter::serve_on(listener, collect)
-                .map(|local| eprintln!("metrics on http://{local}/metrics"))
+                .map(|local| errln!("metrics on http://{local}/metrics"))
                 .map_err(|e| format!("--http-addr: {e}"))
         } else {
             Ok(())
@@ -794,7 +828,7 @@ async fn run_pd(a: PdArgs) -> Result<ExitCode, String> {
     let report = match report {
         Ok(r) => r,
         Err(e @ pd::PdError::Interrupted(_)) => {
-            eprintln!("{e}");
+            errln!("{e}");
             return Ok(ExitCode::from(EXIT_INTERRUPTED));
         }
         Err(e) => return Err(e.to_string()),
@@ -949,7 +983,7 @@ pub fn main() -> ExitCode {
     let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("error: cannot start the runtime: {e}");
+            errln!("error: cannot start the runtime: {e}");
             return ExitCode::FAILURE;
         }
     };
@@ -991,7 +1025,7 @@ pub fn main() -> ExitCode {
                     BenchCmd::Ipc { device, child: Some(export) } => {
                         // The reader process: one JSON line for the parent.
                         let v = bench_ipc_child(device, &export).await?;
-                        println!("{v}");
+                        outln!("{v}");
                         return Ok(ExitCode::SUCCESS);
                     }
                     BenchCmd::Ipc { device, child: None } => bench_ipc(device).await,
@@ -1007,7 +1041,7 @@ pub fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("error: {e}");
+            errln!("error: {e}");
             ExitCode::FAILURE
         }
     }

@@ -21,7 +21,14 @@ pub enum InitOutcome {
 /// Never panics.
 pub fn init(default_filter: &str) -> InitOutcome {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
-    match tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init() {
+    // A closed stderr (`2>&1 | head -1`) drops log lines: tracing's own
+    // report of the failed write would go to stderr too, and panic there.
+    match tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .log_internal_errors(false)
+        .try_init()
+    {
         Ok(()) => InitOutcome::Installed,
         Err(_) => InitOutcome::AlreadySet,
     }

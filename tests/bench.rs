@@ -68,3 +68,27 @@ fn bench_transport_refuses_out_of_range_sizes_naming_the_flag() {
         assert!(String::from_utf8_lossy(&out.stderr).contains(flag), "{out:?}");
     }
 }
+
+/// `bench ssd` removes the tier file (and lock file) it made, and a zero
+/// `--block` is refused naming `--block`, not `--slots`.
+#[test]
+fn bench_ssd_cleans_up_and_names_a_zero_block() {
+    let dir = tempfile::Builder::new().prefix(".bench-ssd-test-").tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+    let d = dir.path().to_str().expect("utf8 path");
+    let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .args(["bench", "ssd", "--dir", d, "--size", "4MiB", "--block", "64KiB", "--slots", "4", "--reps", "1"])
+        .output()
+        .expect("run kvferry");
+    assert!(out.status.success(), "{out:?}");
+    let left: Vec<_> =
+        std::fs::read_dir(dir.path()).expect("read dir").map(|e| e.expect("entry").file_name()).collect();
+    assert!(left.is_empty(), "bench ssd left {left:?} behind");
+    let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .args(["bench", "ssd", "--dir", d, "--size", "4MiB", "--block", "0"])
+        .output()
+        .expect("run kvferry");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--block") && !err.contains("--slots"), "{err}");
+    let left = std::fs::read_dir(dir.path()).expect("read dir").count();
+    assert_eq!(left, 0, "a failed bench ssd left files behind");
+}

@@ -8,12 +8,14 @@
 //! | `a_corrupt_record_is_never_served_and_its_removal_is_registered` | reads that do not verify serve nothing, drop the record, register its removal (C17, C4) |
 //! | `a_full_write_queue_drops_and_registers_removals` | refused writes register removals; `evicted == removals + evicted_to_disk` (C4) |
 //! | `a_restart_on_the_same_directory_recovers_and_readvertises` | a new node on the directory advertises the verified records again and serves them (C18) |
+//! | `a_second_node_on_the_same_directory_is_refused` | the tier locks its directory: a second node fails at start naming it |
 
 // Loopback tests on real tokio and tonic; the simulator tier lives in sim/.
 #![cfg(not(madsim))]
 
 mod common;
 
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
@@ -207,6 +209,8 @@ async fn a_full_write_queue_drops_and_registers_removals() {
         assert_eq!(e.evict(8 * BLOCK), 8);
         let st = e.disk_stats().expect("a disk tier");
         assert!(st.write_refused >= 6 && st.tier.write_refused_queue_full >= 6, "{st:?}");
+        // Counted where the report and metrics read them.
+        assert_eq!(st.write_queue_full, st.tier.write_refused_queue_full, "{st:?}");
         assert_eq!(e.metrics().removals_enqueued.load(Ordering::Relaxed), st.write_refused);
         removals_balance(e);
         assert!(e.disk_drain(Duration::from_secs(10)).await);
@@ -249,6 +253,31 @@ async fn a_restart_on_the_same_directory_recovers_and_readvertises() {
         let kv = register_default(e, 32);
         assert_eq!(load_pairs(e, &kv, 0, &on_disk).await, on_disk.len());
         n.shutdown(Duration::from_secs(2)).await;
+    })
+    .await;
+}
+
+/// Two nodes never share a tier directory: the second fails at start with
+/// an error naming the directory; once the first is gone, the directory
+/// can be used again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_node_on_the_same_directory_is_refused() {
+    bounded(async {
+        let dir = tempfile::Builder::new().prefix(".disk-lock-test-").tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+        let ms = start_ms().await;
+        let (first, _) = start_node_cfg(disk_node_cfg(&ms, DiskConfig::new(dir.path(), DISK_BYTES))).await;
+        let gpu: Arc<dyn kvferry::gpu::Gpu> = Arc::new(kvferry::gpu::host::HostGpu::new());
+        let err = match kvferry::node::start(disk_node_cfg(&ms, DiskConfig::new(dir.path(), DISK_BYTES)), gpu).await {
+            Ok(_) => panic!("a second node started on a directory in use"),
+            Err(e) => e,
+        };
+        let msg = err.to_string();
+        assert!(msg.contains("in use") && msg.contains(&dir.path().display().to_string()), "{msg}");
+        assert_eq!(err.code(), "disk_open_locked");
+        first.shutdown(Duration::from_secs(2)).await;
+        let (again, _) = start_node_cfg(disk_node_cfg(&ms, DiskConfig::new(dir.path(), DISK_BYTES))).await;
+        assert!(again.engine.disk_stats().is_some());
+        again.shutdown(Duration::from_secs(2)).await;
     })
     .await;
 }

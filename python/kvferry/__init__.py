@@ -91,6 +91,8 @@ _U64_MAX = (1 << 64) - 1
 _POOL_BYTES_MIN = 4096
 # Smallest disk tier (bytes): kvferry::limits::DISK_CAPACITY_BYTES_MIN.
 _SSD_BYTES_MIN = 1 << 20
+# The tier's largest size (kvferry::limits::DISK_CAPACITY_BYTES_MAX).
+_SSD_BYTES_MAX = 1 << 46
 
 
 def _int_arg(value: Any, name: str, lo: int, hi: int, cls: type = ConfigError) -> int:
@@ -463,6 +465,12 @@ class Node:
         self._fetch_timeout = float(fetch_timeout)
         self._rpc_timeout = float(rpc_timeout)
         self._pool_bytes = _int_arg(pool_bytes, "pool_bytes", _POOL_BYTES_MIN, _U64_MAX)
+        if ssd_dir is None and ssd_bytes != 0:
+            raise ConfigError(
+                f"ssd_bytes = {ssd_bytes!r} is set but ssd_dir is not: the disk tier needs both "
+                "(ssd_dir: an existing directory on a local SSD)",
+                "ssd_dir",
+            )
         self._node = _native.Node(
             _check_metaserver(metaserver),
             self._pool_bytes,
@@ -475,7 +483,7 @@ class Node:
             self._fetch_timeout,
             self._rpc_timeout,
             None if ssd_dir is None else os.fspath(ssd_dir),
-            _int_arg(ssd_bytes, "ssd_bytes", 0 if ssd_dir is None else _SSD_BYTES_MIN, _U64_MAX),
+            _int_arg(ssd_bytes, "ssd_bytes", 0 if ssd_dir is None else _SSD_BYTES_MIN, _SSD_BYTES_MAX),
         )
         # namespace -> (info, [(buffer id, owner object)]); the owners keep
         # registered memory alive while the engine may copy into it.

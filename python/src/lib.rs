@@ -149,9 +149,13 @@ fn node_fail(e: NodeError) -> Fail {
     let code = e.code();
     match e {
         NodeError::Engine(EngineError::Gpu(g)) => gpu_fail(g),
-        NodeError::Engine(e @ EngineError::Disk(_)) => {
-            Fail::new("StartError", code, format!("{e} (ssd_dir must exist, on a local SSD file system)"))
-        }
+        NodeError::Engine(e @ EngineError::Disk(_)) => Fail::new(
+            "StartError",
+            code,
+            format!(
+                "{e} (ssd_dir: an existing directory on a local SSD file system, one per node; ssd_bytes: its size)"
+            ),
+        ),
         NodeError::Client(c) => {
             Fail::new("ConfigError", code, format!("{c}: pass the MetaServer as host:port (e.g. MetaServer().address)"))
         }
@@ -399,6 +403,14 @@ impl Node {
         cfg.data_addr = bind(data_port)?;
         cfg.advertise_host = host.to_string();
         cfg.engine.pool_bytes = pool_bytes;
+        if ssd_dir.is_none() && ssd_bytes != 0 {
+            return Err(Fail::new(
+                "ConfigError",
+                "ssd_dir",
+                format!("ssd_bytes = {ssd_bytes} is set but ssd_dir is not: the disk tier needs both"),
+            )
+            .into());
+        }
         cfg.engine.disk = ssd_dir.map(|dir| kvferry::engine::DiskConfig::new(dir, ssd_bytes));
         cfg.engine.fetch_deadline = secs(fetch_timeout_s)?;
         cfg.engine.peer_rpc_timeout = secs(rpc_timeout_s)?;

@@ -42,3 +42,20 @@ def test_a_missing_ssd_dir_is_a_start_error(metaserver, tmp_path):
 def test_ssd_bytes_is_checked(metaserver, tmp_path):
     with pytest.raises(kvferry.ConfigError):
         kvferry.Node(metaserver.address, ssd_dir=tmp_path, ssd_bytes=-1)
+
+
+def test_ssd_bytes_without_ssd_dir_is_a_value_error(metaserver):
+    with pytest.raises(ValueError, match="ssd_bytes.*ssd_dir"):
+        kvferry.Node(metaserver.address, ssd_bytes=8 << 20)
+
+
+@pytest.mark.parametrize("bad", [0, 1000, (1 << 46) + 4096])
+def test_an_ssd_size_out_of_range_names_ssd_bytes(metaserver, tmp_path, bad):
+    with pytest.raises(kvferry.ConfigError, match="ssd_bytes"):
+        kvferry.Node(metaserver.address, ssd_dir=tmp_path, ssd_bytes=bad)
+
+
+def test_two_nodes_on_one_ssd_dir_is_a_start_error(metaserver, tmp_path):
+    with kvferry.Node(metaserver.address, ssd_dir=tmp_path, ssd_bytes=8 << 20):
+        with pytest.raises(kvferry.StartError, match="in use"):
+            kvferry.Node(metaserver.address, ssd_dir=tmp_path, ssd_bytes=8 << 20)

@@ -28,7 +28,7 @@ use std::time::Instant;
 use serde_json::json;
 
 use crate::disk::backend::{BackendChoice, backend_over};
-use crate::disk::file::DiskFile;
+use crate::disk::file::{DiskFile, TIER_FILE_NAME, TIER_LOCK_NAME};
 use crate::disk::format::{BlockKey, SlotSum};
 use crate::disk::io::{DiskIo, IoKind, IoOp};
 use crate::disk::tier::{Tier, TierConfig, TierEvent, WriteOutcome, WriteRefused};
@@ -172,13 +172,34 @@ fn tier_read_pass<D: DiskIo>(
     Ok(t0.elapsed().as_secs_f64())
 }
 
+/// Removes, when dropped, the tier file and lock file of a directory that
+/// did not exist before [`Cleanup::of`].
+struct Cleanup(Vec<std::path::PathBuf>);
+
+impl Cleanup {
+    fn of(dir: &std::path::Path) -> Self {
+        Self([TIER_FILE_NAME, TIER_LOCK_NAME].iter().map(|n| dir.join(n)).filter(|p| !p.exists()).collect())
+    }
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        for p in &self.0 {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
 /// Runs the benchmark; prints the table and returns it as JSON.
 ///
 /// # Errors
 /// Set-up and I/O failures as text (naming the file or the step).
 pub fn ssd(a: &SsdBench<'_>) -> Result<serde_json::Value, String> {
+    if a.block == 0 {
+        return Err("--block must be at least 1 byte (e.g. 2304KiB)".to_string());
+    }
     if a.slots == 0 || a.block < a.slots as u64 {
-        return Err(format!("--slots {} must be in 1..=block bytes ({})", a.slots, a.block));
+        return Err(format!("--slots {} must be in 1..=--block bytes ({})", a.slots, a.block));
     }
     let slot_len = a.block / a.slots as u64;
     let block = slot_len * a.slots as u64;
@@ -189,12 +210,15 @@ pub fn ssd(a: &SsdBench<'_>) -> Result<serde_json::Value, String> {
         * a.record_align;
     let n = (a.size / record).saturating_sub(1).max(1);
     let bytes = n * block;
+    // What this run creates goes when it ends, on every path (a file that
+    // was there before, e.g. a stopped node's tier, is left alone).
+    let _cleanup = Cleanup::of(a.dir);
     let tier_file = DiskFile::open(a.dir, a.size).map_err(|e| e.to_string())?;
     // The raw side writes and reads the tier's own file through a second
-    // descriptor, over the same extents the tier uses (a virtual disk's
-    // speed differs between files and regions), never between a tier
-    // write and its read.
-    let raw_file = DiskFile::open(a.dir, a.size).map_err(|e| e.to_string())?;
+    // descriptor (the tier holds the directory's lock), over the same
+    // extents the tier uses (a virtual disk's speed differs between files
+    // and regions), never between a tier write and its read.
+    let raw_file = DiskFile::open_named(a.dir, TIER_FILE_NAME, a.size).map_err(|e| e.to_string())?;
     let mut raw = backend_over(raw_file, a.depth, a.backend).map_err(|e| e.to_string())?;
     let disk = backend_over(tier_file, a.depth, a.backend).map_err(|e| e.to_string())?;
     let backend = disk.kind();

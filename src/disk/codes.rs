@@ -17,6 +17,7 @@ impl super::file::OpenError {
             OpenError::BadSize { .. } => "disk_open_bad_size",
             OpenError::BadDepth { .. } => "disk_open_bad_depth",
             OpenError::DirectIoRefused { .. } => "disk_open_direct_io_refused",
+            OpenError::Locked { .. } => "disk_open_locked",
             OpenError::Open { .. } => "disk_open_open",
             OpenError::Allocate { .. } => "disk_open_allocate",
             OpenError::Threads { .. } => "disk_open_threads",

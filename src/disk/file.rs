@@ -14,6 +14,14 @@ use crate::limits::{DISK_ALIGN_BYTES, DISK_CAPACITY_BYTES_MAX, DISK_CAPACITY_BYT
 /// The tier's file name inside the operator's directory.
 pub const TIER_FILE_NAME: &str = "kvferry-tier.0";
 
+/// The lock file inside the operator's directory: the tier holds an
+/// exclusive `flock` on it while open, so two nodes (in one process or
+/// two) never use one directory at once.
+pub const TIER_LOCK_NAME: &str = "kvferry-tier.lock";
+
+/// `statfs` magic of tmpfs (`linux/magic.h`).
+const TMPFS_MAGIC: i64 = 0x0102_1994;
+
 /// Why the tier's file or backend could not be opened. Each names the
 /// path and what to do.
 #[derive(Debug, thiserror::Error)]
@@ -60,6 +68,15 @@ pub enum OpenError {
         /// What the OS said.
         source: std::io::Error,
     },
+    /// Another open tier (another node or process) holds the directory's
+    /// lock.
+    #[error(
+        "disk tier directory {dir} is in use by another kvferry node or process (it holds {TIER_LOCK_NAME}); give each node its own directory"
+    )]
+    Locked {
+        /// The directory.
+        dir: PathBuf,
+    },
     /// The file could not be created or opened.
     #[error("cannot open disk tier file {path}: {source}")]
     Open {
@@ -100,6 +117,52 @@ pub struct DiskFile {
     file: File,
     path: PathBuf,
     capacity: u64,
+    /// The directory's lock file, locked (`flock`, exclusive) while this
+    /// lives; `None` for the benchmark's raw baseline file.
+    _lock: Option<File>,
+}
+
+/// Whether `dir` is on tmpfs (`statfs`).
+///
+/// # Errors
+/// What `statfs` said (e.g. the path does not exist).
+pub fn on_tmpfs(dir: &Path) -> std::io::Result<bool> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes())
+        .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+    let mut st = std::mem::MaybeUninit::<libc::statfs>::uninit();
+    // SAFETY: `statfs` fills the struct for a NUL-terminated path.
+    if unsafe { libc::statfs(c.as_ptr(), st.as_mut_ptr()) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: initialised by the successful call above.
+    let st = unsafe { st.assume_init() };
+    #[allow(clippy::unnecessary_cast)] // f_type's width differs by target
+    Ok(st.f_type as i64 == TMPFS_MAGIC)
+}
+
+/// Takes the exclusive lock of tier directory `dir` (creating its lock
+/// file); held as long as the returned file is open.
+fn lock_dir(dir: &Path) -> Result<File, OpenError> {
+    let path = dir.join(TIER_LOCK_NAME);
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(&path)
+        .map_err(|source| OpenError::Open { path: path.clone(), source })?;
+    // SAFETY: plain syscall on an fd we own.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let source = std::io::Error::last_os_error();
+        return Err(if source.raw_os_error() == Some(libc::EWOULDBLOCK) {
+            OpenError::Locked { dir: dir.to_path_buf() }
+        } else {
+            OpenError::Open { path, source }
+        });
+    }
+    Ok(f)
 }
 
 impl DiskFile {
@@ -112,7 +175,18 @@ impl DiskFile {
     /// [`OpenError`], naming the path: a missing directory, a size out of
     /// range, `O_DIRECT` refused, the space not allocatable.
     pub fn open(dir: &Path, bytes: u64) -> Result<Self, OpenError> {
-        Self::open_named(dir, TIER_FILE_NAME, bytes)
+        check_dir(dir)?;
+        let lock = lock_dir(dir)?;
+        if on_tmpfs(dir).unwrap_or(false) {
+            tracing::warn!(
+                dir = %dir.display(),
+                "disk tier directory is on tmpfs: the tier is held in RAM (it competes with the pool for memory, \
+                 O_DIRECT is a plain copy there, and nothing survives a reboot); put it on a local SSD"
+            );
+        }
+        let mut f = Self::open_named(dir, TIER_FILE_NAME, bytes)?;
+        f._lock = Some(lock);
+        Ok(f)
     }
 
     /// [`open`](Self::open) with another file name in `dir` (the
@@ -125,11 +199,7 @@ impl DiskFile {
         if !(DISK_CAPACITY_BYTES_MIN..=DISK_CAPACITY_BYTES_MAX).contains(&capacity) {
             return Err(OpenError::BadSize { bytes, min: DISK_CAPACITY_BYTES_MIN, max: DISK_CAPACITY_BYTES_MAX });
         }
-        match std::fs::metadata(dir) {
-            Err(_) => return Err(OpenError::DirMissing { path: dir.to_path_buf() }),
-            Ok(m) if !m.is_dir() => return Err(OpenError::NotADir { path: dir.to_path_buf() }),
-            Ok(_) => {}
-        }
+        check_dir(dir)?;
         let path = dir.join(name);
         let file = OpenOptions::new()
             .read(true)
@@ -195,7 +265,7 @@ impl DiskFile {
         if let Err(source) = file.read_at(probe.as_mut_slice(), 0) {
             return Err(OpenError::DirectIoRefused { path, source });
         }
-        Ok(Self { file, path, capacity })
+        Ok(Self { file, path, capacity, _lock: None })
     }
 
     /// The file's path.
@@ -214,6 +284,15 @@ impl DiskFile {
     }
 }
 
+/// `dir` exists and is a directory.
+fn check_dir(dir: &Path) -> Result<(), OpenError> {
+    match std::fs::metadata(dir) {
+        Err(_) => Err(OpenError::DirMissing { path: dir.to_path_buf() }),
+        Ok(m) if !m.is_dir() => Err(OpenError::NotADir { path: dir.to_path_buf() }),
+        Ok(_) => Ok(()),
+    }
+}
+
 /// Bytes an unprivileged writer may still allocate on `file`'s file system
 /// (`fstatvfs`: available blocks × fragment size).
 fn free_bytes(file: &File) -> std::io::Result<u64> {
@@ -225,4 +304,29 @@ fn free_bytes(file: &File) -> std::io::Result<u64> {
     // SAFETY: initialised by the successful call above.
     let st = unsafe { st.assume_init() };
     Ok(st.f_bavail.saturating_mul(st.f_frsize))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_directory_in_use_is_refused_naming_it() {
+        let dir = tempfile::Builder::new().prefix(".disk-file-lock-").tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+        let first = DiskFile::open(dir.path(), 1 << 20).expect("first open");
+        let err = DiskFile::open(dir.path(), 1 << 20).expect_err("second open of a locked directory");
+        assert!(matches!(err, OpenError::Locked { .. }), "{err}");
+        assert!(err.to_string().contains(&dir.path().display().to_string()), "{err}");
+        drop(first);
+        DiskFile::open(dir.path(), 1 << 20).expect("open after the first closed");
+    }
+
+    #[test]
+    fn tmpfs_is_recognised() {
+        let shm = Path::new("/dev/shm");
+        if shm.is_dir() {
+            assert!(on_tmpfs(shm).expect("statfs /dev/shm"));
+        }
+        assert!(on_tmpfs(Path::new("/nonexistent-kvferry-dir")).is_err());
+    }
 }

@@ -27,6 +27,8 @@
 //! keeps it whole even if nobody collected its completion.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -131,6 +133,9 @@ pub struct SimDisk {
     /// Completions to deliver again (tag, kind, offset, due).
     stale: Vec<(u64, IoKind, u64, u64)>,
     stats: SimStats,
+    /// While set, no fault is injected whatever the mix (see
+    /// [`SimDisk::heal_switch`]).
+    healed: Arc<AtomicBool>,
 }
 
 impl SimDisk {
@@ -139,11 +144,19 @@ impl SimDisk {
     /// `seed`.
     pub fn new(capacity: u64, depth: usize, seed: u64) -> Self {
         let cap = capacity & !(crate::limits::DISK_ALIGN_BYTES - 1);
-        Self::over(vec![0; cap as usize], depth.max(1), SmallRng::seed_from_u64(seed), SimStats::default())
+        let healed = Arc::new(AtomicBool::new(false));
+        Self::over(vec![0; cap as usize], depth.max(1), SmallRng::seed_from_u64(seed), SimStats::default(), healed)
+    }
+
+    /// A switch that, once set, stops every fault of this disk (and of the
+    /// disks [`crash`](Self::crash) makes of it) while an engine holds it:
+    /// the simulator's liveness phase heals the disk through it.
+    pub fn heal_switch(&self) -> Arc<AtomicBool> {
+        self.healed.clone()
     }
 
     /// A disk over `medium` with nothing in flight and faults off.
-    fn over(medium: Vec<u8>, depth: usize, rng: SmallRng, stats: SimStats) -> Self {
+    fn over(medium: Vec<u8>, depth: usize, rng: SmallRng, stats: SimStats, healed: Arc<AtomicBool>) -> Self {
         Self {
             medium,
             depth,
@@ -155,6 +168,7 @@ impl SimDisk {
             done: VecDeque::new(),
             stale: Vec::new(),
             stats,
+            healed,
         }
     }
 
@@ -200,11 +214,11 @@ impl SimDisk {
             }
         }
         let rng = SmallRng::seed_from_u64(self.rng.random());
-        SimDisk::over(std::mem::take(&mut self.medium), self.depth, rng, std::mem::take(&mut self.stats))
+        SimDisk::over(std::mem::take(&mut self.medium), self.depth, rng, std::mem::take(&mut self.stats), self.healed)
     }
 
     fn chance(&mut self, p: f64) -> bool {
-        p > 0.0 && self.rng.random_bool(p.min(1.0))
+        p > 0.0 && !self.healed.load(Ordering::Relaxed) && self.rng.random_bool(p.min(1.0))
     }
 
     /// A sector-aligned count in `0..len` (strictly short).

@@ -54,33 +54,136 @@ use crate::limits::{
 };
 use crate::types::BlockHash;
 
-/// A simulated disk handed to an engine instead of a file: the engine takes
-/// it at start and puts it back when it is dropped, so a test or the
-/// simulator can crash it ([`SimDisk::crash`]) and start a node on it again.
+/// `tracing` target of the event emitted for every block staged from the
+/// disk tier into the pool (`node`, `namespace`, `hash` in hex,
+/// `generation`, and `payload_crc`: the CRC-32C of the bytes copied into
+/// the pool extent), at TRACE level, just before the block is sealed into
+/// the cache. The CRC is computed only while the target is enabled (the
+/// simulator's C17 check compares it with the bytes that were saved).
+pub const DISK_STAGED_TRACE_TARGET: &str = "kvferry::disk_staged";
+
+/// A simulated disk handed to an engine instead of a file (its
+/// "directory"): the engine opens it at start and uses it in place; a
+/// test or the simulator crashes it ([`SimDiskSlot::crash`]) when the
+/// node's process "dies" — the writes in flight are torn, the dead
+/// incarnation's handle is fenced off (it can do nothing more, whether or
+/// not its engine was dropped) — and starts a node on it again.
 #[derive(Clone, Default)]
-pub struct SimDiskSlot(Arc<Mutex<Option<SimDisk>>>);
+pub struct SimDiskSlot(Arc<Mutex<SlotState>>);
+
+#[derive(Default)]
+struct SlotState {
+    disk: Option<SimDisk>,
+    /// Bumped by every crash: a handle of an older epoch is fenced.
+    epoch: u64,
+    /// An engine of the current epoch holds the disk.
+    held: bool,
+}
 
 impl SimDiskSlot {
     /// A slot holding `disk`.
     pub fn new(disk: SimDisk) -> Self {
-        Self(Arc::new(Mutex::new(Some(disk))))
+        Self(Arc::new(Mutex::new(SlotState { disk: Some(disk), epoch: 0, held: false })))
     }
 
-    /// Takes the disk out (None while an engine holds it).
+    /// Takes the disk out (None while an engine of this epoch holds it).
     pub fn take(&self) -> Option<SimDisk> {
-        self.0.lock().expect("sim disk slot").take()
+        let mut st = self.0.lock().expect("sim disk slot");
+        if st.held { None } else { st.disk.take() }
     }
 
     /// Puts a disk in (replacing any there).
     pub fn put(&self, disk: SimDisk) {
-        *self.0.lock().expect("sim disk slot") = Some(disk);
+        self.0.lock().expect("sim disk slot").disk = Some(disk);
+    }
+
+    /// The process using the disk died: its writes in flight are torn and
+    /// its completions lost ([`SimDisk::crash`]), and its handle is fenced
+    /// (every later operation through it is refused, every reap empty).
+    /// `faults` is the fault mix from now on (a crash switches faults
+    /// off). Returns `false` when the slot holds no disk.
+    pub fn crash(&self, faults: crate::disk::sim::SimFaults) -> bool {
+        let mut st = self.0.lock().expect("sim disk slot");
+        let Some(d) = st.disk.take() else { return false };
+        let mut d = d.crash();
+        d.set_faults(faults);
+        st.disk = Some(d);
+        st.epoch += 1;
+        st.held = false;
+        true
+    }
+
+    /// Opens the disk for an engine: `None` when the slot is empty or an
+    /// engine of this epoch holds it.
+    fn open(&self) -> Option<SimHandle> {
+        let mut st = self.0.lock().expect("sim disk slot");
+        if st.held || st.disk.is_none() {
+            return None;
+        }
+        st.held = true;
+        Some(SimHandle { slot: self.clone(), epoch: st.epoch, depth: st.disk.as_ref().map_or(1, |d| d.queue_depth()) })
     }
 }
 
 impl std::fmt::Debug for SimDiskSlot {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let held = self.0.lock().map(|s| s.is_some()).unwrap_or(false);
-        f.debug_struct("SimDiskSlot").field("holds_disk", &held).finish()
+        let (disk, held) = self.0.lock().map(|s| (s.disk.is_some(), s.held)).unwrap_or((false, false));
+        f.debug_struct("SimDiskSlot").field("holds_disk", &disk).field("held", &held).finish()
+    }
+}
+
+/// An engine's use of a [`SimDiskSlot`]'s disk, for one epoch.
+struct SimHandle {
+    slot: SimDiskSlot,
+    epoch: u64,
+    depth: usize,
+}
+
+impl SimHandle {
+    /// Runs `f` on the disk while this handle's epoch is current; `None`
+    /// once fenced (or without a disk).
+    fn with<R>(&self, f: impl FnOnce(&mut SimDisk) -> R) -> Option<R> {
+        let mut st = self.slot.0.lock().expect("sim disk slot");
+        if st.epoch != self.epoch {
+            return None;
+        }
+        st.disk.as_mut().map(f)
+    }
+}
+
+impl Drop for SimHandle {
+    fn drop(&mut self) {
+        let mut st = self.slot.0.lock().expect("sim disk slot");
+        if st.epoch == self.epoch {
+            st.held = false;
+        }
+    }
+}
+
+impl DiskIo for SimHandle {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Sim
+    }
+    fn capacity(&self) -> u64 {
+        self.with(|d| d.capacity()).unwrap_or(0)
+    }
+    fn queue_depth(&self) -> usize {
+        self.depth
+    }
+    fn in_flight(&self) -> usize {
+        self.with(|d| d.in_flight()).unwrap_or(0)
+    }
+    fn submit(&mut self, op: IoOp) -> Result<(), Refused> {
+        let mut guard = self.slot.0.lock().expect("sim disk slot");
+        let st = &mut *guard;
+        match st.disk.as_mut() {
+            Some(d) if st.epoch == self.epoch => d.submit(op),
+            // Fenced: the process this handle belonged to is dead.
+            _ => Err(Refused { error: crate::disk::io::SubmitError::Broken(crate::disk::io::EIO), op }),
+        }
+    }
+    fn reap(&mut self, wait: bool, out: &mut Vec<Completion>) -> Result<usize, Errno> {
+        self.with(|d| d.reap(wait, out)).unwrap_or(Ok(0))
     }
 }
 
@@ -150,7 +253,7 @@ pub enum DiskOpenError {
 enum NodeDisk {
     #[cfg(all(target_os = "linux", not(madsim)))]
     Real(crate::disk::backend::RealDisk),
-    Sim(Box<SimDisk>),
+    Sim(SimHandle),
 }
 
 impl DiskIo for NodeDisk {
@@ -209,6 +312,9 @@ pub struct DiskMetrics {
     pub removals_enqueued: AtomicU64,
     /// Removals of records that left the tier dropped at a full queue.
     pub removals_dropped_at_enqueue: AtomicU64,
+    /// Records that left the tier while a newer record of the block was
+    /// already queued (no removal: the block is still on disk).
+    pub removals_skipped_rewritten: AtomicU64,
     /// Records that left the tier while the block was resident in the pool
     /// (no removal).
     pub removals_skipped_resident: AtomicU64,
@@ -219,8 +325,19 @@ pub struct DiskMetrics {
     pub stage_failures: AtomicU64,
     /// Stagings that missed their deadline.
     pub stage_timeouts: AtomicU64,
-    /// Blocks found by recovery at start and advertised again.
+    /// Blocks staged for a peer's transfer-lock request (a subset of
+    /// `staged_blocks`: disk blocks served to peers).
+    pub peer_staged_blocks: AtomicU64,
+    /// Pool victims refused because the write-behind queue was full (a
+    /// subset of `write_refused`).
+    pub write_queue_full: AtomicU64,
+    /// Blocks found by recovery at start and advertised again (inserts
+    /// offered).
     pub recovered_advertised: AtomicU64,
+    /// Staged blocks whose record left the tier (its removal registered)
+    /// while they were being staged, advertised again from the pool
+    /// (inserts offered).
+    pub readvertised: AtomicU64,
     /// Nanoseconds from a staging read's start to its verified bytes
     /// (summed over reads).
     pub read_ns: AtomicU64,
@@ -249,8 +366,14 @@ pub struct DiskStats {
     pub stage_failures: u64,
     /// See [`DiskMetrics::stage_timeouts`].
     pub stage_timeouts: u64,
+    /// See [`DiskMetrics::peer_staged_blocks`].
+    pub peer_staged_blocks: u64,
+    /// See [`DiskMetrics::write_queue_full`].
+    pub write_queue_full: u64,
     /// See [`DiskMetrics::recovered_advertised`].
     pub recovered_advertised: u64,
+    /// See [`DiskMetrics::readvertised`].
+    pub readvertised: u64,
     /// See [`DiskMetrics::read_ns`].
     pub read_ns: u64,
     /// Records indexed now (count).
@@ -272,7 +395,6 @@ pub(crate) struct DiskTier {
     state: Mutex<State>,
     pub(crate) wake: Arc<Notify>,
     metrics: DiskMetrics,
-    slot: Option<SimDiskSlot>,
     pub(crate) stage_deadline: Duration,
 }
 
@@ -338,7 +460,7 @@ impl DiskTier {
     /// the blocks recovery kept.
     pub(crate) fn open(cfg: &DiskConfig) -> Result<(Self, Vec<BlockKey>), DiskOpenError> {
         let io = match &cfg.sim {
-            Some(slot) => NodeDisk::Sim(Box::new(slot.take().ok_or(DiskOpenError::SimDiskTaken)?)),
+            Some(slot) => NodeDisk::Sim(slot.open().ok_or(DiskOpenError::SimDiskTaken)?),
             None => Self::open_file(cfg)?,
         };
         let tcfg = TierConfig { write_queue_max: cfg.write_queue_max, record_align: cfg.record_align };
@@ -356,7 +478,6 @@ impl DiskTier {
                 state: Mutex::new(State { tier, readers: HashMap::new() }),
                 wake: Arc::new(Notify::new()),
                 metrics: DiskMetrics::default(),
-                slot: cfg.sim.clone(),
                 stage_deadline: cfg.stage_deadline,
             },
             keys,
@@ -388,6 +509,11 @@ impl DiskTier {
         matches!(self.state.lock().expect("disk lock").tier.lookup(key), Some((_, true)))
     }
 
+    /// Whether `key` has a record (written or being written).
+    pub(crate) fn indexed(&self, key: &BlockKey) -> bool {
+        self.state.lock().expect("disk lock").tier.lookup(key).is_some()
+    }
+
     /// Every block with a completed record, by namespace (the backfill).
     pub(crate) fn written_keys(&self) -> Vec<BlockKey> {
         self.state.lock().expect("disk lock").tier.written_keys().into_iter().map(|(k, _)| k).collect()
@@ -403,7 +529,21 @@ impl DiskTier {
             Err(e) => {
                 self.metrics.write_refused.fetch_add(1, Ordering::Relaxed);
                 match e {
-                    WriteRefused::QueueFull { .. } => tracing::debug!("disk tier: write queue full, block dropped"),
+                    WriteRefused::QueueFull { .. } => {
+                        let n = self.metrics.write_queue_full.fetch_add(1, Ordering::Relaxed) + 1;
+                        // Counted every time; logged at debug per refusal, and
+                        // at info on the first and on every power of two
+                        // from 1024 on (rate-limited: a full queue under a
+                        // burst of evictions refuses thousands).
+                        if n == 1 || n.is_power_of_two() && n >= 1024 {
+                            tracing::info!(
+                                refusals = n,
+                                "disk tier: write-behind queue full, evicted block dropped (raise --ssd-write-queue?)"
+                            );
+                        } else {
+                            tracing::debug!(refusals = n, "disk tier: write queue full, block dropped");
+                        }
+                    }
                     e => tracing::warn!(error = %e, "disk tier: write refused, block dropped"),
                 }
                 false
@@ -469,7 +609,10 @@ impl DiskTier {
             staged_blocks: ld(&m.staged_blocks),
             stage_failures: ld(&m.stage_failures),
             stage_timeouts: ld(&m.stage_timeouts),
+            peer_staged_blocks: ld(&m.peer_staged_blocks),
+            write_queue_full: ld(&m.write_queue_full),
             recovered_advertised: ld(&m.recovered_advertised),
+            readvertised: ld(&m.readvertised),
             read_ns: ld(&m.read_ns),
             records,
             used_bytes: used,
@@ -505,35 +648,20 @@ impl DiskTier {
                         }
                     }
                 },
+                // A newer record of the block was queued after this one
+                // left (the pool evicted the block again before this
+                // poll): the block stays on disk and advertised; that
+                // record's own removal, if it fails, comes as its own
+                // event.
+                TierEvent::Removed { key, generation, .. }
+                    if st.tier.lookup(&key).is_some_and(|(g, _)| g != generation) =>
+                {
+                    self.metrics.removals_skipped_rewritten.fetch_add(1, Ordering::Relaxed);
+                }
                 TierEvent::Removed { key, .. } => removed.push(key),
             }
         }
         (removed, st.tier.ops_pending() > 0)
-    }
-}
-
-impl Drop for DiskTier {
-    /// A simulated disk goes back to its slot (with whatever is still in
-    /// flight: a later [`SimDisk::crash`] tears it).
-    fn drop(&mut self) {
-        let Some(slot) = self.slot.take() else { return };
-        let Ok(st) = self.state.get_mut() else { return };
-        let tier = std::mem::replace(&mut st.tier, placeholder_tier());
-        // Irrefutable where the simulator has no file-backed disk.
-        #[allow(irrefutable_let_patterns)]
-        if let NodeDisk::Sim(d) = tier.into_io() {
-            slot.put(*d);
-        }
-    }
-}
-
-/// An empty tier over a tiny simulated disk (what a dropped [`DiskTier`]
-/// leaves behind while its real disk goes back to its slot).
-fn placeholder_tier() -> Tier<NodeDisk> {
-    let io = NodeDisk::Sim(Box::new(SimDisk::new(crate::limits::DISK_CAPACITY_BYTES_MIN, 1, 0)));
-    match Tier::open(io, TierConfig::default()) {
-        Ok((t, _)) => t,
-        Err(e) => unreachable!("a zeroed 1 MiB simulated tier opens: {e}"),
     }
 }
 
@@ -581,6 +709,12 @@ impl EngineInner {
         for k in keys {
             if self.cache.lock().expect("cache lock").contains(&k.namespace, &k.hash) {
                 m.removals_skipped_resident.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            // Evicted from the pool and queued to disk again since the
+            // poll that reported this removal (another thread's eviction).
+            if d.indexed(k) {
+                m.removals_skipped_rewritten.fetch_add(1, Ordering::Relaxed);
                 continue;
             }
             if self.client.try_unregister(&k.namespace, std::slice::from_ref(&k.hash)) == 1 {
@@ -685,13 +819,25 @@ impl super::Engine {
             }
         };
         ext.as_mut_slice().copy_from_slice(b.bytes());
+        if tracing::enabled!(target: DISK_STAGED_TRACE_TARGET, tracing::Level::TRACE) {
+            tracing::trace!(
+                target: DISK_STAGED_TRACE_TARGET,
+                node = %self.inner.node,
+                namespace = %ns,
+                hash = %hex::encode(key.hash.as_bytes()),
+                generation = b.generation,
+                payload_crc = crc32c::crc32c(ext.as_slice()),
+                "disk block staged"
+            );
+        }
         let checksums: Arc<[u32]> = b.slots.iter().map(|s| s.crc32c).collect();
         d.recycle(b);
         let inserted = self.insert_sealed(ns, key.hash.clone(), super::CachedBlock { extent: ext.seal(), checksums });
         // The record may have left the tier meanwhile, its removal
         // registered: the pool holds the block now, so advertise it again.
         if inserted && !d.on_disk(key) {
-            self.advertise(ns, std::slice::from_ref(&key.hash));
+            let n = self.advertise(ns, std::slice::from_ref(&key.hash));
+            d.metrics().readvertised.fetch_add(n as u64, Ordering::Relaxed);
         }
         true
     }
@@ -722,7 +868,8 @@ impl super::Engine {
     ) -> Result<super::TransferLock, super::EngineError> {
         if let (Some(d), Ok((ns, layout))) = (&self.inner.disk, self.layout(namespace)) {
             let budget = d.stage_deadline.min(self.inner.cfg.peer_rpc_timeout / 2);
-            self.stage(&ns, &layout, hashes, false, Instant::now() + budget).await;
+            let staged = self.stage(&ns, &layout, hashes, false, Instant::now() + budget).await;
+            d.metrics().peer_staged_blocks.fetch_add(staged as u64, Ordering::Relaxed);
         }
         self.lock_for_transfer(namespace, hashes)
     }

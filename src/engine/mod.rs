@@ -34,7 +34,7 @@ use crate::memory::DeviceBufferId;
 use crate::transport::{DataSource, Transport};
 use crate::types::{BlockHash, IdError, NodeAddr, validate_namespace};
 use cache::{BlockCache, CachedBlock};
-pub use disk::{DiskConfig, DiskMetrics, DiskOpenError, DiskStats, SimDiskSlot, family_id};
+pub use disk::{DISK_STAGED_TRACE_TARGET, DiskConfig, DiskMetrics, DiskOpenError, DiskStats, SimDiskSlot, family_id};
 pub use fetch::{FetchIntoReport, FetchReport};
 use layout::{LayerLayout, Layout, LayoutError, LayoutFamily};
 use locks::{AccessError, LockError, LockTable};
@@ -931,14 +931,16 @@ impl Engine {
         Ok(Sealed { saved, raced, no_space })
     }
 
-    /// Enqueues registrations for newly resident blocks, counting door drops.
-    pub(crate) fn advertise(&self, ns: &str, hashes: &[BlockHash]) {
+    /// Enqueues registrations for newly resident blocks, counting door
+    /// drops; returns how many were accepted.
+    pub(crate) fn advertise(&self, ns: &str, hashes: &[BlockHash]) -> usize {
         if hashes.is_empty() {
-            return;
+            return 0;
         }
         let accepted = self.inner.client.try_register(ns, hashes);
         let dropped = (hashes.len() - accepted) as u64;
         self.inner.metrics.registrations_dropped_at_enqueue.fetch_add(dropped, Ordering::Relaxed);
+        accepted
     }
 
     /// Seals a fetched block into the cache (used by fetch). Returns `false`

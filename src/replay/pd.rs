@@ -413,6 +413,8 @@ pub struct SsdLine {
     pub write_refused: u64,
     /// Of those, for want of disk space.
     pub write_refused_no_space: u64,
+    /// Of those, at a full write-behind queue (`--ssd-write-queue`).
+    pub write_refused_queue_full: u64,
     /// Stagings that failed or missed their deadline.
     pub stage_failures: u64,
     /// Records recovered at start (a directory reused from a previous run).
@@ -1052,6 +1054,7 @@ pub async fn run_with_observer(
             l.verify_failures += t.verify_failures;
             l.write_refused += st.write_refused;
             l.write_refused_no_space += t.write_refused_no_space;
+            l.write_refused_queue_full += st.write_queue_full;
             l.staged_blocks += st.staged_blocks;
             l.stage_failures += st.stage_failures + st.stage_timeouts;
             l.recovered += t.recovered;
@@ -1089,6 +1092,13 @@ async fn start_node(
                 if !dir.is_dir() {
                     return Err(PdError::Start(format!("--ssd-dir: {} is not an existing directory", dir.display())));
                 }
+                let (min, max) = (limits::DISK_CAPACITY_BYTES_MIN, limits::DISK_CAPACITY_BYTES_MAX);
+                if !(min..=max).contains(&(cfg.ssd_bytes & !(limits::DISK_ALIGN_BYTES - 1))) {
+                    return Err(PdError::Start(format!(
+                        "--ssd-size {} B is outside the disk tier's {min}..={max} B (1 MiB to 64 TiB per node)",
+                        cfg.ssd_bytes
+                    )));
+                }
                 let sub = dir.join(format!("node-{i}"));
                 std::fs::create_dir_all(&sub)
                     .map_err(|e| PdError::Start(format!("--ssd-dir: cannot create {}: {e}", sub.display())))?;
@@ -1106,8 +1116,13 @@ async fn start_node(
     ncfg.path = cfg.path;
     let (role, index) = if i < cfg.prefill { (Role::Prefill, i) } else { (Role::Decode, i - cfg.prefill) };
     let (gpu, device_label) = gpu_factory(role, index)?;
-    let handle =
-        node::start(ncfg, gpu).await.map_err(|e| PdError::Start(format!("{} node {index}: {e}", role.name())))?;
+    let disk_dir = ncfg.engine.disk.as_ref().map(|d| d.dir.clone());
+    let handle = node::start(ncfg, gpu).await.map_err(|e| match (&e, &disk_dir) {
+        (node::NodeError::Engine(crate::engine::EngineError::Disk(_)), Some(dir)) => {
+            PdError::Start(format!("{} node {index}: --ssd-dir {}: {e}", role.name(), dir.display()))
+        }
+        _ => PdError::Start(format!("{} node {index}: {e}", role.name())),
+    })?;
     let engine = handle.engine.clone();
     let kv = match KvCache::allocate(&engine, shape) {
         Ok(b) => b,
