@@ -191,12 +191,13 @@ pub const FLUSH_SLACK: Duration = Duration::from_millis(100);
 /// ends by its one deadline instant (query, handshake, lock RPC, reads,
 /// checksum pass, `fetch_into`'s load tail; the release is handed off), and
 /// the simulator's clock is virtual — a CRC pass or a host copy takes no
-/// simulated time — so what a fetch may run past its deadline is the
-/// timer that fires at it and the fetching task being polled after it,
-/// plus a copy into the caller's KV submitted before the deadline (awaited,
-/// C11; instant on the simulated host GPU). Largest overrun seen: 3 ms over
-/// 20,000 seeds (`docs/simulation.md`, sessions 13–14), under 1 ms over
-/// this branch's sweeps; 10 ms leaves three times that.
+/// simulated time — so what a fetch may run past its deadline is a copy
+/// into the caller's KV submitted before the deadline, which is awaited
+/// (C11; the simulated GPU runs a batch on a held buffer 1–3 ms after its
+/// submission, `SimGpu`), and the fetching task being polled after its
+/// timer fired (under 1 ms). Largest overrun seen: 3.9 ms over 2,000 seeds
+/// (a `fetch_into` whose last load was submitted just before its
+/// deadline); 10 ms leaves more than twice that.
 pub const FETCH_SLACK: Duration = Duration::from_millis(10);
 /// Slack over lock timeout + GC interval.
 pub const LOCK_SLACK: Duration = Duration::from_secs(2);
