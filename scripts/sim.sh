@@ -32,7 +32,9 @@
 #
 # Env: SIM_SEED_START (default 0), DET_SEEDS, SIM_BROKEN, SIM_SEED_TIMEOUT_S
 # (wall-clock limit per seed process, default 120), SIM_TARGET_DIR (the
-# madsim target dir, default target-sim; e.g. a shared one).
+# madsim target dir, default target-sim; e.g. a shared one), SIM_LOGS (where
+# logs and the summary go, default $SIM_TARGET_DIR/sim-logs: give each
+# concurrent sweep over a shared target dir its own).
 # Exits non-zero on any failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -45,7 +47,7 @@ SEED_TIMEOUT=${SIM_SEED_TIMEOUT_S:-120}
 export CARGO_TARGET_DIR=${SIM_TARGET_DIR:-target-sim}
 # Prepend, never replace: an inherited RUSTFLAGS would otherwise drop the cfg.
 export RUSTFLAGS="--cfg madsim ${RUSTFLAGS:-}"
-LOGS=$CARGO_TARGET_DIR/sim-logs
+LOGS=${SIM_LOGS:-$CARGO_TARGET_DIR/sim-logs}
 mkdir -p "$LOGS"
 FAIL=0
 
@@ -123,7 +125,7 @@ awk '
         if (kv[1] == "faults" || kv[1] == "checks") {
             n = split(kv[2], items, ",")
             for (j = 1; j <= n; j++) { m = split(items[j], p, ":"); if (m >= 2) sum[kv[1] " " p[1]] += p[2] }
-        } else if (kv[1] == "c9_overrun_max_ms") {
+        } else if (kv[1] == "c9_overrun_max_us") {
             if (kv[2] > tot[kv[1]]) tot[kv[1]] = kv[2]
         } else if (kv[1] == "done" || kv[1] == "lost" || kv[1] == "reused" || kv[1] == "saved" || kv[1] == "fetched" || kv[1] == "verified" || kv[1] == "recomputed" || kv[1] ~ /^corrupt_/ || kv[1] == "checksum_rejected" || kv[1] == "poisoned_frees" || kv[1] ~ /^c[0-9]+_/ || kv[1] ~ /^disk_/) {
             tot[kv[1]] += kv[2]

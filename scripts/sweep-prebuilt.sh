@@ -26,7 +26,7 @@ seq "$START" $((START + COUNT - 1)) | xargs -P "$JOBS" -I{} sh -c '
 echo "seeds $START..$((START + COUNT - 1)): $(wc -l <"$OUT/summary.txt") passed, $(wc -l <"$OUT/failed.txt") failed, $(($(date +%s) - t0)) s wall, $JOBS jobs"
 awk '{ for (i = 1; i <= NF; i++) { split($i, kv, "=")
         if (kv[1] == "checks") { n = split(kv[2], items, ","); for (j = 1; j <= n; j++) { m = split(items[j], p, ":"); if (m >= 2) sum[p[1]] += p[2] } }
-        else if (kv[1] == "c9_overrun_max_ms") { if (kv[2] > tot[kv[1]]) tot[kv[1]] = kv[2] }
+        else if (kv[1] == "c9_overrun_max_us") { if (kv[2] > tot[kv[1]]) tot[kv[1]] = kv[2] }
         else if (kv[1] ~ /^(corrupt_|checksum_rejected|poisoned_frees|done|fetched|verified|c[0-9]+_)/) tot[kv[1]] += kv[2] } }
      END { for (k in sum) printf "  %-58s %d\n", k, sum[k]; printf "totals:"; for (k in tot) printf " %s=%d", k, tot[k]; printf "\n" }' "$OUT/summary.txt" | sort
 # Issue 29: each bug class's path was reached somewhere in the sweep, and

@@ -72,8 +72,8 @@ pub struct Summary {
 pub struct Reach {
     pub partial_read_errors: u64,
     pub deadline_fetches: u64,
-    /// The longest any fetch ran past its deadline (ms, rounded up).
-    pub overrun_max_ms: u64,
+    /// The longest any fetch ran past its deadline (µs).
+    pub overrun_max_us: u64,
     pub expired_reads: u64,
     pub unregisters: u64,
     pub busy_refusals: u64,
@@ -216,10 +216,10 @@ fn summary_line(seed: u64, s: &Summary) -> String {
     let r = &s.reach;
     let _ = write!(
         out,
-        " c8_partial_read_errors={} c9_deadline_fetches={} c9_overrun_max_ms={} c13_expired_reads={} c15_unregisters={} c15_busy_refusals={} c15_held_batches={} c19_lease_grants={} c19_lease_ends={} c19_device_reads={}",
+        " c8_partial_read_errors={} c9_deadline_fetches={} c9_overrun_max_us={} c13_expired_reads={} c15_unregisters={} c15_busy_refusals={} c15_held_batches={} c19_lease_grants={} c19_lease_ends={} c19_device_reads={}",
         r.partial_read_errors,
         r.deadline_fetches,
-        r.overrun_max_ms,
+        r.overrun_max_us,
         r.expired_reads,
         r.unregisters,
         r.busy_refusals,
@@ -464,7 +464,7 @@ async fn run_plan(
     summary.reach = Reach {
         partial_read_errors: shared.partial_read_errors.load(Ordering::SeqCst),
         deadline_fetches: shared.deadline_fetches.load(Ordering::SeqCst),
-        overrun_max_ms: shared.fetch_overrun_max_us.load(Ordering::SeqCst).div_ceil(1000),
+        overrun_max_us: shared.fetch_overrun_max_us.load(Ordering::SeqCst),
         expired_reads,
         unregisters: w.unregisters_ok.load(Ordering::SeqCst),
         busy_refusals: w.busy_refusals.load(Ordering::SeqCst),

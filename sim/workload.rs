@@ -166,7 +166,7 @@ pub struct Fetched {
 }
 
 /// Checks `inv_degrade_bounded` for a fetch that took `elapsed`, and keeps
-/// the largest time any fetch ran past its deadline (`c9_overrun_max_ms`).
+/// the largest time any fetch ran past its deadline (`c9_overrun_max_us`).
 fn check_bounded(
     shared: &Shared,
     node: usize,

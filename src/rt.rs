@@ -325,6 +325,71 @@ where
     }
 }
 
+/// A gRPC server's service as it is served: on real builds wrapped in
+/// [`LimitAsResourceExhausted`] (a request over the decode limit answers
+/// `RESOURCE_EXHAUSTED`, as `status` maps every other refusal); under the
+/// simulator the service itself (madsim's tonic has no HTTP layer to wrap). A
+/// service module reads the same under both cfgs by passing its server
+/// through here.
+#[cfg(not(madsim))]
+pub fn grpc_service<S>(svc: S) -> LimitAsResourceExhausted<S> {
+    LimitAsResourceExhausted(svc)
+}
+
+/// See the real build's `grpc_service`: the identity under the simulator.
+#[cfg(madsim)]
+pub fn grpc_service<S>(svc: S) -> S {
+    svc
+}
+
+/// Wraps a tonic service so a request over the decode limit answers
+/// `RESOURCE_EXHAUSTED` (the gRPC convention for "message larger than the
+/// configured limit") instead of tonic's `OUT_OF_RANGE`. Only that one
+/// status is rewritten (matched by tonic's message); everything else passes
+/// through. Real builds only: madsim's simulated tonic has no HTTP layer
+/// (see [`grpc_service`]).
+#[cfg(not(madsim))]
+#[derive(Clone, Debug)]
+pub struct LimitAsResourceExhausted<S>(pub S);
+
+#[cfg(not(madsim))]
+impl<S: tonic::server::NamedService> tonic::server::NamedService for LimitAsResourceExhausted<S> {
+    const NAME: &'static str = S::NAME;
+}
+
+#[cfg(not(madsim))]
+impl<S, B, RB> tonic::codegen::Service<tonic::codegen::http::Request<B>> for LimitAsResourceExhausted<S>
+where
+    S: tonic::codegen::Service<tonic::codegen::http::Request<B>, Response = tonic::codegen::http::Response<RB>>,
+    S::Future: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = tonic::codegen::BoxFuture<S::Response, S::Error>;
+
+    fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), S::Error>> {
+        self.0.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: tonic::codegen::http::Request<B>) -> Self::Future {
+        let fut = self.0.call(req);
+        Box::pin(async move {
+            let mut resp = fut.await?;
+            let over_limit = resp.extensions().get::<tonic::Status>().is_some_and(|s| {
+                s.code() == tonic::Code::OutOfRange
+                    && s.message().starts_with("Error, decoded message length too large")
+            });
+            if over_limit {
+                let code = (tonic::Code::ResourceExhausted as i32).to_string();
+                if let Ok(v) = tonic::codegen::http::HeaderValue::from_str(&code) {
+                    resp.headers_mut().insert(tonic::Status::GRPC_STATUS, v);
+                }
+            }
+            Ok(resp)
+        })
+    }
+}
+
 #[cfg(all(test, not(madsim)))]
 mod tests {
     use std::sync::Arc;

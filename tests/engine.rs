@@ -25,6 +25,7 @@
 //! | `external_paged_kv_round_trip_and_unregister_rules` | C15: K and V tensors of the embedder's, unregister refused while named, ids never reused, a namespace keeps its family |
 //! | `bad_external_memory_is_refused_and_nothing_registers` | C15: null, empty, unaligned, overlapping memory are typed errors |
 //! | `a_buffer_under_an_in_flight_copy_cannot_be_unregistered` | C15/C11: `Busy` until the batch completes |
+//! | `a_load_starts_no_copy_after_its_deadline_and_awaits_one_started` | C9 (load tail under the deadline, `fetch_into_with_deadline` too), C11 (a started copy is awaited) |
 
 // Loopback tests on real tokio and tonic; the simulator tier lives in sim/.
 #![cfg(not(madsim))]
@@ -39,7 +40,7 @@ use common::*;
 use kvferry::engine::layout::{
     self, DeviceBufferId, LAYERS_MAX, LayerLayout, LayoutError, OVERLAP_CHECK_RANGES_MAX, SegmentBase,
 };
-use kvferry::engine::{EngineError, SaveReport};
+use kvferry::engine::{EngineError, LoadError, SaveReport};
 use kvferry::gpu::{BufferError, Gpu, GpuError, HostMemory, KvMemory};
 use kvferry::node;
 use kvferry::types::BlockHash;
@@ -828,6 +829,57 @@ async fn a_buffer_under_an_in_flight_copy_cannot_be_unregistered() {
         gpu.set_open(true);
         assert_eq!(saver.await.unwrap().unwrap().saved.len(), 2, "the save finished on the old layout");
         e.unregister_buffer(kv.buffer).unwrap();
+    })
+    .await;
+}
+
+/// A load (and `fetch_into`'s load tail) submits no copy after its
+/// deadline: those blocks are `LoadError::Deadline` and their KV blocks are
+/// left untouched, so the report says exactly which blocks are in the
+/// caller's KV. A copy submitted before the deadline and still running
+/// after it is awaited (it writes the caller's KV, C11) and counts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_load_starts_no_copy_after_its_deadline_and_awaits_one_started() {
+    bounded(async {
+        let ms = start_ms().await;
+        let gpu = Arc::new(GatedGpu::new());
+        gpu.set_open(true);
+        let n = node::start(node_cfg(ms.local_addr, 4 * MIB), gpu.clone() as Arc<dyn Gpu>).await.unwrap();
+        let e = n.engine.clone();
+        let kv = register_default(&e, 40);
+        let hs = hashes(7400..7404);
+        fill_and_save(&e, &kv, 0, &hs).await;
+        let to: Vec<(BlockHash, u64)> = hs.iter().cloned().zip(10u64..).collect();
+        let untouched = |e: &kvferry::engine::Engine| (10..14).zip(&hs).all(|(i, h)| !verify(e, &kv, i, h));
+        for i in 10..14 {
+            clear(&e, &kv, i);
+        }
+
+        // The deadline has passed: nothing is copied.
+        let r = e.load_with_deadline(NS, &to, Instant::now()).await.unwrap();
+        assert!(r.results.iter().all(|r| *r == Err(LoadError::Deadline)), "{r:?}");
+        assert!(untouched(&e), "no copy after the deadline");
+        // The same for fetch_into's load tail: every block is resident
+        // here (the fetch has nothing to do), none is loaded.
+        let f = e.fetch_into_with_deadline(NS, &to, Instant::now()).await.unwrap();
+        assert_eq!((f.fetch.available, f.ready()), (4, 0), "{f:?}");
+        assert!(f.load.results.iter().all(|r| *r == Err(LoadError::Deadline)), "{f:?}");
+        assert!(untouched(&e), "no copy after the deadline");
+
+        // A copy submitted before the deadline, held past it: awaited.
+        gpu.set_open(false);
+        let deadline = Instant::now() + Duration::from_millis(100);
+        let loader = {
+            let (e, to) = (e.clone(), to.clone());
+            tokio::spawn(async move { e.load_with_deadline(NS, &to, deadline).await })
+        };
+        assert!(eventually(Duration::from_secs(5), || gpu.held() >= 1).await);
+        tokio::time::sleep_until(deadline + Duration::from_millis(100)).await;
+        assert!(!loader.is_finished(), "a copy in flight is awaited past the deadline");
+        gpu.set_open(true);
+        let r = loader.await.unwrap().unwrap();
+        assert_eq!(r.loaded(), 4, "{r:?}");
+        assert!((10..14).zip(&hs).all(|(i, h)| verify(&e, &kv, i, h)));
     })
     .await;
 }

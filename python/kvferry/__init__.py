@@ -289,7 +289,8 @@ class LoadReport:
     Attributes:
         loaded: blocks copied into the caller's cache.
         failed: ``(position in the request, reason, code)`` per block that
-            was not loaded (code ``"load_not_resident"`` or a GPU error's).
+            was not loaded (code ``"load_not_resident"``, ``"load_deadline"``
+            for a copy not started by the call's timeout, or a GPU error's).
     """
 
     loaded: int
@@ -759,7 +760,7 @@ class Node:
         Args:
             timeout: seconds (default: the node's ``fetch_timeout``): the
                 fetch's deadline, passed down to every step (MetaServer
-                query, handshake, lock, reads); a fetch cut by it stops
+                query, handshake, lock, reads, checksum pass); a fetch cut by it stops
                 short with ``stopped_code`` ``"fetch_deadline"`` (or the
                 timeout of the step it cut). The
                 node's ``fetch_timeout`` bounds it too.
@@ -774,10 +775,13 @@ class Node:
     def load(self, namespace: str, hashes: BlockHashes, block_ids: Sequence[int], *, timeout: float = 30.0) -> LoadReport:
         """Copies resident blocks from the pool into the caller's cache at
         ``block_ids``. A block that is not resident is reported in
-        ``failed``, not raised.
+        ``failed``, not raised. ``timeout`` is the load's deadline: no copy
+        starts after it (those blocks fail with code ``"load_deadline"``);
+        a copy started before it is awaited, never abandoned.
 
         Raises:
-            UnknownNamespaceError, BlockIndexError, DeadlineError.
+            UnknownNamespaceError, BlockIndexError, DeadlineError (only when
+            the load ran a second past its deadline: a wedged runtime).
         """
         r = self._node.load(namespace, [bytes(h) for h in hashes], _block_ids(block_ids, distinct=True), float(timeout))
         return LoadReport(int(r["loaded"]), [tuple(f) for f in r["failed"]])
@@ -787,8 +791,11 @@ class Node:
     ) -> Tuple[FetchReport, LoadReport]:
         """:meth:`fetch`, then :meth:`load` of the ``available`` prefix into
         ``block_ids[:available]``. Returns both reports. ``timeout`` is the
-        fetch's deadline as in :meth:`fetch`; copies into your cache that
-        started before it are awaited, never abandoned."""
+        deadline of the whole call as in :meth:`fetch`, load tail included:
+        no copy into your cache starts after it (such blocks fail with code
+        ``"load_deadline"``); copies that started before it are awaited,
+        never abandoned, so the load report says exactly which blocks are in
+        your cache."""
         t = self._fetch_timeout if timeout is None else float(timeout)
         ids = _block_ids(block_ids, distinct=True)
         f, lrep = self._node.fetch_into(namespace, [bytes(h) for h in hashes], ids, t)

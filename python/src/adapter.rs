@@ -111,9 +111,14 @@ pub async fn save(engine: &Engine, namespace: &str, blocks: Vec<(BlockHash, u64)
     engine.save(namespace, &blocks).await
 }
 
-/// Loads `(hash, block index)` pairs.
-pub async fn load(engine: &Engine, namespace: &str, blocks: Vec<(BlockHash, u64)>) -> Result<LoadReport, EngineError> {
-    engine.load(namespace, &blocks).await
+/// Loads `(hash, block index)` pairs, submitting no copy after `deadline`.
+pub async fn load(
+    engine: &Engine,
+    namespace: &str,
+    blocks: Vec<(BlockHash, u64)>,
+    deadline: tokio::time::Instant,
+) -> Result<LoadReport, EngineError> {
+    engine.load_with_deadline(namespace, &blocks, deadline).await
 }
 
 /// Fetches, by `deadline`, then loads the available prefix into the given

@@ -44,10 +44,13 @@ const WAIT_SLICE: Duration = Duration::from_millis(50);
 /// runtime (every engine call is bounded by itself; this guards a wedged
 /// runtime).
 const WAIT_GRACE: Duration = Duration::from_secs(2);
-/// How long past its deadline a fetch may run before the binding gives up
-/// on it as wedged (a `DeadlineError`): a fetch ends by its deadline except
-/// for device copies already started, which are awaited (they write the
-/// caller's KV blocks).
+/// How long past its deadline a fetch or load may run before the binding
+/// gives up on it as wedged (a `DeadlineError`). The engine ends every step
+/// by the deadline (query, handshake, lock, reads, checksum pass, load
+/// tail; the release is handed to a task of its own) except for copies
+/// into the caller's cache already started, which are awaited (they write
+/// its KV blocks): at most the parts in flight, milliseconds. The binding
+/// adds no bound of its own and makes up no report.
 const FETCH_OVERRUN_MAX: Duration = Duration::from_secs(1);
 /// Most worker threads of each runtime. A fetch receives each of the
 /// transport's connections to a peer (4 by default) on a task of its own
@@ -586,9 +589,14 @@ impl Node {
         let t = secs(timeout_s)?;
         let (rt, engine) = self.engine()?;
         let p = pairs(hashes, blocks)?;
-        let r = wait(py, &rt, t, async move { adapter::load(&engine, &namespace, p).await })?
-            .ok_or_else(|| deadline_fail("load", t))?
-            .map_err(engine_fail)?;
+        // The timeout is the load's own deadline (no copy starts after it;
+        // one started is awaited, it writes the caller's cache); the wait
+        // only guards a wedged runtime.
+        let r = wait(py, &rt, t + FETCH_OVERRUN_MAX, async move {
+            adapter::load(&engine, &namespace, p, tokio::time::Instant::now() + t).await
+        })?
+        .ok_or_else(|| deadline_fail("load", t + FETCH_OVERRUN_MAX))?
+        .map_err(engine_fail)?;
         load_dict(py, &r)
     }
 

@@ -76,6 +76,24 @@ def test_fetch_timeout_is_the_fetchs_own_deadline(ns):
     silent.close()
 
 
+def test_load_timeout_is_the_loads_own_deadline(metaserver, ns):
+    # The timeout is passed down as the load's deadline: a load whose
+    # deadline passes before its copies start reports every block as not
+    # loaded (code "load_deadline", the cache untouched) instead of raising;
+    # fetch_into's load tail likewise.
+    with kvferry.Node(metaserver.address, pool_bytes=16 << 20) as n:
+        n.register_kv_cache(ns, *paged(seed=4))
+        hs = kvferry.block_hashes(ns, tokens(3 * BT), BT)
+        assert n.save(ns, hs, [0, 1, 2]).saved == 3
+        r = n.load(ns, hs, [3, 4, 5], timeout=1e-9)
+        assert r.loaded == 0
+        assert [(i, c) for i, _, c in r.failed] == [(0, "load_deadline"), (1, "load_deadline"), (2, "load_deadline")]
+        f, r = n.fetch_into(ns, hs, [3, 4, 5], timeout=1e-9)
+        assert f.available == 3 and r.loaded == 0
+        assert {c for _, _, c in r.failed} == {"load_deadline"}
+        assert n.load(ns, hs, [3, 4, 5], timeout=5).loaded == 3
+
+
 def test_silent_metaserver_is_bounded(ns):
     # A MetaServer that accepts connections and never answers.
     import socket

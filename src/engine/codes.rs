@@ -145,6 +145,7 @@ impl LoadError {
     pub fn code(&self) -> &'static str {
         match self {
             LoadError::NotResident => "load_not_resident",
+            LoadError::Deadline => "load_deadline",
             LoadError::Copy(e) => e.code(),
         }
     }

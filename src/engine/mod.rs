@@ -217,6 +217,12 @@ pub enum LoadError {
     /// The copy batch failed.
     #[error("copy failed: {0}")]
     Copy(GpuError),
+    /// The caller's deadline passed before the block's copy was submitted
+    /// ([`Engine::load_with_deadline`], the load tail of
+    /// [`Engine::fetch_into_with_deadline`]): not copied, the caller's KV
+    /// block untouched.
+    #[error("not loaded: the deadline passed before its copy started")]
+    Deadline,
 }
 
 /// Result of a load: one entry per requested block, in order.
@@ -1032,13 +1038,44 @@ impl Engine {
     /// # Errors
     /// Validation errors (unknown namespace, index out of range).
     pub async fn load(&self, namespace: &str, blocks: &[(BlockHash, u64)]) -> Result<LoadReport, EngineError> {
+        self.load_inner(namespace, blocks, None).await
+    }
+
+    /// [`Engine::load`] that submits no copy batch after `deadline`: the
+    /// blocks of batches not submitted by then are
+    /// [`LoadError::Deadline`] (never copied, the caller's KV blocks
+    /// untouched). A batch submitted before it is awaited however long it
+    /// takes — it writes the caller's KV blocks (C11, C15) — so the report
+    /// says exactly which blocks are on the device. Staging from a disk
+    /// tier ends by the deadline too. An embedder's timeout passed down
+    /// (the fetch's load tail runs under the fetch's deadline this way).
+    ///
+    /// # Errors
+    /// As [`Engine::load`].
+    pub async fn load_with_deadline(
+        &self,
+        namespace: &str,
+        blocks: &[(BlockHash, u64)],
+        deadline: Instant,
+    ) -> Result<LoadReport, EngineError> {
+        self.load_inner(namespace, blocks, Some(deadline)).await
+    }
+
+    async fn load_inner(
+        &self,
+        namespace: &str,
+        blocks: &[(BlockHash, u64)],
+        until: Option<Instant>,
+    ) -> Result<LoadReport, EngineError> {
         let called = Instant::now();
         let (ns, layout) = self.layout(namespace)?;
         Self::check_indices(&layout, blocks.iter().map(|(_, i)| i))?;
         self.inner.metrics.loads.fetch_add(1, Ordering::Relaxed);
+        let past = |now: Instant| until.is_some_and(|u| now >= u);
         if let Some(d) = &self.inner.disk {
             let hashes: Vec<BlockHash> = blocks.iter().map(|(h, _)| h.clone()).collect();
-            self.stage(&ns, &layout, &hashes, false, Instant::now() + d.stage_deadline).await;
+            let stage_until = Instant::now() + d.stage_deadline;
+            self.stage(&ns, &layout, &hashes, false, until.map_or(stage_until, |u| u.min(stage_until))).await;
         }
         let mut results: Vec<Result<(), LoadError>> = Vec::with_capacity(blocks.len());
         // Leases on the resident blocks (the cache lock is held only here).
@@ -1061,6 +1098,13 @@ impl Engine {
         let mut hits = hits.into_iter().peekable();
         let submitted = Instant::now();
         while hits.peek().is_some() {
+            if past(Instant::now()) {
+                // C9: nothing is submitted after the deadline.
+                for (i, _, _) in hits.by_ref() {
+                    results[i] = Err(LoadError::Deadline);
+                }
+                break;
+            }
             let (mut host, mut ops, mut which) = (Vec::new(), Vec::new(), Vec::new());
             let limits = batch_limits(pending.len() as u32);
             while let Some((i, ext, idx)) =

@@ -878,9 +878,7 @@ pub async fn start(config: MetaServerConfig) -> Result<MetaServerHandle, StartEr
     let server = MetaServerServer::new(svc)
         .max_decoding_message_size(limits::GRPC_MESSAGE_BYTES_MAX)
         .max_encoding_message_size(limits::GRPC_MESSAGE_BYTES_MAX);
-    #[cfg(not(madsim))]
-    let server = crate::status::LimitAsResourceExhausted(server);
-    let router = builder.add_service(server);
+    let router = builder.add_service(crate::rt::grpc_service(server));
     let stopped = async move {
         let _ = rx.wait_for(|v| *v).await;
     };

@@ -416,6 +416,14 @@ impl FetchMachine {
                         // Nothing after a rejected block is kept.
                         out.push(Action::Free { blocks: blocks.clone() });
                         *p = Part::Settled;
+                    } else if self.deadline_passed {
+                        // No checksum pass starts after the deadline: the
+                        // part is not kept, nor anything after it (the
+                        // parts before it are still sealed as they are
+                        // judged; `pump` recorded the deadline as why).
+                        out.push(Action::Free { blocks: blocks.clone() });
+                        *p = Part::Settled;
+                        t.cut = Some(part);
                     } else {
                         let read_ok: Vec<bool> =
                             (0..blocks.len()).map(|i| results.get(i).is_some_and(Result::is_ok)).collect();
@@ -445,6 +453,9 @@ impl FetchMachine {
                                 out.push(Action::Rejected { block: b, hash: t.base + b });
                                 bad = Some(FetchError::Checksum);
                             }
+                            // The pass stopped at the deadline (or its
+                            // runtime shut down) before this block.
+                            _ if self.deadline_passed => bad = Some(FetchError::Deadline),
                             _ => {
                                 bad = Some(FetchError::Transport(TransportError::io(
                                     std::io::ErrorKind::Interrupted,
@@ -542,8 +553,9 @@ impl FetchMachine {
             t.halted = true;
             t.stop.get_or_insert(FetchError::Deadline);
         }
-        // Seal judged parts in order, up to the first part with a bad block.
-        while t.cut.is_none() {
+        // Seal judged parts in order, up to the first part with a bad block
+        // (or the first read that ended after the deadline).
+        while t.cut.is_none_or(|c| t.next_settle < c) {
             let Some((blocks, part @ Part::Judged { .. })) = t.parts.get_mut(t.next_settle) else { break };
             let Part::Judged { good, sums, bad } = std::mem::replace(part, Part::Settled) else { unreachable!() };
             let blocks = blocks.clone();
@@ -988,6 +1000,7 @@ mod tests {
         rejected: usize,
         cancelled_holding_a_lock: usize,
         deadline_mid_read: usize,
+        read_done_after_deadline: usize,
         stitched: usize,
         completed: usize,
     }
@@ -1048,6 +1061,9 @@ mod tests {
                 assert!(!w.pending.is_empty(), "the machine waits with nothing in flight");
                 let i = s.below(w.pending.len());
                 let (ev, back, verified) = w.pending.swap_remove(i);
+                if m.deadline_passed && matches!(ev, Event::ReadDone { .. }) && matches!(m.stage, Stage::Reading(_)) {
+                    paths.read_done_after_deadline += 1;
+                }
                 if let Event::Locked(Ok(g)) = &ev {
                     // A grant counts once the fetcher learns of it; one
                     // still in flight at a deadline or cancel expires at
@@ -1188,6 +1204,9 @@ mod tests {
                 None
             }
             Action::Verify { part, blocks, read_ok } => {
+                // C9: every step ends by the deadline; a CRC pass is not
+                // started after it.
+                assert!(!m.deadline_passed, "a checksum pass started after the deadline");
                 let mut sums_out = Vec::new();
                 for (k, i) in blocks.clone().enumerate() {
                     assert_eq!(w.slots[i], Slot::Held, "verify of slot {i} that is {:?}", w.slots[i]);
@@ -1303,6 +1322,7 @@ mod tests {
             total.rejected += p.rejected;
             total.cancelled_holding_a_lock += p.cancelled_holding_a_lock;
             total.deadline_mid_read += p.deadline_mid_read;
+            total.read_done_after_deadline += p.read_done_after_deadline;
             total.stitched += p.stitched;
             total.completed += p.completed;
         }
@@ -1312,6 +1332,7 @@ mod tests {
             ("rejected", t.rejected),
             ("cancelled holding a lock", t.cancelled_holding_a_lock),
             ("deadline mid-read", t.deadline_mid_read),
+            ("read done after the deadline", t.read_done_after_deadline),
             ("stitched from two owners", t.stitched),
             ("completed", t.completed),
         ] {
@@ -1374,5 +1395,57 @@ mod tests {
         assert_eq!(m.step(Event::Owners(Ok(vec![(NodeAddr("owner:1".into()), 3)]))), vec![Action::Done]);
         assert_eq!(m.report().available, 3);
         assert_eq!(m.report().stopped, Some(FetchError::Checksum));
+    }
+
+    /// The deadline passes with part 0 in its CRC pass and part 1 still
+    /// reading, parts 2 unread: the unread part is freed at once; part 1's
+    /// read, done after the deadline, gets no CRC pass (freed); part 0's
+    /// pass, cut by the deadline after its first block, keeps that block
+    /// only; the lock is released and the report says `Deadline`.
+    #[test]
+    fn the_deadline_cuts_reads_and_checksum_passes() {
+        let cfg = MachineConfig {
+            me: NodeAddr("me:1".into()),
+            family: family(),
+            block_bytes: 4 * SEG,
+            part_blocks: 2,
+            reads_in_flight: 2,
+            owners_max: 4,
+        };
+        let owner = NodeAddr("owner:1".into());
+        let (mut m, _) = FetchMachine::start(cfg, (0..6).map(hash).collect(), 0);
+        m.step(Event::Owners(Ok(vec![(owner.clone(), 6)])));
+        m.step(Event::Handshake(Ok(())));
+        let grant = LockGrant { session: "s".into(), blocks: (0..6).map(|i| info(i, SEG)).collect() };
+        m.step(Event::Locked(Ok(grant)));
+        let a = m.step(Event::Allocated(6));
+        assert_eq!(a, vec![Action::Read { part: 0, blocks: 0..2 }, Action::Read { part: 1, blocks: 2..4 }]);
+        let a = m.step(Event::ReadDone { part: 0, results: vec![Ok(()), Ok(())] });
+        assert_eq!(
+            a,
+            vec![
+                Action::Verify { part: 0, blocks: 0..2, read_ok: vec![true, true] },
+                Action::Read { part: 2, blocks: 4..6 }
+            ]
+        );
+        // Part 2's read is in flight too; the deadline frees nothing in
+        // flight and starts nothing.
+        assert_eq!(m.step(Event::Deadline), vec![]);
+        let a = m.step(Event::ReadDone { part: 1, results: vec![Ok(()), Ok(())] });
+        assert_eq!(a, vec![Action::Free { blocks: 2..4 }], "no CRC pass after the deadline");
+        let a = m.step(Event::ReadDone { part: 2, results: vec![Ok(()), Ok(())] });
+        assert_eq!(a, vec![Action::Free { blocks: 4..6 }]);
+        // The CRC pass stopped at the deadline after block 0.
+        let a = m.step(Event::Verified { part: 0, sums: vec![Some(sums(0))] });
+        assert_eq!(
+            a,
+            vec![
+                Action::Seal { blocks: 0..1, hashes: 0..1, sums: vec![sums(0)] },
+                Action::Free { blocks: 1..2 },
+                Action::Release { owner, session: "s".into() },
+            ]
+        );
+        assert_eq!(m.step(Event::Released), vec![Action::Done]);
+        assert_eq!((m.report().available, m.report().stopped.clone()), (1, Some(FetchError::Deadline)));
     }
 }

@@ -12,7 +12,12 @@
 //! no eviction can slip between them) → release the transfer lock. When an owner delivers only part of what it advertised,
 //! the next owner is asked for the rest (stitching one prefix from several
 //! owners, C14), at most one transfer query per owner per fetch and at most
-//! `FETCH_OWNERS_MAX` owners. Every step runs under the fetch's deadline.
+//! `FETCH_OWNERS_MAX` owners. Every step runs under the fetch's one
+//! deadline instant: the query, handshake and reads take it; a lock RPC is
+//! not sent after it and its late grant is released; no checksum pass
+//! starts after it and a running one stops checking at it (the part is not
+//! kept); `fetch_into`'s load tail submits no copy after it; the release is
+//! handed off to a task of its own.
 //!
 //! The result is "k of n": `available` counts the verified contiguous prefix
 //! now resident here; the caller recomputes the rest (C9).
@@ -103,10 +108,13 @@ impl Engine {
         self.fetch_into_inner(namespace, blocks, None).await
     }
 
-    /// [`Engine::fetch_into`] whose fetch also ends by the caller's
-    /// `deadline` (see [`Engine::fetch_with_deadline`]). Copies already
-    /// started when it passes are awaited, never abandoned: they write the
-    /// caller's KV blocks (C11).
+    /// [`Engine::fetch_into`] that also ends by the caller's `deadline`
+    /// (see [`Engine::fetch_with_deadline`]), load tail included: no copy
+    /// into the caller's blocks is submitted after it (those blocks are
+    /// [`LoadError::Deadline`], their KV blocks untouched). Copies already
+    /// submitted when it passes are awaited, never abandoned: they write
+    /// the caller's KV blocks (C11), and the report says exactly which
+    /// blocks are in them.
     ///
     /// # Errors
     /// As [`Engine::fetch_into`].
@@ -216,6 +224,8 @@ struct Driver<'a> {
 /// network reads of the next parts.
 struct LoadPipe<'a> {
     blocks: &'a [(BlockHash, u64)],
+    /// The fetch's deadline: no copy batch is submitted after it.
+    deadline: Instant,
     results: Vec<Option<Result<(), LoadError>>>,
     error: Option<EngineError>,
     running: Loads<'a>,
@@ -230,7 +240,8 @@ impl<'a> LoadPipe<'a> {
         }
         let at = range.start;
         let blocks = &self.blocks[range];
-        self.running.push(Box::pin(async move { (at, engine.load(namespace, blocks).await) }));
+        let deadline = self.deadline;
+        self.running.push(Box::pin(async move { (at, engine.load_with_deadline(namespace, blocks, deadline).await) }));
     }
 
     fn finished(&mut self, (at, res): (usize, Result<LoadReport, EngineError>)) {
@@ -258,8 +269,11 @@ impl Engine {
     /// [`Engine::fetch`] that also ends by the caller's `deadline` (the
     /// earlier of it and the engine's own fetch deadline): an embedder's
     /// timeout, passed down so that every step of the fetch — query,
-    /// handshake, lock RPC, reads — runs under that one instant instead of
-    /// the caller cutting the fetch from outside.
+    /// handshake, lock RPC (not sent once the deadline passed; a grant that
+    /// arrives after it is released at once), reads, checksum pass — runs
+    /// under that one instant instead of the caller cutting the fetch from
+    /// outside. The release is handed to a task of its own and not waited
+    /// for. A part read but not checked by the deadline is not kept.
     pub async fn fetch_with_deadline(&self, namespace: &str, hashes: &[BlockHash], deadline: Instant) -> FetchReport {
         self.fetch_inner(namespace, hashes, None, Some(deadline)).await.0
     }
@@ -287,6 +301,7 @@ impl Engine {
         let local = self.stage_local_prefix(namespace, hashes, deadline).await;
         let mut pipe = load.map(|blocks| LoadPipe {
             blocks,
+            deadline,
             results: vec![None; blocks.len()],
             error: None,
             running: FuturesUnordered::new(),
@@ -415,6 +430,15 @@ impl<'a> Driver<'a> {
             }
             let t0 = Instant::now();
             let deadline = self.deadline;
+            if !deadline_fed && t0 >= deadline {
+                // Before any outcome that is ready too: a part read or
+                // checked by now is judged as after the deadline (no CRC
+                // pass starts, C9), and a stream of ready outcomes cannot
+                // hold the deadline back.
+                deadline_fed = true;
+                queue.extend(self.m.step(Event::Deadline));
+                continue;
+            }
             let loading = self.load.as_ref().is_some_and(|p| !p.running.is_empty());
             let load = &mut self.load;
             // (select! drops every branch's future before a handler runs.)
@@ -662,8 +686,9 @@ impl<'a> Driver<'a> {
                             .collect()
                     });
                 self.verifies += 1;
+                let deadline = self.deadline;
                 pending.push(Box::pin(async move {
-                    let (local, mut sums) = verify_slots(&layout, local, read_ok, task_bytes_min).await;
+                    let (local, mut sums) = verify_slots(&layout, local, read_ok, task_bytes_min, deadline).await;
                     if let Some(trusted) = trusted {
                         for (s, t) in sums.iter_mut().zip(trusted) {
                             if s.is_some() {
@@ -808,8 +833,15 @@ impl<'a> Driver<'a> {
         let batch = crate::gpu::peer::PeerCopyBatch { sources, ops, checksums: plan.checksums };
         let engine = self.engine;
         let session = self.m.transfer_session().map(|(_, s)| s.to_string()).unwrap_or_default();
+        let deadline = self.deadline;
         Some(Box::pin(async move {
             let t0 = Instant::now();
+            if t0 >= deadline {
+                // A copy into the caller's KV is awaited once started (C11):
+                // none starts after the deadline (the pool path then ends
+                // at once, C9).
+                return Err("the fetch deadline passed".to_string());
+            }
             // The simulator checks this against the owner's lease events
             // (C19: no device read after the lease ended).
             tracing::trace!(target: super::leases::DEVICE_READ_TRACE_TARGET, me = %engine.node(), session, "device read");
@@ -1008,7 +1040,9 @@ pub const FETCH_END_TRACE_TARGET: &str = "kvferry::fetch_end";
 pub const FETCH_REJECT_TRACE_TARGET: &str = "kvferry::fetch::reject";
 
 /// The CRC-32C of each slot of each extent whose read succeeded (`None` for
-/// the others), with the extents handed back in order.
+/// the others), with the extents handed back in order. The pass ends at
+/// `deadline` (C9): no block is checked once it passed, so the sums may be
+/// a strict prefix (the machine keeps no block without its sums).
 ///
 /// The CRC pass reads every fetched byte once more, from memory rather than
 /// cache (a part is far larger than any cache by the time it completes): at
@@ -1023,44 +1057,60 @@ async fn verify_slots(
     local: Vec<Extent>,
     read_ok: Vec<bool>,
     task_bytes_min: u64,
+    deadline: Instant,
 ) -> (Vec<Extent>, Vec<Option<Arc<[u32]>>>) {
-    fn check(layout: &Layout, part: Vec<(Extent, bool)>) -> Vec<(Extent, Option<Arc<[u32]>>)> {
-        part.into_iter()
+    /// The piece's extents, and the sums of its blocks up to the first one
+    /// reached at or after `deadline` (all of them when none was).
+    fn check(layout: &Layout, part: Vec<(Extent, bool)>, deadline: Instant) -> (Vec<Extent>, Vec<Option<Arc<[u32]>>>) {
+        let mut sums = Vec::with_capacity(part.len());
+        let mut cut = false;
+        let extents = part
+            .into_iter()
             .map(|(e, ok)| {
-                let sums = ok.then(|| slot_checksums(layout, e.as_slice()));
-                (e, sums)
+                cut = cut || Instant::now() >= deadline;
+                if !cut {
+                    sums.push(ok.then(|| slot_checksums(layout, e.as_slice())));
+                }
+                e
             })
-            .collect()
+            .collect();
+        (extents, sums)
     }
     let bytes: u64 = local.iter().zip(&read_ok).filter(|(_, ok)| **ok).map(|(e, _)| e.len()).sum();
     let by_size = usize::try_from(bytes / task_bytes_min.max(1)).unwrap_or(usize::MAX);
     let tasks =
         crate::rt::cpu_parallelism().min(crate::limits::FETCH_VERIFY_TASKS_MAX).min(by_size).min(local.len()).max(1);
     let mut items: Vec<(Extent, bool)> = local.into_iter().zip(read_ok).collect();
-    let checked = if tasks == 1 {
-        check(layout, items)
-    } else {
-        let per = items.len().div_ceil(tasks);
-        let mut handles = Vec::with_capacity(tasks);
-        while !items.is_empty() {
-            let rest = items.split_off(per.min(items.len()));
-            let part = std::mem::replace(&mut items, rest);
-            let layout = layout.clone();
-            handles.push(tokio::spawn(async move { check(&layout, part) }));
-        }
-        let mut out = Vec::new();
-        for h in handles {
-            match h.await {
-                Ok(part) => out.extend(part),
-                // Only a runtime shutdown cancels the task (the closure cannot
-                // panic short of a bug); the verified list ends here.
-                Err(e) if e.is_panic() => panic!("checksum task panicked: {e}"),
-                Err(_) => break,
+    if tasks == 1 {
+        return check(layout, items, deadline);
+    }
+    let per = items.len().div_ceil(tasks);
+    let mut handles = Vec::with_capacity(tasks);
+    while !items.is_empty() {
+        let rest = items.split_off(per.min(items.len()));
+        let part = std::mem::replace(&mut items, rest);
+        let layout = layout.clone();
+        handles.push((part.len(), tokio::spawn(async move { check(&layout, part, deadline) })));
+    }
+    let (mut extents, mut sums) = (Vec::new(), Vec::new());
+    // Sums stay a prefix: none is kept after a piece cut short.
+    let mut whole = true;
+    for (len, h) in handles {
+        match h.await {
+            Ok((e, s)) => {
+                if whole {
+                    whole = s.len() == len;
+                    sums.extend(s);
+                }
+                extents.extend(e);
             }
+            // Only a runtime shutdown cancels the task (the closure cannot
+            // panic short of a bug); the verified list ends here.
+            Err(e) if e.is_panic() => panic!("checksum task panicked: {e}"),
+            Err(_) => break,
         }
-        out
-    };
-    checked.into_iter().unzip()
+    }
+    (extents, sums)
 }
 
 /// Blocks per read part of a fetch of `missing` blocks of `block_bytes`:
@@ -1127,8 +1177,38 @@ fn push_coalesced(ops: &mut Vec<ReadOp>, op: ReadOp) {
 
 #[cfg(test)]
 mod tests {
-    use super::part_blocks;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use tokio::time::Instant;
+
+    use super::{part_blocks, verify_slots};
+    use crate::engine::layout::{DeviceBufferId, LayerLayout, Layout};
+    use crate::engine::pool::Pool;
     use crate::limits::FETCH_READ_PART_BYTES_MIN;
+
+    /// The checksum pass ends at the fetch's deadline (C9): before it every
+    /// block whose read succeeded is checked; once it passed none is, on
+    /// one task or several, and every slot comes back to be freed (C11).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_checksum_pass_stops_at_the_deadline() {
+        let layers = (0..2u32)
+            .map(|l| LayerLayout::paged(DeviceBufferId(2 * l), Some(DeviceBufferId(2 * l + 1)), 8, 100))
+            .collect();
+        let layout = Arc::new(Layout::new(layers, |_| Some(800)).unwrap());
+        let pool = Pool::new(1 << 20, 64).unwrap();
+        let slots = || (0..4).map(|_| pool.alloc(layout.block_bytes()).unwrap()).collect::<Vec<_>>();
+        let later = Instant::now() + Duration::from_secs(60);
+        // One task (`u64::MAX` bytes per task), then as many as allowed.
+        for per_task in [u64::MAX, 1] {
+            let (back, sums) = verify_slots(&layout, slots(), vec![true, false, true, true], per_task, later).await;
+            assert_eq!((back.len(), sums.len()), (4, 4));
+            assert_eq!(sums.iter().map(Option::is_some).collect::<Vec<_>>(), vec![true, false, true, true]);
+            let (back, sums) = verify_slots(&layout, slots(), vec![true; 4], per_task, Instant::now()).await;
+            assert_eq!((back.len(), sums.len()), (4, 0), "nothing checked after the deadline");
+        }
+        assert_eq!(pool.used_bytes(), 0, "every slot went back to the pool");
+    }
 
     /// Small fetches spread over twice the parts in flight, never below the
     /// minimum part; large ones keep the configured part; never 0 blocks.
