@@ -655,6 +655,8 @@ async fn boot_node(i: usize, incarnation: u64, p: &Params, watch: Arc<GpuWatch>)
         // an owner granted a device lease (C19; the host backend's
         // in-process kind, every simulated node being in this process).
         device_direct: true,
+        // The simulator maps no shared pools: nothing to copy from.
+        shared_pool_direct: true,
         disk: None,
     };
     let h = node::start(cfg, gpu.clone() as Arc<dyn Gpu>).await.expect("node start");
