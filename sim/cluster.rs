@@ -758,6 +758,8 @@ async fn boot_node(
         // an owner granted a device lease (C19; the host backend's
         // in-process kind, every simulated node being in this process).
         device_direct: true,
+        // The simulator maps no shared pools: nothing to copy from.
+        shared_pool_direct: true,
         // Issue 32: production's disk tier over the node's simulated disk.
         disk: disk.zip(p.disk.as_ref()).map(|(slot, d)| DiskConfig {
             queue_depth: d.queue_depth,

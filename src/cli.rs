@@ -231,6 +231,9 @@ struct PdArgs {
     /// Write-behind queue of each node's disk tier (blocks, 1-4096; with --ssd-dir); a full queue drops the evicted block.
     #[arg(long, default_value_t = kvferry::limits::PD_SSD_WRITE_QUEUE_DEFAULT, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=4096), requires = "ssd_dir")]
     ssd_write_queue: usize,
+    /// Whether a decode fetch from a same-host owner's shared pool copies blocks straight from the mapped pool into the decode's KV (true: one copy) or into its own pool first and then loads them (false: the two-step path, for comparison).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    shm_direct: bool,
     /// Read parts a decode fetch keeps in flight (each spread over the transport's connections).
     #[arg(long, default_value_t = kvferry::limits::FETCH_READS_IN_FLIGHT, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=64))]
     reads_in_flight: usize,
@@ -786,6 +789,7 @@ async fn run_pd(a: PdArgs) -> Result<ExitCode, String> {
         ssd_write_queue: a.ssd_write_queue,
         fetch_reads_in_flight: a.reads_in_flight,
         fetch_read_part_bytes: a.read_part_size,
+        shared_pool_direct: a.shm_direct,
         routing: a.routing,
         seed: a.seed,
         metaserver: a.metaserver,

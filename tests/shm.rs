@@ -3,7 +3,8 @@
 //! with every byte checked, the per-path counters showing which path moved
 //! the blocks; forced TCP; a refused shared pool and a failed shared-pool
 //! read falling back to TCP (counted); a forced shared pool that cannot be
-//! used failing cleanly.
+//! used failing cleanly; `fetch_into` copying from the owner's mapped pool
+//! straight into the caller's KV in one step.
 #![cfg(target_os = "linux")]
 
 mod common;
@@ -147,6 +148,58 @@ async fn forced_shared_pool_that_cannot_be_used_fails_cleanly() {
         assert!(s.shm.attach_failures >= 1, "{s:?}");
         assert_eq!((s.tcp.reads, s.shm.reads), (0, 0), "{s:?}");
         assert_eq!(tcp(&p).hooks.reads_served.load(Ordering::Relaxed), 0);
+    })
+    .await;
+}
+
+/// Issue 28 item 3, "copied host → device in one step": once the reader's
+/// GPU backend opened the owner's mapped pool as a copy source (in the
+/// background, after the first `fetch_into` asked), `fetch_into` copies
+/// blocks from that mapping straight into the caller's KV blocks: every
+/// byte lands at the caller's index, nothing goes through the reader's
+/// pool (no pool read, nothing cached or advertised), and the one-step
+/// metrics count the blocks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fetch_into_copies_from_the_mapped_pool_in_one_step() {
+    bounded(async {
+        let ms = start_ms().await;
+        let p = node_with(&ms, PathChoice::Shm).await;
+        let d = node_with(&ms, PathChoice::Shm).await;
+        let kp = register_default(&p.engine, 40);
+        let kd = register_default(&d.engine, 40);
+        let hs = hashes(1..N + 1);
+        prefill(&p.engine, &kp, &hs).await;
+        let m = d.engine.metrics();
+        let direct = || m.shared_direct_blocks.load(Ordering::Relaxed);
+        // One block at a time until the mapping is open as a copy source
+        // (the blocks before that take the pool copy and then a load).
+        let mut next = 0usize;
+        while direct() == 0 {
+            assert!(next < 10, "the mapped pool never became a copy source");
+            let got = d.engine.fetch_into(NS, &[(hs[next].clone(), next as u64)]).await.unwrap();
+            assert_eq!(got.ready(), 1, "{:?}", got.fetch);
+            next += 1;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let pooled_before = m.fetched_bytes.load(Ordering::Relaxed);
+        let shm_before = stats(&d).shm.extents;
+        let direct_before = direct();
+        let rest: Vec<(BlockHash, u64)> = hs.iter().cloned().zip(0u64..).skip(next).collect();
+        let got = d.engine.fetch_into(NS, &rest).await.unwrap();
+        assert_eq!(got.ready(), rest.len(), "{:?}", got.fetch);
+        for (h, i) in &rest {
+            assert!(verify(&d.engine, &kd, *i, h), "block {i} byte-identical at its index");
+        }
+        assert_eq!(direct() - direct_before, rest.len() as u64, "every block in one step");
+        assert_eq!(m.shared_direct_bytes.load(Ordering::Relaxed), direct() * BLOCK);
+        assert_eq!(m.shared_direct_fallbacks.load(Ordering::Relaxed), 0);
+        assert_eq!(m.fetched_bytes.load(Ordering::Relaxed), pooled_before, "no block went through the pool");
+        assert_eq!(stats(&d).shm.extents, shm_before, "no pool copy from the mapping");
+        let rest_hashes: Vec<BlockHash> = rest.iter().map(|(h, _)| h.clone()).collect();
+        assert_eq!(d.engine.query_prefix(NS, &rest_hashes), 0, "one-step blocks are not cached by the reader");
+        assert_eq!(m.checksum_failures.load(Ordering::Relaxed), 0);
+        // The transfer locks were all released.
+        assert!(eventually(Duration::from_secs(2), || p.engine.gauges().active_transfer_locks == 0).await);
     })
     .await;
 }

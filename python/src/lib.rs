@@ -686,6 +686,10 @@ impl Node {
             ("path_ipc_bytes", c(&m.device_bytes)),
             ("path_ipc_fallbacks", c(&m.device_fallbacks)),
             ("path_ipc_ns", c(&m.device_ns)),
+            ("path_shm_direct_blocks", c(&m.shared_direct_blocks)),
+            ("path_shm_direct_bytes", c(&m.shared_direct_bytes)),
+            ("path_shm_direct_fallbacks", c(&m.shared_direct_fallbacks)),
+            ("path_shm_direct_ns", c(&m.shared_direct_ns)),
             ("device_leases_taken", c(&m.device_leases_taken)),
         ] {
             d.set_item(k, v)?;

@@ -92,6 +92,13 @@ pub struct EngineConfig {
     /// same-host owner that granted a device lease on them (C19); on by
     /// default. A node whose path is forced to `shm` or `tcp` turns it off.
     pub device_direct: bool,
+    /// Let [`Engine::fetch_into`] copy blocks from a same-host owner's
+    /// mapped shared pool straight into the engine's KV (one copy by the
+    /// GPU backend, checksums taken of the landed bytes) instead of into
+    /// the pool and then loading them; on by default. Takes effect where
+    /// the transport maps owners' pools (path `auto` or `shm`) and the
+    /// backend can read mapped host memory ([`crate::gpu::Gpu::open_host_region`]).
+    pub shared_pool_direct: bool,
     /// The disk tier below the pool (issue 32): evicted blocks are written
     /// to it and staged back on a lookup, `load`, fetch or a peer's lock
     /// request. `None` (the default): no tier, eviction drops blocks.
@@ -114,6 +121,7 @@ impl Default for EngineConfig {
             fetch_verify_task_bytes_min: limits::FETCH_VERIFY_PART_BYTES_MIN,
             seed: None,
             device_direct: true,
+            shared_pool_direct: true,
             disk: None,
         }
     }
@@ -301,6 +309,17 @@ pub struct EngineMetrics {
     /// Device-direct parts that fell back to the pool path (copy failed,
     /// a checksum differed, the lease was too short, a handle did not open).
     pub device_fallbacks: AtomicU64,
+    /// Reader side: blocks copied in one step from a same-host owner's
+    /// mapped shared pool into this engine's KV and verified (path `shm`,
+    /// issue 28 item 3).
+    pub shared_direct_blocks: AtomicU64,
+    /// Bytes of those blocks.
+    pub shared_direct_bytes: AtomicU64,
+    /// Nanoseconds those batches took, submit to verified.
+    pub shared_direct_ns: AtomicU64,
+    /// One-step shared-pool parts that fell back to the pool copy (copy
+    /// failed, a checksum differed, the owner's ranges were malformed).
+    pub shared_direct_fallbacks: AtomicU64,
 }
 
 /// A point-in-time view of the engine's gauges.

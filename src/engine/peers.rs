@@ -1,6 +1,7 @@
 //! The peers this engine fetches from: per owner, its gRPC client, the
-//! single-flight handshake and the device buffers this node opened from it
-//! (C19). The engine keeps the table; [`super::fetch`] drives it.
+//! single-flight handshake, the device buffers this node opened from it
+//! (C19) and its shared pool as this node's GPU backend opened it for
+//! one-step copies. The engine keeps the table; [`super::fetch`] drives it.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -20,6 +21,68 @@ pub(crate) struct PeerState {
     pub handshake: OnceCell<()>,
     /// Its device buffers this node opened (C19), kept while the entry is.
     pub opened: Mutex<Opened>,
+    /// Its shared pool opened as a peer-copy source (see
+    /// [`PeerState::shared_source`]).
+    pub shared: Mutex<SharedSource>,
+}
+
+/// Where opening a peer's mapped shared pool as a peer-copy source stands,
+/// per mapping (keyed by the address of the mapping's keep-alive, so a
+/// restarted owner's new mapping is opened afresh).
+#[derive(Default)]
+pub(crate) enum SharedSource {
+    /// Never asked.
+    #[default]
+    Unopened,
+    /// Being opened on a blocking thread.
+    Opening(usize),
+    /// Opened: copies may read it.
+    Ready(usize, Arc<dyn PeerBuffer>),
+    /// The backend refused it (no host-region support, registration
+    /// refused): the pool copy serves this mapping.
+    Refused(usize),
+}
+
+impl PeerState {
+    /// The peer's mapped shared pool `region` as a source of
+    /// [`Gpu::submit_peer`] batches, once opened. The first call for a
+    /// mapping starts opening it on a blocking thread (pinning a large pool
+    /// takes time, issue 28 item 3) and answers `None`, as does every call
+    /// until it is ready or after the backend refused it: meanwhile reads
+    /// take the pool copy.
+    pub fn shared_source(
+        self: &Arc<Self>,
+        gpu: &Arc<dyn Gpu>,
+        region: crate::transport::SharedRegion,
+    ) -> Option<Arc<dyn PeerBuffer>> {
+        let key = Arc::as_ptr(&region.keep).cast::<()>() as usize;
+        let mut st = self.shared.lock().expect("shared source lock");
+        match &*st {
+            SharedSource::Ready(k, b) if *k == key => return Some(b.clone()),
+            SharedSource::Opening(k) | SharedSource::Refused(k) if *k == key => return None,
+            _ => {}
+        }
+        *st = SharedSource::Opening(key);
+        drop(st);
+        let (me, gpu) = (self.clone(), gpu.clone());
+        tokio::spawn(async move {
+            let opened =
+                crate::rt::run_blocking(move || gpu.open_host_region(region.addr, region.len, region.keep)).await;
+            let mut st = me.shared.lock().expect("shared source lock");
+            if matches!(*st, SharedSource::Opening(k) if k == key) {
+                *st = match opened {
+                    Ok(Ok(b)) => SharedSource::Ready(key, b),
+                    Ok(Err(e)) => {
+                        tracing::debug!(error = %e, "the peer's shared pool cannot be a device-copy source; pool copies serve it");
+                        SharedSource::Refused(key)
+                    }
+                    // The runtime is shutting down.
+                    Err(_) => SharedSource::Unopened,
+                };
+            }
+        });
+        None
+    }
 }
 
 /// Peers this engine fetches from.
@@ -43,7 +106,12 @@ impl PeerTable {
         let grpc = EngineClient::new(ch)
             .max_decoding_message_size(crate::limits::GRPC_MESSAGE_BYTES_MAX)
             .max_encoding_message_size(crate::limits::GRPC_MESSAGE_BYTES_MAX);
-        let p = Arc::new(PeerState { grpc, handshake: OnceCell::new(), opened: Mutex::default() });
+        let p = Arc::new(PeerState {
+            grpc,
+            handshake: OnceCell::new(),
+            opened: Mutex::default(),
+            shared: Mutex::default(),
+        });
         map.insert(peer.clone(), p.clone());
         Ok(p)
     }

@@ -1261,6 +1261,15 @@ impl Gpu for CudaGpu {
         self.inner.open(export)
     }
 
+    fn open_host_region(
+        &self,
+        addr: usize,
+        len: u64,
+        keep: Arc<dyn std::any::Any + Send + Sync>,
+    ) -> Result<Arc<dyn peer::PeerBuffer>, GpuError> {
+        self.inner.open_host_region(addr, len, keep)
+    }
+
     fn submit_peer(&self, batch: peer::PeerCopyBatch) -> peer::PeerCompletion {
         let ready = |r| -> peer::PeerCompletion { Box::pin(std::future::ready(r)) };
         if let Err(e) = peer::validate_peer_batch(&batch) {

@@ -164,8 +164,14 @@ impl HostGpu {
     /// Injected failures ([`HostGpu::fail_next_batches`]) apply here too.
     fn run_peer(&self, batch: &peer::PeerCopyBatch) -> Result<Vec<u32>, GpuError> {
         peer::validate_peer_batch(batch)?;
+        // (pin of an in-process owner's buffer, address); a mapped host
+        // region stays alive through the batch's own `Arc`.
         let mut src = Vec::with_capacity(batch.sources.len());
         for s in &batch.sources {
+            if let Some(h) = s.as_any().downcast_ref::<peer::HostRegionBuffer>() {
+                src.push((None, h.addr() as u64));
+                continue;
+            }
             let p = s
                 .as_any()
                 .downcast_ref::<peer::ProcessPeerBuffer>()
@@ -175,7 +181,7 @@ impl HostGpu {
             if len != p.len {
                 return Err(GpuError::Peer(format!("the owner's buffer is {len} bytes, exported as {}", p.len)));
             }
-            src.push((pin, addr));
+            src.push((Some(pin), addr));
         }
         let pin = self.buffers.pin_batch(batch.ops.iter().map(|op| op.dst));
         let mut dst = Vec::with_capacity(batch.ops.len());
@@ -434,6 +440,15 @@ impl Gpu for HostGpu {
 
     fn open_peer_buffer(&self, export: &peer::BufferExport) -> Result<Arc<dyn peer::PeerBuffer>, GpuError> {
         peer::open_process(export)
+    }
+
+    fn open_host_region(
+        &self,
+        addr: usize,
+        len: u64,
+        keep: Arc<dyn std::any::Any + Send + Sync>,
+    ) -> Result<Arc<dyn peer::PeerBuffer>, GpuError> {
+        Ok(Arc::new(peer::HostRegionBuffer::new(addr, len, keep)?))
     }
 
     fn submit_peer(&self, batch: peer::PeerCopyBatch) -> peer::PeerCompletion {

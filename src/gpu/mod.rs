@@ -216,6 +216,29 @@ pub trait Gpu: Send + Sync + 'static {
         Err(GpuError::Unsupported(format!("{} has no peer copies", self.name())))
     }
 
+    /// Opens host memory mapped into this process — a same-host owner's
+    /// shared pool, `len` bytes at `addr`, valid while `keep` lives — as a
+    /// source of [`Gpu::submit_peer`] batches, so blocks go from the
+    /// owner's pool into this engine's device KV in one copy. The `host`
+    /// backend reads it as is; `cuda` registers it (`cuMemHostRegister`,
+    /// read-only, mapped) until the returned buffer drops. Registering a
+    /// large pool takes time (pages are pinned): callers open it once per
+    /// mapping and off the async runtime.
+    ///
+    /// # Errors
+    /// [`GpuError::Unsupported`] (default), [`GpuError::OutOfRange`] for an
+    /// empty or wrapping range, [`GpuError::Unavailable`] when the driver
+    /// refuses the registration.
+    fn open_host_region(
+        &self,
+        addr: usize,
+        len: u64,
+        keep: std::sync::Arc<dyn std::any::Any + Send + Sync>,
+    ) -> Result<std::sync::Arc<dyn peer::PeerBuffer>, GpuError> {
+        let _ = (addr, len, keep);
+        Err(GpuError::Unsupported(format!("{} cannot copy from mapped host memory", self.name())))
+    }
+
     /// Copies from opened peer buffers into this backend's buffers and
     /// checksums the destination runs the batch names ([`peer`]).
     fn submit_peer(&self, batch: peer::PeerCopyBatch) -> peer::PeerCompletion {

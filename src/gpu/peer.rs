@@ -225,6 +225,47 @@ impl PeerBuffer for ProcessPeerBuffer {
     }
 }
 
+/// Host memory mapped into this process that peer batches may read: a
+/// same-host owner's shared pool, mapped read-only by the shared-pool
+/// transport (issue 28 item 3, "copied host → device in one step"). The
+/// `host` backend copies from `addr` directly; the `cuda` backend
+/// registers the range first ([`Gpu::open_host_region`]). `keep` holds the
+/// mapping alive for as long as any batch may read it.
+pub struct HostRegionBuffer {
+    addr: usize,
+    len: u64,
+    _keep: Arc<dyn std::any::Any + Send + Sync>,
+}
+
+impl HostRegionBuffer {
+    /// `len` readable bytes at `addr`, alive while `keep` is.
+    ///
+    /// # Errors
+    /// [`GpuError::OutOfRange`] for a null address, an empty range or one
+    /// that wraps the address space.
+    pub fn new(addr: usize, len: u64, keep: Arc<dyn std::any::Any + Send + Sync>) -> Result<Self, GpuError> {
+        if addr == 0 || len == 0 || (addr as u64).checked_add(len).is_none() {
+            return Err(GpuError::OutOfRange(format!("host region [{addr:#x}, +{len})")));
+        }
+        Ok(Self { addr, len, _keep: keep })
+    }
+
+    /// Address of the first byte in this process.
+    pub fn addr(&self) -> usize {
+        self.addr
+    }
+}
+
+impl PeerBuffer for HostRegionBuffer {
+    fn len(&self) -> u64 {
+        self.len
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
 /// Opens a [`PeerKind::Process`] export (the `host` backend's
 /// [`Gpu::open_peer_buffer`]).
 ///

@@ -181,6 +181,9 @@ pub struct PdConfig {
     /// Read parts a decode fetch keeps in flight
     /// (`EngineConfig::fetch_reads_in_flight`).
     pub fetch_reads_in_flight: usize,
+    /// Decode fetches from a same-host owner's shared pool copy straight
+    /// into the decode's KV (`EngineConfig::shared_pool_direct`).
+    pub shared_pool_direct: bool,
     /// Bytes of blocks per read part (`EngineConfig::fetch_read_part_bytes`).
     pub fetch_read_part_bytes: u64,
     /// Routing policy.
@@ -244,6 +247,7 @@ impl Default for PdConfig {
             decode: 2,
             pool_bytes: 1 << 30,
             fetch_reads_in_flight: limits::FETCH_READS_IN_FLIGHT,
+            shared_pool_direct: true,
             fetch_read_part_bytes: limits::FETCH_READ_PART_BYTES,
             routing: Routing::RoundRobin,
             seed: 0,
@@ -1018,6 +1022,11 @@ pub async fn run_with_observer(
         ipc_blocks += m.device_blocks.load(Ordering::Relaxed);
         ipc_bytes += m.device_bytes.load(Ordering::Relaxed);
         ipc_fallbacks += m.device_fallbacks.load(Ordering::Relaxed);
+        // One-step copies from an owner's mapped pool are the shm path's
+        // too (issue 28 item 3); their fallbacks read the pool instead.
+        sum.shm.extents += m.shared_direct_blocks.load(Ordering::Relaxed);
+        sum.shm.bytes += m.shared_direct_bytes.load(Ordering::Relaxed);
+        sum.shm.fallbacks += m.shared_direct_fallbacks.load(Ordering::Relaxed);
     }
     rep.paths = std::iter::once(PathLine {
         path: "ipc".into(),
@@ -1083,6 +1092,7 @@ async fn start_node(
         fetch_deadline: cfg.fetch_deadline,
         fetch_reads_in_flight: cfg.fetch_reads_in_flight.max(1),
         fetch_read_part_bytes: cfg.fetch_read_part_bytes.max(1),
+        shared_pool_direct: cfg.shared_pool_direct,
         lock_timeout_secs: 10,
         disk: match &cfg.ssd_dir {
             Some(_) if cfg.ssd_roles == SsdRoles::Prefill && i >= cfg.prefill => None,

@@ -483,6 +483,45 @@ pub trait Transport: Send + Sync + 'static {
         let _ = peer;
         false
     }
+
+    /// `peer`'s pool as this process has it mapped (the shared-pool path,
+    /// read-only), so a GPU backend can copy from it straight into device
+    /// memory (`Gpu::open_host_region`); `None` when reads from `peer` do
+    /// not go through a mapping of its pool, or its owner process exited.
+    /// Default: never.
+    fn shared_region(&self, peer: &NodeAddr) -> Option<SharedRegion> {
+        let _ = peer;
+        None
+    }
+}
+
+/// A peer's pool mapped into this process (see
+/// [`Transport::shared_region`]): `len` readable bytes at address `addr`,
+/// standing for handshake region `region` (its offsets are offsets into
+/// this mapping). The mapping stays valid while `keep` is alive, whatever
+/// the owner does (a memfd sealed against shrinking, C19); what it holds
+/// is judged by the fetch's checksums, as any read (C10).
+#[derive(Clone)]
+pub struct SharedRegion {
+    /// The handshake region this mapping is.
+    pub region: u32,
+    /// Address of the mapping's first byte in this process.
+    pub addr: usize,
+    /// Bytes mapped.
+    pub len: u64,
+    /// Keeps the mapping alive; also its identity (a new mapping of a
+    /// restarted owner is a different `keep`).
+    pub keep: std::sync::Arc<dyn std::any::Any + Send + Sync>,
+}
+
+impl std::fmt::Debug for SharedRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedRegion")
+            .field("region", &self.region)
+            .field("addr", &self.addr)
+            .field("len", &self.len)
+            .finish()
+    }
 }
 
 /// One stream count's result of a raw-copy baseline

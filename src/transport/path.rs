@@ -317,6 +317,15 @@ impl Transport for PathTransport {
         }
     }
 
+    fn shared_region(&self, peer: &NodeAddr) -> Option<super::SharedRegion> {
+        #[cfg(target_os = "linux")]
+        if let Some(s) = &self.shm {
+            return s.shared_region(peer);
+        }
+        let _ = peer;
+        None
+    }
+
     fn disconnect(&self, peer: &NodeAddr) {
         #[cfg(target_os = "linux")]
         if let Some(s) = &self.shm {

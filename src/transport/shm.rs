@@ -904,6 +904,17 @@ impl Transport for ShmTransport {
         self.peers.lock().expect("peers lock").remove(peer);
     }
 
+    fn shared_region(&self, peer: &NodeAddr) -> Option<super::SharedRegion> {
+        let mut peers = self.peers.lock().expect("peers lock");
+        let map = peers.get(peer)?.clone();
+        if map.owner_exited() {
+            // As in `read`: the successor's blocks are in another pool.
+            peers.remove(peer);
+            return None;
+        }
+        Some(super::SharedRegion { region: map.region, addr: map.ptr as usize, len: map.len as u64, keep: map })
+    }
+
     async fn read(
         &self,
         peer: &NodeAddr,

@@ -169,14 +169,21 @@ pub(crate) struct PartPlan {
     pub bytes: u64,
 }
 
+/// One block of a part as [`plan_copies`] takes it: the source ranges
+/// `(source index, offset, len)` that hold it, in pool byte order (slot 0's
+/// K, slot 0's V, slot 1's K…), and the owner's slot checksums.
+pub(crate) struct SourceBlock {
+    pub ranges: Vec<(usize, u64, u64)>,
+    pub expected: Arc<[u32]>,
+}
+
 /// Plans the device copy of `plan` (the owner's blocks, each with a device
 /// block index in `owner`) into this node's device blocks `dst` (same
 /// order).
 ///
 /// # Errors
 /// A description of the first malformed block (no device index, or one
-/// past the owner's layout; a slot count other than the layout's; a
-/// destination index past this node's layout): the part is read from the
+/// past the owner's layout; as [`plan_copies`]): the part is read from the
 /// pool instead.
 pub(crate) fn plan_part(
     layout: &Layout,
@@ -184,20 +191,37 @@ pub(crate) fn plan_part(
     plan: &[&LockedBlock],
     dst: &[u64],
 ) -> Result<PartPlan, String> {
+    let mut blocks = Vec::with_capacity(plan.len());
+    for b in plan {
+        let index = b.device_block.ok_or("a block without a device index")?;
+        let ranges = owner.segments(index).ok_or_else(|| format!("device block {index} is past the owner's layout"))?;
+        blocks.push(SourceBlock { ranges, expected: b.slots.iter().map(|s| s.crc32c).collect() });
+    }
+    plan_copies(layout, &blocks, dst)
+}
+
+/// Plans the copy of `blocks` into this node's device blocks `dst` (same
+/// order): walks each block's source ranges alongside its own
+/// [`Layout::segment_copies`] in pool byte order and cuts a copy wherever
+/// either side's range ends, with one checksum range per slot. Source
+/// indices and bounds are the batch's to check
+/// ([`crate::gpu::peer::validate_peer_batch`]).
+///
+/// # Errors
+/// A description of the first malformed block (a slot count other than the
+/// layout's, ranges that do not tile one block, a destination index past
+/// this node's layout): the part is read from the pool instead.
+pub(crate) fn plan_copies(layout: &Layout, blocks: &[SourceBlock], dst: &[u64]) -> Result<PartPlan, String> {
     let mut out = PartPlan::default();
     let block_bytes = layout.block_bytes();
-    for (b, &d) in plan.iter().zip(dst) {
-        let index = b.device_block.ok_or("a block without a device index")?;
-        let segments =
-            owner.segments(index).ok_or_else(|| format!("device block {index} is past the owner's layout"))?;
-        if b.slots.len() != layout.layers().len() {
-            return Err(format!("{} slots, the layout has {} layers", b.slots.len(), layout.layers().len()));
+    for (b, &d) in blocks.iter().zip(dst) {
+        if b.expected.len() != layout.layers().len() {
+            return Err(format!("{} slots, the layout has {} layers", b.expected.len(), layout.layers().len()));
         }
         layout.check_block(d).map_err(|e| e.to_string())?;
-        out.expected.push(b.slots.iter().map(|s| s.crc32c).collect());
-        // Walk the owner's segments alongside ours, in pool byte order
-        // (both tile one block: `OwnerLayout::check` matched the family).
-        let mut src = segments.into_iter();
+        out.expected.push(b.expected.clone());
+        // Walk the source ranges alongside ours, in pool byte order.
+        let mut src = b.ranges.iter().copied();
         let (mut cur, mut used) = (src.next(), 0u64);
         let mut layer_start: Option<(usize, usize)> = None;
         for c in layout.segment_copies(d) {
@@ -212,7 +236,8 @@ pub(crate) fn plan_part(
             while need > 0 {
                 let (buf, off, len) = cur.ok_or("device segments end early")?;
                 let n = need.min(len - used);
-                out.ops.push(PeerCopyOp { src: buf, src_offset: off + used, dst: c.buffer, dst_offset: at, len: n });
+                let src_offset = off.checked_add(used).ok_or("a source range past u64")?;
+                out.ops.push(PeerCopyOp { src: buf, src_offset, dst: c.buffer, dst_offset: at, len: n });
                 (need, at, used) = (need - n, at + n, used + n);
                 if used == len {
                     (cur, used) = (src.next(), 0);

@@ -142,6 +142,83 @@ impl Engine {
     }
 }
 
+/// Which one-step path copies a part into the engine's KV.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Direct {
+    /// Device to device from the owner's KV under a device lease (C19).
+    Lease,
+    /// From the owner's mapped shared pool (issue 28 item 3).
+    Shared,
+}
+
+/// A part's one-step copy: each block's slot checksums once they matched
+/// the owner's, or which path failed and why (the part is then read into
+/// the pool).
+type DirectCopy<'a> = Pin<Box<dyn Future<Output = Result<Vec<Arc<[u32]>>, (Direct, String)>> + Send + 'a>>;
+
+/// Submits a one-step copy batch and checks the checksums the GPU backend
+/// took of the landed bytes against the owner's `expected` (C10), counting
+/// the part in `kind`'s metrics. `lease_session`: the transfer session of a
+/// device-lease read, traced for the simulator's C19 check. No copy
+/// starts after the fetch's `deadline`: a copy into the caller's KV is
+/// awaited once started (C11), so the pool path then ends at once (C9).
+fn submit_direct<'a>(
+    engine: &'a Engine,
+    kind: Direct,
+    batch: crate::gpu::peer::PeerCopyBatch,
+    expected: Vec<Arc<[u32]>>,
+    bytes: u64,
+    lease_session: Option<String>,
+    deadline: Instant,
+) -> DirectCopy<'a> {
+    let gpu = engine.gpu().clone();
+    Box::pin(async move {
+        let t0 = Instant::now();
+        if t0 >= deadline {
+            return Err((kind, "the fetch deadline passed".to_string()));
+        }
+        if let Some(session) = lease_session {
+            // The simulator checks this against the owner's lease events
+            // (C19: no device read after the lease ended).
+            tracing::trace!(target: super::leases::DEVICE_READ_TRACE_TARGET, me = %engine.node(), session, "device read");
+        }
+        let sums = gpu.submit_peer(batch).await.map_err(|e| (kind, format!("device copy: {e}")))?;
+        let mut out = Vec::with_capacity(expected.len());
+        let mut at = 0;
+        for want in expected {
+            let got = sums.get(at..at + want.len()).ok_or((kind, "too few checksums".to_string()))?;
+            if got != &*want {
+                engine.inner.metrics.checksum_failures.fetch_add(1, Ordering::Relaxed);
+                return Err((kind, "a slot checksum differs from the owner's (C10)".to_string()));
+            }
+            at += want.len();
+            out.push(want);
+        }
+        let m = &engine.inner.metrics;
+        let (blocks, b, ns) = match kind {
+            Direct::Lease => (&m.device_blocks, &m.device_bytes, &m.device_ns),
+            Direct::Shared => (&m.shared_direct_blocks, &m.shared_direct_bytes, &m.shared_direct_ns),
+        };
+        blocks.fetch_add(out.len() as u64, Ordering::Relaxed);
+        b.fetch_add(bytes, Ordering::Relaxed);
+        ns.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        Ok(out)
+    })
+}
+
+/// `plan`'s blocks as ranges of the owner's pool (source 0: its mapping),
+/// in pool byte order: the same ranges [`read_ops`] reads.
+fn shared_blocks(layout: &super::layout::Layout, plan: &[&LockedBlock]) -> Vec<device::SourceBlock> {
+    let mut out: Vec<device::SourceBlock> = plan
+        .iter()
+        .map(|b| device::SourceBlock { ranges: Vec::new(), expected: b.slots.iter().map(|s| s.crc32c).collect() })
+        .collect();
+    for op in read_ops(layout, plan) {
+        out[op.local_extent].ranges.push((0, op.remote_offset, op.len));
+    }
+    out
+}
+
 /// The RPC a fetch is waiting on (at most one at a time).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Rpc {
@@ -654,9 +731,13 @@ impl<'a> Driver<'a> {
                     if let Some(copy) = direct {
                         match copy.await {
                             Ok(sums) => return Outcome::DeviceRead { part, first, local, sums },
-                            Err(e) => {
-                                engine.inner.metrics.device_fallbacks.fetch_add(1, Ordering::Relaxed);
-                                tracing::debug!(error = %e, "device-direct part falls back to the pool path");
+                            Err((kind, e)) => {
+                                let m = &engine.inner.metrics;
+                                match kind {
+                                    Direct::Lease => m.device_fallbacks.fetch_add(1, Ordering::Relaxed),
+                                    Direct::Shared => m.shared_direct_fallbacks.fetch_add(1, Ordering::Relaxed),
+                                };
+                                tracing::debug!(error = %e, ?kind, "one-step part falls back to the pool path");
                             }
                         }
                     }
@@ -782,36 +863,56 @@ impl<'a> Driver<'a> {
         }
     }
 
-    /// The device copy of read part `blocks` (plan indices), when the
-    /// current lock offered device ranges for every block of it, enough of
-    /// the lease is left, and this is a fetch into the engine's KV: opens
-    /// the owner's buffers (once per owner), submits one peer batch and
-    /// resolves to each block's slot checksums once they match the owner's
-    /// (C10), or to why the part must be read from the pool instead.
-    fn device_copy(
-        &mut self,
-        blocks: &std::ops::Range<usize>,
-    ) -> Option<Pin<Box<dyn Future<Output = Result<Vec<Arc<[u32]>>, String>> + Send + 'a>>> {
-        let side = self.device.as_ref()?;
+    /// The one-step copy of read part `blocks` (plan indices) into the
+    /// engine's KV, when this is a fetch into it ([`Engine::fetch_into`]):
+    /// device to device when the current lock offered device ranges for
+    /// every block of the part and enough of the lease is left (C19), else
+    /// straight from the owner's mapped shared pool when the GPU backend
+    /// opened it as a copy source (issue 28 item 3). One peer batch either
+    /// way, resolving to each block's slot checksums once they match the
+    /// owner's (C10), or to why the part must be read into the pool
+    /// instead. `None`: no one-step path for this part.
+    fn device_copy(&mut self, blocks: &std::ops::Range<usize>) -> Option<DirectCopy<'a>> {
         let load = self.load.as_ref()?;
         let base = self.m.plan_base()?;
+        let (owner, peer) = self.peer.as_ref().map(|(a, p)| (a.clone(), p.clone()))?;
         let plan: Vec<&LockedBlock> = self.m.plan()[blocks.clone()].iter().collect();
-        if plan.iter().any(|b| b.device_block.is_none()) {
-            return None;
-        }
-        let fallback = |why: String| -> Option<Pin<Box<dyn Future<Output = _> + Send + 'a>>> {
-            Some(Box::pin(std::future::ready(Err(why))))
+        let dst: Vec<u64> = blocks.clone().map(|i| load.blocks[base + i].1).collect();
+        let gpu = self.engine.gpu().clone();
+        let fallback = |kind: Direct, why: String| -> Option<DirectCopy<'a>> {
+            Some(Box::pin(std::future::ready(Err((kind, why)))))
+        };
+        let offered = self.device.as_ref().filter(|_| plan.iter().all(|b| b.device_block.is_some()));
+        let Some(side) = offered else {
+            if !self.engine.inner.cfg.shared_pool_direct {
+                return None;
+            }
+            // Reads name region 0, the owner's pool (see `read_ops`).
+            let region = self.transport.shared_region(&owner).filter(|r| r.region == 0)?;
+            let source = peer.shared_source(&gpu, region)?;
+            let plan = match device::plan_copies(&self.layout, &shared_blocks(&self.layout, &plan), &dst) {
+                Ok(p) => p,
+                Err(e) => return fallback(Direct::Shared, format!("the owner's pool ranges: {e}")),
+            };
+            let batch =
+                crate::gpu::peer::PeerCopyBatch { sources: vec![source], ops: plan.ops, checksums: plan.checksums };
+            return Some(submit_direct(
+                self.engine,
+                Direct::Shared,
+                batch,
+                plan.expected,
+                plan.bytes,
+                None,
+                self.deadline,
+            ));
         };
         if Instant::now() >= side.until {
-            return fallback("too little of the device lease is left".into());
+            return fallback(Direct::Lease, "too little of the device lease is left".into());
         }
-        let dst: Vec<u64> = blocks.clone().map(|i| load.blocks[base + i].1).collect();
         let plan = match device::plan_part(&self.layout, &side.layout, &plan, &dst) {
             Ok(p) => p,
-            Err(e) => return fallback(format!("owner's device ranges: {e}")),
+            Err(e) => return fallback(Direct::Lease, format!("owner's device ranges: {e}")),
         };
-        let gpu = self.engine.gpu().clone();
-        let peer = self.peer.as_ref().map(|(_, p)| p.clone())?;
         let mut used: HashMap<usize, usize> = HashMap::new();
         let mut sources = Vec::new();
         let mut ops = plan.ops;
@@ -823,46 +924,15 @@ impl<'a> Driver<'a> {
                 if at == sources.len() {
                     match opened.get(gpu.as_ref(), &side.exports[op.src]) {
                         Ok(b) => sources.push(b),
-                        Err(e) => return fallback(format!("opening the owner's buffer: {e}")),
+                        Err(e) => return fallback(Direct::Lease, format!("opening the owner's buffer: {e}")),
                     }
                 }
                 op.src = at;
             }
         }
-        let (expected, bytes) = (plan.expected, plan.bytes);
         let batch = crate::gpu::peer::PeerCopyBatch { sources, ops, checksums: plan.checksums };
-        let engine = self.engine;
         let session = self.m.transfer_session().map(|(_, s)| s.to_string()).unwrap_or_default();
-        let deadline = self.deadline;
-        Some(Box::pin(async move {
-            let t0 = Instant::now();
-            if t0 >= deadline {
-                // A copy into the caller's KV is awaited once started (C11):
-                // none starts after the deadline (the pool path then ends
-                // at once, C9).
-                return Err("the fetch deadline passed".to_string());
-            }
-            // The simulator checks this against the owner's lease events
-            // (C19: no device read after the lease ended).
-            tracing::trace!(target: super::leases::DEVICE_READ_TRACE_TARGET, me = %engine.node(), session, "device read");
-            let sums = gpu.submit_peer(batch).await.map_err(|e| format!("device copy: {e}"))?;
-            let mut out = Vec::with_capacity(expected.len());
-            let mut at = 0;
-            for want in expected {
-                let got = sums.get(at..at + want.len()).ok_or("too few checksums")?;
-                if got != &*want {
-                    engine.inner.metrics.checksum_failures.fetch_add(1, Ordering::Relaxed);
-                    return Err("a slot checksum differs from the owner's (C10)".to_string());
-                }
-                at += want.len();
-                out.push(want);
-            }
-            let m = &engine.inner.metrics;
-            m.device_blocks.fetch_add(out.len() as u64, Ordering::Relaxed);
-            m.device_bytes.fetch_add(bytes, Ordering::Relaxed);
-            m.device_ns.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
-            Ok(out)
-        }))
+        Some(submit_direct(self.engine, Direct::Lease, batch, plan.expected, plan.bytes, Some(session), self.deadline))
     }
 
     /// The gRPC client of `owner` (the current peer entry, else the table's).

@@ -96,6 +96,44 @@ impl CudaPeerBuffer {
     }
 }
 
+/// Host memory mapped into this process (a same-host owner's shared pool)
+/// and registered with this context, read-only, so the copy kernels read
+/// it straight over PCIe ([`crate::gpu::Gpu::open_host_region`]).
+/// Unregistered on drop, which waits for no batch: every batch holds an
+/// `Arc` of its sources until the device finished with them.
+pub struct CudaHostRegion {
+    ctx: Arc<cudarc::driver::CudaContext>,
+    host: peer::HostRegionBuffer,
+    device: sys::CUdeviceptr,
+}
+
+// SAFETY: a registered host range, its device alias and a context handle;
+// no interior mutability.
+unsafe impl Send for CudaHostRegion {}
+// SAFETY: as above.
+unsafe impl Sync for CudaHostRegion {}
+
+impl Drop for CudaHostRegion {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: registered in `open_host_region`, unregistered once; no
+        // batch reads it any more (each holds an `Arc` of this buffer).
+        unsafe {
+            let _ = sys::cuMemHostUnregister(self.host.addr() as *mut std::ffi::c_void);
+        }
+    }
+}
+
+impl PeerBuffer for CudaHostRegion {
+    fn len(&self) -> u64 {
+        self.host.len()
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
 /// A batch's sources resolved to device addresses, with the pins that
 /// keep in-process sources registered in their owners' tables (a mapped
 /// source stays open through the batch's own `Arc`s, which the worker
@@ -149,6 +187,34 @@ impl Inner {
         }
     }
 
+    /// [`crate::gpu::Gpu::open_host_region`] of this backend: registers
+    /// the range read-only and device-mapped.
+    pub(super) fn open_host_region(
+        &self,
+        addr: usize,
+        len: u64,
+        keep: Arc<dyn std::any::Any + Send + Sync>,
+    ) -> Result<Arc<dyn PeerBuffer>, GpuError> {
+        let host = peer::HostRegionBuffer::new(addr, len, keep)?;
+        self.ctx.bind_to_thread().map_err(dev_err)?;
+        let flags =
+            sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP | sys::CU_MEMHOSTREGISTER_READ_ONLY;
+        // SAFETY: `addr..addr+len` is a live read-only mapping that `keep`
+        // (now owned by `host`) holds until this registration is undone.
+        unsafe { sys::cuMemHostRegister_v2(addr as *mut std::ffi::c_void, len as usize, flags) }
+            .result()
+            .map_err(|e| GpuError::Unavailable(format!("cuMemHostRegister of a {len}-byte shared pool: {e}")))?;
+        let mut device: sys::CUdeviceptr = 0;
+        // Unregistered on drop, also when the next call fails.
+        let mut region = CudaHostRegion { ctx: self.ctx.clone(), host, device: 0 };
+        // SAFETY: `addr` was just registered with DEVICEMAP.
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, addr as *mut std::ffi::c_void, 0) }
+            .result()
+            .map_err(|e| GpuError::Unavailable(format!("cuMemHostGetDevicePointer of a shared pool: {e}")))?;
+        region.device = device;
+        Ok(Arc::new(region))
+    }
+
     /// The mapping of `handle`, opened once and shared while in use.
     fn map_ipc(&self, handle: [u8; IPC_HANDLE_BYTES]) -> Result<Arc<Mapping>, GpuError> {
         let mut maps = self.ipc_maps.lock().expect("ipc maps lock");
@@ -185,6 +251,11 @@ impl Inner {
             let any = src.as_any();
             if let Some(c) = any.downcast_ref::<CudaPeerBuffer>() {
                 s.addrs.push(c.device_ptr());
+            } else if let Some(h) = any.downcast_ref::<CudaHostRegion>() {
+                if h.ctx.cu_ctx() != self.ctx.cu_ctx() {
+                    return Err(GpuError::Unsupported("a host region registered with another context".into()));
+                }
+                s.addrs.push(h.device);
             } else if let Some(p) = any.downcast_ref::<peer::ProcessPeerBuffer>() {
                 let (pin, addr, len) = p
                     .table
