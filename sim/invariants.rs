@@ -160,7 +160,11 @@
 //!   (`c18_peer_disk_staged` counts them). `inv_fetch_progress` is skipped
 //!   (`inv_fetch_progress.skip.disk_record_failed_verify`) when a listed
 //!   owner's disk record failed verification during the probe (a bit a disk
-//!   fault flipped in the safety phase: the block is dropped, C17).
+//!   fault flipped in the safety phase: the block is dropped, C17), and
+//!   (`inv_fetch_progress.skip.disk_dropped_listed`) when staging for the
+//!   probe pushed listed blocks out of an owner's small pool and disk (a
+//!   victim refused at a full write-behind queue, a record the disk's LRU
+//!   evicted: dropped and unregistered, seed 4021).
 //! - `inv_index_converges` (C6): after liveness, the MetaServer's visible
 //!   entries equal the union of the live nodes' resident blocks. When the
 //!   run lost registrations (fire-and-forget drops are allowed by C1/C3),

@@ -187,6 +187,15 @@ regression!(
 );
 regression!(regression_disk_removal_of_a_rewritten_block_23, 23, Sparse, "Same bug as seed 155.");
 regression!(regression_disk_removal_of_a_rewritten_block_181, 181, "Same bug as seed 155 (on a prefill node).");
+regression!(
+    regression_disk_probe_dropped_listed_4021,
+    4021,
+    "inv_fetch_progress (C9 liveness), issue 32, a checker false positive found in the first 20,000-seed sweep \
+     with disk tiers: the probe's fetch staged an owner's disk blocks into its small pool, whose victims met a \
+     write-behind queue of one and were dropped and unregistered, so the index stopped listing blocks the probe \
+     had counted (NoOwner after 2 of 7). The probe now skips, counted, when an owner's tier dropped blocks \
+     during it (inv_fetch_progress.skip.disk_dropped_listed)."
+);
 
 /// `MADSIM_TEST_CHECK_DETERMINISM` for seeds that diverged between two runs
 /// in one process: an unbiased `tokio::select!` draws from tokio's thread

@@ -648,8 +648,16 @@ async fn cancel_probe(c: &Cluster, requests: &[Request]) -> bool {
         // fault-free fetch may still fail once per restarted peer.
         let engine = n.engine.clone();
         let hashes = req.hashes.clone();
-        let verify_failures = |s: &Shared| s.disk_totals().verify_failures;
-        let vf0 = verify_failures(s);
+        // Issue 32: what an owner's disk tier may legitimately lose during
+        // the probe — a record that fails verification when staged (a bit
+        // a disk fault flipped on the medium in the safety phase, found
+        // only now), a staged block's pool victim refused at a full
+        // write-behind queue, a record the disk's LRU evicted to make room.
+        let dropped = |s: &Shared| {
+            let t = s.disk_totals();
+            (t.verify_failures, t.write_refused, t.evicted)
+        };
+        let d0 = dropped(s);
         let got = c
             .spawn_on(d, async move {
                 let first = engine.fetch(NAMESPACE, &hashes).await;
@@ -660,12 +668,18 @@ async fn cancel_probe(c: &Cluster, requests: &[Request]) -> bool {
             })
             .await;
         let short = got.as_ref().map_or(true, |r| r.available < listed);
-        if short && verify_failures(s) > vf0 {
-            // Issue 32: a listed owner's disk record did not verify when
-            // staged (a bit a disk fault flipped on the medium in the
-            // safety phase, found only now): the block is dropped and its
-            // removal registered, and the fetch degrades (C17).
+        let d1 = dropped(s);
+        if short && d1.0 > d0.0 {
+            // The block is dropped and its removal registered; the fetch
+            // degrades (C17).
             s.checker.count("inv_fetch_progress.skip.disk_record_failed_verify", false);
+        } else if short && (d1.1 > d0.1 || d1.2 > d0.2) {
+            // Staging the owner's disk blocks for this very fetch pushed
+            // other listed blocks out of its small pool and disk (seed 4021:
+            // a write-behind queue of one): dropped and unregistered, so
+            // the index no longer lists them (C4), and the fetch stops at
+            // them (C9 degrade).
+            s.checker.count("inv_fetch_progress.skip.disk_dropped_listed", false);
         } else {
             s.checker.record(invariants::inv_fetch_progress(d, req.id, listed, got.as_ref().ok()));
         }
