@@ -33,6 +33,25 @@ use crate::metaserver::{self, MetaServerConfig};
 use crate::node::{self, NodeConfig, PathChoice};
 use crate::types::{BlockHash, NodeAddr, SessionId};
 
+/// Writes one report line to stdout. A closed pipe (`kvferry bench … |
+/// head -1`) ends the process quietly with status 141, as `SIGPIPE` would,
+/// instead of panicking as `println!` does; other write errors are ignored
+/// (the report has nowhere else to go).
+pub(crate) fn emit_line(args: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    let mut o = std::io::stdout().lock();
+    let r = o.write_fmt(args).and_then(|()| o.write_all(b"\n")).and_then(|()| o.flush());
+    if r.is_err_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe) {
+        std::process::exit(141);
+    }
+}
+
+/// `println!` for the benches' reports (see [`emit_line`]).
+macro_rules! outln {
+    () => { crate::bench::emit_line(format_args!("")) };
+    ($($t:tt)*) => { crate::bench::emit_line(format_args!($($t)*)) };
+}
+
 #[cfg(feature = "cuda")]
 pub mod ipc;
 #[cfg(target_os = "linux")]
@@ -117,19 +136,19 @@ pub async fn engine(blocks: u64) -> Result<serde_json::Value, String> {
         "save_ratio": memcpy_s / save_s,
         "load_ratio": memcpy_s / load_s,
     });
-    println!(
+    outln!(
         "bench engine (host backend), {} blocks = {:.2} GiB, best of {REPS}",
         blocks,
         total as f64 / (1u64 << 30) as f64
     );
-    println!("  plain memcpy    {:>7.2} GB/s", gbps(total, memcpy_s));
+    outln!("  plain memcpy    {:>7.2} GB/s", gbps(total, memcpy_s));
     let (save_ratio, load_ratio) = (memcpy_s / save_s, memcpy_s / load_s);
-    println!(
+    outln!(
         "  save (+crc32c)  {:>7.2} GB/s   ratio {save_ratio:.3}   {}",
         gbps(total, save_s),
         target_note(">= 0.7", save_ratio >= 0.7)
     );
-    println!(
+    outln!(
         "  load            {:>7.2} GB/s   ratio {load_ratio:.3}   {}",
         gbps(total, load_s),
         target_note(">= 0.7", load_ratio >= 0.7)
@@ -261,13 +280,13 @@ pub async fn transport(
     let shm_ratio = gbps(total, shm_s) / mem_best.gbps();
     let fetch_default = fetch_s.iter().find(|(c, _)| *c == default_conns).map(|(_, s)| *s).unwrap_or(f64::MAX);
     let t4 = gbps(total, fetch_default) / best.gbps();
-    println!(
+    outln!(
         "bench transport (same host: tcp loopback, then the shared pool), {blocks} blocks x {block_mib} MiB = {:.2} GiB, {reads_in_flight} read parts in flight, best of {REPS}",
         total as f64 / (1u64 << 30) as f64
     );
     for r in &raw.runs {
         let mark = if r.streams == best.streams { "  <- best" } else { "" };
-        println!(
+        outln!(
             "  raw loopback copy, {:>2} connection{} {:>7.2} GB/s{mark}",
             r.streams,
             if r.streams == 1 { " " } else { "s" },
@@ -276,21 +295,21 @@ pub async fn transport(
     }
     for &(c, s) in &fetch_s {
         let mark = if c == default_conns { "  (default pool)" } else { "" };
-        println!(
+        outln!(
             "  kvferry fetch, {c:>2} connection{} {:>7.2} GB/s = {:.3} x best raw{mark}",
             if c == 1 { " " } else { "s" },
             gbps(total, s),
             gbps(total, s) / best.gbps()
         );
     }
-    println!("  T4 = fetch (default pool) / best raw copy {t4:>7.3}   {}", target_note(">= 0.8", t4 >= 0.8));
-    println!(
+    outln!("  T4 = fetch (default pool) / best raw copy {t4:>7.3}   {}", target_note(">= 0.8", t4 >= 0.8));
+    outln!(
         "  plain memcpy, best of 1-16 threads {:>7.2} GB/s ({} thread{})",
         mem_best.gbps(),
         mem_best.streams,
         if mem_best.streams == 1 { "" } else { "s" }
     );
-    println!(
+    outln!(
         "  kvferry fetch, shared pool    {:>7.2} GB/s = {shm_ratio:.3} x best memcpy (same host, path shm)",
         gbps(total, shm_s)
     );
@@ -481,25 +500,21 @@ pub async fn store(keys_n: u64) -> Result<serde_json::Value, String> {
     let (g50, g99, gmax) = (median(&grow, 0), median(&grow, 1), median(&grow, 2));
     let (s50, s99, smax) = (median(&sized, 0), median(&sized, 1), median(&sized, 2));
     let (t5, t6, t7_ms) = (store_rate / base_rate, grpc_rate / store_rate, unreg_s * 1e3);
-    println!("bench store, {keys_n} keys, best of {REPS}");
-    println!("  HashMap<[u8;32],u32> inserts {:>12.0} /s", base_rate);
-    println!(
+    outln!("bench store, {keys_n} keys, best of {REPS}");
+    outln!("  HashMap<[u8;32],u32> inserts {:>12.0} /s", base_rate);
+    outln!(
         "  MetaStore inserts            {:>12.0} /s   T5 = {t5:.3} {}",
         store_rate,
         target_note(">= 0.5", t5 >= 0.5)
     );
-    println!(
-        "  loopback gRPC inserts        {:>12.0} /s   T6 = {t6:.3} {}",
-        grpc_rate,
-        target_note(">= 0.5", t6 >= 0.5)
-    );
-    println!("  unregister 10k of {keys_n}        {t7_ms:>9.3} ms   T7 {}", target_note("<= 10 ms", t7_ms <= 10.0));
-    println!("  HashMap<[u8;32],u32> gets    {get_rate:>12.0} /s   ({QUERY_LEN}-key batches, random keys)");
-    println!(
+    outln!("  loopback gRPC inserts        {:>12.0} /s   T6 = {t6:.3} {}", grpc_rate, target_note(">= 0.5", t6 >= 0.5));
+    outln!("  unregister 10k of {keys_n}        {t7_ms:>9.3} ms   T7 {}", target_note("<= 10 ms", t7_ms <= 10.0));
+    outln!("  HashMap<[u8;32],u32> gets    {get_rate:>12.0} /s   ({QUERY_LEN}-key batches, random keys)");
+    outln!(
         "  MetaStore prefix lookups     {query_rate:>12.0} /s   ({QUERY_PREFIXES} {QUERY_LEN}-hash prefix queries; {:.2} x the gets)",
         query_rate / get_rate
     );
-    println!(
+    outln!(
         "  insert of {} hashes, p50 / p99 / max: growing {g50:.2} / {g99:.2} / {gmax:.2} ms, \
          --capacity {keys_n} {s50:.2} / {s99:.2} / {smax:.2} ms",
         crate::limits::HASHES_PER_REQUEST_MAX
@@ -696,28 +711,28 @@ pub async fn gpu(device: usize) -> Result<serde_json::Value, String> {
     let (t1s, t1l) = (t1_save_gbps / d2h, t1_load_gbps / h2d);
     let (t2s, t2l) = (t2_save_gbps / peak, t2_load_gbps / peak);
     let t3 = t3_gbps / bidir;
-    println!(
+    outln!(
         "bench gpu on cuda:{device} ({name}), conformance passed (external and owned memory), KV buffers allocated \
          outside the backend, best of {GPU_REPS} (raw and engine alike)"
     );
     for r in &refusals {
-        println!("  external memory: {r}");
+        outln!("  external memory: {r}");
     }
-    println!("  raw pinned copy   H2D {h2d:>6.2} GB/s   D2H {d2h:>6.2} GB/s   both at once {bidir:>6.2} GB/s");
-    println!(
+    outln!("  raw pinned copy   H2D {h2d:>6.2} GB/s   D2H {d2h:>6.2} GB/s   both at once {bidir:>6.2} GB/s");
+    outln!(
         "  T1 contiguous      save {t1_save_gbps:>6.2} GB/s = {t1s:.3} x D2H    load {t1_load_gbps:>6.2} GB/s = {t1l:.3} x H2D   {}",
         target_note(">= 0.95", t1s >= 0.95 && t1l >= 0.95)
     );
-    println!(
+    outln!(
         "  T2 qwen3-8b 32 KiB save {t2_save_gbps:>6.2} GB/s = {t2s:.3} x peak   load {t2_load_gbps:>6.2} GB/s = {t2l:.3} x peak  {}",
         target_note(">= 0.90", t2s >= 0.90 && t2l >= 0.90)
     );
-    println!(
+    outln!(
         "  T3 save+load       {t3_gbps:>6.2} GB/s = {t3:.3} x bidirectional peak   {}",
         target_note(">= 0.85", t3 >= 0.85)
     );
     let summed_label = if cuda.config().device_checksums { "copy + device checksums" } else { "(checksums off) copy" };
-    println!(
+    outln!(
         "  T1 save, backend batch alone: copy {bare:>6.2} GB/s = {:.3} x D2H, {summed_label} {summed:>6.2} GB/s = {:.3} x D2H",
         bare / d2h,
         summed / d2h
@@ -727,10 +742,15 @@ pub async fn gpu(device: usize) -> Result<serde_json::Value, String> {
     let saved = m.saved_blocks.load(std::sync::atomic::Ordering::Relaxed);
     let where_ = if on_device == saved { "on the GPU" } else { "on the CPU (some or all)" };
     let c = cuda.config();
-    println!("  (save = copy + CRC-32C seal of every slot, checksummed {where_}; timed to completion)");
-    println!(
+    outln!("  (save = copy + CRC-32C seal of every slot, checksummed {where_}; timed to completion)");
+    outln!(
         "  tuning: {} blocks/SM, copy engine from {} B, staging {} x {} B, {} pieces/launch (zero-copy), device checksums {}",
-        c.blocks_per_sm, c.dma_min_bytes, c.staging_slots, c.staging_bytes, c.launch_pieces, c.device_checksums
+        c.blocks_per_sm,
+        c.dma_min_bytes,
+        c.staging_slots,
+        c.staging_bytes,
+        c.launch_pieces,
+        c.device_checksums
     );
     engine.client().abort();
     Ok(json!({

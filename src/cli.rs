@@ -488,10 +488,14 @@ impl pd::Progress for Bar {
 }
 
 /// Writes to stdout, ignoring a closed pipe (`kvferry pd | head`).
+/// Writes `text` to stdout; a closed pipe ends the process as
+/// [`emit_line`] does.
 fn out(text: &str) {
     use std::io::Write;
     let mut o = std::io::stdout().lock();
-    let _ = o.write_all(text.as_bytes()).and_then(|_| o.flush());
+    if o.write_all(text.as_bytes()).and_then(|_| o.flush()).is_err_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe) {
+        std::process::exit(EXIT_CLOSED_PIPE);
+    }
 }
 
 fn print_report(r: &pd::PdReport) {

@@ -132,25 +132,25 @@ pub async fn run(device: usize) -> Result<serde_json::Value, String> {
     let (contig, kv) = (f("kvferry_64mib_gbps"), f("kvferry_kv_gbps"));
     let (r_contig, r_kv) = (contig / raw, kv / raw);
     let note = |goal: &str, met: bool| super::target_note(goal, met);
-    println!("bench ipc on cuda:{device}: 1 GiB between two processes through CUDA IPC, every checksum verified");
-    println!(
+    outln!("bench ipc on cuda:{device}: 1 GiB between two processes through CUDA IPC, every checksum verified");
+    outln!(
         "  raw IPC DtoD, 64 MiB parts      {raw:>9.1} GB/s  (device events; caller's clock {:.1})",
         f("raw_64mib_wall_gbps")
     );
-    println!("  raw IPC DtoD, 4 MiB parts       {:>9.1} GB/s", f("raw_4mib_gbps"));
-    println!("  raw IPC DtoD, one call per 32 KiB KV segment {:>9.1} GB/s", f("raw_kv_gbps"));
-    println!(
+    outln!("  raw IPC DtoD, 4 MiB parts       {:>9.1} GB/s", f("raw_4mib_gbps"));
+    outln!("  raw IPC DtoD, one call per 32 KiB KV segment {:>9.1} GB/s", f("raw_kv_gbps"));
+    outln!(
         "  kvferry peer batch, 64 MiB ops  {contig:>9.1} GB/s  = {r_contig:.2} x raw {} {}",
         note(">= 0.8", r_contig >= 0.8),
         note(">= 1800 GB/s", contig >= 1800.0)
     );
-    println!("    (without checksums            {:>9.1} GB/s)", f("kvferry_64mib_nosum_gbps"));
-    println!(
+    outln!("    (without checksums            {:>9.1} GB/s)", f("kvferry_64mib_nosum_gbps"));
+    outln!(
         "  kvferry peer batch, KV-shaped   {kv:>9.1} GB/s  = {r_kv:.2} x raw contiguous {}",
         note(">= 0.7", r_kv >= 0.7)
     );
-    println!("    (without checksums            {:>9.1} GB/s)", f("kvferry_kv_nosum_gbps"));
-    println!("  pinned host -> device           {:>9.1} GB/s", f("pinned_h2d_gbps"));
+    outln!("    (without checksums            {:>9.1} GB/s)", f("kvferry_kv_nosum_gbps"));
+    outln!("  pinned host -> device           {:>9.1} GB/s", f("pinned_h2d_gbps"));
     v["contiguous_vs_raw"] = json!(r_contig);
     v["kv_vs_raw_contiguous"] = json!(r_kv);
     v["device"] = json!(device);

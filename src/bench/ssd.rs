@@ -224,7 +224,7 @@ pub fn ssd(a: &SsdBench<'_>) -> Result<serde_json::Value, String> {
     let backend = disk.kind();
     let (mut tier, _) = Tier::open(disk, TierConfig { write_queue_max: a.depth, record_align: a.record_align })
         .map_err(|e| format!("tier open: {e}"))?;
-    println!(
+    outln!(
         "bench ssd: {} in {}, {n} blocks of {block} B ({} slots), queue depth {}, {} per file, records aligned to {} KiB",
         backend,
         a.dir.display(),
@@ -281,7 +281,7 @@ pub fn ssd(a: &SsdBench<'_>) -> Result<serde_json::Value, String> {
                 t[2] = raw_pass(&mut raw, IoKind::Read, n, (padded, record), &mut raw_bufs)?;
             }
         }
-        println!(
+        outln!(
             "  rep {rep}: raw write {:.3}  tier write {:.3}  raw read {:.3}  tier read {:.3} GB/s",
             gbps(bytes, t[0]),
             gbps(bytes, t[1]),
@@ -302,21 +302,24 @@ pub fn ssd(a: &SsdBench<'_>) -> Result<serde_json::Value, String> {
     let wratio = median(times.iter().map(|t| t[0] / t[1]).collect());
     let rratio = median(times.iter().map(|t| t[2] / t[3]).collect());
     let (rw, tw, rr, tr) = (gbps(bytes, best_rw), gbps(bytes, best_tw), gbps(bytes, best_rr), gbps(bytes, best_tr));
-    println!("  best of {}:", times.len());
-    println!("  raw O_DIRECT write  {rw:>7.3} GB/s");
-    println!(
+    outln!("  best of {}:", times.len());
+    outln!("  raw O_DIRECT write  {rw:>7.3} GB/s");
+    outln!(
         "  tier write          {tw:>7.3} GB/s   ratio (median per rep) {wratio:.3}   best/best {:.3}   (target >= 0.9)",
         tw / rw
     );
-    println!("  raw O_DIRECT read   {rr:>7.3} GB/s");
-    println!(
+    outln!("  raw O_DIRECT read   {rr:>7.3} GB/s");
+    outln!(
         "  tier read (+verify) {tr:>7.3} GB/s   ratio (median per rep) {rratio:.3}   best/best {:.3}   (target >= 0.9)",
         tr / rr
     );
     let c = tier.counters();
-    println!(
+    outln!(
         "  tier counters: written {} read {} evicted {} verify failures {}",
-        c.written_blocks, c.read_blocks, c.evicted, c.verify_failures
+        c.written_blocks,
+        c.read_blocks,
+        c.evicted,
+        c.verify_failures
     );
     Ok(json!({
         "bench": "ssd",
