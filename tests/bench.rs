@@ -69,8 +69,9 @@ fn bench_transport_refuses_out_of_range_sizes_naming_the_flag() {
     }
 }
 
-/// `bench ssd` removes the tier file (and lock file) it made, and a zero
-/// `--block` is refused naming `--block`, not `--slots`.
+/// `bench ssd` removes the tier file (and lock file) it made, a zero
+/// `--block` is refused naming `--block`, not `--slots`, and a directory
+/// that already holds a tier file is refused, the file untouched.
 #[test]
 fn bench_ssd_cleans_up_and_names_a_zero_block() {
     let dir = tempfile::Builder::new().prefix(".bench-ssd-test-").tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
@@ -91,4 +92,14 @@ fn bench_ssd_cleans_up_and_names_a_zero_block() {
     assert!(!out.status.success() && err.contains("--block") && !err.contains("--slots"), "{err}");
     let left = std::fs::read_dir(dir.path()).expect("read dir").count();
     assert_eq!(left, 0, "a failed bench ssd left files behind");
+    // A directory that holds a node's tier is refused and left as it was.
+    let tier = dir.path().join("kvferry-tier.0");
+    std::fs::write(&tier, b"a node's records").expect("write");
+    let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .args(["bench", "ssd", "--dir", d, "--size", "4MiB", "--block", "64KiB", "--slots", "4", "--reps", "1"])
+        .output()
+        .expect("run kvferry");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("already holds a disk tier"), "{err}");
+    assert_eq!(std::fs::read(&tier).expect("read"), b"a node's records", "the tier file is untouched");
 }

@@ -324,6 +324,18 @@ fn ssd_size_errors_name_the_flag() {
     fails_with(&["pd", "--quiet", "--ssd-dir", dir, "--ssd-size", "64KiB"], "--ssd-size");
 }
 
+/// Tiers the file system cannot hold for every node at once are refused
+/// before any node makes its file (a half-started cluster would leave the
+/// first nodes' preallocated files behind), naming `--ssd-size`.
+#[test]
+fn ssd_space_for_every_node_is_checked_before_any_tier_file() {
+    let ssd = tempfile::tempdir().expect("tempdir");
+    let dir = ssd.path().to_str().expect("utf8 path");
+    fails_with(&["pd", "--quiet", "--requests", "5", "--ssd-dir", dir, "--ssd-size", "64TiB"], "GiB free");
+    let made: Vec<_> = std::fs::read_dir(ssd.path()).expect("read dir").collect();
+    assert!(made.is_empty(), "nothing created under --ssd-dir: {made:?}");
+}
+
 /// `kvferry pd | head -1`: a closed stdout ends the run quietly (status
 /// 141, as SIGPIPE would), never with a panic.
 #[test]

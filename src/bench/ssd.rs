@@ -173,7 +173,7 @@ fn tier_read_pass<D: DiskIo>(
 }
 
 /// Removes, when dropped, the tier file and lock file of a directory that
-/// did not exist before [`Cleanup::of`].
+/// did not exist before [`Cleanup::of`] (a lock file left by a node stays).
 struct Cleanup(Vec<std::path::PathBuf>);
 
 impl Cleanup {
@@ -210,8 +210,15 @@ pub fn ssd(a: &SsdBench<'_>) -> Result<serde_json::Value, String> {
         * a.record_align;
     let n = (a.size / record).saturating_sub(1).max(1);
     let bytes = n * block;
-    // What this run creates goes when it ends, on every path (a file that
-    // was there before, e.g. a stopped node's tier, is left alone).
+    // A node's tier (even a stopped one's) is never overwritten: its
+    // records would be lost to the benchmark's writes.
+    if a.dir.join(TIER_FILE_NAME).exists() {
+        return Err(format!(
+            "--dir {} already holds a disk tier ({TIER_FILE_NAME}), which the benchmark would overwrite: give it an empty directory",
+            a.dir.display()
+        ));
+    }
+    // What this run creates goes when it ends, on every path.
     let _cleanup = Cleanup::of(a.dir);
     let tier_file = DiskFile::open(a.dir, a.size).map_err(|e| e.to_string())?;
     // The raw side writes and reads the tier's own file through a second

@@ -293,6 +293,25 @@ fn check_dir(dir: &Path) -> Result<(), OpenError> {
     }
 }
 
+/// Bytes an unprivileged writer may still allocate on the file system that
+/// holds `dir` (`statvfs`), for checks before any tier file is made (e.g.
+/// several nodes' tiers under one directory).
+///
+/// # Errors
+/// The `statvfs` failure (a missing directory, a path with a NUL byte).
+pub fn free_bytes_at(dir: &Path) -> std::io::Result<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).map_err(std::io::Error::other)?;
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: a NUL-terminated path and a struct for the call to fill.
+    if unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: initialised by the successful call above.
+    let st = unsafe { st.assume_init() };
+    Ok(st.f_bavail.saturating_mul(st.f_frsize))
+}
+
 /// Bytes an unprivileged writer may still allocate on `file`'s file system
 /// (`fstatvfs`: available blocks × fragment size).
 fn free_bytes(file: &File) -> std::io::Result<u64> {

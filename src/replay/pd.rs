@@ -764,6 +764,7 @@ pub async fn run_with_observer(
     if stopped() {
         return Err(PdError::Interrupted("before the cluster started"));
     }
+    check_ssd_space(&cfg)?;
     let mut faults = Vec::new();
     let mut ms: Option<MetaServerHandle> = None;
     let ms_url = match &cfg.metaserver {
@@ -1074,6 +1075,36 @@ pub async fn run_with_observer(
         rep.ssd = Some(l);
     }
     Ok(rep)
+}
+
+/// Refuses a disk tier the file system cannot hold for every node at once
+/// (each node's `node-i` subdirectory of `--ssd-dir`, less what tier files
+/// from an earlier run already hold), before any node allocates one: a
+/// start that failed half way would leave the first nodes' files behind.
+/// A no-op without `--ssd-dir` or off Linux.
+fn check_ssd_space(cfg: &PdConfig) -> Result<(), PdError> {
+    #[cfg(all(target_os = "linux", not(madsim)))]
+    if let Some(dir) = &cfg.ssd_dir {
+        let nodes = if cfg.ssd_roles == SsdRoles::Prefill { cfg.prefill } else { cfg.prefill + cfg.decode };
+        let have = |i: usize| {
+            std::fs::metadata(dir.join(format!("node-{i}")).join(crate::disk::file::TIER_FILE_NAME))
+                .map_or(0, |m| m.len())
+        };
+        let need: u64 = (0..nodes).map(|i| cfg.ssd_bytes.saturating_sub(have(i))).fold(0, u64::saturating_add);
+        let free = crate::disk::file::free_bytes_at(dir)
+            .map_err(|e| PdError::Start(format!("--ssd-dir {}: {e}", dir.display())))?;
+        if need > free {
+            return Err(PdError::Start(format!(
+                "--ssd-dir {}: {nodes} node tier(s) of --ssd-size {} need {:.2} GiB more, the file system has {:.2} GiB free (lower --ssd-size, or --ssd-roles prefill)",
+                dir.display(),
+                cfg.ssd_bytes,
+                need as f64 / (1u64 << 30) as f64,
+                free as f64 / (1u64 << 30) as f64
+            )));
+        }
+    }
+    let _ = cfg;
+    Ok(())
 }
 
 /// Starts node `i` of the replay (prefill nodes first) with its device KV
