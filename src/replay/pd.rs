@@ -225,8 +225,9 @@ pub struct PdConfig {
     /// Which nodes get a disk tier (`--ssd-roles`).
     pub ssd_roles: SsdRoles,
     /// Write-behind queue of each node's disk tier (blocks,
-    /// `--ssd-write-queue`).
-    pub ssd_write_queue: usize,
+    /// `--ssd-write-queue`); `None`: [`limits::PD_SSD_WRITE_QUEUE_BYTES`]
+    /// of blocks, 1 to [`limits::PD_SSD_WRITE_QUEUE_MAX`].
+    pub ssd_write_queue: Option<usize>,
     /// When this turns true (the binary's Ctrl-C), no further request is
     /// started; the requests in flight finish (each bounded by its flush
     /// and fetch deadlines) and the report covers the requests replayed so
@@ -264,7 +265,7 @@ impl Default for PdConfig {
             ssd_dir: None,
             ssd_bytes: 8 << 30,
             ssd_roles: SsdRoles::All,
-            ssd_write_queue: limits::PD_SSD_WRITE_QUEUE_DEFAULT,
+            ssd_write_queue: None,
             stop: None,
         }
     }
@@ -1144,7 +1145,12 @@ async fn start_node(
                 std::fs::create_dir_all(&sub)
                     .map_err(|e| PdError::Start(format!("--ssd-dir: cannot create {}: {e}", sub.display())))?;
                 Some(crate::engine::DiskConfig {
-                    write_queue_max: cfg.ssd_write_queue,
+                    write_queue_max: cfg.ssd_write_queue.unwrap_or_else(|| {
+                        let block = shape.model.block_bytes(cfg.block_tokens).max(1);
+                        usize::try_from(limits::PD_SSD_WRITE_QUEUE_BYTES / block)
+                            .unwrap_or(usize::MAX)
+                            .clamp(1, limits::PD_SSD_WRITE_QUEUE_MAX)
+                    }),
                     ..crate::engine::DiskConfig::new(sub, cfg.ssd_bytes)
                 })
             }
