@@ -781,8 +781,15 @@ fn fetch_fd_and_owner(
     req[..4].copy_from_slice(&MAGIC);
     req[4] = VERSION;
     req[8..].copy_from_slice(token);
-    s.write_all(&req).map_err(|e| io_err("send request", e))?;
-    let (answer, fds) = recv_with_fds(&s)?;
+    // An owner that refuses on credentials alone answers and closes
+    // without reading the request: a send that finds the socket closed
+    // still reads that answer (else the refusal shows up as a broken pipe).
+    let sent = s.write_all(&req);
+    let (answer, fds) = match (sent, recv_with_fds(&s)) {
+        (_, Ok(got)) => got,
+        (Err(e), Err(_)) => return Err(io_err("send request", e)),
+        (Ok(()), Err(e)) => return Err(e),
+    };
     let mut fds = fds.into_iter();
     let (first, extra) = (fds.next(), fds.next());
     if answer[..4] != MAGIC || answer[5..8] != [0, 0, 0] {
