@@ -1387,22 +1387,7 @@ pub fn inv_disk_staged_verified(
     layers: &[kvferry::engine::layout::LayerLayout],
 ) -> Result<(), Violation> {
     let staged = watch.0.lock().expect("disk watch").staged.clone();
-    let bad = disk_bad(layers, &staged);
-    if bad.is_empty() {
-        for _ in 0..staged.len() {
-            shared.checker.count("inv_disk_staged_verified", false);
-        }
-        return Ok(());
-    }
-    Err(violation(
-        "inv_disk_staged_verified",
-        format!(
-            "{} of {} block(s) staged from disk into a pool differ from what was saved: {}",
-            bad.len(),
-            staged.len(),
-            bad.iter().take(8).cloned().collect::<Vec<_>>().join(", ")
-        ),
-    ))
+    disk_saved_bytes(shared, "inv_disk_staged_verified", "block(s) staged from disk into a pool", layers, &staged)
 }
 
 /// C18 (issue 32): every record a restarted node's recovery found valid
@@ -1415,19 +1400,37 @@ pub fn inv_disk_recovery_verified(
     layers: &[kvferry::engine::layout::LayerLayout],
 ) -> Result<(), Violation> {
     let recovered = watch.0.lock().expect("disk watch").recovered.clone();
-    let bad = disk_bad(layers, &recovered);
+    disk_saved_bytes(
+        shared,
+        "inv_disk_recovery_verified",
+        "record(s) recovery kept after a restart",
+        layers,
+        &recovered,
+    )
+}
+
+/// The check of C17 and C18 alike: every one of `seen` (blocks named `what`)
+/// holds the bytes its prefill saved; one case of `name` per block.
+fn disk_saved_bytes(
+    shared: &Shared,
+    name: &'static str,
+    what: &str,
+    layers: &[kvferry::engine::layout::LayerLayout],
+    seen: &[DiskSeenBlock],
+) -> Result<(), Violation> {
+    let bad = disk_bad(layers, seen);
     if bad.is_empty() {
-        for _ in 0..recovered.len() {
-            shared.checker.count("inv_disk_recovery_verified", false);
+        for _ in 0..seen.len() {
+            shared.checker.count(name, false);
         }
         return Ok(());
     }
     Err(violation(
-        "inv_disk_recovery_verified",
+        name,
         format!(
-            "{} of {} record(s) recovery kept after a restart differ from what was saved: {}",
+            "{} of {} {what} differ from what was saved: {}",
             bad.len(),
-            recovered.len(),
+            seen.len(),
             bad.iter().take(8).cloned().collect::<Vec<_>>().join(", ")
         ),
     ))

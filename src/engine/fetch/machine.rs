@@ -1340,18 +1340,23 @@ mod tests {
         }
     }
 
-    /// A corrupted block at a known position: everything before it is kept,
-    /// it is rejected, nothing after it is kept, and the lock is released.
-    #[test]
-    fn a_corrupted_block_is_rejected_and_nothing_after_it_kept() {
-        let cfg = MachineConfig {
+    /// The scripted tests' machine: parts of 2 blocks, 2 in flight.
+    fn two_by_two() -> MachineConfig {
+        MachineConfig {
             me: NodeAddr("me:1".into()),
             family: family(),
             block_bytes: 4 * SEG,
             part_blocks: 2,
             reads_in_flight: 2,
             owners_max: 4,
-        };
+        }
+    }
+
+    /// A corrupted block at a known position: everything before it is kept,
+    /// it is rejected, nothing after it is kept, and the lock is released.
+    #[test]
+    fn a_corrupted_block_is_rejected_and_nothing_after_it_kept() {
+        let cfg = two_by_two();
         let owner = NodeAddr("owner:1".into());
         let (mut m, a) = FetchMachine::start(cfg, (0..6).map(hash).collect(), 0);
         assert_eq!(a, vec![Action::QueryOwners { from: 0 }]);
@@ -1404,14 +1409,7 @@ mod tests {
     /// only; the lock is released and the report says `Deadline`.
     #[test]
     fn the_deadline_cuts_reads_and_checksum_passes() {
-        let cfg = MachineConfig {
-            me: NodeAddr("me:1".into()),
-            family: family(),
-            block_bytes: 4 * SEG,
-            part_blocks: 2,
-            reads_in_flight: 2,
-            owners_max: 4,
-        };
+        let cfg = two_by_two();
         let owner = NodeAddr("owner:1".into());
         let (mut m, _) = FetchMachine::start(cfg, (0..6).map(hash).collect(), 0);
         m.step(Event::Owners(Ok(vec![(owner.clone(), 6)])));

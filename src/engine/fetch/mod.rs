@@ -207,13 +207,13 @@ fn submit_direct<'a>(
 }
 
 /// `plan`'s blocks as ranges of the owner's pool (source 0: its mapping),
-/// in pool byte order: the same ranges [`read_ops`] reads.
-fn shared_blocks(layout: &super::layout::Layout, plan: &[&LockedBlock]) -> Vec<device::SourceBlock> {
+/// in pool byte order: the ranges of `ops`, the part's [`read_ops`].
+fn shared_blocks(plan: &[&LockedBlock], ops: &[ReadOp]) -> Vec<device::SourceBlock> {
     let mut out: Vec<device::SourceBlock> = plan
         .iter()
         .map(|b| device::SourceBlock { ranges: Vec::new(), expected: b.slots.iter().map(|s| s.crc32c).collect() })
         .collect();
-    for op in read_ops(layout, plan) {
+    for op in ops {
         out[op.local_extent].ranges.push((0, op.remote_offset, op.len));
     }
     out
@@ -722,7 +722,7 @@ impl<'a> Driver<'a> {
                 let (owner, session) = (owner.clone(), session.to_string());
                 let plan: Vec<&LockedBlock> = self.m.plan()[blocks.clone()].iter().collect();
                 let ops = read_ops(&self.layout, &plan);
-                let direct = self.device_copy(&blocks);
+                let direct = self.device_copy(&blocks, &plan, &ops);
                 let local = self.take(&blocks);
                 let (transport, deadline) = (self.transport.clone(), self.deadline);
                 self.reads += 1;
@@ -871,12 +871,17 @@ impl<'a> Driver<'a> {
     /// opened it as a copy source (issue 28 item 3). One peer batch either
     /// way, resolving to each block's slot checksums once they match the
     /// owner's (C10), or to why the part must be read into the pool
-    /// instead. `None`: no one-step path for this part.
-    fn device_copy(&mut self, blocks: &std::ops::Range<usize>) -> Option<DirectCopy<'a>> {
+    /// instead. `None`: no one-step path for this part. `plan` and `ops`:
+    /// the part's blocks and their pool reads ([`read_ops`]).
+    fn device_copy(
+        &self,
+        blocks: &std::ops::Range<usize>,
+        plan: &[&LockedBlock],
+        ops: &[ReadOp],
+    ) -> Option<DirectCopy<'a>> {
         let load = self.load.as_ref()?;
         let base = self.m.plan_base()?;
         let (owner, peer) = self.peer.as_ref().map(|(a, p)| (a.clone(), p.clone()))?;
-        let plan: Vec<&LockedBlock> = self.m.plan()[blocks.clone()].iter().collect();
         let dst: Vec<u64> = blocks.clone().map(|i| load.blocks[base + i].1).collect();
         let gpu = self.engine.gpu().clone();
         let fallback = |kind: Direct, why: String| -> Option<DirectCopy<'a>> {
@@ -890,7 +895,7 @@ impl<'a> Driver<'a> {
             // Reads name region 0, the owner's pool (see `read_ops`).
             let region = self.transport.shared_region(&owner).filter(|r| r.region == 0)?;
             let source = peer.shared_source(&gpu, region)?;
-            let plan = match device::plan_copies(&self.layout, &shared_blocks(&self.layout, &plan), &dst) {
+            let plan = match device::plan_copies(&self.layout, &shared_blocks(plan, ops), &dst) {
                 Ok(p) => p,
                 Err(e) => return fallback(Direct::Shared, format!("the owner's pool ranges: {e}")),
             };
@@ -909,7 +914,7 @@ impl<'a> Driver<'a> {
         if Instant::now() >= side.until {
             return fallback(Direct::Lease, "too little of the device lease is left".into());
         }
-        let plan = match device::plan_part(&self.layout, &side.layout, &plan, &dst) {
+        let plan = match device::plan_part(&self.layout, &side.layout, plan, &dst) {
             Ok(p) => p,
             Err(e) => return fallback(Direct::Lease, format!("owner's device ranges: {e}")),
         };
