@@ -544,8 +544,17 @@ pub const DISK_THREADS_MAX: usize = 16;
 pub const DISK_RECOVERY_CHUNK_BYTES: u64 = 8 << 20;
 
 /// Spare I/O buffers the tier keeps for reuse after their operation
-/// completed (count); more are freed.
+/// completed (count), at least; a tier whose write-behind queue plus
+/// backend depth is larger keeps that many, so a steady eviction stream
+/// reuses record buffers instead of allocating (and faulting in) one per
+/// record. More are freed.
 pub const DISK_SPARE_BUFFERS_MAX: usize = 64;
+
+/// Queue slots an engine's real disk backend has beyond its configured
+/// depth, kept for reads (count): writes fill at most the configured depth
+/// ([`crate::disk::TierConfig::read_slots`]), so a staging read never
+/// waits behind a full queue of write-behind records for a slot.
+pub const DISK_READ_SLOTS: usize = 8;
 
 /// How long the engine's disk driver waits between polls of the tier while
 /// operations are in flight (µs). The tokio timer rounds it up to its 1 ms

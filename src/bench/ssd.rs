@@ -229,8 +229,9 @@ pub fn ssd(a: &SsdBench<'_>) -> Result<serde_json::Value, String> {
     let mut raw = backend_over(raw_file, a.depth, a.backend).map_err(|e| e.to_string())?;
     let disk = backend_over(tier_file, a.depth, a.backend).map_err(|e| e.to_string())?;
     let backend = disk.kind();
-    let (mut tier, _) = Tier::open(disk, TierConfig { write_queue_max: a.depth, record_align: a.record_align })
-        .map_err(|e| format!("tier open: {e}"))?;
+    let (mut tier, _) =
+        Tier::open(disk, TierConfig { write_queue_max: a.depth, record_align: a.record_align, read_slots: 0 })
+            .map_err(|e| format!("tier open: {e}"))?;
     outln!(
         "bench ssd: {} in {}, {n} blocks of {block} B ({} slots), queue depth {}, {} per file, records aligned to {} KiB",
         backend,

@@ -5,7 +5,7 @@
 use std::path::Path;
 
 use super::file::{DiskFile, OpenError};
-use super::io::{BackendKind, Completion, DiskIo, Errno, IoOp, Refused};
+use super::io::{BackendKind, Completion, CompletionHint, DiskIo, Errno, IoOp, Refused};
 use super::pio::PioDisk;
 use super::uring::UringDisk;
 use crate::limits::DISK_QUEUE_DEPTH_MAX;
@@ -104,6 +104,12 @@ impl DiskIo for RealDisk {
         match self {
             RealDisk::Uring(d) => d.reap(wait, out),
             RealDisk::Pio(d) => d.reap(wait, out),
+        }
+    }
+    fn set_completion_hint(&mut self, hint: CompletionHint) -> bool {
+        match self {
+            RealDisk::Uring(d) => d.set_completion_hint(hint),
+            RealDisk::Pio(d) => d.set_completion_hint(hint),
         }
     }
 }

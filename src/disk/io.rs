@@ -18,7 +18,15 @@
 //! io_uring is refused), [`super::sim`] (in memory, seeded faults, the
 //! simulator's and the unit tests').
 
+use std::sync::Arc;
+
 use super::buf::AlignedBuf;
+
+/// A completion hint ([`DiskIo::set_completion_hint`]): called, from any
+/// thread, after operations completed, so whoever drives the backend reaps
+/// them now instead of at its next timed poll. A hint may be spurious or
+/// cover several completions; it carries no data.
+pub type CompletionHint = Arc<dyn Fn() + Send + Sync>;
 
 /// Read or write.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -181,6 +189,16 @@ pub trait DiskIo: Send {
     /// operations' buffers stay owned by it and are released on drop,
     /// after the kernel finished with them).
     fn reap(&mut self, wait: bool, out: &mut Vec<Completion>) -> Result<usize, Errno>;
+
+    /// Asks the backend to call `hint` whenever operations complete (see
+    /// [`CompletionHint`]); returns whether it will. A backend that cannot
+    /// (the simulated one: its clock moves only when it is reaped) returns
+    /// `false`, and its driver keeps polling on a timer. Only the first
+    /// call can succeed; later ones return `false` and change nothing.
+    fn set_completion_hint(&mut self, hint: CompletionHint) -> bool {
+        let _ = hint;
+        false
+    }
 }
 
 /// Checks `op`'s alignment and range against `capacity` and the queue

@@ -4,17 +4,20 @@
 //!
 //! An operation goes to a shared job queue; a worker takes it, makes one
 //! `pread` or `pwrite` call (a short count is passed up as it is, never
-//! retried) and sends the completion back. Dropping the backend closes the
+//! retried) and sends the completion back, then calls the completion hint
+//! if one was set ([`DiskIo::set_completion_hint`]). Dropping the backend closes the
 //! queue and joins the workers, so no buffer is freed while a worker holds
 //! it.
 
 use std::os::unix::fs::FileExt;
 use std::sync::mpsc::{Receiver, Sender, TryRecvError, channel};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 
 use super::file::DiskFile;
-use super::io::{BackendKind, Completion, DiskIo, EIO, Errno, IoKind, IoOp, Refused, SubmitError, check_op};
+use super::io::{
+    BackendKind, Completion, CompletionHint, DiskIo, EIO, Errno, IoKind, IoOp, Refused, SubmitError, check_op,
+};
 use crate::limits::DISK_THREADS_MAX;
 
 /// `pread`/`pwrite` on threads; see the module doc.
@@ -25,6 +28,8 @@ pub struct PioDisk {
     done: Receiver<Completion>,
     workers: Vec<JoinHandle<()>>,
     in_flight: usize,
+    /// Called by a worker after each completion it sent, once set.
+    hint: Arc<OnceLock<CompletionHint>>,
 }
 
 impl std::fmt::Debug for PioDisk {
@@ -45,22 +50,26 @@ impl PioDisk {
         let (jobs, rx) = channel::<IoOp>();
         let rx = Arc::new(Mutex::new(rx));
         let (tx_done, done) = channel();
-        let mut me = Self { file, depth: depth.max(1), jobs: Some(jobs), done, workers: Vec::new(), in_flight: 0 };
+        let hint = Arc::new(OnceLock::new());
+        let mut me =
+            Self { file, depth: depth.max(1), jobs: Some(jobs), done, workers: Vec::new(), in_flight: 0, hint };
         for i in 0..depth.clamp(1, DISK_THREADS_MAX) {
             let rx = rx.clone();
             let tx = tx_done.clone();
             let file = me.file.clone();
+            let hint = me.hint.clone();
             // On error `me` drops: the queue closes and the started workers
             // are joined.
-            let w =
-                std::thread::Builder::new().name(format!("kvferry-disk-{i}")).spawn(move || worker(&file, &rx, &tx))?;
+            let w = std::thread::Builder::new()
+                .name(format!("kvferry-disk-{i}"))
+                .spawn(move || worker(&file, &rx, &tx, &hint))?;
             me.workers.push(w);
         }
         Ok(me)
     }
 }
 
-fn worker(file: &DiskFile, rx: &Mutex<Receiver<IoOp>>, tx: &Sender<Completion>) {
+fn worker(file: &DiskFile, rx: &Mutex<Receiver<IoOp>>, tx: &Sender<Completion>, hint: &OnceLock<CompletionHint>) {
     loop {
         let job = match rx.lock() {
             Ok(r) => r.recv(),
@@ -74,6 +83,9 @@ fn worker(file: &DiskFile, rx: &Mutex<Receiver<IoOp>>, tx: &Sender<Completion>) 
         let result = r.map_err(|e| Errno(e.raw_os_error().unwrap_or(EIO.0)));
         if tx.send(Completion { tag: op.tag, kind: op.kind, offset: op.offset, buf: op.buf, result }).is_err() {
             return;
+        }
+        if let Some(h) = hint.get() {
+            h();
         }
     }
 }
@@ -148,5 +160,10 @@ impl DiskIo for PioDisk {
         }
         self.in_flight -= n;
         Ok(n)
+    }
+
+    fn set_completion_hint(&mut self, hint: CompletionHint) -> bool {
+        // Set once; a second hint is refused (the first stays).
+        self.hint.set(hint).is_ok()
     }
 }

@@ -65,6 +65,66 @@ fn write_then_read_returns_the_bytes() {
 
 /// The write-behind queue never blocks: past its bound a write is refused
 /// and counted, and accepted again once writes complete.
+/// With `read_slots`, writes never take the last slots of the backend's
+/// depth: a read started behind a long write queue goes to the backend at
+/// once, and every write still lands.
+#[test]
+fn writes_leave_read_slots_free() {
+    let cfg = TierConfig { write_queue_max: 16, read_slots: 2, ..TierConfig::default() };
+    let (mut t, _) = Tier::open(SimDisk::new(1 << 20, 4, 1), cfg).unwrap();
+    let (s0, b0) = block(100, 1, 4000);
+    t.write(&key(100), &s0, &b0).unwrap();
+    t.drain().unwrap();
+    for i in 0..10 {
+        let (s, b) = block(i, 1, 4000);
+        assert!(matches!(t.write(&key(i), &s, &b), Ok(WriteOutcome::Queued { .. })));
+    }
+    assert_eq!(t.io_mut().in_flight(), 2, "writes hold depth 4 - 2 read slots");
+    assert_eq!(t.writes_pending(), 10);
+    t.read(&key(100)).unwrap();
+    assert_eq!(t.io_mut().in_flight(), 3, "the read went to the backend without waiting for a write");
+    let evs = t.drain().unwrap();
+    assert_eq!(evs.iter().filter(|e| matches!(e, TierEvent::Written { .. })).count(), 10);
+    let read = evs.iter().find_map(|e| match e {
+        TierEvent::Read { result, .. } => Some(result.as_ref().map(|b| b.bytes().to_vec())),
+        _ => None,
+    });
+    assert_eq!(read.expect("the read's event").unwrap(), b0);
+    // Without read slots the writes fill the depth.
+    let mut t = tier(1 << 20, 4, 16);
+    for i in 0..10 {
+        let (s, b) = block(i, 1, 4000);
+        t.write(&key(i), &s, &b).unwrap();
+    }
+    assert_eq!(t.io_mut().in_flight(), 4);
+}
+
+/// A tier keeps as many spare buffers as its write queue and depth can
+/// use (not just `DISK_SPARE_BUFFERS_MAX`), and the next writes take them
+/// instead of allocating.
+#[test]
+fn spare_buffers_cover_the_write_queue() {
+    let n = crate::limits::DISK_SPARE_BUFFERS_MAX + 86;
+    let mut t = tier(4 << 20, 4, 200);
+    for i in 0..n as u64 {
+        let (s, b) = block(i, 1, 4000);
+        t.write(&key(i), &s, &b).unwrap();
+    }
+    assert_eq!(t.spare_buffers(), 0);
+    t.drain().unwrap();
+    assert_eq!(t.spare_buffers(), n, "every completed write's buffer is kept");
+    for i in 0..n as u64 {
+        let (s, b) = block(1000 + i, 1, 4000);
+        t.write(&key(1000 + i), &s, &b).unwrap();
+    }
+    assert_eq!(t.spare_buffers(), 0, "the writes reused them");
+    t.drain().unwrap();
+    for i in 0..n as u64 {
+        let (got, _) = read_now(&mut t, &key(1000 + i));
+        assert_eq!(got.unwrap(), block(1000 + i, 1, 4000).1);
+    }
+}
+
 #[test]
 fn full_queue_refuses_and_counts() {
     let mut t = tier(1 << 20, 1, 2);
@@ -244,7 +304,7 @@ fn recovery_keeps_what_verifies() {
 /// multiple of it; reads and recovery work the same.
 #[test]
 fn records_honour_the_record_alignment() {
-    let cfg = TierConfig { write_queue_max: 8, record_align: 64 << 10 };
+    let cfg = TierConfig { write_queue_max: 8, record_align: 64 << 10, read_slots: 0 };
     let (mut t, _) = Tier::open(SimDisk::new(1 << 20, 4, 3), cfg.clone()).unwrap();
     let mut saved = Vec::new();
     for i in 0..5 {
@@ -263,7 +323,7 @@ fn records_honour_the_record_alignment() {
     assert_eq!(rec.blocks.len(), 5);
     let (got, _) = read_now(&mut t, &key(4));
     assert_eq!(got.unwrap(), saved[4]);
-    let bad = TierConfig { write_queue_max: 8, record_align: 3 << 12 };
+    let bad = TierConfig { write_queue_max: 8, record_align: 3 << 12, read_slots: 0 };
     assert!(matches!(Tier::open(SimDisk::new(1 << 20, 4, 3), bad), Err(super::tier::TierError::BadConfig { .. })));
 }
 
@@ -389,6 +449,52 @@ mod real {
         assert_eq!(rec.blocks.len(), 20);
         let (got, _) = read_now(&mut t, &key(13));
         assert_eq!(got.unwrap(), saved[13]);
+    }
+
+    /// A real backend calls the completion hint when operations complete,
+    /// without being polled, and dropping it stops its hint thread.
+    fn completion_hint(choice: BackendChoice) {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let d = dir();
+        let mut disk = match open_backend(d.path(), 8 << 20, 8, choice) {
+            Ok(x) => x,
+            Err(e @ (OpenError::DirectIoRefused { .. } | OpenError::NoUring { .. })) => {
+                println!("SKIPPED ({choice:?}): {e}");
+                return;
+            }
+            Err(e) => panic!("{e}"),
+        };
+        let hits = Arc::new(AtomicUsize::new(0));
+        let h = hits.clone();
+        if !disk.set_completion_hint(Arc::new(move || {
+            h.fetch_add(1, Ordering::SeqCst);
+        })) {
+            println!("SKIPPED ({choice:?}): the backend declined the hint");
+            return;
+        }
+        assert!(!disk.set_completion_hint(Arc::new(|| {})), "a second hint is declined");
+        let (mut t, _) = Tier::open(disk, TierConfig { write_queue_max: 8, ..TierConfig::default() }).unwrap();
+        let before = hits.load(Ordering::SeqCst);
+        let (s, b) = block(1, 2, 30_000);
+        t.write(&key(1), &s, &b).unwrap();
+        let end = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while hits.load(Ordering::SeqCst) == before && std::time::Instant::now() < end {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        assert!(hits.load(Ordering::SeqCst) > before, "no hint within 10 s of a write");
+        let evs = t.drain().unwrap();
+        assert!(matches!(&evs[..], [TierEvent::Written { .. }]), "{evs:?}");
+        drop(t);
+    }
+
+    #[test]
+    fn uring_completion_hint() {
+        completion_hint(BackendChoice::IoUring);
+    }
+
+    #[test]
+    fn threads_completion_hint() {
+        completion_hint(BackendChoice::Pio);
     }
 
     #[test]

@@ -118,11 +118,17 @@ pub struct TierConfig {
     /// units than it is written in is faster with that unit (64 KiB halved
     /// the write time of 2.25 MiB blocks on a virtio disk, `bench ssd`).
     pub record_align: u64,
+    /// Of the backend's queue depth, slots that writes leave to reads
+    /// (count): at most `max(1, depth - read_slots)` writes are at the
+    /// backend at once, so a read (reads go first) finds a free slot
+    /// instead of waiting for a write to complete. 0: writes may fill the
+    /// depth.
+    pub read_slots: usize,
 }
 
 impl Default for TierConfig {
     fn default() -> Self {
-        Self { write_queue_max: DISK_WRITE_QUEUE_DEFAULT, record_align: DISK_ALIGN_BYTES }
+        Self { write_queue_max: DISK_WRITE_QUEUE_DEFAULT, record_align: DISK_ALIGN_BYTES, read_slots: 0 }
     }
 }
 
@@ -419,6 +425,8 @@ struct Pending {
     generation: u64,
     payload_len: u64,
     addr: usize,
+    /// Handed to the backend (not only built).
+    submitted: bool,
 }
 
 /// The disk tier over backend `D`; see the module doc.
@@ -444,7 +452,17 @@ pub struct Tier<D: DiskIo> {
     /// Record offset → length, to free when its last operation ends.
     doomed: HashMap<u64, u64>,
     writes_pending: usize,
-    spare: Vec<AlignedBuf>,
+    /// Writes the backend holds now (count).
+    device_writes: usize,
+    /// `device_writes`' bound (see [`TierConfig::read_slots`]).
+    device_writes_max: usize,
+    /// Buffers kept for reuse, by capacity (bytes).
+    spare: BTreeMap<usize, Vec<AlignedBuf>>,
+    /// Buffers in `spare` (count).
+    spare_count: usize,
+    /// `spare_count`'s bound: [`DISK_SPARE_BUFFERS_MAX`], or the writes
+    /// the queue may hold plus the backend's depth when that is more.
+    spare_max: usize,
     events: Vec<TierEvent>,
     counters: TierCounters,
 }
@@ -489,6 +507,7 @@ impl<D: DiskIo> Tier<D> {
             });
         }
         let space = ExtentAllocator::new(io.capacity() & !(ra - 1), DISK_ALIGN_BYTES)?;
+        let io_depth = io.queue_depth();
         let mut t = Tier {
             io,
             write_queue_max: cfg.write_queue_max,
@@ -505,7 +524,11 @@ impl<D: DiskIo> Tier<D> {
             pins: HashMap::new(),
             doomed: HashMap::new(),
             writes_pending: 0,
-            spare: Vec::new(),
+            device_writes: 0,
+            device_writes_max: io_depth.saturating_sub(cfg.read_slots).max(1),
+            spare: BTreeMap::new(),
+            spare_count: 0,
+            spare_max: DISK_SPARE_BUFFERS_MAX.max(cfg.write_queue_max + io_depth),
             events: Vec::new(),
             counters: TierCounters::default(),
         };
@@ -564,6 +587,12 @@ impl<D: DiskIo> Tier<D> {
         self.index.iter().filter(|(_, e)| e.written).map(|(k, e)| (k.clone(), e.generation)).collect()
     }
 
+    /// Buffers kept for reuse now (count; see
+    /// [`DISK_SPARE_BUFFERS_MAX`]).
+    pub fn spare_buffers(&self) -> usize {
+        self.spare_count
+    }
+
     /// The backend (tests inject faults through it).
     pub fn io_mut(&mut self) -> &mut D {
         &mut self.io
@@ -577,8 +606,9 @@ impl<D: DiskIo> Tier<D> {
     /// Hands a buffer back for reuse (e.g. a [`ReadBlock`]'s once its bytes
     /// were copied into the pool).
     pub fn recycle(&mut self, buf: AlignedBuf) {
-        if self.spare.len() < DISK_SPARE_BUFFERS_MAX {
-            self.spare.push(buf);
+        if self.spare_count < self.spare_max {
+            self.spare.entry(buf.capacity()).or_default().push(buf);
+            self.spare_count += 1;
         }
     }
 
@@ -781,10 +811,22 @@ impl<D: DiskIo> Tier<D> {
     }
 
     fn take_buf(&mut self, len: usize) -> Result<AlignedBuf, BufError> {
-        if let Some(i) = self.spare.iter().position(|b| b.capacity() >= len) {
-            let mut b = self.spare.swap_remove(i);
-            b.set_len(len)?;
-            return Ok(b);
+        // The smallest spare that fits (a capacity's list is never left
+        // empty in the map).
+        let fits = self.spare.range(len..).next().map(|(c, _)| *c);
+        if let Some(cap) = fits {
+            let (buf, emptied) = match self.spare.get_mut(&cap) {
+                Some(l) => (l.pop(), l.is_empty()),
+                None => (None, false),
+            };
+            if emptied {
+                self.spare.remove(&cap);
+            }
+            if let Some(mut b) = buf {
+                self.spare_count -= 1;
+                b.set_len(len)?;
+                return Ok(b);
+            }
         }
         AlignedBuf::new(len)
     }
@@ -803,20 +845,39 @@ impl<D: DiskIo> Tier<D> {
         let tag = self.next_tag;
         self.next_tag += 1;
         *self.pins.entry(offset).or_insert(0) += 1;
-        self.ops.insert(tag, Pending { kind, key, offset, len: buf.len(), generation, payload_len, addr: buf.addr() });
+        self.ops.insert(
+            tag,
+            Pending { kind, key, offset, len: buf.len(), generation, payload_len, addr: buf.addr(), submitted: false },
+        );
         self.built.insert(tag, IoOp { tag, kind, offset, buf });
         tag
     }
 
-    /// Hands waiting operations to the backend while it takes them.
+    /// Hands waiting operations to the backend while it takes them (reads
+    /// first; a write only while fewer than `device_writes_max` are at the
+    /// backend).
     fn pump(&mut self) {
         while self.io.in_flight() < self.io.queue_depth() {
-            let Some(tag) = self.waiting.pop_front() else { break };
+            let Some(&tag) = self.waiting.front() else { break };
+            let is_write = self.built.get(&tag).is_some_and(|op| op.kind == IoKind::Write);
+            if is_write && self.device_writes >= self.device_writes_max {
+                break;
+            }
+            self.waiting.pop_front();
             let Some(op) = self.built.remove(&tag) else {
                 self.counters.internal_errors += 1;
                 continue;
             };
-            if let Err(r) = self.io.submit(op) {
+            let res = self.io.submit(op);
+            if res.is_ok() {
+                if let Some(p) = self.ops.get_mut(&tag) {
+                    p.submitted = true;
+                }
+                if is_write {
+                    self.device_writes += 1;
+                }
+            }
+            if let Err(r) = res {
                 if matches!(r.error, SubmitError::QueueFull { .. }) {
                     self.built.insert(tag, r.op);
                     self.waiting.push_front(tag);
@@ -846,6 +907,14 @@ impl<D: DiskIo> Tier<D> {
             self.free_space(e.offset, e.record_len);
             self.counters.evicted += 1;
             self.events.push(TierEvent::Removed { key: victim, generation: e.generation, why: Removal::Evicted });
+        }
+    }
+
+    /// Bookkeeping of an operation that ended: a write the backend had
+    /// leaves the device's count.
+    fn left_device(&mut self, p: &Pending) {
+        if p.submitted && p.kind == IoKind::Write {
+            self.device_writes = self.device_writes.saturating_sub(1);
         }
     }
 
@@ -920,6 +989,7 @@ impl<D: DiskIo> Tier<D> {
             return;
         }
         let Some(p) = self.ops.remove(&c.tag) else { return };
+        self.left_device(&p);
         self.unpin(p.offset);
         match p.kind {
             IoKind::Write => {
@@ -977,6 +1047,7 @@ impl<D: DiskIo> Tier<D> {
 
     fn fail_without_buf(&mut self, tag: u64, f: IoFailure) {
         let Some(p) = self.ops.remove(&tag) else { return };
+        self.left_device(&p);
         self.unpin(p.offset);
         match p.kind {
             IoKind::Write => {

@@ -28,10 +28,16 @@
 //!
 //! [`Tier`] is synchronous and never blocks unless asked to; the driver is
 //! one task per engine that polls it without waiting, hands out read
-//! results, registers removals and, while operations are in flight, sleeps
-//! [`DISK_POLL_INTERVAL_US`] between polls (else it waits to be woken).
-//! Only runtime time and tasks are used, so the same code runs on tokio and
-//! under the simulator.
+//! results and registers removals. It polls again as soon as it is woken —
+//! by a read or write queued, or by the backend's completion hint
+//! ([`DiskIo::set_completion_hint`]: the io_uring backend's eventfd, the
+//! thread backend's workers) — and otherwise every
+//! [`DISK_POLL_INTERVAL_US`] while operations are in flight
+//! ([`DISK_IDLE_POLL_MS`] when none are). Without the hint (the simulated
+//! disk, or a kernel that refuses the eventfd) completions wait for that
+//! timed poll, which bounded each node's disk to about a queue depth of
+//! operations per timer tick (1 ms). Only runtime time and tasks are used
+//! in the driver, so the same code runs on tokio and under the simulator.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -49,7 +55,7 @@ use crate::disk::sim::SimDisk;
 use crate::disk::tier::{IoFailure, ReadBlock, ReadRefused, TierError, WriteOutcome, WriteRefused};
 use crate::disk::{BlockKey, DiskIo, SlotSum, Tier, TierConfig, TierCounters, TierEvent};
 use crate::limits::{
-    DISK_ALIGN_BYTES, DISK_IDLE_POLL_MS, DISK_POLL_INTERVAL_US, DISK_QUEUE_DEPTH_DEFAULT,
+    DISK_ALIGN_BYTES, DISK_IDLE_POLL_MS, DISK_POLL_INTERVAL_US, DISK_QUEUE_DEPTH_DEFAULT, DISK_READ_SLOTS,
     DISK_STAGE_DEADLINE_MS_DEFAULT, DISK_WRITE_QUEUE_DEFAULT,
 };
 use crate::types::BlockHash;
@@ -195,7 +201,8 @@ pub struct DiskConfig {
     pub dir: PathBuf,
     /// Size of the tier's file (bytes; rounded down to 4 KiB).
     pub bytes: u64,
-    /// Operations in flight at the backend, at most (count).
+    /// Writes in flight at the backend, at most (count); a file-backed
+    /// tier's backend has [`DISK_READ_SLOTS`] more slots, kept for reads.
     pub queue_depth: usize,
     /// Writes accepted and not completed, at most (blocks): the
     /// write-behind queue. An eviction beyond it drops the block.
@@ -297,6 +304,13 @@ impl DiskIo for NodeDisk {
             #[cfg(all(target_os = "linux", not(madsim)))]
             NodeDisk::Real(d) => d.reap(wait, out),
             NodeDisk::Sim(d) => d.reap(wait, out),
+        }
+    }
+    fn set_completion_hint(&mut self, hint: crate::disk::io::CompletionHint) -> bool {
+        match self {
+            #[cfg(all(target_os = "linux", not(madsim)))]
+            NodeDisk::Real(d) => d.set_completion_hint(hint),
+            NodeDisk::Sim(d) => d.set_completion_hint(hint),
         }
     }
 }
@@ -404,6 +418,16 @@ impl std::fmt::Debug for DiskTier {
     }
 }
 
+/// The queue depth a real backend is opened with for a configured depth of
+/// `depth`: `depth` + [`DISK_READ_SLOTS`] (at most
+/// [`DISK_QUEUE_DEPTH_MAX`](crate::limits::DISK_QUEUE_DEPTH_MAX)); a
+/// depth outside `1..=DISK_QUEUE_DEPTH_MAX` is passed on as it is, for the
+/// backend to refuse.
+pub(crate) fn backend_depth(depth: usize) -> usize {
+    let max = crate::limits::DISK_QUEUE_DEPTH_MAX;
+    if depth == 0 || depth > max { depth } else { (depth + DISK_READ_SLOTS).min(max) }
+}
+
 /// The key a block of namespace `ns` and layout family `family` has on disk.
 pub(crate) fn block_key(ns: &Arc<str>, hash: &BlockHash, family: u64) -> BlockKey {
     BlockKey { namespace: ns.clone(), hash: hash.clone(), family }
@@ -459,24 +483,32 @@ impl DiskTier {
     /// Opens the tier per `cfg` (scanning for records, C18); returns it and
     /// the blocks recovery kept.
     pub(crate) fn open(cfg: &DiskConfig) -> Result<(Self, Vec<BlockKey>), DiskOpenError> {
-        let io = match &cfg.sim {
+        let mut io = match &cfg.sim {
             Some(slot) => NodeDisk::Sim(slot.open().ok_or(DiskOpenError::SimDiskTaken)?),
             None => Self::open_file(cfg)?,
         };
-        let tcfg = TierConfig { write_queue_max: cfg.write_queue_max, record_align: cfg.record_align };
+        let wake = Arc::new(Notify::new());
+        let w = wake.clone();
+        let hinted = io.set_completion_hint(Arc::new(move || w.notify_one()));
+        // A real backend is opened with `DISK_READ_SLOTS` slots beyond the
+        // configured depth, kept for reads; the simulated disk's depth is
+        // its own, and all of it is shared.
+        let read_slots = if cfg.sim.is_some() { 0 } else { DISK_READ_SLOTS };
+        let tcfg = TierConfig { write_queue_max: cfg.write_queue_max, record_align: cfg.record_align, read_slots };
         let (tier, rec) = Tier::open(io, tcfg)?;
         tracing::info!(
             backend = %tier.backend(),
             capacity = tier.capacity(),
             recovered = rec.blocks.len(),
             rejected = rec.rejected,
+            completions = if hinted { "woken" } else { "polled" },
             "disk tier open"
         );
         let keys = rec.blocks.into_iter().map(|b| b.key).collect();
         Ok((
             Self {
                 state: Mutex::new(State { tier, readers: HashMap::new() }),
-                wake: Arc::new(Notify::new()),
+                wake,
                 metrics: DiskMetrics::default(),
                 stage_deadline: cfg.stage_deadline,
             },
@@ -489,7 +521,7 @@ impl DiskTier {
         let d = crate::disk::backend::open_backend(
             &cfg.dir,
             cfg.bytes,
-            cfg.queue_depth,
+            backend_depth(cfg.queue_depth),
             crate::disk::backend::BackendChoice::Auto,
         )?;
         Ok(NodeDisk::Real(d))
@@ -679,11 +711,12 @@ pub(crate) async fn drive(engine: Weak<EngineInner>, wake: Arc<Notify>) {
             }
             busy
         };
-        if busy {
-            tokio::time::sleep(Duration::from_micros(DISK_POLL_INTERVAL_US)).await;
-        } else {
-            let _ = tokio::time::timeout(Duration::from_millis(DISK_IDLE_POLL_MS), wake.notified()).await;
-        }
+        // A read or write queued, or (from a backend that hints) an
+        // operation completed, wakes the driver at once; the timer is the
+        // fallback.
+        let nap =
+            if busy { Duration::from_micros(DISK_POLL_INTERVAL_US) } else { Duration::from_millis(DISK_IDLE_POLL_MS) };
+        let _ = tokio::time::timeout(nap, wake.notified()).await;
     }
 }
 
