@@ -17,8 +17,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // dependencies built for the simulator). A cfg emitted here reaches
     // both, so the madsim convention `RUSTFLAGS="--cfg madsim" cargo test`
     // runs the doc-tests too, without RUSTDOCFLAGS.
+    //
+    // `real_os` is every build but the simulator's: it gates only what
+    // needs the real OS and tokio to *run*, not to compile — the binary's
+    // command line and the test modules that drive real sockets on tokio.
+    // Production modules never test either cfg; they read
+    // `kvferry::rt::SIMULATED` (src/rt.rs is the one place that knows).
     if std::env::var_os("CARGO_CFG_MADSIM").is_some() {
         println!("cargo:rustc-cfg=madsim");
+    } else {
+        println!("cargo:rustc-cfg=real_os");
     }
     Ok(())
 }

@@ -7,8 +7,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::{Parser, Subcommand};
-use kvferry::gpu::Gpu;
-use kvferry::gpu::host::HostGpu;
+use kvferry::gpu::{self, Gpu};
 use kvferry::metaserver::service::{ConfigField, StartError};
 use kvferry::metaserver::{self, MetaServerConfig};
 use kvferry::node::TransportChoice;
@@ -350,46 +349,40 @@ fn gpu_factory(
 ) -> Result<impl Fn(pd::Role, usize) -> Result<LabelledGpu, PdError>, String> {
     let visible = match choice {
         GpuChoice::Host => 0,
-        GpuChoice::Cuda => cuda_device_count()?,
+        GpuChoice::Cuda => gpu::open::device_count("cuda").map_err(|e| gpu_open_message(&e))?,
     };
     Ok(move |role: pd::Role, i: usize| -> Result<LabelledGpu, PdError> {
         match choice {
-            GpuChoice::Host => Ok((Arc::new(HostGpu::new()) as Arc<dyn Gpu>, "host".to_string())),
+            GpuChoice::Host => Ok((Arc::new(gpu::host::HostGpu::new()) as Arc<dyn Gpu>, "host".to_string())),
             GpuChoice::Cuda => {
                 let list = if role == pd::Role::Prefill { &prefill } else { &decode };
                 let global = if role == pd::Role::Prefill { i } else { prefill_n + i };
                 let dev = if list.is_empty() { global % visible.max(1) } else { list[i % list.len()] };
-                open_cuda(dev).map(|g| (g, format!("cuda:{dev}")))
+                gpu::open::open("cuda", dev)
+                    .map(|g| (g, format!("cuda:{dev}")))
+                    .map_err(|e| PdError::Device(gpu_open_message(&e)))
             }
         }
     })
 }
 
-#[cfg(feature = "cuda")]
-fn cuda_device_count() -> Result<usize, String> {
-    kvferry::gpu::cuda::device_count().map_err(|e| e.to_string())
+/// `e` in words; where the backend was not built, with the command that
+/// builds it.
+fn gpu_open_message(e: &gpu::open::OpenError) -> String {
+    match e {
+        gpu::open::OpenError::NotBuilt { feature, .. } => {
+            format!("{e}: rebuild with `cargo build --release --features {feature}`")
+        }
+        _ => e.to_string(),
+    }
 }
 
+/// The refusal of a `bench` job that needs the `cuda` backend in a build
+/// without it.
 #[cfg(not(feature = "cuda"))]
-fn cuda_device_count() -> Result<usize, String> {
-    Err(NO_CUDA.to_string())
+fn no_cuda() -> String {
+    gpu_open_message(&gpu::open::OpenError::NotBuilt { backend: "cuda", feature: "cuda" })
 }
-
-#[cfg(feature = "cuda")]
-fn open_cuda(dev: usize) -> Result<Arc<dyn Gpu>, PdError> {
-    kvferry::gpu::cuda::CudaGpu::new(dev)
-        .map(|g| Arc::new(g) as Arc<dyn Gpu>)
-        .map_err(|e| PdError::Device(e.to_string()))
-}
-
-#[cfg(not(feature = "cuda"))]
-fn open_cuda(_dev: usize) -> Result<Arc<dyn Gpu>, PdError> {
-    Err(PdError::Device(NO_CUDA.to_string()))
-}
-
-#[cfg(not(feature = "cuda"))]
-const NO_CUDA: &str =
-    "this kvferry was built without the `cuda` feature: rebuild with `cargo build --release --features cuda`";
 
 /// Parses sizes like `4GiB`, `512MiB`, `64KiB`, `1000` (bytes).
 /// A byte size: `4GiB`, `512MiB`, `1.5GiB`, `1TiB` (binary units), `1GB`
@@ -863,7 +856,7 @@ async fn bench_gpu(device: usize) -> Result<serde_json::Value, String> {
 
 #[cfg(not(feature = "cuda"))]
 async fn bench_gpu(_device: usize) -> Result<serde_json::Value, String> {
-    Err(NO_CUDA.to_string())
+    Err(no_cuda())
 }
 
 #[cfg(feature = "cuda")]
@@ -873,7 +866,7 @@ async fn bench_ipc(device: usize) -> Result<serde_json::Value, String> {
 
 #[cfg(not(feature = "cuda"))]
 async fn bench_ipc(_device: usize) -> Result<serde_json::Value, String> {
-    Err(NO_CUDA.to_string())
+    Err(no_cuda())
 }
 
 #[cfg(feature = "cuda")]
@@ -883,7 +876,7 @@ async fn bench_ipc_child(device: usize, export: &str) -> Result<serde_json::Valu
 
 #[cfg(not(feature = "cuda"))]
 async fn bench_ipc_child(_device: usize, _export: &str) -> Result<serde_json::Value, String> {
-    Err(NO_CUDA.to_string())
+    Err(no_cuda())
 }
 
 async fn shutdown_signal() {

@@ -48,13 +48,13 @@
 #[cfg(all(madsim, any(feature = "cuda", feature = "rdma", feature = "tls")))]
 compile_error!("the simulator (--cfg madsim) builds none of the features `cuda`, `rdma`, `tls`: drop them");
 
-#[cfg(all(feature = "cli", not(madsim)))]
+#[cfg(all(feature = "cli", real_os))]
 pub mod bench;
 pub mod canary;
 pub mod client;
 pub mod disk;
 pub mod engine;
-#[cfg(all(feature = "cli", not(madsim)))]
+#[cfg(all(feature = "cli", real_os))]
 pub mod exporter;
 pub mod gpu;
 pub mod hash;

@@ -12,7 +12,7 @@
 //! through and serves them with: [`TransportChoice::Tcp`] (the default,
 //! every build) or [`TransportChoice::Verbs`] (RDMA READ over RC queue
 //! pairs; its device code exists only in builds with the `rdma` feature and
-//! never under `--cfg madsim`). A verbs node that cannot run — a build
+//! refused by a `--cfg madsim` build). A verbs node that cannot run — a build
 //! without the device code, a bad [`VerbsConfig`], no RDMA on the machine,
 //! no device of that name — fails start-up with a [`NodeError`] before it
 //! says ready, and leaves nothing running (no listener, no MetaServer
@@ -44,7 +44,6 @@ pub use crate::transport::path::{PathChoice, PathStats};
 use crate::transport::tcp::TcpTransport;
 use crate::transport::verbs::VerbsConfig;
 use crate::transport::verbs::plan::PlanError;
-#[cfg(feature = "rdma")]
 use crate::transport::verbs::{VerbsError, VerbsTransport};
 use crate::types::{NodeAddr, SessionId};
 
@@ -157,7 +156,7 @@ pub enum NodeError {
     #[error(transparent)]
     Engine(#[from] EngineError),
     /// [`TransportChoice::Verbs`] in a build without the verbs device code
-    /// (no `rdma` feature, or a `--cfg madsim` build). Reported before
+    /// (no `rdma` feature; the simulator's build never has it). Reported before
     /// anything is bound.
     #[error("this binary was built without the `rdma` feature; rebuild with --features rdma")]
     RdmaNotBuilt,
@@ -171,12 +170,11 @@ pub enum NodeError {
     #[error(transparent)]
     VerbsConfig(PlanError),
     /// The verbs transport could not open its device: no RDMA on this
-    /// machine ([`VerbsError::NoRdma`]), no device at all
-    /// ([`VerbsError::NoDevices`]), no device of that name
-    /// ([`VerbsError::DeviceNotFound`], listing the names present), an
+    /// machine (`VerbsError::NoRdma` in an `rdma` build), no device at all
+    /// (`VerbsError::NoDevices`), no device of that name
+    /// (`VerbsError::DeviceNotFound`, listing the names present), an
     /// unusable port, or a failed verbs call. The MetaServer client is shut
     /// down before this is returned.
-    #[cfg(feature = "rdma")]
     #[error("verbs transport: {0}")]
     Verbs(#[source] VerbsError),
     /// [`PathChoice::Shm`] on a node that cannot share its pool (the
@@ -199,7 +197,6 @@ impl NodeError {
             NodeError::RdmaNotBuilt => "node_rdma_not_built",
             NodeError::TcpConnections(_) => "node_tcp_connections",
             NodeError::VerbsConfig(_) => "node_verbs_config",
-            #[cfg(feature = "rdma")]
             NodeError::Verbs(_) => "node_verbs",
             NodeError::Shm(_) => "node_shm",
         }
@@ -221,8 +218,8 @@ pub struct NodeHandle {
     /// [`PathTransport::stats`]); `None` with [`TransportChoice::Verbs`].
     pub path: Option<Arc<PathTransport>>,
     /// The verbs transport (device, limits, counters); `None` when the node
-    /// runs [`TransportChoice::Tcp`].
-    #[cfg(feature = "rdma")]
+    /// runs [`TransportChoice::Tcp`], and always in a build without `rdma`
+    /// (whose `VerbsTransport` has no values).
     pub verbs: Option<Arc<VerbsTransport>>,
     shutdown: watch::Sender<bool>,
     serve: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
@@ -270,7 +267,6 @@ impl NodeHandle {
 /// The started data plane.
 enum DataPlane {
     Tcp(Arc<TcpTransport>, Arc<PathTransport>),
-    #[cfg(feature = "rdma")]
     Verbs(Arc<VerbsTransport>),
 }
 
@@ -278,7 +274,6 @@ impl DataPlane {
     fn as_transport(&self) -> Arc<dyn Transport> {
         match self {
             DataPlane::Tcp(_, p) => p.clone(),
-            #[cfg(feature = "rdma")]
             DataPlane::Verbs(t) => t.clone(),
         }
     }
@@ -286,7 +281,6 @@ impl DataPlane {
     fn path(&self) -> Option<Arc<PathTransport>> {
         match self {
             DataPlane::Tcp(_, p) => Some(p.clone()),
-            #[cfg(feature = "rdma")]
             DataPlane::Verbs(_) => None,
         }
     }
@@ -294,12 +288,10 @@ impl DataPlane {
     fn tcp(&self) -> Option<Arc<TcpTransport>> {
         match self {
             DataPlane::Tcp(t, _) => Some(t.clone()),
-            #[cfg(feature = "rdma")]
             DataPlane::Verbs(_) => None,
         }
     }
 
-    #[cfg(feature = "rdma")]
     fn verbs(&self) -> Option<Arc<VerbsTransport>> {
         match self {
             DataPlane::Tcp(..) => None,
@@ -334,12 +326,11 @@ fn start_data_plane(
             let path = Arc::new(PathTransport::new(cfg.path, tcp.clone(), shm));
             Ok(DataPlane::Tcp(tcp, path))
         }
-        #[cfg(feature = "rdma")]
+        // A build without `rdma` refused this choice in `preflight`; its
+        // `VerbsTransport` opens nothing (`transport::verbs`, `absent`).
         TransportChoice::Verbs(v) => VerbsTransport::open(v, node.clone(), engine.pool(), engine.data_source())
             .map(|t| DataPlane::Verbs(Arc::new(t)))
             .map_err(NodeError::Verbs),
-        #[cfg(not(feature = "rdma"))]
-        TransportChoice::Verbs(_) => Err(NodeError::RdmaNotBuilt),
     }
 }
 
@@ -399,7 +390,7 @@ fn preflight(cfg: &NodeConfig) -> Result<(), NodeError> {
 /// [`NodeError`] — bind failures are reported before anything is started.
 /// With [`TransportChoice::Verbs`]: [`NodeError::RdmaNotBuilt`] and
 /// [`NodeError::VerbsConfig`] before anything is bound or announced;
-/// `NodeError::Verbs` (feature `rdma`) when the device cannot be opened,
+/// [`NodeError::Verbs`] when the device cannot be opened,
 /// after the MetaServer client was shut down.
 pub async fn start(cfg: NodeConfig, gpu: Arc<dyn Gpu>) -> Result<NodeHandle, NodeError> {
     preflight(&cfg)?;
@@ -488,7 +479,6 @@ async fn start_bound(
     }));
     let data = match &data_plane {
         DataPlane::Tcp(t, p) => format!("tcp {} (path {})", t.data_addr(), p.choice()),
-        #[cfg(feature = "rdma")]
         DataPlane::Verbs(_) => cfg.transport.to_string(),
     };
     tracing::info!(%node, data, "node ready");
@@ -498,7 +488,6 @@ async fn start_bound(
         node,
         tcp: data_plane.tcp(),
         path: data_plane.path(),
-        #[cfg(feature = "rdma")]
         verbs: data_plane.verbs(),
         shutdown: tx,
         serve,

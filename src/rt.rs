@@ -110,6 +110,14 @@ pub fn server_builder() -> tonic::transport::Server {
         .initial_connection_window_size(limits::GRPC_CONNECTION_WINDOW_BYTES)
 }
 
+/// Whether this build runs under the simulator (`--cfg madsim`). Production
+/// modules branch on this value, never on the cfg itself, so they compile and
+/// read the same in both builds; a backend the simulator cannot run (the disk
+/// tier's file backends, the shared pool's socket and memfd hand-off) is
+/// refused at run time where it is opened, with its error's
+/// "unavailable" variant.
+pub const SIMULATED: bool = cfg!(madsim);
+
 /// Worker tasks that CPU-bound work (e.g. a fetch's checksum pass) may
 /// spread over: the machine's parallelism on real tokio; a fixed
 /// [`SIM_CPU_PARALLELISM`] under the simulator, so that the same

@@ -149,3 +149,35 @@ pub(crate) fn channel(
         .initial_connection_window_size(crate::limits::GRPC_CONNECTION_WINDOW_BYTES)
         .connect_lazy())
 }
+
+/// [`server`] in a build without TLS.
+///
+/// # Errors
+/// Always [`TlsError::NotBuilt`].
+#[cfg(not(feature = "tls"))]
+pub(crate) fn server(
+    _builder: tonic::transport::Server,
+    _identity: &TlsIdentity,
+) -> Result<tonic::transport::Server, TlsError> {
+    Err(TlsError::NotBuilt)
+}
+
+/// [`channel`] in a build without TLS.
+///
+/// # Errors
+/// Always [`TlsError::NotBuilt`].
+#[cfg(not(feature = "tls"))]
+pub(crate) fn channel(
+    _addr: &str,
+    _timeout: std::time::Duration,
+    _trust: &TlsTrust,
+) -> Result<tonic::transport::Channel, TlsError> {
+    Err(TlsError::NotBuilt)
+}
+
+/// The refusal of an `https://` address given no CA to trust:
+/// [`TlsError::NoTrust`] where this build has TLS, else
+/// [`TlsError::NotBuilt`] (the address asks for what the build lacks).
+pub(crate) fn no_trust(addr: &str) -> TlsError {
+    if cfg!(feature = "tls") { TlsError::NoTrust { addr: addr.to_string() } } else { TlsError::NotBuilt }
+}

@@ -2,7 +2,7 @@
 //! prints, and each ratio is the quotient of the rates it names.
 
 // Loopback tests on real tokio; the simulator tier lives in sim/.
-#![cfg(not(madsim))]
+#![cfg(real_os)]
 
 use std::process::Command;
 

@@ -13,7 +13,7 @@
 //! | `bad_grants_are_refused_and_change_nothing` | bad input |
 //! | `malformed_device_answers_are_read_from_the_pool` | C19 bad input from the network, C10 |
 
-#![cfg(not(madsim))]
+#![cfg(real_os)]
 
 mod common;
 

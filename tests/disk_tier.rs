@@ -11,7 +11,7 @@
 //! | `a_second_node_on_the_same_directory_is_refused` | the tier locks its directory: a second node fails at start naming it |
 
 // Loopback tests on real tokio and tonic; the simulator tier lives in sim/.
-#![cfg(not(madsim))]
+#![cfg(real_os)]
 
 mod common;
 

@@ -28,7 +28,7 @@
 //! | `a_load_starts_no_copy_after_its_deadline_and_awaits_one_started` | C9 (load tail under the deadline, `fetch_into_with_deadline` too), C11 (a started copy is awaited) |
 
 // Loopback tests on real tokio and tonic; the simulator tier lives in sim/.
-#![cfg(not(madsim))]
+#![cfg(real_os)]
 
 mod common;
 

@@ -27,7 +27,7 @@
 //! unregister, no lock release).
 
 // Loopback tests on real tokio and tonic; the simulator tier lives in sim/.
-#![cfg(not(madsim))]
+#![cfg(real_os)]
 
 mod common;
 

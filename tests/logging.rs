@@ -5,7 +5,7 @@
 //! One test per process on purpose: the global default can be set only once.
 
 // Loopback tests on real tokio and tonic; the simulator tier lives in sim/.
-#![cfg(not(madsim))]
+#![cfg(real_os)]
 
 use std::fmt::Write as _;
 use std::sync::{Arc, Mutex};

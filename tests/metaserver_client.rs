@@ -21,7 +21,7 @@
 //! | `io_threads_serve_concurrent_clients_and_stop_on_shutdown` | C5, C7 (I/O threads, offloaded writes) |
 
 // Loopback tests on real tokio and tonic; the simulator tier lives in sim/.
-#![cfg(not(madsim))]
+#![cfg(real_os)]
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;

@@ -9,7 +9,7 @@
 //! a real device are `scripts/hw-rdma.sh`'s job.
 
 // Loopback tests on real tokio and tonic; the simulator tier lives in sim/.
-#![cfg(not(madsim))]
+#![cfg(real_os)]
 
 mod common;
 

@@ -2,7 +2,7 @@
 //! embedder's listener, and a taken port reported before anything serves.
 
 // Loopback tests on real tokio and tonic; the simulator tier lives in sim/.
-#![cfg(not(madsim))]
+#![cfg(real_os)]
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -2,7 +2,7 @@
 //! trace, with and without faults, and its bad-input errors.
 
 // Loopback tests on real tokio and tonic; the simulator tier lives in sim/.
-#![cfg(not(madsim))]
+#![cfg(real_os)]
 
 use std::process::Command;
 

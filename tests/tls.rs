@@ -3,7 +3,7 @@
 //! CA are refused; a bad key fails at start. Without the feature, asking
 //! for TLS is a clear start-up error on both sides. Certificates:
 //! tests/data/tls (made by its make.sh).
-#![cfg(not(madsim))]
+#![cfg(real_os)]
 
 use std::path::PathBuf;
 use std::time::Duration;

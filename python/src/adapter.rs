@@ -7,7 +7,6 @@ use std::sync::Arc;
 
 use kvferry::engine::layout::{DeviceBufferId, LayerLayout, SegmentBase};
 use kvferry::engine::{Engine, EngineError, FetchIntoReport, LoadReport, SaveReport};
-use kvferry::gpu::host::HostGpu;
 use kvferry::gpu::{Gpu, GpuError};
 use kvferry::hash::{HashError, KvFamily};
 use kvferry::types::BlockHash;
@@ -19,21 +18,14 @@ pub struct Backend(Arc<dyn Gpu>);
 impl Backend {
     /// Opens `kind` (`host` or `cuda`) on `device`.
     pub fn open(kind: &str, device: usize) -> Result<Self, String> {
-        match kind {
-            "host" => Ok(Backend(Arc::new(HostGpu::new()))),
-            #[cfg(feature = "cuda")]
-            "cuda" => kvferry::gpu::cuda::CudaGpu::new(device)
-                .map(|g| Backend(Arc::new(g)))
-                .map_err(|e| format!("{e} (is the NVIDIA driver loaded and cuda:{device} visible?)")),
-            #[cfg(not(feature = "cuda"))]
-            "cuda" => {
-                let _ = device;
-                Err("this kvferry wheel was built without CUDA; build it with `maturin build --release --features cuda` \
-                     (scripts/build-wheel.sh --cuda)"
-                    .into())
+        use kvferry::gpu::open::{self, OpenError};
+        open::open(kind, device).map(Backend).map_err(|e| match e {
+            OpenError::NotBuilt { .. } => {
+                format!("{e}: build the wheel with `maturin build --release --features cuda` (scripts/build-wheel.sh --cuda)")
             }
-            other => Err(format!("unknown gpu backend {other:?} (use \"host\" or \"cuda\")")),
-        }
+            OpenError::Device { .. } => format!("{e} (is the NVIDIA driver loaded and cuda:{device} visible?)"),
+            OpenError::Unknown(_) => e.to_string(),
+        })
     }
 
     /// The backend as the engine sees it.

@@ -806,7 +806,7 @@ fn check_metaserver_address(addr: &str) -> PyResult<()> {
 /// Whether this build has the CUDA backend.
 #[pyfunction]
 fn cuda_built() -> bool {
-    cfg!(feature = "cuda")
+    kvferry::gpu::open::built("cuda")
 }
 
 #[pymodule]

@@ -340,18 +340,12 @@ impl MetaServerClient {
         let addr = parse_metaserver_address(&cfg.metaserver)?;
         if addr.scheme == Some("https") && cfg.tls.is_none() {
             // `https://` asks for TLS: never dial it in plain text.
-            #[cfg(feature = "tls")]
-            return Err(crate::tls::TlsError::NoTrust { addr: cfg.metaserver.clone() }.into());
-            #[cfg(not(feature = "tls"))]
-            return Err(crate::tls::TlsError::NotBuilt.into());
+            return Err(crate::tls::no_trust(&cfg.metaserver).into());
         }
         let channel = match &cfg.tls {
             None => crate::rt::channel(&cfg.metaserver, cfg.rpc_timeout)
                 .map_err(|source| ClientError::Address { addr: cfg.metaserver.clone(), source })?,
-            #[cfg(feature = "tls")]
             Some(trust) => crate::tls::channel(&cfg.metaserver, cfg.rpc_timeout, trust)?,
-            #[cfg(not(feature = "tls"))]
-            Some(_) => return Err(crate::tls::TlsError::NotBuilt.into()),
         };
         let grpc = GrpcMetaClient::new(channel)
             .max_decoding_message_size(limits::GRPC_MESSAGE_BYTES_MAX)

@@ -6,7 +6,7 @@ use super::format::FormatError;
 use super::io::SubmitError;
 use super::tier::TierError;
 
-#[cfg(all(target_os = "linux", not(madsim)))]
+#[cfg(target_os = "linux")]
 impl super::file::OpenError {
     /// The stable code of this error.
     pub fn code(&self) -> &'static str {

@@ -19,26 +19,28 @@
 //!   writes, stale, reordered and misdirected completions, `EIO`,
 //!   `ENOSPC`, silent corruption, slow I/O); [`check`]: the per-seed
 //!   invariants of C17 and C18 over it.
-//! - `file`, `uring`, `pio` (Linux, not in the simulator): the tier's
-//!   preallocated `O_DIRECT` file, the io_uring backend and the
-//!   `pread`/`pwrite` thread backend used when io_uring is refused.
+//! - `file`, `uring`, `pio` (Linux builds, the simulator's included; the
+//!   engine refuses to open them under the simulator, see
+//!   [`crate::rt::SIMULATED`]): the tier's preallocated `O_DIRECT` file,
+//!   the io_uring backend and the `pread`/`pwrite` thread backend used
+//!   when io_uring is refused.
 //!
 //! Why not `foyer`: docs/design.md §8, "Disk tier".
 
-#[cfg(all(target_os = "linux", not(madsim)))]
+#[cfg(target_os = "linux")]
 pub mod backend;
 pub mod buf;
 pub mod check;
 mod codes;
-#[cfg(all(target_os = "linux", not(madsim)))]
+#[cfg(target_os = "linux")]
 pub mod file;
 pub mod format;
 pub mod io;
-#[cfg(all(target_os = "linux", not(madsim)))]
+#[cfg(target_os = "linux")]
 pub mod pio;
 pub mod sim;
 pub mod tier;
-#[cfg(all(target_os = "linux", not(madsim)))]
+#[cfg(target_os = "linux")]
 pub mod uring;
 
 pub use buf::AlignedBuf;

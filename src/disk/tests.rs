@@ -405,7 +405,7 @@ fn broken_c18recoverunverified_is_caught() {
     );
 }
 
-#[cfg(all(target_os = "linux", not(madsim)))]
+#[cfg(target_os = "linux")]
 mod real {
     use super::*;
     use crate::disk::backend::{BackendChoice, backend_over, open_backend};

@@ -76,7 +76,7 @@ impl super::disk::DiskOpenError {
     pub fn code(&self) -> &'static str {
         use super::disk::DiskOpenError;
         match self {
-            #[cfg(all(target_os = "linux", not(madsim)))]
+            #[cfg(target_os = "linux")]
             DiskOpenError::File(e) => e.code(),
             DiskOpenError::Tier(e) => e.code(),
             DiskOpenError::NoFileBackend => "disk_no_file_backend",

@@ -241,15 +241,15 @@ impl DiskConfig {
 #[derive(Debug, thiserror::Error)]
 pub enum DiskOpenError {
     /// The file or backend could not be opened.
-    #[cfg(all(target_os = "linux", not(madsim)))]
+    #[cfg(target_os = "linux")]
     #[error(transparent)]
     File(#[from] crate::disk::file::OpenError),
     /// The tier refused its settings or recovery failed.
     #[error(transparent)]
     Tier(#[from] TierError),
     /// A file-backed tier was asked for where only the simulated disk
-    /// exists (the simulator, non-Linux).
-    #[error("no file-backed disk tier on this platform; use a simulated disk")]
+    /// exists: off Linux, or under the simulator ([`crate::rt::SIMULATED`]).
+    #[error("no file-backed disk tier in this build (off Linux or under the simulator); use a simulated disk")]
     NoFileBackend,
     /// The simulated disk's slot was empty (another engine holds it).
     #[error("the simulated disk is held by another engine")]
@@ -258,7 +258,7 @@ pub enum DiskOpenError {
 
 /// The backend an engine's tier runs on.
 enum NodeDisk {
-    #[cfg(all(target_os = "linux", not(madsim)))]
+    #[cfg(target_os = "linux")]
     Real(crate::disk::backend::RealDisk),
     Sim(SimHandle),
 }
@@ -266,49 +266,49 @@ enum NodeDisk {
 impl DiskIo for NodeDisk {
     fn kind(&self) -> BackendKind {
         match self {
-            #[cfg(all(target_os = "linux", not(madsim)))]
+            #[cfg(target_os = "linux")]
             NodeDisk::Real(d) => d.kind(),
             NodeDisk::Sim(d) => d.kind(),
         }
     }
     fn capacity(&self) -> u64 {
         match self {
-            #[cfg(all(target_os = "linux", not(madsim)))]
+            #[cfg(target_os = "linux")]
             NodeDisk::Real(d) => d.capacity(),
             NodeDisk::Sim(d) => d.capacity(),
         }
     }
     fn queue_depth(&self) -> usize {
         match self {
-            #[cfg(all(target_os = "linux", not(madsim)))]
+            #[cfg(target_os = "linux")]
             NodeDisk::Real(d) => d.queue_depth(),
             NodeDisk::Sim(d) => d.queue_depth(),
         }
     }
     fn in_flight(&self) -> usize {
         match self {
-            #[cfg(all(target_os = "linux", not(madsim)))]
+            #[cfg(target_os = "linux")]
             NodeDisk::Real(d) => d.in_flight(),
             NodeDisk::Sim(d) => d.in_flight(),
         }
     }
     fn submit(&mut self, op: IoOp) -> Result<(), Refused> {
         match self {
-            #[cfg(all(target_os = "linux", not(madsim)))]
+            #[cfg(target_os = "linux")]
             NodeDisk::Real(d) => d.submit(op),
             NodeDisk::Sim(d) => d.submit(op),
         }
     }
     fn reap(&mut self, wait: bool, out: &mut Vec<Completion>) -> Result<usize, Errno> {
         match self {
-            #[cfg(all(target_os = "linux", not(madsim)))]
+            #[cfg(target_os = "linux")]
             NodeDisk::Real(d) => d.reap(wait, out),
             NodeDisk::Sim(d) => d.reap(wait, out),
         }
     }
     fn set_completion_hint(&mut self, hint: crate::disk::io::CompletionHint) -> bool {
         match self {
-            #[cfg(all(target_os = "linux", not(madsim)))]
+            #[cfg(target_os = "linux")]
             NodeDisk::Real(d) => d.set_completion_hint(hint),
             NodeDisk::Sim(d) => d.set_completion_hint(hint),
         }
@@ -516,8 +516,13 @@ impl DiskTier {
         ))
     }
 
-    #[cfg(all(target_os = "linux", not(madsim)))]
+    #[cfg(target_os = "linux")]
     fn open_file(cfg: &DiskConfig) -> Result<NodeDisk, DiskOpenError> {
+        if crate::rt::SIMULATED {
+            // Real I/O threads and io_uring rings would run outside the
+            // simulator's clock and scheduler.
+            return Err(DiskOpenError::NoFileBackend);
+        }
         let d = crate::disk::backend::open_backend(
             &cfg.dir,
             cfg.bytes,
@@ -527,7 +532,7 @@ impl DiskTier {
         Ok(NodeDisk::Real(d))
     }
 
-    #[cfg(not(all(target_os = "linux", not(madsim))))]
+    #[cfg(not(target_os = "linux"))]
     fn open_file(_cfg: &DiskConfig) -> Result<NodeDisk, DiskOpenError> {
         Err(DiskOpenError::NoFileBackend)
     }

@@ -51,7 +51,8 @@
 //! Device-direct copies from a peer engine's buffers (CUDA IPC, C19) live
 //! in [`ipc`].
 //!
-//! Not under the simulator: this module is `cfg(not(madsim))`.
+//! Not under the simulator: feature `cuda` only, which `lib.rs` refuses in a
+//! `--cfg madsim` build.
 
 mod ipc;
 

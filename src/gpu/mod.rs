@@ -30,13 +30,15 @@
 //! (the backend refuses while a batch touches it).
 //!
 //! Backends: [`host`] (embedded default: the "device" is host memory; also
-//! the simulator's GPU) and `cuda` (feature `cuda`, H200 runs).
+//! the simulator's GPU) and `cuda` (feature `cuda`, H200 runs), both opened
+//! by name through [`open`], which every build has.
 
 pub mod copy;
 pub mod crc;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod host;
+pub mod open;
 pub mod par;
 pub mod peer;
 

@@ -4,7 +4,7 @@
 //! here; nothing here imports any of them.
 
 pub mod buffers;
-#[cfg(all(target_os = "linux", not(madsim)))]
+#[cfg(target_os = "linux")]
 pub mod memfd;
 pub mod pool;
 

@@ -386,7 +386,7 @@ enum Backing {
     /// A heap allocation `arena` sits in.
     Heap { raw: NonNull<u8>, raw_layout: AllocLayout },
     /// A sealed memfd mapped shared at `arena` (see [`Pool::new_shared`]).
-    #[cfg(all(target_os = "linux", not(madsim)))]
+    #[cfg(target_os = "linux")]
     Memfd(super::memfd::SharedArena),
 }
 
@@ -451,7 +451,7 @@ impl Drop for PoolInner {
             // is gone, so no slice into the arena can outlive this call.
             Backing::Heap { raw, raw_layout } => unsafe { alloc::dealloc(raw.as_ptr(), *raw_layout) },
             // Unmapped by its own drop, which runs right after this one.
-            #[cfg(all(target_os = "linux", not(madsim)))]
+            #[cfg(target_os = "linux")]
             Backing::Memfd(_) => {}
         }
     }
@@ -512,7 +512,7 @@ impl Pool {
     pub fn shared_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
         match &self.inner.backing {
             Backing::Heap { .. } => None,
-            #[cfg(all(target_os = "linux", not(madsim)))]
+            #[cfg(target_os = "linux")]
             Backing::Memfd(m) => Some(m.fd()),
         }
     }
@@ -545,7 +545,7 @@ impl Pool {
                 poisoned: AtomicU64::new(0),
             }),
         };
-        #[cfg(all(target_os = "linux", not(madsim)))]
+        #[cfg(target_os = "linux")]
         if shared {
             match super::memfd::SharedArena::create(size, align_usize) {
                 Ok(m) => return Ok(make(m.base(), Backing::Memfd(m))),
@@ -934,7 +934,7 @@ mod tests {
     /// A shared pool behaves like a private one (zeroed, aligned, sealed
     /// memfd of `arena_len` bytes whose bytes are the arena's); a pool made
     /// with `new` has no fd.
-    #[cfg(all(target_os = "linux", not(madsim)))]
+    #[cfg(target_os = "linux")]
     #[test]
     fn shared_pool_is_a_sealed_memfd_of_the_arena() {
         use std::os::fd::AsRawFd;

@@ -821,23 +821,14 @@ impl MetaServerConfig {
     }
 }
 
-/// The server builder, with TLS when `tls` is given.
-#[cfg(feature = "tls")]
+/// The server builder, with TLS when `tls` is given (an error in a build
+/// without TLS: [`crate::tls::TlsError::NotBuilt`]).
 fn tls_server_builder(tls: Option<&crate::tls::TlsIdentity>) -> Result<tonic::transport::Server, StartError> {
     let builder = crate::rt::server_builder();
     Ok(match tls {
         Some(id) => crate::tls::server(builder, id)?,
         None => builder,
     })
-}
-
-/// The server builder; asking for TLS in a build without it is an error.
-#[cfg(not(feature = "tls"))]
-fn tls_server_builder(tls: Option<&crate::tls::TlsIdentity>) -> Result<tonic::transport::Server, StartError> {
-    match tls {
-        Some(_) => Err(StartError::Tls(crate::tls::TlsError::NotBuilt)),
-        None => Ok(crate::rt::server_builder()),
-    }
 }
 
 /// Binds, then serves the MetaServer and runs its TTL sweep. Returns once the

@@ -1084,7 +1084,7 @@ pub async fn run_with_observer(
 /// start that failed half way would leave the first nodes' files behind.
 /// A no-op without `--ssd-dir` or off Linux.
 fn check_ssd_space(cfg: &PdConfig) -> Result<(), PdError> {
-    #[cfg(all(target_os = "linux", not(madsim)))]
+    #[cfg(target_os = "linux")]
     if let Some(dir) = &cfg.ssd_dir {
         let nodes = if cfg.ssd_roles == SsdRoles::Prefill { cfg.prefill } else { cfg.prefill + cfg.decode };
         let have = |i: usize| {
@@ -1484,7 +1484,7 @@ async fn serve_request(
     Ok(o)
 }
 
-#[cfg(all(test, not(madsim)))]
+#[cfg(test)]
 mod tests {
     use super::*;
 

@@ -99,8 +99,9 @@ pub enum TransportKind {
     Tcp = 1,
     /// RDMA verbs one-sided READ; the verbs section says how to connect.
     Verbs = 2,
-    /// The in-process simulated transport.
-    Sim = 3,
+    // 3 is reserved: an in-process simulated transport once had it. No
+    // backend sends it (the simulator runs the TCP backend over madsim's
+    // network), so it decodes as unknown.
 }
 
 impl TransportKind {
@@ -109,7 +110,6 @@ impl TransportKind {
         match v {
             1 => Some(TransportKind::Tcp),
             2 => Some(TransportKind::Verbs),
-            3 => Some(TransportKind::Sim),
             _ => None,
         }
     }
@@ -421,8 +421,6 @@ impl HandshakeMetadata {
                 return Err(HandshakeError::DataAddrOnVerbs);
             }
             TransportKind::Verbs => {}
-            TransportKind::Sim if self.data_addr.is_empty() => {}
-            TransportKind::Sim => check_addr("data_addr", &self.data_addr)?,
         }
         validate_regions(&self.regions)?;
         match (self.transport, &self.verbs) {
@@ -909,21 +907,18 @@ mod tests {
 
     fn metadata_strategy() -> impl Strategy<Value = HandshakeMetadata> {
         (
-            0u8..3,
+            0u8..2,
             addr_strategy(),
             addr_strategy(),
-            any::<bool>(),
             regions_strategy(),
             verbs_strategy(),
             proptest::option::of(same_host_strategy()),
         )
-            .prop_map(|(t, node, addr, sim_empty, regions, verbs, same_host)| {
+            .prop_map(|(t, node, addr, regions, verbs, same_host)| {
                 let transport = TransportKind::from_u8(t + 1).unwrap();
                 let data_addr = match transport {
                     TransportKind::Tcp => addr,
                     TransportKind::Verbs => String::new(),
-                    TransportKind::Sim if sim_empty => String::new(),
-                    TransportKind::Sim => addr,
                 };
                 let verbs = (transport == TransportKind::Verbs).then_some(verbs);
                 // A same-host section names one of the regions (none without regions).
@@ -996,12 +991,9 @@ mod tests {
         assert_eq!(&b[b.len() - TOKEN_BYTES - 4..b.len() - TOKEN_BYTES], &2u32.to_le_bytes());
         assert_eq!(tcp_sample().region(2).map(|r| r.len), Some(0x10));
         assert_eq!(tcp_sample().region(3), None);
-        // Sim with and without a data address; zero regions.
+        // Zero regions.
         let mut m = tcp_sample();
-        m.transport = TransportKind::Sim;
         m.regions.clear();
-        assert_eq!(HandshakeMetadata::decode(&m.encode()), Ok(m.clone()));
-        m.data_addr.clear();
         assert_eq!(HandshakeMetadata::decode(&m.encode()), Ok(m));
     }
 
@@ -1078,7 +1070,8 @@ mod tests {
     #[test]
     fn rejects_unknown_transport() {
         let mut b = tcp_sample().encode();
-        for t in [0u8, 4, 255] {
+        // 3 is reserved (see `TransportKind`): no backend sends it.
+        for t in [0u8, 3, 4, 255] {
             b[5] = t;
             assert_eq!(HandshakeMetadata::decode(&b), Err(HandshakeError::UnknownTransport(t)));
         }
@@ -1135,7 +1128,6 @@ mod tests {
         m.data_addr.clear();
         rejects(&m, HandshakeError::BadAddr { field: "data_addr" });
         let mut m = tcp_sample();
-        m.transport = TransportKind::Sim;
         m.data_addr = "h:99999".into();
         rejects(&m, HandshakeError::BadAddr { field: "data_addr" });
         let mut m = verbs_sample();
@@ -1208,10 +1200,6 @@ mod tests {
         let mut m = tcp_sample();
         m.verbs = verbs_sample().verbs;
         rejects(&m, HandshakeError::UnexpectedVerbs(TransportKind::Tcp));
-        let mut m = tcp_sample();
-        m.transport = TransportKind::Sim;
-        m.verbs = verbs_sample().verbs;
-        rejects(&m, HandshakeError::UnexpectedVerbs(TransportKind::Sim));
         let mut b = tcp_sample().encode();
         let at = b.len() - 2;
         b[at] = 2;

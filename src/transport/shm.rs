@@ -249,7 +249,7 @@ fn io_err(what: &str, e: std::io::Error) -> ShmError {
 /// the abstract socket reaches). `None` when either cannot be read, or
 /// under the simulator.
 pub fn host_identity() -> Option<String> {
-    if cfg!(madsim) {
+    if crate::rt::SIMULATED {
         return None;
     }
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
@@ -446,7 +446,7 @@ impl ShmTransport {
     /// length differs from the pool's; [`ShmError::Io`] when the socket or
     /// the read-only descriptor cannot be made.
     pub fn start(pool: &Pool, base: HandshakeMetadata, region: u32, cfg: ShmConfig) -> Result<Self, ShmError> {
-        if cfg!(madsim) {
+        if crate::rt::SIMULATED {
             return Err(ShmError::Unavailable("the simulator has no shared memory".into()));
         }
         if cfg.host_id.is_none() {
@@ -755,13 +755,8 @@ fn peer_cred(s: &UnixStream) -> Result<libc::ucred, ShmError> {
 }
 
 /// Reader: connects to `socket`, checks the owner's uid, presents `token`
-/// and receives the descriptor, each step within `io`.
-#[cfg(all(test, not(madsim)))]
-fn fetch_fd(socket: &str, token: &[u8; TOKEN_BYTES], uid: u32, io: Duration) -> Result<OwnedFd, ShmError> {
-    fetch_fd_and_owner(socket, token, uid, io).map(|(fd, _)| fd)
-}
-
-/// [`fetch_fd`], with a pidfd of the owner process when the kernel has one.
+/// and receives the descriptor, each step within `io`; with it a pidfd of
+/// the owner process when the kernel has one.
 fn fetch_fd_and_owner(
     socket: &str,
     token: &[u8; TOKEN_BYTES],
@@ -1100,11 +1095,17 @@ pub fn raw_memcpy(total: u64, threads: &[usize], reps: usize) -> std::io::Result
     Ok(super::RawCopy { runs })
 }
 
-// Real sockets, memfds and processes: the simulator has none of them (the
-// shared pool is unavailable there, see the module doc).
-#[cfg(all(test, not(madsim)))]
+// Real sockets, memfds and processes on the real tokio runtime: the
+// simulator has none of them (the shared pool is unavailable there, see the
+// module doc), so these tests are built where `cfg(real_os)` is (build.rs).
+#[cfg(all(test, real_os))]
 mod tests {
     use super::*;
+
+    /// [`fetch_fd_and_owner`] without the owner's pidfd.
+    fn fetch_fd(socket: &str, token: &[u8; TOKEN_BYTES], uid: u32, io: Duration) -> Result<OwnedFd, ShmError> {
+        fetch_fd_and_owner(socket, token, uid, io).map(|(fd, _)| fd)
+    }
     use crate::memory::pool::SealedExtent;
     use crate::transport::handshake::Region;
 

@@ -21,7 +21,11 @@
 //!   segments into chained WRs within the SGE and message-size limits), the
 //!   RESET → INIT → RTR → RTS plan as data, completion tracking and the
 //!   handshake offer table. Unit-tested in every build.
-//! - `device` — feature `rdma`, never under `cfg(madsim)`: `VerbsTransport`,
+//! - `absent` — every build without feature `rdma`: the same
+//!   `VerbsTransport` and `VerbsError` names, a transport type with no values
+//!   whose `open` answers `VerbsError::NotBuilt`, so the node reads the same
+//!   in every build.
+//! - `device` — feature `rdma` (which `lib.rs` refuses under the simulator): `VerbsTransport`,
 //!   which opens the device by name, registers the pinned pool once and turns
 //!   the plans into verbs calls. Tests that need a device are `#[ignore]`d
 //!   and named `verbs_hw_*`; `scripts/hw-rdma.sh` runs them.
@@ -97,9 +101,13 @@
 
 pub mod plan;
 
+#[cfg(not(feature = "rdma"))]
+mod absent;
 #[cfg(feature = "rdma")]
 mod device;
 
+#[cfg(not(feature = "rdma"))]
+pub use absent::{VerbsError, VerbsTransport};
 #[cfg(feature = "rdma")]
 pub use device::{VerbsError, VerbsStats, VerbsTransport, list_devices};
 pub use plan::VerbsConfig;
