@@ -11,8 +11,8 @@
 //! [`NodeConfig::transport`] picks the backend the engine reads peers
 //! through and serves them with: [`TransportChoice::Tcp`] (the default,
 //! every build) or [`TransportChoice::Verbs`] (RDMA READ over RC queue
-//! pairs; its device code exists only in builds with the `rdma` feature and
-//! refused by a `--cfg madsim` build). A verbs node that cannot run — a build
+//! pairs; its device code exists only in builds with the `rdma` feature,
+//! which a `--cfg madsim` build refuses). A verbs node that cannot run — a build
 //! without the device code, a bad [`VerbsConfig`], no RDMA on the machine,
 //! no device of that name — fails start-up with a [`NodeError`] before it
 //! says ready, and leaves nothing running (no listener, no MetaServer

@@ -17,14 +17,23 @@ pub struct Backend(Arc<dyn Gpu>);
 
 impl Backend {
     /// Opens `kind` (`host` or `cuda`) on `device`.
-    pub fn open(kind: &str, device: usize) -> Result<Self, String> {
+    ///
+    /// # Errors
+    /// The error's stable code (`gpu_open_*`) and its message, with how to
+    /// get a backend the wheel was built without.
+    pub fn open(kind: &str, device: usize) -> Result<Self, (&'static str, String)> {
         use kvferry::gpu::open::{self, OpenError};
-        open::open(kind, device).map(Backend).map_err(|e| match e {
+        open::open(kind, device).map(Backend).map_err(|e| {
+            let message = match &e {
             OpenError::NotBuilt { .. } => {
                 format!("{e}: build the wheel with `maturin build --release --features cuda` (scripts/build-wheel.sh --cuda)")
             }
-            OpenError::Device { .. } => format!("{e} (is the NVIDIA driver loaded and cuda:{device} visible?)"),
+            OpenError::Device { .. } | OpenError::Driver { .. } => {
+                format!("{e} (is the NVIDIA driver loaded and cuda:{device} visible?)")
+            }
             OpenError::Unknown(_) => e.to_string(),
+            };
+            (e.code(), message)
         })
     }
 

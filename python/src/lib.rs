@@ -418,7 +418,7 @@ impl Node {
         cfg.engine.fetch_deadline = secs(fetch_timeout_s)?;
         cfg.engine.peer_rpc_timeout = secs(rpc_timeout_s)?;
         cfg.metaserver_rpc_timeout = secs(rpc_timeout_s)?;
-        let backend = Backend::open(gpu, device).map_err(|m| Fail::new("StartError", "gpu_unavailable", m))?;
+        let backend = Backend::open(gpu, device).map_err(|(code, m)| Fail::new("StartError", code, m))?;
         let rt = runtime()?;
         let g = backend.gpu();
         let started = py.detach(|| rt.block_on(kvferry::node::start(cfg, g)));

@@ -2,16 +2,20 @@
 //! up to [`DISK_THREADS_MAX`] blocking threads, for hosts where io_uring
 //! is refused (containers often filter it out with seccomp).
 //!
-//! An operation goes to a shared job queue; a worker takes it, makes one
+//! An operation goes to a shared job queue, reads ahead of every queued
+//! write (the tier keeps read slots free of writes, `TierConfig::read_slots`;
+//! with more operations queued than workers, a FIFO queue would still make a
+//! read wait behind the writes before it); a worker takes it, makes one
 //! `pread` or `pwrite` call (a short count is passed up as it is, never
 //! retried) and sends the completion back, then calls the completion hint
 //! if one was set ([`DiskIo::set_completion_hint`]). Dropping the backend closes the
 //! queue and joins the workers, so no buffer is freed while a worker holds
 //! it.
 
+use std::collections::VecDeque;
 use std::os::unix::fs::FileExt;
 use std::sync::mpsc::{Receiver, Sender, TryRecvError, channel};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread::JoinHandle;
 
 use super::file::DiskFile;
@@ -20,11 +24,66 @@ use super::io::{
 };
 use crate::limits::DISK_THREADS_MAX;
 
+/// The workers' job queue: reads are taken before writes, each kind in
+/// submission order; closed when the backend drops.
+#[derive(Default)]
+struct Jobs {
+    state: Mutex<JobState>,
+    ready: Condvar,
+}
+
+#[derive(Default)]
+struct JobState {
+    reads: VecDeque<IoOp>,
+    writes: VecDeque<IoOp>,
+    closed: bool,
+}
+
+impl Jobs {
+    /// Queues `op`; gives it back once the queue is closed (or poisoned).
+    fn push(&self, op: IoOp) -> Result<(), IoOp> {
+        let Ok(mut st) = self.state.lock() else { return Err(op) };
+        if st.closed {
+            return Err(op);
+        }
+        match op.kind {
+            IoKind::Read => st.reads.push_back(op),
+            IoKind::Write => st.writes.push_back(op),
+        }
+        drop(st);
+        self.ready.notify_one();
+        Ok(())
+    }
+
+    /// The next operation, a queued read first; waits while the queue is
+    /// empty; `None` once it is closed and empty.
+    fn pop(&self) -> Option<IoOp> {
+        let mut st = self.state.lock().ok()?;
+        loop {
+            if let Some(op) = st.reads.pop_front().or_else(|| st.writes.pop_front()) {
+                return Some(op);
+            }
+            if st.closed {
+                return None;
+            }
+            st = self.ready.wait(st).ok()?;
+        }
+    }
+
+    /// Closes the queue: workers finish what is queued, then stop.
+    fn close(&self) {
+        if let Ok(mut st) = self.state.lock() {
+            st.closed = true;
+        }
+        self.ready.notify_all();
+    }
+}
+
 /// `pread`/`pwrite` on threads; see the module doc.
 pub struct PioDisk {
     file: Arc<DiskFile>,
     depth: usize,
-    jobs: Option<Sender<IoOp>>,
+    jobs: Arc<Jobs>,
     done: Receiver<Completion>,
     workers: Vec<JoinHandle<()>>,
     in_flight: usize,
@@ -47,14 +106,12 @@ impl PioDisk {
     /// stopped again).
     pub fn new(file: DiskFile, depth: usize) -> std::io::Result<Self> {
         let file = Arc::new(file);
-        let (jobs, rx) = channel::<IoOp>();
-        let rx = Arc::new(Mutex::new(rx));
+        let jobs = Arc::new(Jobs::default());
         let (tx_done, done) = channel();
         let hint = Arc::new(OnceLock::new());
-        let mut me =
-            Self { file, depth: depth.max(1), jobs: Some(jobs), done, workers: Vec::new(), in_flight: 0, hint };
+        let mut me = Self { file, depth: depth.max(1), jobs, done, workers: Vec::new(), in_flight: 0, hint };
         for i in 0..depth.clamp(1, DISK_THREADS_MAX) {
-            let rx = rx.clone();
+            let rx = me.jobs.clone();
             let tx = tx_done.clone();
             let file = me.file.clone();
             let hint = me.hint.clone();
@@ -69,13 +126,8 @@ impl PioDisk {
     }
 }
 
-fn worker(file: &DiskFile, rx: &Mutex<Receiver<IoOp>>, tx: &Sender<Completion>, hint: &OnceLock<CompletionHint>) {
-    loop {
-        let job = match rx.lock() {
-            Ok(r) => r.recv(),
-            Err(_) => return,
-        };
-        let Ok(mut op) = job else { return };
+fn worker(file: &DiskFile, jobs: &Jobs, tx: &Sender<Completion>, hint: &OnceLock<CompletionHint>) {
+    while let Some(mut op) = jobs.pop() {
         let r = match op.kind {
             IoKind::Read => file.file().read_at(op.buf.as_mut_slice(), op.offset),
             IoKind::Write => file.file().write_at(op.buf.as_slice(), op.offset),
@@ -92,7 +144,7 @@ fn worker(file: &DiskFile, rx: &Mutex<Receiver<IoOp>>, tx: &Sender<Completion>, 
 
 impl Drop for PioDisk {
     fn drop(&mut self) {
-        self.jobs = None;
+        self.jobs.close();
         for w in self.workers.drain(..) {
             let _ = w.join();
         }
@@ -120,15 +172,12 @@ impl DiskIo for PioDisk {
         if let Err(error) = check_op(&op, self.capacity(), self.in_flight, self.depth) {
             return Err(Refused { error, op });
         }
-        let Some(jobs) = &self.jobs else {
-            return Err(Refused { error: SubmitError::Broken(EIO), op });
-        };
-        match jobs.send(op) {
+        match self.jobs.push(op) {
             Ok(()) => {
                 self.in_flight += 1;
                 Ok(())
             }
-            Err(e) => Err(Refused { error: SubmitError::Broken(EIO), op: e.0 }),
+            Err(op) => Err(Refused { error: SubmitError::Broken(EIO), op }),
         }
     }
 
@@ -165,5 +214,30 @@ impl DiskIo for PioDisk {
     fn set_completion_hint(&mut self, hint: CompletionHint) -> bool {
         // Set once; a second hint is refused (the first stays).
         self.hint.set(hint).is_ok()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::disk::AlignedBuf;
+
+    fn op(kind: IoKind, tag: u64) -> IoOp {
+        IoOp { tag, kind, offset: 0, buf: AlignedBuf::new(4096).unwrap() }
+    }
+
+    /// Reads leave the queue before every queued write, each kind in
+    /// submission order; a closed queue drains what it holds, then ends and
+    /// refuses more.
+    #[test]
+    fn reads_leave_the_queue_before_queued_writes() {
+        let q = Jobs::default();
+        for (kind, tag) in [(IoKind::Write, 1), (IoKind::Write, 2), (IoKind::Read, 3), (IoKind::Write, 4), (IoKind::Read, 5)] {
+            q.push(op(kind, tag)).unwrap();
+        }
+        q.close();
+        let order: Vec<u64> = std::iter::from_fn(|| q.pop()).map(|o| o.tag).collect();
+        assert_eq!(order, [3, 5, 1, 2, 4]);
+        assert_eq!(q.push(op(IoKind::Read, 6)).unwrap_err().tag, 6);
     }
 }

@@ -63,8 +63,6 @@ fn write_then_read_returns_the_bytes() {
     assert_eq!((c.hits, c.misses, c.write_dedup), (1, 1, 1));
 }
 
-/// The write-behind queue never blocks: past its bound a write is refused
-/// and counted, and accepted again once writes complete.
 /// With `read_slots`, writes never take the last slots of the backend's
 /// depth: a read started behind a long write queue goes to the backend at
 /// once, and every write still lands.
@@ -125,6 +123,8 @@ fn spare_buffers_cover_the_write_queue() {
     }
 }
 
+/// The write-behind queue never blocks: past its bound a write is refused
+/// and counted, and accepted again once writes complete.
 #[test]
 fn full_queue_refuses_and_counts() {
     let mut t = tier(1 << 20, 1, 2);

@@ -16,7 +16,7 @@ pub const BACKENDS: [&str; 2] = ["host", "cuda"];
 #[derive(Debug, thiserror::Error)]
 pub enum OpenError {
     /// `name` is not one of [`BACKENDS`].
-    #[error("unknown gpu backend {0:?} (use \"host\" or \"cuda\")")]
+    #[error("unknown gpu backend {0:?} (known: {known})", known = BACKENDS.join(", "))]
     Unknown(String),
     /// The backend exists but this build was compiled without it.
     #[error("this build has no `{backend}` backend: it was compiled without the `{feature}` feature")]
@@ -38,6 +38,16 @@ pub enum OpenError {
         #[source]
         source: GpuError,
     },
+    /// The backend is built but its driver could not list devices (not
+    /// loaded, failed to initialise).
+    #[error("{backend} driver: {source}")]
+    Driver {
+        /// The backend asked for.
+        backend: &'static str,
+        /// The backend's own error.
+        #[source]
+        source: GpuError,
+    },
 }
 
 impl OpenError {
@@ -47,6 +57,7 @@ impl OpenError {
             OpenError::Unknown(_) => "gpu_open_unknown",
             OpenError::NotBuilt { .. } => "gpu_open_not_built",
             OpenError::Device { .. } => "gpu_open_device",
+            OpenError::Driver { .. } => "gpu_open_driver",
         }
     }
 }
@@ -79,8 +90,8 @@ pub fn open(name: &str, device: usize) -> Result<Arc<dyn Gpu>, OpenError> {
 /// driver lists for `cuda`.
 ///
 /// # Errors
-/// As [`open`]; `cuda` without a driver is [`OpenError::Device`] for
-/// device 0.
+/// [`OpenError::Unknown`], [`OpenError::NotBuilt`], or
+/// [`OpenError::Driver`] when the driver cannot list its devices.
 pub fn device_count(name: &str) -> Result<usize, OpenError> {
     match name {
         "host" => Ok(1),
@@ -105,7 +116,7 @@ fn open_cuda(_device: usize) -> Result<Arc<dyn Gpu>, OpenError> {
 
 #[cfg(feature = "cuda")]
 fn cuda_device_count() -> Result<usize, OpenError> {
-    super::cuda::device_count().map_err(|source| OpenError::Device { backend: "cuda", device: 0, source })
+    super::cuda::device_count().map_err(|source| OpenError::Driver { backend: "cuda", source })
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -136,9 +147,15 @@ mod tests {
             Ok(g) => assert_eq!(g.name(), "cuda"),
             Err(e) => assert!(built("cuda") && e.code() == "gpu_open_device", "{e}"),
         }
+        match device_count("cuda") {
+            Err(e @ OpenError::NotBuilt { .. }) => assert!(!built("cuda"), "{e}"),
+            Ok(_) => assert!(built("cuda")),
+            Err(e) => assert!(built("cuda") && e.code() == "gpu_open_driver", "{e}"),
+        }
         for bad in ["", "Host", "rocm"] {
             let e = open(bad, 0).err().expect("unknown name");
             assert_eq!(e.code(), "gpu_open_unknown");
+            assert!(e.to_string().contains("known: host, cuda"), "{e}");
             assert!(matches!(device_count(bad), Err(OpenError::Unknown(_))));
             assert!(!built(bad));
         }
