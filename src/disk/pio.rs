@@ -232,7 +232,9 @@ mod tests {
     #[test]
     fn reads_leave_the_queue_before_queued_writes() {
         let q = Jobs::default();
-        for (kind, tag) in [(IoKind::Write, 1), (IoKind::Write, 2), (IoKind::Read, 3), (IoKind::Write, 4), (IoKind::Read, 5)] {
+        for (kind, tag) in
+            [(IoKind::Write, 1), (IoKind::Write, 2), (IoKind::Read, 3), (IoKind::Write, 4), (IoKind::Read, 5)]
+        {
             q.push(op(kind, tag)).unwrap();
         }
         q.close();
