@@ -169,6 +169,8 @@ pub struct Retired {
 pub struct DiskTotals {
     /// Pool victims the tier took (write-behind).
     pub evicted_to_disk: u64,
+    /// Pool blocks the driver evicted ahead of demand.
+    pub evicted_ahead: u64,
     /// Records written.
     pub written: u64,
     /// Pool victims refused (queue full, no space).
@@ -199,6 +201,7 @@ impl DiskTotals {
     /// Adds one engine's disk stats.
     pub fn add(&mut self, d: &kvferry::engine::DiskStats) {
         self.evicted_to_disk += d.evicted_to_disk;
+        self.evicted_ahead += d.evicted_ahead;
         self.written += d.tier.written_blocks;
         self.write_refused += d.write_refused;
         self.write_queue_full += d.write_queue_full;
@@ -766,6 +769,7 @@ async fn boot_node(
             write_queue_max: d.write_queue_max,
             record_align: d.record_align,
             stage_deadline: Duration::from_millis(d.stage_deadline_ms),
+            evict_ahead: d.evict_ahead,
             ..DiskConfig::simulated(slot, d.bytes)
         }),
     };

@@ -263,6 +263,10 @@ pub struct DiskPlan {
     pub write_queue_max: usize,
     /// Deadline of local staging (ms).
     pub stage_deadline_ms: u64,
+    /// Whether the driver evicts pool blocks ahead of demand
+    /// (`DiskConfig::evict_ahead`): in the seeds of odd depth, so that no
+    /// draw of its own changes the plans earlier seeds had.
+    pub evict_ahead: bool,
     /// What the disk injects ([`SimFaults::random`]; silent corruption of
     /// reads and writes in half the disk seeds).
     pub faults: kvferry::disk::sim::SimFaults,
@@ -281,10 +285,13 @@ impl DiskPlan {
             nodes[rng.random_range(0..PREFILL)] = true;
         }
         let silent = rng.random_bool(0.5);
+        let record_align = 4096 << (2 * rng.random_range(0..=2u32));
+        let queue_depth = rng.random_range(1..=8);
         let plan = DiskPlan {
             bytes: kvferry::limits::DISK_CAPACITY_BYTES_MIN,
-            record_align: 4096 << (2 * rng.random_range(0..=2u32)),
-            queue_depth: rng.random_range(1..=8),
+            record_align,
+            queue_depth,
+            evict_ahead: queue_depth % 2 == 1,
             write_queue_max: rng.random_range(1..=16),
             stage_deadline_ms: [100, 500, 2_000][rng.random_range(0..3)],
             faults: kvferry::disk::sim::SimFaults::random(rng, silent),
@@ -511,13 +518,14 @@ impl fmt::Display for Plan {
             None => writeln!(f, "issue 32 disk tier: off")?,
             Some(d) => writeln!(
                 f,
-                "issue 32 disk tier on nodes [{}]: {} B, record align {} B, depth {}, write queue {}, stage deadline {} ms, faults {:?}",
+                "issue 32 disk tier on nodes [{}]: {} B, record align {} B, depth {}, write queue {}, stage deadline {} ms, evict ahead {}, faults {:?}",
                 (0..NODES).filter(|&i| d.nodes[i]).map(|i| format!("node{}", i + 1)).collect::<Vec<_>>().join(", "),
                 d.bytes,
                 d.record_align,
                 d.queue_depth,
                 d.write_queue_max,
                 d.stage_deadline_ms,
+                d.evict_ahead,
                 d.faults
             )?,
         }

@@ -231,12 +231,13 @@ fn summary_line(seed: u64, s: &Summary) -> String {
     let d = &r.disk;
     let _ = write!(
         out,
-        " c17_disk_staged={} c18_disk_recovered={} c18_peer_disk_staged={} disk_nodes={} disk_to_disk={} disk_written={} disk_write_refused={} disk_queue_full={} disk_write_failed={} disk_read_failed={} disk_verify_failures={} disk_evicted={} disk_stage_failures={} disk_stage_timeouts={} disk_recovered_advertised={} disk_stale={}",
+        " c17_disk_staged={} c18_disk_recovered={} c18_peer_disk_staged={} disk_nodes={} disk_to_disk={} disk_evicted_ahead={} disk_written={} disk_write_refused={} disk_queue_full={} disk_write_failed={} disk_read_failed={} disk_verify_failures={} disk_evicted={} disk_stage_failures={} disk_stage_timeouts={} disk_recovered_advertised={} disk_stale={}",
         r.disk_staged,
         r.disk_recovered,
         d.peer_staged,
         r.disk_nodes,
         d.evicted_to_disk,
+        d.evicted_ahead,
         d.written,
         d.write_refused,
         d.write_queue_full,

@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 
 use crate::client::{ClientConfig, MetaServerClient};
+use crate::engine::fetch::FetchPhases;
 use crate::engine::layout::{DeviceBufferId, buffer_bytes_needed, contiguous};
 use crate::engine::{Engine, EngineConfig};
 use crate::gpu::Gpu;
@@ -166,7 +167,7 @@ async fn client_shutdown(engine: &Engine) {
 /// transport keeps at most `connections` connections per peer, the fetch
 /// keeping `reads_in_flight` read parts in flight and reading through
 /// `path` (both nodes are on this host: `Shm` reads the owner's shared
-/// pool, `Tcp` loopback TCP).
+/// pool, `Tcp` loopback TCP), with that fetch's phases.
 async fn fetch_secs(
     url: &str,
     blocks: u64,
@@ -174,7 +175,7 @@ async fn fetch_secs(
     (connections, path): (usize, PathChoice),
     reads_in_flight: usize,
     rep0: u64,
-) -> Result<f64, String> {
+) -> Result<(f64, FetchPhases), String> {
     let total = blocks * block_bytes;
     let mut nodes = Vec::new();
     for _ in 0..2 {
@@ -198,7 +199,7 @@ async fn fetch_secs(
     for i in 0..blocks {
         src.gpu().write(DeviceBufferId(0), i * block_bytes, &pattern).map_err(|e| e.to_string())?;
     }
-    let mut best = f64::MAX;
+    let mut best = (f64::MAX, FetchPhases::default());
     for rep in 0..REPS as u64 {
         let hashes: Vec<BlockHash> = (0..blocks).map(|i| BlockHash::from_u64((rep0 + rep) << 32 | i)).collect();
         let items: Vec<(BlockHash, u64)> = hashes.iter().cloned().zip(0..).collect();
@@ -215,7 +216,9 @@ async fn fetch_secs(
         if r.fetched as u64 != blocks {
             return Err(format!("fetched {} of {blocks}: {:?}", r.fetched, r.stopped));
         }
-        best = best.min(secs);
+        if secs < best.0 {
+            best = (secs, r.phases);
+        }
     }
     for n in nodes {
         n.shutdown(Duration::from_millis(300)).await;
@@ -262,7 +265,7 @@ pub async fn transport(
     // The same fetch through the owner's shared pool (same host), against
     // the best plain memcpy of the same bytes.
     let shm_rep0 = (pools.len() * REPS) as u64;
-    let shm_s = fetch_secs(&url, blocks, block_bytes, (default_conns, PathChoice::Shm), reads_in_flight, shm_rep0)
+    let (shm_s, _) = fetch_secs(&url, blocks, block_bytes, (default_conns, PathChoice::Shm), reads_in_flight, shm_rep0)
         .await
         .map_err(|e| format!("shared-pool fetch: {e}"))?;
     let _ = ms.shutdown().await;
@@ -278,7 +281,7 @@ pub async fn transport(
         .map_err(|e| format!("raw memcpy: {e}"))?;
     let mem_best = mem.best().ok_or("no raw memcpy ran")?;
     let shm_ratio = gbps(total, shm_s) / mem_best.gbps();
-    let fetch_default = fetch_s.iter().find(|(c, _)| *c == default_conns).map(|(_, s)| *s).unwrap_or(f64::MAX);
+    let fetch_default = fetch_s.iter().find(|(c, _)| *c == default_conns).map(|(_, s)| s.0).unwrap_or(f64::MAX);
     let t4 = gbps(total, fetch_default) / best.gbps();
     outln!(
         "bench transport (same host: tcp loopback, then the shared pool), {blocks} blocks x {block_mib} MiB = {:.2} GiB, {reads_in_flight} read parts in flight, best of {REPS}",
@@ -293,14 +296,15 @@ pub async fn transport(
             r.gbps()
         );
     }
-    for &(c, s) in &fetch_s {
-        let mark = if c == default_conns { "  (default pool)" } else { "" };
+    for (c, (s, phases)) in &fetch_s {
+        let mark = if *c == default_conns { "  (default pool)" } else { "" };
         outln!(
             "  kvferry fetch, {c:>2} connection{} {:>7.2} GB/s = {:.3} x best raw{mark}",
-            if c == 1 { " " } else { "s" },
-            gbps(total, s),
-            gbps(total, s) / best.gbps()
+            if *c == 1 { " " } else { "s" },
+            gbps(total, *s),
+            gbps(total, *s) / best.gbps()
         );
+        outln!("    phases (ms): {}", phase_line(phases));
     }
     outln!("  T4 = fetch (default pool) / best raw copy {t4:>7.3}   {}", target_note(">= 0.8", t4 >= 0.8));
     outln!(
@@ -319,11 +323,19 @@ pub async fn transport(
         "raw_gbps": best.gbps(), "raw_connections": best.streams,
         "raw_by_connections": raw.runs.iter().map(|r| json!({"connections": r.streams, "gbps": r.gbps()})).collect::<Vec<_>>(),
         "fetch_gbps": gbps(total, fetch_default),
-        "fetch_by_connections": fetch_s.iter().map(|&(c, s)| json!({"connections": c, "gbps": gbps(total, s)})).collect::<Vec<_>>(),
+        "fetch_by_connections": fetch_s.iter().map(|(c, (s, p))| json!({
+            "connections": c, "gbps": gbps(total, *s),
+            "phases_ms": p.named().iter().map(|(n, d)| (n.to_string(), json!(d.as_secs_f64() * 1e3))).collect::<serde_json::Map<_, _>>(),
+        })).collect::<Vec<_>>(),
         "T4": t4,
         "memcpy_gbps": mem_best.gbps(), "memcpy_threads": mem_best.streams,
         "shm_fetch_gbps": gbps(total, shm_s), "shm_fetch_ratio": shm_ratio,
     }))
+}
+
+/// A fetch's phases as one line, `name ms` each.
+fn phase_line(p: &FetchPhases) -> String {
+    p.named().iter().map(|(n, d)| format!("{n} {:.2}", d.as_secs_f64() * 1e3)).collect::<Vec<_>>().join(", ")
 }
 
 /// Per-RPC-sized insert latencies (ms, sorted) of `keys` into one

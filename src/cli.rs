@@ -233,6 +233,9 @@ struct PdArgs {
     /// Whether a decode fetch from a same-host owner's shared pool copies blocks straight from the mapped pool into the decode's KV (true: one copy) or into its own pool first and then loads them (false: the two-step path, for comparison).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     shm_direct: bool,
+    /// Whether a request stages its disk-resident prefix into its prefill node's pool while it waits for that node (with --ssd-dir), as an engine loads a queued request's KV ahead of its turn; false stages it on the request's own path.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    prefetch: bool,
     /// Read parts a decode fetch keeps in flight (each spread over the transport's connections).
     #[arg(long, default_value_t = kvferry::limits::FETCH_READS_IN_FLIGHT, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=64))]
     reads_in_flight: usize,
@@ -539,9 +542,10 @@ fn report_text(r: &pd::PdReport) -> String {
             d.verify_failures
         );
         println!(
-            "    ssd throughput       write {:.2} GB/s, read {:.2} GB/s (over the wall time); {} writes refused ({} no space, {} write queue full), {} stagings failed",
+            "    ssd throughput       write {:.2} GB/s, read {:.2} GB/s (over the wall time), read latency {:.2} ms mean; {} writes refused ({} no space, {} write queue full), {} stagings failed",
             d.write_gbps,
             d.read_gbps,
+            d.read_ms_mean,
             d.write_refused,
             d.write_refused_no_space,
             d.write_refused_queue_full,
@@ -639,6 +643,14 @@ fn report_text(r: &pd::PdReport) -> String {
                 }
             }
         }
+    }
+    if !r.request_steps_s.is_empty() {
+        // One line: where the nodes' time went, summed over all requests.
+        let steps: Vec<String> = pd::REQUEST_STEPS
+            .iter()
+            .filter_map(|n| r.request_steps_s.get(*n).map(|s| format!("{} {s:.2}", n.replace('_', " "))))
+            .collect();
+        println!("  request steps (s, summed) {}", steps.join(", "));
     }
     println!(
         "  prefill registry cmds  {} delivered, {} dropped (block inserts + eviction removals, at the handoff barriers)",
@@ -784,6 +796,7 @@ async fn run_pd(a: PdArgs) -> Result<ExitCode, String> {
         ssd_bytes: a.ssd_size,
         ssd_roles: a.ssd_roles,
         ssd_write_queue: a.ssd_write_queue,
+        prefetch: a.prefetch,
         fetch_reads_in_flight: a.reads_in_flight,
         fetch_read_part_bytes: a.read_part_size,
         shared_pool_direct: a.shm_direct,

@@ -566,6 +566,19 @@ pub const DISK_POLL_INTERVAL_US: u64 = 500;
 /// engine is gone.
 pub const DISK_IDLE_POLL_MS: u64 = 100;
 
+/// With a disk tier, the pool's free bytes below which the disk driver
+/// evicts ahead of demand (a fraction of the pool, in 1/1024ths): victims
+/// go to the write-behind queue from the driver task, so a `save` whose
+/// allocation would otherwise evict (and copy each victim into a record
+/// buffer on its own path) finds room already free.
+pub const DISK_EVICT_AHEAD_LOW_PER_1024: u64 = 64;
+/// The pool's free bytes the driver evicts up to once it started evicting
+/// ahead ([`DISK_EVICT_AHEAD_LOW_PER_1024`]), in 1/1024ths of the pool.
+pub const DISK_EVICT_AHEAD_HIGH_PER_1024: u64 = 128;
+/// Bytes the driver evicts ahead in one step before it yields to other
+/// tasks (the victims' copies into record buffers run on its thread).
+pub const DISK_EVICT_AHEAD_STEP_BYTES: u64 = 8 << 20;
+
 /// Deadline of staging blocks from the disk tier into the pool for a local
 /// `load` or lookup, by default (ms); a peer's lock request uses the
 /// smaller of this and half its RPC timeout.

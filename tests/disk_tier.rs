@@ -8,6 +8,8 @@
 //! | `a_corrupt_record_is_never_served_and_its_removal_is_registered` | reads that do not verify serve nothing, drop the record, register its removal (C17, C4) |
 //! | `a_full_write_queue_drops_and_registers_removals` | refused writes register removals; `evicted == removals + evicted_to_disk` (C4) |
 //! | `a_restart_on_the_same_directory_recovers_and_readvertises` | a new node on the directory advertises the verified records again and serves them (C18) |
+//! | `the_driver_evicts_ahead_and_the_victims_stay_on_disk` | a full pool is evicted ahead of demand by the tier's driver, victims written (stay advertised, C4 balance) |
+//! | `prefetch_stages_the_disk_prefix_into_the_pool` | `Engine::prefetch` stages the disk-resident prefix (verified, C17), stops at a gap, is a lookup without a tier |
 //! | `a_second_node_on_the_same_directory_is_refused` | the tier locks its directory: a second node fails at start naming it |
 
 // Loopback tests on real tokio and tonic; the simulator tier lives in sim/.
@@ -196,7 +198,8 @@ async fn a_full_write_queue_drops_and_registers_removals() {
         let ms = start_ms().await;
         // Slow writes and a queue of one: most evictions are refused.
         let slot = sim_slot(SimFaults { slow: 1.0, ..SimFaults::none() }, 4);
-        let cfg = DiskConfig { write_queue_max: 1, ..DiskConfig::simulated(slot, DISK_BYTES) };
+        // No eviction ahead: the test's own eviction empties the pool.
+        let cfg = DiskConfig { write_queue_max: 1, evict_ahead: false, ..DiskConfig::simulated(slot, DISK_BYTES) };
         let mut ncfg = disk_node_cfg(&ms, cfg);
         ncfg.engine.pool_bytes = 8 * BLOCK;
         let (n, _) = start_node_cfg(ncfg).await;
@@ -278,6 +281,81 @@ async fn a_second_node_on_the_same_directory_is_refused() {
         let (again, _) = start_node_cfg(disk_node_cfg(&ms, DiskConfig::new(dir.path(), DISK_BYTES))).await;
         assert!(again.engine.disk_stats().is_some());
         again.shutdown(Duration::from_secs(2)).await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_driver_evicts_ahead_and_the_victims_stay_on_disk() {
+    bounded(async {
+        let ms = start_ms().await;
+        let slot = sim_slot(SimFaults::none(), 7);
+        let mut ncfg = disk_node_cfg(&ms, DiskConfig::simulated(slot, DISK_BYTES));
+        ncfg.engine.pool_bytes = 16 * BLOCK;
+        let (n, _) = start_node_cfg(ncfg).await;
+        let e = &n.engine;
+        let kv = register_default(e, 32);
+        let hs = hashes(700..716);
+        // The save fills the pool: the allocation of its last block leaves
+        // less than the low mark free and wakes the driver.
+        fill_and_save(e, &kv, 0, &hs).await;
+        e.flush_saves_and_registrations(Duration::from_secs(2)).await;
+        let high = 16 * BLOCK / 1024 * kvferry::limits::DISK_EVICT_AHEAD_HIGH_PER_1024;
+        let mut waited = 0;
+        while e.pool().free_bytes() < high {
+            assert!(waited < 500, "the driver did not evict ahead: {:?}", e.disk_stats());
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            waited += 1;
+        }
+        let st = e.disk_stats().expect("a disk tier");
+        assert!(st.evicted_ahead >= 1, "{st:?}");
+        assert_eq!(st.evicted_ahead, st.evicted_to_disk, "no save evicted on its own path: {st:?}");
+        assert!(e.resident_prefix(NS, &hs) < hs.len(), "the oldest block left the pool");
+        assert!(e.disk_drain(Duration::from_secs(5)).await);
+        // Every block is still found locally and advertised.
+        assert_eq!(e.query_prefix(NS, &hs), hs.len());
+        assert_eq!(ms_prefix_of(e, NS, &hs, &n.node).await, hs.len() as u32);
+        removals_balance(e);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefetch_stages_the_disk_prefix_into_the_pool() {
+    bounded(async {
+        let ms = start_ms().await;
+        let slot = sim_slot(SimFaults::none(), 8);
+        let cfg = DiskConfig { evict_ahead: false, ..DiskConfig::simulated(slot, DISK_BYTES) };
+        let mut ncfg = disk_node_cfg(&ms, cfg);
+        ncfg.engine.pool_bytes = 8 * BLOCK;
+        let (n, _) = start_node_cfg(ncfg).await;
+        let e = &n.engine;
+        let kv = register_default(e, 32);
+        let hs = hashes(800..804);
+        fill_and_save(e, &kv, 0, &hs).await;
+        e.flush_saves_and_registrations(Duration::from_secs(2)).await;
+        assert_eq!(e.evict(u64::MAX), hs.len(), "every block to disk");
+        assert!(e.disk_drain(Duration::from_secs(5)).await);
+        assert_eq!(e.resident_prefix(NS, &hs), 0);
+        let until = tokio::time::Instant::now() + Duration::from_secs(5);
+        // A gap (a block in neither place) ends the prefix.
+        let gapped = [hs[0].clone(), BlockHash::from_u64(899), hs[1].clone()];
+        assert_eq!(e.prefetch(NS, &gapped, until).await, 1);
+        assert_eq!(e.prefetch(NS, &hs, until).await, hs.len());
+        assert_eq!(e.resident_prefix(NS, &hs), hs.len());
+        let st = e.disk_stats().expect("a disk tier");
+        assert_eq!(st.staged_blocks, hs.len() as u64, "each block read once: {st:?}");
+        assert_eq!(st.tier.verify_failures, 0);
+        // The staged bytes are the saved ones.
+        assert_eq!(load_pairs(e, &kv, 16, &hs).await, hs.len());
+        assert_eq!(e.disk_stats().expect("a disk tier").staged_blocks, hs.len() as u64, "loads found them resident");
+
+        // Without a tier: the resident prefix, nothing read.
+        let (m, _) = start_node(&ms, 8 * BLOCK).await;
+        let kv2 = register_default(&m.engine, 8);
+        fill_and_save(&m.engine, &kv2, 0, &hs[..2]).await;
+        assert_eq!(m.engine.prefetch(NS, &hs, until).await, 2);
+        assert!(m.engine.disk_stats().is_none());
     })
     .await;
 }

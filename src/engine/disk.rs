@@ -24,6 +24,13 @@
 //!   engine re-advertises them at start and includes every written record
 //!   in its backfill (C6).
 //!
+//! - Evicting ahead: with a tier, a pool victim costs a copy into a record
+//!   buffer, so the driver keeps free room in the pool — once an
+//!   allocation leaves less than [`DISK_EVICT_AHEAD_LOW_PER_1024`] of it
+//!   free, the driver evicts LRU blocks (to the write-behind queue, as any
+//!   eviction) until [`DISK_EVICT_AHEAD_HIGH_PER_1024`] is free, and a
+//!   `save` rarely evicts on its own path.
+//!
 //! # The driver
 //!
 //! [`Tier`] is synchronous and never blocks unless asked to; the driver is
@@ -55,7 +62,8 @@ use crate::disk::sim::SimDisk;
 use crate::disk::tier::{IoFailure, ReadBlock, ReadRefused, TierError, WriteOutcome, WriteRefused};
 use crate::disk::{BlockKey, DiskIo, SlotSum, Tier, TierConfig, TierCounters, TierEvent};
 use crate::limits::{
-    DISK_ALIGN_BYTES, DISK_IDLE_POLL_MS, DISK_POLL_INTERVAL_US, DISK_QUEUE_DEPTH_DEFAULT, DISK_READ_SLOTS,
+    DISK_ALIGN_BYTES, DISK_EVICT_AHEAD_HIGH_PER_1024, DISK_EVICT_AHEAD_LOW_PER_1024, DISK_EVICT_AHEAD_STEP_BYTES,
+    DISK_IDLE_POLL_MS, DISK_POLL_INTERVAL_US, DISK_QUEUE_DEPTH_DEFAULT, DISK_READ_SLOTS,
     DISK_STAGE_DEADLINE_MS_DEFAULT, DISK_WRITE_QUEUE_DEFAULT,
 };
 use crate::types::BlockHash;
@@ -213,6 +221,10 @@ pub struct DiskConfig {
     /// How long a local staging (lookup, `load`, a fetch's local part) may
     /// wait for disk reads.
     pub stage_deadline: Duration,
+    /// Whether the tier's driver evicts pool blocks ahead of demand (see
+    /// the module doc): `true` by default; `false` leaves every eviction to
+    /// the allocation that needs the room.
+    pub evict_ahead: bool,
     /// Use this simulated disk instead of a file (tests, the simulator).
     pub sim: Option<SimDiskSlot>,
 }
@@ -227,6 +239,7 @@ impl DiskConfig {
             write_queue_max: DISK_WRITE_QUEUE_DEFAULT,
             record_align: DISK_ALIGN_BYTES,
             stage_deadline: Duration::from_millis(DISK_STAGE_DEADLINE_MS_DEFAULT),
+            evict_ahead: true,
             sim: None,
         }
     }
@@ -332,6 +345,9 @@ pub struct DiskMetrics {
     /// Records that left the tier while the block was resident in the pool
     /// (no removal).
     pub removals_skipped_resident: AtomicU64,
+    /// Pool blocks the driver evicted ahead of demand (a subset of the
+    /// engine's evictions; see the module doc).
+    pub evicted_ahead: AtomicU64,
     /// Blocks staged from disk into the pool (verified, sealed).
     pub staged_blocks: AtomicU64,
     /// Stagings that failed: the read failed or did not verify, the record
@@ -374,6 +390,8 @@ pub struct DiskStats {
     pub removals_enqueued: u64,
     /// See [`DiskMetrics::removals_dropped_at_enqueue`].
     pub removals_dropped_at_enqueue: u64,
+    /// See [`DiskMetrics::evicted_ahead`].
+    pub evicted_ahead: u64,
     /// See [`DiskMetrics::staged_blocks`].
     pub staged_blocks: u64,
     /// See [`DiskMetrics::stage_failures`].
@@ -410,6 +428,7 @@ pub(crate) struct DiskTier {
     pub(crate) wake: Arc<Notify>,
     metrics: DiskMetrics,
     pub(crate) stage_deadline: Duration,
+    evict_ahead: bool,
 }
 
 impl std::fmt::Debug for DiskTier {
@@ -511,6 +530,7 @@ impl DiskTier {
                 wake,
                 metrics: DiskMetrics::default(),
                 stage_deadline: cfg.stage_deadline,
+                evict_ahead: cfg.evict_ahead,
             },
             keys,
         ))
@@ -643,6 +663,7 @@ impl DiskTier {
             write_refused: ld(&m.write_refused),
             removals_enqueued: ld(&m.removals_enqueued),
             removals_dropped_at_enqueue: ld(&m.removals_dropped_at_enqueue),
+            evicted_ahead: ld(&m.evicted_ahead),
             staged_blocks: ld(&m.staged_blocks),
             stage_failures: ld(&m.stage_failures),
             stage_timeouts: ld(&m.stage_timeouts),
@@ -714,6 +735,19 @@ pub(crate) async fn drive(engine: Weak<EngineInner>, wake: Arc<Notify>) {
             if !removed.is_empty() {
                 e.disk_removed(&removed);
             }
+            if e.evict_ahead_wanted() {
+                let engine = super::Engine { inner: e.clone() };
+                // Step by step up to the high mark, yielding in between.
+                while engine.inner.evict_ahead_room() > 0 {
+                    let step = engine.inner.evict_ahead_room().min(DISK_EVICT_AHEAD_STEP_BYTES);
+                    let n = engine.evict(step);
+                    if n == 0 {
+                        break; // nothing evictable: every block pinned
+                    }
+                    disk.metrics.evicted_ahead.fetch_add(n as u64, Ordering::Relaxed);
+                    tokio::task::yield_now().await;
+                }
+            }
             busy
         };
         // A read or write queued, or (from a backend that hints) an
@@ -726,6 +760,32 @@ pub(crate) async fn drive(engine: Weak<EngineInner>, wake: Arc<Notify>) {
 }
 
 impl EngineInner {
+    /// With a tier, wakes its driver when the pool's free room fell below
+    /// the evict-ahead low mark (called after each allocation).
+    pub(crate) fn nudge_evict_ahead(&self) {
+        if self.evict_ahead_wanted()
+            && let Some(d) = &self.disk
+        {
+            d.wake.notify_one();
+        }
+    }
+
+    /// Whether the tier evicts ahead and the pool's free room is below the
+    /// low mark.
+    fn evict_ahead_wanted(&self) -> bool {
+        if !self.disk.as_ref().is_some_and(|d| d.evict_ahead) {
+            return false;
+        }
+        let cap = self.pool.capacity();
+        self.pool.free_bytes() < cap / 1024 * DISK_EVICT_AHEAD_LOW_PER_1024
+    }
+
+    /// Bytes to evict to reach the evict-ahead high mark (0 at or above it).
+    fn evict_ahead_room(&self) -> u64 {
+        let cap = self.pool.capacity();
+        (cap / 1024 * DISK_EVICT_AHEAD_HIGH_PER_1024).saturating_sub(self.pool.free_bytes())
+    }
+
     /// Resident blocks per namespace: the pool's and, with a disk tier,
     /// every block with a completed record (the backfill source, C6, C18).
     pub(crate) fn resident_blocks(&self) -> Vec<(String, Vec<BlockHash>)> {
@@ -889,6 +949,22 @@ impl super::Engine {
             self.stage(&ns, &layout, hashes, true, deadline).await;
         }
         self.resident_prefix(namespace, hashes)
+    }
+
+    /// Stages the disk-resident part of `hashes`' prefix into the pool
+    /// ahead of use, so that a later [`load`](Self::load),
+    /// [`fetch`](Self::fetch) or peer's lock finds those blocks resident
+    /// instead of reading the disk on its own path: what an engine calls
+    /// when a request is queued, while it waits for its turn (the pattern
+    /// of vLLM's KV connectors, which load a waiting request's external KV
+    /// asynchronously). Reads stop at the first block in neither the pool
+    /// nor the disk tier and by the earlier of `until` and the tier's
+    /// staging deadline; every block read is verified before it enters the
+    /// pool (C17). Pool pressure may evict a staged block again before it
+    /// is used (it stays on disk). Returns how many hashes, from the first,
+    /// are in the pool now; without a disk tier, only that count.
+    pub async fn prefetch(&self, namespace: &str, hashes: &[BlockHash], until: Instant) -> usize {
+        self.stage_local_prefix(namespace, hashes, until).await
     }
 
     /// [`lock_for_transfer`](Self::lock_for_transfer) for a peer's request:

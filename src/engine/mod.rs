@@ -738,7 +738,10 @@ impl Engine {
         let mut last = None;
         for _ in 0..=EVICTION_ROUNDS_MAX {
             match self.inner.pool.alloc(len) {
-                Ok(e) => return Ok(e),
+                Ok(e) => {
+                    self.inner.nudge_evict_ahead();
+                    return Ok(e);
+                }
                 Err(e) => last = Some(e),
             }
             if self.evict(len) == 0 {

@@ -145,6 +145,42 @@ pub struct NodeStat {
 ///   ([`FetchPhases::load_tail`]).
 pub const HANDOFF_PHASES: [&str; 5] = ["save_barrier", "registration_barrier", "decode_wait", "fetch", "load"];
 
+/// The steps of one request on its two nodes, in order; per request they
+/// tile the time from the request's start to the end of its decode
+/// verification, so their sums over all requests ([`PdReport::request_steps_s`])
+/// say where the replay's node time goes (a node runs one request's step at
+/// a time, so a step's sum over one node's requests is that node's busy
+/// time in it).
+///
+/// - `prefill_wait`: waiting for the prefill node's device (another
+///   request holds it), with `--prefetch` staging the request's
+///   disk-resident prefix meanwhile, and for its device leases to end;
+/// - `prefill_lookup`: the local prefix lookup;
+/// - `prefill_fetch`: the prefill node's fetch of the prefix it lacks;
+/// - `prefill_load`: loading the reused prefix (staging from disk
+///   included);
+/// - `prefill_compute`: "computing" the rest;
+/// - `prefill_save`: saving every block (pool eviction and the disk
+///   tier's write-behind hand-off included);
+/// - `prefill_barrier`: save and registration barriers (and a lease grant);
+/// - `decode_wait`: waiting for the decode node's device;
+/// - `decode_fetch`: the decode node's lookup and `fetch_into` (load
+///   included);
+/// - `decode_verify`: recomputing what was not fetched and verifying
+///   every block.
+pub const REQUEST_STEPS: [&str; 10] = [
+    "prefill_wait",
+    "prefill_lookup",
+    "prefill_fetch",
+    "prefill_load",
+    "prefill_compute",
+    "prefill_save",
+    "prefill_barrier",
+    "decode_wait",
+    "decode_fetch",
+    "decode_verify",
+];
+
 /// One phase's distribution over the T8 requests (ms).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct PhaseMs {
@@ -228,6 +264,12 @@ pub struct PdConfig {
     /// `--ssd-write-queue`); `None`: [`limits::PD_SSD_WRITE_QUEUE_BYTES`]
     /// of blocks, 1 to [`limits::PD_SSD_WRITE_QUEUE_MAX`].
     pub ssd_write_queue: Option<usize>,
+    /// Whether a request, while it waits for its prefill node, stages the
+    /// disk-resident part of its prefix into that node's pool
+    /// ([`Engine::prefetch`], `--prefetch`), as an engine would start
+    /// loading a queued request's KV; `false` stages it on the request's
+    /// own path (its lookup, fetch or load). No effect without a disk tier.
+    pub prefetch: bool,
     /// When this turns true (the binary's Ctrl-C), no further request is
     /// started; the requests in flight finish (each bounded by its flush
     /// and fetch deadlines) and the report covers the requests replayed so
@@ -266,6 +308,7 @@ impl Default for PdConfig {
             ssd_bytes: 8 << 30,
             ssd_roles: SsdRoles::All,
             ssd_write_queue: None,
+            prefetch: true,
             stop: None,
         }
     }
@@ -352,6 +395,10 @@ pub struct PdReport {
     /// The `fetch` phase split into [`FetchPhases::named`] (ms), over the
     /// same requests (without `load_tail`, which is the `load` phase).
     pub fetch_phases_ms: BTreeMap<String, PhaseMs>,
+    /// Seconds per step of [`REQUEST_STEPS`], summed over every request:
+    /// where the nodes' time went (with `--concurrency` above 1 the waits
+    /// overlap other requests' work).
+    pub request_steps_s: BTreeMap<String, f64>,
     /// Registry commands dropped, from the prefill nodes' flush reports at
     /// the handoff barriers: inserts of saved blocks and the removals that
     /// pool eviction queued (so more than the blocks saved is possible).
@@ -428,6 +475,10 @@ pub struct SsdLine {
     pub write_gbps: f64,
     /// Read throughput averaged over the replay's wall time (GB/s).
     pub read_gbps: f64,
+    /// Mean time from a read's request to its verified record (ms): the
+    /// disk's latency under the replay's write-behind load, queueing
+    /// included.
+    pub read_ms_mean: f64,
 }
 
 /// Replay errors: all are configuration or input problems, reported before
@@ -683,6 +734,8 @@ struct ReqOutcome {
     phases: [Duration; 5],
     /// The decode fetch's sub-phases.
     fetch_phases: Option<FetchPhases>,
+    /// Per [`REQUEST_STEPS`].
+    steps: [Duration; REQUEST_STEPS.len()],
     delivered: u64,
     dropped: u64,
 }
@@ -912,8 +965,10 @@ pub async fn run_with_observer(
         let p = prefill[p].clone();
         let shape = shape.clone();
         let flush_deadline = cfg.flush_deadline;
-        let lease = cfg.path == PathChoice::Ipc;
-        inflight.push(tokio::spawn(async move { serve_request(&p, &d, &shape, hashes, flush_deadline, lease).await }));
+        let (lease, prefetch) = (cfg.path == PathChoice::Ipc, cfg.prefetch);
+        inflight.push(tokio::spawn(async move {
+            serve_request(&p, &d, &shape, hashes, flush_deadline, lease, prefetch).await
+        }));
         started = i + 1;
     }
     while let Some(r) = inflight.next().await {
@@ -965,6 +1020,9 @@ pub async fn run_with_observer(
         rep.registrations_delivered += o.delivered;
         rep.registrations_dropped += o.dropped;
         fetch_intervals.extend_from_slice(&o.fetch_intervals);
+        for (name, d) in REQUEST_STEPS.iter().zip(o.steps) {
+            *rep.request_steps_s.entry((*name).to_string()).or_default() += d.as_secs_f64();
+        }
         handoffs.push(o.handoff.as_secs_f64() * 1e3);
     }
     rep.prefix_hit_rate = if rep.blocks_total == 0 {
@@ -1054,7 +1112,9 @@ pub async fn run_with_observer(
     if let Some(first) = ssd_stats.first() {
         let mut l =
             SsdLine { bytes_per_node: first.capacity_bytes, backend: first.backend.clone(), ..Default::default() };
+        let mut read_ns = 0u64;
         for st in &ssd_stats {
+            read_ns += st.read_ns;
             let t = &st.tier;
             l.written_blocks += t.written_blocks;
             l.written_bytes += t.written_bytes;
@@ -1073,6 +1133,7 @@ pub async fn run_with_observer(
         let gbps = |b: u64| if rep.wall_s > 0.0 { b as f64 / rep.wall_s / 1e9 } else { 0.0 };
         l.write_gbps = gbps(l.written_bytes);
         l.read_gbps = gbps(l.read_bytes);
+        l.read_ms_mean = if l.read_blocks == 0 { 0.0 } else { read_ns as f64 / l.read_blocks as f64 / 1e6 };
         rep.ssd = Some(l);
     }
     Ok(rep)
@@ -1373,6 +1434,7 @@ async fn serve_request(
     hashes: Vec<BlockHash>,
     flush_deadline: Duration,
     lease: bool,
+    prefetch: bool,
 ) -> Result<ReqOutcome, PdError> {
     let n = hashes.len();
     let mut o = ReqOutcome { blocks: n as u64, ..Default::default() };
@@ -1381,16 +1443,32 @@ async fn serve_request(
     }
     let pe = &p.engine;
     let gpu = pe.gpu().clone();
+    // Each step's end: the next one starts there (REQUEST_STEPS).
+    let mut mark = Instant::now();
+    let mut step = |o: &mut ReqOutcome, i: usize| {
+        let now = Instant::now();
+        o.steps[i] += now - mark;
+        mark = now;
+    };
     // Prefill: reuse the longest cached prefix (local, else fetched), compute the rest, save.
     let handoff_start;
     let save_barrier;
     let mut leased = None;
     {
-        let _dev = p.device.lock().await;
+        // While it waits for the device, the request's disk-resident prefix
+        // is staged into the pool (REQUEST_STEPS: part of `prefill_wait`).
+        let _dev = if prefetch && pe.disk_stats().is_some() {
+            let until = Instant::now() + Duration::from_millis(limits::FETCH_DEADLINE_MS_DEFAULT);
+            tokio::join!(p.device.lock(), pe.prefetch(&shape.ns, &hashes, until)).0
+        } else {
+            p.device.lock().await
+        };
         // The blocks an earlier request leased stay untouched until the
         // lease ended (C19).
         wait_for_leases(pe).await;
+        step(&mut o, 0);
         let local = pe.query_prefix(&shape.ns, &hashes);
+        step(&mut o, 1);
         let fetched = if local < n {
             let t = Instant::now();
             let f = pe.fetch(&shape.ns, &hashes).await;
@@ -1403,6 +1481,7 @@ async fn serve_request(
         let reuse = local.max(fetched.available);
         o.prefill_local = local as u64;
         o.prefill_fetched = (reuse - local) as u64;
+        step(&mut o, 2);
         let reused: Vec<(BlockHash, u64)> = hashes[..reuse].iter().cloned().zip(0u64..).collect();
         if !reused.is_empty() {
             let rep = pe.load(&shape.ns, &reused).await.map_err(|e| PdError::Device(e.to_string()))?;
@@ -1413,11 +1492,14 @@ async fn serve_request(
                 }
             }
         }
+        step(&mut o, 3);
         for (j, h) in hashes.iter().enumerate().skip(reuse) {
             compute_block(&*gpu, shape, &p.kv, j as u64, h)?;
         }
+        step(&mut o, 4);
         let to_save: Vec<(BlockHash, u64)> = hashes.iter().cloned().zip(0u64..).collect();
         pe.save(&shape.ns, &to_save).await.map_err(|e| PdError::Device(e.to_string()))?;
+        step(&mut o, 5);
         handoff_start = Instant::now();
         let (fr, saves) = pe.flush_saves_and_registrations_timed(flush_deadline).await;
         save_barrier = saves;
@@ -1430,11 +1512,13 @@ async fn serve_request(
         o.delivered += fr.delivered;
         o.dropped += fr.dropped;
     }
+    step(&mut o, 6);
     let barriers_done = Instant::now();
     // Decode: query + fetch, load, verify every byte, recompute the rest.
     let de = &d.engine;
     let dgpu = de.gpu().clone();
     let _dev = d.device.lock().await;
+    step(&mut o, 7);
     let waited = Instant::now();
     let local = de.query_prefix(&shape.ns, &hashes);
     let t = Instant::now();
@@ -1443,6 +1527,7 @@ async fn serve_request(
     let wanted: Vec<(BlockHash, u64)> = hashes.iter().cloned().zip(0u64..).collect();
     let got = de.fetch_into(&shape.ns, &wanted).await.map_err(|e| PdError::Device(e.to_string()))?;
     let load_end = Instant::now();
+    step(&mut o, 8);
     // The request is done with the prefill's blocks: end the lease if the
     // fetch did not (it takes a lease only when it locks a leased block,
     // and a decode that had the prefix in its own pool locks none), as an
@@ -1481,6 +1566,7 @@ async fn serve_request(
             o.verified += 1;
         }
     }
+    step(&mut o, 9);
     Ok(o)
 }
 

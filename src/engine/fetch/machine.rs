@@ -850,6 +850,10 @@ pub struct FetchReport {
 /// The phases therefore add up to the fetch's wall time.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct FetchPhases {
+    /// Staging the disk-resident part of the local prefix into the pool
+    /// (zero without a disk tier), before anything is asked of the
+    /// MetaServer.
+    pub stage: Duration,
     /// MetaServer `QueryPrefixBlocks`.
     pub query: Duration,
     /// Handshake with an owner (zero once the peer is known).
@@ -875,12 +879,21 @@ pub struct FetchPhases {
 impl FetchPhases {
     /// Sum of all phases (the fetch's wall time, up to rounding).
     pub fn total(&self) -> Duration {
-        self.query + self.handshake + self.lock + self.read + self.verify + self.seal + self.release + self.load_tail
+        self.stage
+            + self.query
+            + self.handshake
+            + self.lock
+            + self.read
+            + self.verify
+            + self.seal
+            + self.release
+            + self.load_tail
     }
 
     /// `(name, duration)` for each phase, in handoff order.
-    pub fn named(&self) -> [(&'static str, Duration); 8] {
+    pub fn named(&self) -> [(&'static str, Duration); 9] {
         [
+            ("stage", self.stage),
             ("query", self.query),
             ("handshake", self.handshake),
             ("lock", self.lock),

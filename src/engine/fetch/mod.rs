@@ -376,6 +376,7 @@ impl Engine {
         };
         let deadline = until.map_or(own, |u| u.min(own));
         let local = self.stage_local_prefix(namespace, hashes, deadline).await;
+        let staged = started.elapsed();
         let mut pipe = load.map(|blocks| LoadPipe {
             blocks,
             deadline,
@@ -442,6 +443,7 @@ impl Engine {
             rep.phases = d.phases;
             pipe = d.load.take();
         }
+        rep.phases.stage = staged;
         let Some(mut p) = pipe else { return (rep, None) };
         // The loads still running after the last part.
         let tail = Instant::now();
