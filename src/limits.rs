@@ -575,9 +575,9 @@ pub const DISK_EVICT_AHEAD_LOW_PER_1024: u64 = 64;
 /// The pool's free bytes the driver evicts up to once it started evicting
 /// ahead ([`DISK_EVICT_AHEAD_LOW_PER_1024`]), in 1/1024ths of the pool.
 pub const DISK_EVICT_AHEAD_HIGH_PER_1024: u64 = 128;
-/// Bytes the driver evicts ahead in one step before it yields to other
-/// tasks (the victims' copies into record buffers run on its thread).
-pub const DISK_EVICT_AHEAD_STEP_BYTES: u64 = 8 << 20;
+/// Blocks the driver evicts ahead before it yields to other tasks (the
+/// victims' copies into record buffers run on its thread).
+pub const DISK_EVICT_AHEAD_YIELD_BLOCKS: u64 = 64;
 
 /// Deadline of staging blocks from the disk tier into the pool for a local
 /// `load` or lookup, by default (ms); a peer's lock request uses the

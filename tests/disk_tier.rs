@@ -9,6 +9,7 @@
 //! | `a_full_write_queue_drops_and_registers_removals` | refused writes register removals; `evicted == removals + evicted_to_disk` (C4) |
 //! | `a_restart_on_the_same_directory_recovers_and_readvertises` | a new node on the directory advertises the verified records again and serves them (C18) |
 //! | `the_driver_evicts_ahead_and_the_victims_stay_on_disk` | a full pool is evicted ahead of demand by the tier's driver, victims written (stay advertised, C4 balance) |
+//! | `evicting_ahead_waits_for_room_in_the_write_queue` | evicting ahead never drops a block at a full write-behind queue (C4: no removal) |
 //! | `prefetch_stages_the_disk_prefix_into_the_pool` | `Engine::prefetch` stages the disk-resident prefix (verified, C17), stops at a gap, is a lookup without a tier |
 //! | `a_second_node_on_the_same_directory_is_refused` | the tier locks its directory: a second node fails at start naming it |
 
@@ -42,6 +43,30 @@ fn disk_node_cfg(ms: &kvferry::metaserver::MetaServerHandle, disk: DiskConfig) -
     let mut c = node_cfg(ms.local_addr, POOL_BLOCKS * BLOCK);
     c.engine.disk = Some(disk);
     c
+}
+
+/// Starts a node with tier `disk` and a pool of `pool_blocks` default blocks.
+async fn start_disk_node(
+    ms: &kvferry::metaserver::MetaServerHandle,
+    disk: DiskConfig,
+    pool_blocks: u64,
+) -> kvferry::node::NodeHandle {
+    let mut ncfg = disk_node_cfg(ms, disk);
+    ncfg.engine.pool_bytes = pool_blocks * BLOCK;
+    start_node_cfg(ncfg).await.0
+}
+
+/// Waits (bounded) until the driver evicted ahead up to the high mark of a
+/// pool of `pool_blocks` default blocks.
+async fn wait_for_evict_ahead(e: &kvferry::engine::Engine, pool_blocks: u64) {
+    let high = pool_blocks * BLOCK / 1024 * kvferry::limits::DISK_EVICT_AHEAD_HIGH_PER_1024;
+    for _ in 0..500 {
+        if e.pool().free_bytes() >= high {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("the driver did not evict ahead: {:?}", e.disk_stats());
 }
 
 /// Saves `hs` two at a time from device blocks `0..` (so the pool evicts
@@ -200,9 +225,7 @@ async fn a_full_write_queue_drops_and_registers_removals() {
         let slot = sim_slot(SimFaults { slow: 1.0, ..SimFaults::none() }, 4);
         // No eviction ahead: the test's own eviction empties the pool.
         let cfg = DiskConfig { write_queue_max: 1, evict_ahead: false, ..DiskConfig::simulated(slot, DISK_BYTES) };
-        let mut ncfg = disk_node_cfg(&ms, cfg);
-        ncfg.engine.pool_bytes = 8 * BLOCK;
-        let (n, _) = start_node_cfg(ncfg).await;
+        let n = start_disk_node(&ms, cfg, 8).await;
         let e = &n.engine;
         let kv = register_default(e, 32);
         let hs = hashes(400..408);
@@ -290,9 +313,7 @@ async fn the_driver_evicts_ahead_and_the_victims_stay_on_disk() {
     bounded(async {
         let ms = start_ms().await;
         let slot = sim_slot(SimFaults::none(), 7);
-        let mut ncfg = disk_node_cfg(&ms, DiskConfig::simulated(slot, DISK_BYTES));
-        ncfg.engine.pool_bytes = 16 * BLOCK;
-        let (n, _) = start_node_cfg(ncfg).await;
+        let n = start_disk_node(&ms, DiskConfig::simulated(slot, DISK_BYTES), 16).await;
         let e = &n.engine;
         let kv = register_default(e, 32);
         let hs = hashes(700..716);
@@ -300,13 +321,7 @@ async fn the_driver_evicts_ahead_and_the_victims_stay_on_disk() {
         // less than the low mark free and wakes the driver.
         fill_and_save(e, &kv, 0, &hs).await;
         e.flush_saves_and_registrations(Duration::from_secs(2)).await;
-        let high = 16 * BLOCK / 1024 * kvferry::limits::DISK_EVICT_AHEAD_HIGH_PER_1024;
-        let mut waited = 0;
-        while e.pool().free_bytes() < high {
-            assert!(waited < 500, "the driver did not evict ahead: {:?}", e.disk_stats());
-            tokio::time::sleep(Duration::from_millis(10)).await;
-            waited += 1;
-        }
+        wait_for_evict_ahead(e, 16).await;
         let st = e.disk_stats().expect("a disk tier");
         assert!(st.evicted_ahead >= 1, "{st:?}");
         assert_eq!(st.evicted_ahead, st.evicted_to_disk, "no save evicted on its own path: {st:?}");
@@ -321,14 +336,34 @@ async fn the_driver_evicts_ahead_and_the_victims_stay_on_disk() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn evicting_ahead_waits_for_room_in_the_write_queue() {
+    bounded(async {
+        let ms = start_ms().await;
+        // Slow writes and a queue of one: evicting the pool's 1/8 at once
+        // would have the queue refuse (and drop) all but one victim.
+        let slot = sim_slot(SimFaults { slow: 1.0, ..SimFaults::none() }, 9);
+        let cfg = DiskConfig { write_queue_max: 1, ..DiskConfig::simulated(slot, DISK_BYTES) };
+        let n = start_disk_node(&ms, cfg, 16).await;
+        let e = &n.engine;
+        let kv = register_default(e, 32);
+        fill_and_save(e, &kv, 0, &hashes(900..916)).await;
+        wait_for_evict_ahead(e, 16).await;
+        let st = e.disk_stats().expect("a disk tier");
+        assert!(st.evicted_ahead >= 2, "{st:?}");
+        assert_eq!(st.write_refused, 0, "evicting ahead dropped a block at a full queue: {st:?}");
+        assert_eq!(e.metrics().removals_enqueued.load(Ordering::Relaxed), 0);
+        removals_balance(e);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefetch_stages_the_disk_prefix_into_the_pool() {
     bounded(async {
         let ms = start_ms().await;
         let slot = sim_slot(SimFaults::none(), 8);
         let cfg = DiskConfig { evict_ahead: false, ..DiskConfig::simulated(slot, DISK_BYTES) };
-        let mut ncfg = disk_node_cfg(&ms, cfg);
-        ncfg.engine.pool_bytes = 8 * BLOCK;
-        let (n, _) = start_node_cfg(ncfg).await;
+        let n = start_disk_node(&ms, cfg, 8).await;
         let e = &n.engine;
         let kv = register_default(e, 32);
         let hs = hashes(800..804);

@@ -571,6 +571,12 @@ impl<D: DiskIo> Tier<D> {
         self.writes_pending
     }
 
+    /// Writes the write-behind queue still accepts before it refuses
+    /// (blocks).
+    pub fn write_queue_room(&self) -> usize {
+        self.write_queue_max.saturating_sub(self.writes_pending)
+    }
+
     /// Operations issued and not completed (count).
     pub fn ops_pending(&self) -> usize {
         self.ops.len()

@@ -27,9 +27,11 @@
 //! - Evicting ahead: with a tier, a pool victim costs a copy into a record
 //!   buffer, so the driver keeps free room in the pool — once an
 //!   allocation leaves less than [`DISK_EVICT_AHEAD_LOW_PER_1024`] of it
-//!   free, the driver evicts LRU blocks (to the write-behind queue, as any
-//!   eviction) until [`DISK_EVICT_AHEAD_HIGH_PER_1024`] is free, and a
-//!   `save` rarely evicts on its own path.
+//!   free, the driver evicts LRU blocks one at a time (to the write-behind
+//!   queue, as any eviction) until [`DISK_EVICT_AHEAD_HIGH_PER_1024`] is
+//!   free, and a `save` rarely evicts on its own path. It evicts only while
+//!   the queue has room (resuming as writes complete), so evicting ahead never drops a block the queue
+//!   would refuse: such a block stays in the pool until it is needed.
 //!
 //! # The driver
 //!
@@ -48,7 +50,7 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -62,7 +64,7 @@ use crate::disk::sim::SimDisk;
 use crate::disk::tier::{IoFailure, ReadBlock, ReadRefused, TierError, WriteOutcome, WriteRefused};
 use crate::disk::{BlockKey, DiskIo, SlotSum, Tier, TierConfig, TierCounters, TierEvent};
 use crate::limits::{
-    DISK_ALIGN_BYTES, DISK_EVICT_AHEAD_HIGH_PER_1024, DISK_EVICT_AHEAD_LOW_PER_1024, DISK_EVICT_AHEAD_STEP_BYTES,
+    DISK_ALIGN_BYTES, DISK_EVICT_AHEAD_HIGH_PER_1024, DISK_EVICT_AHEAD_LOW_PER_1024, DISK_EVICT_AHEAD_YIELD_BLOCKS,
     DISK_IDLE_POLL_MS, DISK_POLL_INTERVAL_US, DISK_QUEUE_DEPTH_DEFAULT, DISK_READ_SLOTS,
     DISK_STAGE_DEADLINE_MS_DEFAULT, DISK_WRITE_QUEUE_DEFAULT,
 };
@@ -429,6 +431,9 @@ pub(crate) struct DiskTier {
     metrics: DiskMetrics,
     pub(crate) stage_deadline: Duration,
     evict_ahead: bool,
+    /// The driver evicts ahead until the high mark: set when the pool fell
+    /// below the low mark, cleared at the high mark.
+    evicting_ahead: AtomicBool,
 }
 
 impl std::fmt::Debug for DiskTier {
@@ -531,6 +536,7 @@ impl DiskTier {
                 metrics: DiskMetrics::default(),
                 stage_deadline: cfg.stage_deadline,
                 evict_ahead: cfg.evict_ahead,
+                evicting_ahead: AtomicBool::new(false),
             },
             keys,
         ))
@@ -642,6 +648,11 @@ impl DiskTier {
         self.state.lock().expect("disk lock").tier.recycle(block.buf);
     }
 
+    /// Writes the write-behind queue still accepts (blocks).
+    fn write_queue_room(&self) -> usize {
+        self.state.lock().expect("disk lock").tier.write_queue_room()
+    }
+
     /// Operations issued and not completed (count).
     pub(crate) fn ops_pending(&self) -> usize {
         self.state.lock().expect("disk lock").tier.ops_pending()
@@ -736,16 +747,25 @@ pub(crate) async fn drive(engine: Weak<EngineInner>, wake: Arc<Notify>) {
                 e.disk_removed(&removed);
             }
             if e.evict_ahead_wanted() {
+                disk.evicting_ahead.store(true, Ordering::Relaxed);
+            }
+            if disk.evicting_ahead.load(Ordering::Relaxed) {
                 let engine = super::Engine { inner: e.clone() };
-                // Step by step up to the high mark, yielding in between.
-                while engine.inner.evict_ahead_room() > 0 {
-                    let step = engine.inner.evict_ahead_room().min(DISK_EVICT_AHEAD_STEP_BYTES);
-                    let n = engine.evict(step);
-                    if n == 0 {
-                        break; // nothing evictable: every block pinned
+                // One victim at a time (`evict(1)`: the LRU block), up to the
+                // high mark; at a full write-behind queue it resumes in a
+                // later round, once writes completed.
+                let mut evicted = 0u64;
+                while disk.write_queue_room() > 0 {
+                    if engine.inner.evict_ahead_room() == 0 || engine.evict(1) == 0 {
+                        // At the high mark, or every block pinned.
+                        disk.evicting_ahead.store(false, Ordering::Relaxed);
+                        break;
                     }
-                    disk.metrics.evicted_ahead.fetch_add(n as u64, Ordering::Relaxed);
-                    tokio::task::yield_now().await;
+                    disk.metrics.evicted_ahead.fetch_add(1, Ordering::Relaxed);
+                    evicted += 1;
+                    if evicted.is_multiple_of(DISK_EVICT_AHEAD_YIELD_BLOCKS) {
+                        tokio::task::yield_now().await;
+                    }
                 }
             }
             busy
