@@ -172,7 +172,7 @@ enum BenchCmd {
         /// Repetitions (ratios: median over repetitions).
         #[arg(long, default_value_t = 5, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=50))]
         reps: usize,
-        /// The tier's record alignment (power of two, 4KiB..=16MiB): records start on it and writes move multiples of it.
+        /// The tier's largest record alignment (power of two, 4KiB..=16MiB): a record is padded to the largest power of two up to it that adds at most 1/32 of the record (4 KiB at least), as a node's tier does.
         #[arg(long, default_value = "64KiB", value_parser = parse_size)]
         record_align: u64,
     },
@@ -531,7 +531,7 @@ fn report_text(r: &pd::PdReport) -> String {
     );
     if let Some(d) = &r.ssd {
         println!(
-            "  ssd                    {:>8.2} GiB per node ({}): {} blocks written, {} read ({} hits, {} staged), {} evicted, {} verify failures",
+            "  ssd                    {:>8.2} GiB per node ({}): {} blocks written, {} read ({} hits, {} staged), {} evicted, {} verify failures, {} recovered at start",
             d.bytes_per_node as f64 / (1u64 << 30) as f64,
             d.backend,
             d.written_blocks,
@@ -539,10 +539,11 @@ fn report_text(r: &pd::PdReport) -> String {
             d.hits,
             d.staged_blocks,
             d.evicted,
-            d.verify_failures
+            d.verify_failures,
+            d.recovered
         );
         println!(
-            "    ssd throughput       write {:.2} GB/s, read {:.2} GB/s (over the wall time), read latency {:.2} ms mean; {} writes refused ({} no space, {} write queue full), {} stagings failed",
+            "    ssd throughput       write {:.2} GB/s, read {:.2} GB/s (over the replay), read latency {:.2} ms mean; {} writes refused ({} no space, {} write queue full), {} stagings failed",
             d.write_gbps,
             d.read_gbps,
             d.read_ms_mean,
@@ -677,7 +678,10 @@ fn report_text(r: &pd::PdReport) -> String {
         };
         println!("  {:<7} {} on {:<7}  {save}   {load}", n.role, n.index, n.device);
     }
-    println!("  wall                   {:.1} s", r.wall_s);
+    println!(
+        "  wall                   {:.1} s   (start-up {:.1} s, replay {:.1} s)",
+        r.wall_s, r.startup_s, r.replay_s
+    );
     s
 }
 

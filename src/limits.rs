@@ -509,6 +509,20 @@ pub const DISK_SLOTS_MAX: usize = 4_096;
 /// layer of a very large model is tens of MiB.
 pub const DISK_RECORD_PAYLOAD_BYTES_MAX: u64 = 1 << 30;
 
+/// Bytes a transport receives or copies before it checksums them, when it
+/// takes a read's slot checksums as the bytes land
+/// (`Transport::read_summed`): 128 KiB, well inside a core's L2, so the
+/// checksum reads the piece from cache rather than memory.
+pub const READ_SUM_PIECE_BYTES: usize = 128 << 10;
+
+/// Record alignment of an engine's disk tier by default (bytes, 64 KiB;
+/// `DiskConfig::record_align`): a record is padded to it only while the
+/// padding stays under 1/32 of the record (`disk::tier::padded_record_len`),
+/// so large blocks (a Qwen3-8B block, 2.25 MiB) are written in 64 KiB
+/// units, which halved their write time on a virtio disk, and small ones
+/// (64 KiB) in 4 KiB units.
+pub const DISK_RECORD_ALIGN_DEFAULT: u64 = 64 << 10;
+
 /// Largest record alignment of the disk tier (bytes): 16 MiB (larger
 /// units than any SSD's erase block or a virtual disk's cluster).
 pub const DISK_RECORD_ALIGN_MAX: u64 = 16 << 20;

@@ -267,14 +267,20 @@ async fn a_restart_on_the_same_directory_recovers_and_readvertises() {
             n.shutdown(Duration::from_secs(2)).await;
             (node, on_disk)
         };
-        // A new process on the same directory (another address).
-        let (n, _) = start_node_cfg(disk_node_cfg(&ms, DiskConfig::new(dir.path(), DISK_BYTES))).await;
+        // A new process on the same directory (another address), whose
+        // registration queue holds fewer commands than the tier recovers:
+        // the re-advertising waits for room instead of dropping the rest.
+        let mut cfg = disk_node_cfg(&ms, DiskConfig::new(dir.path(), DISK_BYTES));
+        cfg.queue.depth_max = 2;
+        let (n, _) = start_node_cfg(cfg).await;
         assert_ne!(n.node, first);
         let e = &n.engine;
         let st = e.disk_stats().expect("a disk tier");
         assert_eq!(st.tier.recovered as usize, on_disk.len(), "{st:?}");
-        assert_eq!(st.recovered_advertised as usize, on_disk.len());
+        let all_offered = || e.disk_stats().is_some_and(|s| s.recovered_advertised as usize == on_disk.len());
+        assert!(eventually(Duration::from_secs(10), all_offered).await, "{:?}", e.disk_stats());
         e.flush_saves_and_registrations(Duration::from_secs(2)).await;
+        assert_eq!(e.metrics().registrations_dropped_at_enqueue.load(Ordering::Relaxed), 0);
         assert_eq!(ms_prefix_of(e, NS, &on_disk, &n.node).await, on_disk.len() as u32, "re-advertised");
         let kv = register_default(e, 32);
         assert_eq!(load_pairs(e, &kv, 0, &on_disk).await, on_disk.len());

@@ -415,6 +415,13 @@ impl MetaServerClient {
         self.offer(namespace, hashes, Op::Remove)
     }
 
+    /// Registration commands the queue would still accept now; `None`
+    /// after shutdown. A caller with more to offer than this waits (e.g.
+    /// on [`flush`](Self::flush)) instead of having the rest dropped.
+    pub fn queue_room(&self) -> Option<usize> {
+        self.inner.core.lock().expect("core lock").queue.room()
+    }
+
     /// Queue counters (C4).
     pub fn counters(&self) -> QueueCounters {
         self.inner.core.lock().expect("core lock").queue.counters()

@@ -385,6 +385,12 @@ impl RegistrationQueue {
         true
     }
 
+    /// Commands an offer would still accept now (`depth_max` less those
+    /// waiting); `None` once closed (every offer is dropped).
+    pub fn room(&self) -> Option<usize> {
+        (!self.closed).then(|| self.cfg.depth_max.saturating_sub(self.pending.len()))
+    }
+
     /// Commands waiting (not counting the batch in flight).
     pub fn queued_len(&self) -> usize {
         self.pending.len()

@@ -300,24 +300,28 @@ fn recovery_keeps_what_verifies() {
     assert_eq!(t.write(&key(99), &s, &b), Ok(WriteOutcome::Queued { generation: 9 }));
 }
 
-/// With a record alignment, every record starts on it and takes a
-/// multiple of it; reads and recovery work the same.
+/// With a record alignment, every record whose padding to it stays small
+/// starts on it and takes a multiple of it; reads and recovery work the
+/// same.
 #[test]
 fn records_honour_the_record_alignment() {
     let cfg = TierConfig { write_queue_max: 8, record_align: 64 << 10, read_slots: 0 };
-    let (mut t, _) = Tier::open(SimDisk::new(1 << 20, 4, 3), cfg.clone()).unwrap();
+    let (mut t, _) = Tier::open(SimDisk::new(16 << 20, 4, 3), cfg.clone()).unwrap();
     let mut saved = Vec::new();
+    // 3 slots of 700,000 B behind a 4 KiB header: 2,104,096 B, padded to
+    // 33 × 64 KiB (58,592 B of padding, under 1/32 of the record).
+    let stride = 33usize << 16;
     for i in 0..5 {
-        let (s, b) = block(i, 3, 7000);
+        let (s, b) = block(i, 3, 700_000);
         t.write(&key(i), &s, &b).unwrap();
         saved.push(b);
     }
     t.drain().unwrap();
-    assert_eq!(t.used_bytes(), 5 * (64 << 10));
+    assert_eq!(t.used_bytes(), 5 * stride as u64);
     let disk = t.into_io();
     for i in 0..5usize {
         // Each record's magic sits at a 64 KiB boundary.
-        assert_eq!(&disk.medium()[i << 16..(i << 16) + 4], b"KFSD");
+        assert_eq!(&disk.medium()[i * stride..i * stride + 4], b"KFSD");
     }
     let (mut t, rec) = Tier::open(disk.crash(), cfg).unwrap();
     assert_eq!(rec.blocks.len(), 5);
@@ -325,6 +329,27 @@ fn records_honour_the_record_alignment() {
     assert_eq!(got.unwrap(), saved[4]);
     let bad = TierConfig { write_queue_max: 8, record_align: 3 << 12, read_slots: 0 };
     assert!(matches!(Tier::open(SimDisk::new(1 << 20, 4, 3), bad), Err(super::tier::TierError::BadConfig { .. })));
+}
+
+/// A record that padding to the record alignment would grow by more than
+/// 1/32 is padded to a smaller power of two (4 KiB at least): a 64 KiB
+/// block's record is not written as 128 KiB.
+#[test]
+fn small_records_are_not_padded_to_a_large_alignment() {
+    assert_eq!(super::tier::padded_record_len(68 << 10, 64 << 10), 68 << 10);
+    assert_eq!(super::tier::padded_record_len((68 << 10) + 1, 64 << 10), 72 << 10);
+    assert_eq!(super::tier::padded_record_len(2_363_392, 64 << 10), 37 << 16);
+    assert_eq!(super::tier::padded_record_len(2_363_392, 4 << 10), 577 << 12);
+    assert_eq!(super::tier::padded_record_len(1, 16 << 20), 4 << 10);
+    let cfg = TierConfig { write_queue_max: 8, record_align: 64 << 10, read_slots: 0 };
+    let (mut t, _) = Tier::open(SimDisk::new(1 << 20, 4, 3), cfg).unwrap();
+    for i in 0..5 {
+        // 3 × 7,000 B behind a 4 KiB header: 25,096 B, 7 pages.
+        let (s, b) = block(i, 3, 7000);
+        t.write(&key(i), &s, &b).unwrap();
+    }
+    t.drain().unwrap();
+    assert_eq!(t.used_bytes(), 5 * (7 << 12));
 }
 
 /// A crash in the middle of writes loses at most the writes in flight.

@@ -64,8 +64,8 @@ use crate::disk::sim::SimDisk;
 use crate::disk::tier::{IoFailure, ReadBlock, ReadRefused, TierError, WriteOutcome, WriteRefused};
 use crate::disk::{BlockKey, DiskIo, SlotSum, Tier, TierConfig, TierCounters, TierEvent};
 use crate::limits::{
-    DISK_ALIGN_BYTES, DISK_EVICT_AHEAD_HIGH_PER_1024, DISK_EVICT_AHEAD_LOW_PER_1024, DISK_EVICT_AHEAD_YIELD_BLOCKS,
-    DISK_IDLE_POLL_MS, DISK_POLL_INTERVAL_US, DISK_QUEUE_DEPTH_DEFAULT, DISK_READ_SLOTS,
+    DISK_EVICT_AHEAD_HIGH_PER_1024, DISK_EVICT_AHEAD_LOW_PER_1024, DISK_EVICT_AHEAD_YIELD_BLOCKS, DISK_IDLE_POLL_MS,
+    DISK_POLL_INTERVAL_US, DISK_QUEUE_DEPTH_DEFAULT, DISK_READ_SLOTS, DISK_RECORD_ALIGN_DEFAULT,
     DISK_STAGE_DEADLINE_MS_DEFAULT, DISK_WRITE_QUEUE_DEFAULT,
 };
 use crate::types::BlockHash;
@@ -217,8 +217,8 @@ pub struct DiskConfig {
     /// Writes accepted and not completed, at most (blocks): the
     /// write-behind queue. An eviction beyond it drops the block.
     pub write_queue_max: usize,
-    /// Record alignment (bytes, a power of two ≥ 4 KiB; see
-    /// [`TierConfig::record_align`]).
+    /// Largest record alignment (bytes, a power of two ≥ 4 KiB; default
+    /// [`DISK_RECORD_ALIGN_DEFAULT`]; see [`TierConfig::record_align`]).
     pub record_align: u64,
     /// How long a local staging (lookup, `load`, a fetch's local part) may
     /// wait for disk reads.
@@ -239,7 +239,7 @@ impl DiskConfig {
             bytes,
             queue_depth: DISK_QUEUE_DEPTH_DEFAULT,
             write_queue_max: DISK_WRITE_QUEUE_DEFAULT,
-            record_align: DISK_ALIGN_BYTES,
+            record_align: DISK_RECORD_ALIGN_DEFAULT,
             stage_deadline: Duration::from_millis(DISK_STAGE_DEADLINE_MS_DEFAULT),
             evict_ahead: true,
             sim: None,
@@ -364,7 +364,9 @@ pub struct DiskMetrics {
     /// subset of `write_refused`).
     pub write_queue_full: AtomicU64,
     /// Blocks found by recovery at start and advertised again (inserts
-    /// offered).
+    /// offered, as the registration queue had room: see
+    /// `readvertise_recovered`; any it still refused are in the engine's
+    /// `registrations_dropped_at_enqueue`).
     pub recovered_advertised: AtomicU64,
     /// Staged blocks whose record left the tier (its removal registered)
     /// while they were being staged, advertised again from the pool
@@ -731,6 +733,42 @@ impl DiskTier {
             }
         }
         (removed, st.tier.ops_pending() > 0)
+    }
+}
+
+/// Advertises the blocks recovery kept (C18) through the registration
+/// queue, never offering more than the queue has room for: a tier
+/// recovers far more blocks than the queue holds (tens of thousands
+/// against `REGISTRATION_QUEUE_DEPTH_DEFAULT`, 4,096), and one offer of
+/// them all dropped everything past the first queue's worth. While the
+/// queue is full it waits for a flush (bounded by the MetaServer RPC
+/// deadline). Ends once every block was offered, or when the engine is
+/// gone or its client shut down.
+pub(crate) async fn readvertise_recovered(engine: Weak<EngineInner>, keys: Vec<BlockKey>) {
+    let mut by_ns: HashMap<Arc<str>, Vec<BlockHash>> = HashMap::new();
+    for k in keys {
+        by_ns.entry(k.namespace).or_default().push(k.hash);
+    }
+    for (ns, hashes) in by_ns {
+        let mut at = 0;
+        while at < hashes.len() {
+            let Some(e) = engine.upgrade() else { return };
+            let client = e.client.clone();
+            let Some(room) = client.queue_room() else { return };
+            if room == 0 {
+                drop(e); // a flush may take an RPC deadline: do not hold the engine
+                client.flush().await;
+                continue;
+            }
+            let part = &hashes[at..(at + room).min(hashes.len())];
+            let accepted = client.try_register(&ns, part);
+            if let Some(d) = &e.disk {
+                d.metrics().recovered_advertised.fetch_add(part.len() as u64, Ordering::Relaxed);
+            }
+            // Another offer may have taken the room meanwhile.
+            e.metrics.registrations_dropped_at_enqueue.fetch_add((part.len() - accepted) as u64, Ordering::Relaxed);
+            at += part.len();
+        }
     }
 }
 

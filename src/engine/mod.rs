@@ -507,17 +507,8 @@ impl Engine {
         if let Some(d) = &inner.disk {
             tokio::spawn(disk::drive(Arc::downgrade(&inner), d.wake.clone()));
             // C18: what recovery verified is advertised again.
-            let mut by_ns: HashMap<Arc<str>, Vec<BlockHash>> = HashMap::new();
-            for k in recovered {
-                by_ns.entry(k.namespace).or_default().push(k.hash);
-            }
-            for (ns, hashes) in by_ns {
-                let accepted = client.try_register(&ns, &hashes);
-                d.metrics().recovered_advertised.fetch_add(accepted as u64, Ordering::Relaxed);
-                inner
-                    .metrics
-                    .registrations_dropped_at_enqueue
-                    .fetch_add((hashes.len() - accepted) as u64, Ordering::Relaxed);
+            if !recovered.is_empty() {
+                tokio::spawn(disk::readvertise_recovered(Arc::downgrade(&inner), recovered));
             }
         }
         Ok(Self { inner })

@@ -342,9 +342,51 @@ impl Transport for PathTransport {
         local: Vec<Extent>,
         deadline: Instant,
     ) -> ReadCompletion {
+        self.read_on_path(peer, session, ops, local, None, deadline).await
+    }
+
+    async fn read_summed(
+        &self,
+        peer: &NodeAddr,
+        session: &str,
+        ops: Vec<ReadOp>,
+        local: Vec<Extent>,
+        ends: super::SlotEnds,
+        deadline: Instant,
+    ) -> ReadCompletion {
+        self.read_on_path(peer, session, ops, local, Some(ends), deadline).await
+    }
+}
+
+impl PathTransport {
+    /// A read batch on the path chosen for `peer` (the shared pool when
+    /// attached, TCP for what it could not read); with `ends`, each path
+    /// takes the extents' slot checksums as the bytes land.
+    async fn read_on_path(
+        &self,
+        peer: &NodeAddr,
+        session: &str,
+        ops: Vec<ReadOp>,
+        local: Vec<Extent>,
+        ends: Option<super::SlotEnds>,
+        deadline: Instant,
+    ) -> ReadCompletion {
+        async fn read(
+            t: &dyn Transport,
+            (peer, session): (&NodeAddr, &str),
+            ops: Vec<ReadOp>,
+            local: Vec<Extent>,
+            ends: Option<super::SlotEnds>,
+            deadline: Instant,
+        ) -> ReadCompletion {
+            match ends {
+                Some(e) => t.read_summed(peer, session, ops, local, e, deadline).await,
+                None => t.read(peer, session, ops, local, deadline).await,
+            }
+        }
         #[cfg(target_os = "linux")]
         if let Some(s) = self.shm.as_ref().filter(|s| s.is_attached(peer)) {
-            let done = s.read(peer, session, ops.clone(), local, deadline).await;
+            let done = read(&**s, (peer, session), ops.clone(), local, ends.clone(), deadline).await;
             self.shm_counters.count(&ops, &done.results);
             if self.choice == PathChoice::Shm || done.results.iter().all(Result::is_ok) {
                 return done;
@@ -355,25 +397,37 @@ impl Transport for PathTransport {
             let (failed, sub_ops, sub, mut kept) = retry_subset(&ops, done.local, &done.results);
             self.shm_counters.fallbacks.fetch_add(failed.len() as u64, Ordering::Relaxed);
             tracing::debug!(%peer, extents = failed.len(), "shared-pool read failed; reading those over TCP");
-            let again = self.tcp.read(peer, session, sub_ops.clone(), sub, deadline).await;
+            let again = read(&*self.tcp, (peer, session), sub_ops.clone(), sub, ends.clone(), deadline).await;
             self.tcp_counters.count(&sub_ops, &again.results);
             let mut results = done.results;
+            let mut sums = done.sums;
+            sums.resize(results.len(), None);
+            let mut again_sums = again.sums.into_iter();
             let mut back = again.local.into_iter().zip(again.results);
             for &i in &failed {
                 match back.next() {
                     Some((ext, r)) => {
                         kept[i] = Some(ext);
                         results[i] = r;
+                        sums[i] = again_sums.next().flatten();
                     }
                     None => break, // the TCP read was cut off: the rest is gone
                 }
             }
             // Every extent, in order, up to the first one that did not come back.
-            let (local, results): (Vec<_>, Vec<_>) =
-                kept.into_iter().zip(results).map_while(|(e, r)| e.map(|e| (e, r))).unzip();
-            return ReadCompletion { local, results };
+            let (mut local, mut kept_results, mut kept_sums) = (Vec::new(), Vec::new(), Vec::new());
+            for ((e, r), s) in kept.into_iter().zip(results).zip(sums) {
+                let Some(e) = e else { break };
+                local.push(e);
+                kept_results.push(r);
+                kept_sums.push(s);
+            }
+            if ends.is_none() {
+                kept_sums.clear();
+            }
+            return ReadCompletion { local, results: kept_results, sums: kept_sums };
         }
-        let done = self.tcp.read(peer, session, ops.clone(), local, deadline).await;
+        let done = read(&*self.tcp, (peer, session), ops.clone(), local, ends, deadline).await;
         self.tcp_counters.count(&ops, &done.results);
         done
     }

@@ -925,6 +925,33 @@ impl Transport for ShmTransport {
         local: Vec<Extent>,
         deadline: Instant,
     ) -> ReadCompletion {
+        self.copy_in(peer, ops, local, None, deadline).await
+    }
+
+    async fn read_summed(
+        &self,
+        peer: &NodeAddr,
+        _session: &str,
+        ops: Vec<ReadOp>,
+        local: Vec<Extent>,
+        ends: super::SlotEnds,
+        deadline: Instant,
+    ) -> ReadCompletion {
+        self.copy_in(peer, ops, local, Some(ends), deadline).await
+    }
+}
+
+impl ShmTransport {
+    /// A read batch from `peer`'s mapped pool; with `ends`, each extent's
+    /// slot checksums are taken as its pieces are copied.
+    async fn copy_in(
+        &self,
+        peer: &NodeAddr,
+        ops: Vec<ReadOp>,
+        local: Vec<Extent>,
+        ends: Option<super::SlotEnds>,
+        deadline: Instant,
+    ) -> ReadCompletion {
         let fail_all = ReadCompletion::all_failed;
         if let Err(e) = validate_local(&ops, &local) {
             return fail_all(local, e);
@@ -966,27 +993,34 @@ impl Transport for ShmTransport {
         let total: u64 = ops.iter().map(|op| op.len).sum();
         let n = local.len();
         let parts = split_parts(local, ops, total);
+        let summed = ends.is_some();
         let copied = crate::rt::run_blocking(move || {
-            crate::rt::map_parts(parts, |mut part| {
-                for (_, ext, ops) in &mut part {
-                    copy_ops(&map, ext, ops);
-                }
-                part
+            crate::rt::map_parts(parts, |part| {
+                part.into_iter()
+                    .map(|(i, mut ext, ops)| {
+                        let sums = copy_ops(&map, &mut ext, &ops, ends.as_ref());
+                        (i, ext, sums)
+                    })
+                    .collect::<Vec<_>>()
             })
         })
         .await;
         let Ok(parts) = copied else {
             // The runtime is shutting down: the extents went with the task.
-            return ReadCompletion { local: Vec::new(), results: Vec::new() };
+            return ReadCompletion::unsummed(Vec::new(), Vec::new());
         };
-        let mut slots: Vec<Option<Extent>> = (0..n).map(|_| None).collect();
-        for (i, ext, _) in parts.into_iter().flatten() {
-            slots[i] = Some(ext);
+        let mut slots: Vec<Option<(Extent, Option<Arc<[u32]>>)>> = (0..n).map(|_| None).collect();
+        for (i, ext, sums) in parts.into_iter().flatten() {
+            slots[i] = Some((ext, sums));
         }
-        let local: Vec<Extent> = slots.into_iter().map_while(|s| s).collect();
+        let (local, mut sums): (Vec<Extent>, Vec<Option<Arc<[u32]>>>) = slots.into_iter().map_while(|s| s).unzip();
+        if !summed {
+            sums.clear();
+        }
         self.hooks.reads.fetch_add(1, Ordering::Relaxed);
         self.hooks.bytes.fetch_add(total, Ordering::Relaxed);
-        ReadCompletion { results: vec![Ok(()); local.len()], local }
+        let results = vec![Ok(()); local.len()];
+        ReadCompletion { local, results, sums }
     }
 }
 
@@ -1024,19 +1058,34 @@ fn split_parts(local: Vec<Extent>, ops: Vec<ReadOp>, total: u64) -> Vec<Part> {
 }
 
 /// Copies `ops` (checked against the mapping and the extent) from the
-/// mapping into `ext`.
-fn copy_ops(map: &Mapping, ext: &mut Extent, ops: &[ReadOp]) {
+/// mapping into `ext`; with `ends`, a piece at a time
+/// ([`limits::READ_SUM_PIECE_BYTES`]), each summed right after its copy
+/// (still in cache), and returns the extent's slot checksums (`None`
+/// without `ends` or when the ops did not fill the extent in order).
+fn copy_ops(map: &Mapping, ext: &mut Extent, ops: &[ReadOp], ends: Option<&super::SlotEnds>) -> Option<Arc<[u32]>> {
+    let mut summer = ends.map(super::SlotSummer::new);
+    let piece = if summer.is_some() { limits::READ_SUM_PIECE_BYTES } else { usize::MAX };
     let dst = ext.as_mut_slice();
     for op in ops {
         let (src, len, at) = (op.remote_offset as usize, op.len as usize, op.local_offset as usize);
-        let dst = &mut dst[at..at + len];
-        // SAFETY: `[src, src + len)` lies inside the mapping (`in_mapping`,
-        // checked for every op before any copy), which lives while `map`
-        // does. The source is another process's memory it may still write
-        // (a lock that expired): copied through a raw pointer, never
-        // borrowed as `&[u8]`, and the fetch's checksums judge the result.
-        unsafe { std::ptr::copy_nonoverlapping(map.ptr.add(src), dst.as_mut_ptr(), len) };
+        let mut done = 0;
+        while done < len {
+            let n = (len - done).min(piece);
+            let dst = &mut dst[at + done..at + done + n];
+            // SAFETY: `[src, src + len)` lies inside the mapping
+            // (`in_mapping`, checked for every op before any copy), which
+            // lives while `map` does. The source is another process's
+            // memory it may still write (a lock that expired): copied
+            // through a raw pointer, never borrowed as `&[u8]`, and the
+            // fetch's checksums (taken here on the copy) judge the result.
+            unsafe { std::ptr::copy_nonoverlapping(map.ptr.add(src + done), dst.as_mut_ptr(), n) };
+            if let Some(s) = summer.as_mut() {
+                s.landed((at + done) as u64, dst);
+            }
+            done += n;
+        }
     }
+    summer.and_then(super::SlotSummer::finish)
 }
 
 /// The shared-pool path's baseline: the best plain host copy this machine
@@ -1235,6 +1284,43 @@ mod tests {
         assert_eq!(again, Err(ShmError::Refused(Refusal::BadToken)));
         assert_eq!(owner.t.hooks.refused_token.load(Ordering::Relaxed), 1);
         assert!(!reader.t.is_attached(&owner.node));
+    }
+
+    /// `read_summed` hands back each extent's slot checksums, taken on the
+    /// copy: equal to the CRC-32C of each slot of the bytes that landed,
+    /// across copy pieces and ops (an extent filled by two ops, slots that
+    /// straddle both); an extent whose ops do not fill it in order gets
+    /// none, and plain `read` takes none.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn read_summed_takes_each_slot_checksum_as_it_copies() {
+        let owner = side(1, ShmConfig::default());
+        let reader = side(2, ShmConfig::default());
+        let len = 3 * crate::limits::READ_SUM_PIECE_BYTES as u64 + 12_345;
+        let b = block(&owner.pool, len, |i| (i * 13 + 1) as u8);
+        reader.t.attach(&owner.node, &answer_for(&owner, &reader), later()).await.unwrap();
+        let ends = super::super::SlotEnds(vec![1000, len / 2 + 17, len].into());
+        let want: Vec<u32> = [0..1000, 1000..len / 2 + 17, len / 2 + 17..len]
+            .iter()
+            .map(|r| crc32c::crc32c(&b.as_slice()[r.start as usize..r.end as usize]))
+            .collect();
+        let half = len / 3;
+        let ops = vec![
+            op(b.offset(), half, 0, 0),
+            op(b.offset() + half, len - half, 0, half),
+            // Extent 1 filled back to front: no sums.
+            op(b.offset() + half, len - half, 1, half),
+            op(b.offset(), half, 1, 0),
+        ];
+        let local: Vec<Extent> = (0..2).map(|_| reader.pool.alloc(len).unwrap()).collect();
+        let done = reader.t.read_summed(&owner.node, "s", ops.clone(), local, ends, later()).await;
+        assert!(done.results.iter().all(Result::is_ok), "{:?}", done.results);
+        assert_eq!(done.local[0].as_slice(), b.as_slice());
+        assert_eq!(done.local[1].as_slice(), b.as_slice());
+        assert_eq!(done.sums.len(), 2);
+        assert_eq!(done.sums[0].as_deref(), Some(&want[..]));
+        assert_eq!(done.sums[1], None, "out-of-order ops cannot be summed as they land");
+        let local: Vec<Extent> = (0..2).map(|_| reader.pool.alloc(len).unwrap()).collect();
+        assert!(reader.t.read(&owner.node, "s", ops, local, later()).await.sums.is_empty());
     }
 
     /// Refusals before any socket: another host, no section, no token, a
@@ -1530,7 +1616,7 @@ mod tests {
             let map = reader.t.peers.lock().unwrap().get(&owner.node).unwrap().clone();
             let mut one = reader.pool.alloc(N).unwrap();
             let t = std::time::Instant::now();
-            copy_ops(&map, &mut one, &[op(b.offset(), N, 0, 0)]);
+            copy_ops(&map, &mut one, &[op(b.offset(), N, 0, 0)], None);
             let mapped = N as f64 / t.elapsed().as_secs_f64() / 1e9;
             drop(one);
             // The read again, right after.

@@ -44,7 +44,7 @@ use super::frame::{self, ReadRequest, Request, ResponseHeader, Status};
 use super::handshake::{HandshakeMetadata, Region, TransportKind};
 use super::{
     BadOp, DataSource, HandshakeRejected, IoFailure, NotConnected, ProtocolViolation, RawCopy, RawCopyRun,
-    ReadCompletion, ReadOp, Transport, TransportError, validate_local,
+    ReadCompletion, ReadOp, SlotEnds, SlotSummer, Transport, TransportError, validate_local,
 };
 use crate::limits;
 use crate::memory::pool::Extent;
@@ -512,19 +512,24 @@ async fn serve_read(
 /// Work of one connection: extents (with their batch index) and their ops.
 type ConnWork = Vec<(usize, Extent, Vec<ReadOp>)>;
 
+/// One extent of a share as it ended: its index in the batch, the extent,
+/// its result and, when asked for and the reads filled it in order, its
+/// slot checksums taken as the bytes landed.
+type ExtentDone = (usize, Extent, Result<(), TransportError>, Option<Arc<[u32]>>);
+
 fn io_err(e: std::io::Error) -> TransportError {
     TransportError::from(e)
 }
 
 /// Every extent of a connection's share, failed with `e`.
-fn fail_share(work: ConnWork, e: &TransportError) -> Vec<(usize, Extent, Result<(), TransportError>)> {
-    work.into_iter().map(|(i, ext, _)| (i, ext, Err(e.clone()))).collect()
+fn fail_share(work: ConnWork, e: &TransportError) -> Vec<ExtentDone> {
+    work.into_iter().map(|(i, ext, _)| (i, ext, Err(e.clone()), None)).collect()
 }
 
 /// How one connection's share of a batch ended.
 struct ConnOutcome {
-    /// Every extent of the share, in order, with its result.
-    out: Vec<(usize, Extent, Result<(), TransportError>)>,
+    /// Every extent of the share, in order, with its result (and sums).
+    out: Vec<ExtentDone>,
     /// The stream, when it is still in sync (reusable).
     stream: Option<TcpStream>,
     /// The socket failed before any response arrived (EOF, reset): a pooled
@@ -538,7 +543,7 @@ async fn run_conn(
     hooks: &TcpHooks,
     session: &str,
     work: ConnWork,
-    first_req: u64,
+    (first_req, ends): (u64, Option<&SlotEnds>),
     deadline: Instant,
 ) -> ConnOutcome {
     let mut wire = Vec::new();
@@ -582,6 +587,7 @@ async fn run_conn(
         let mut expect = first_req;
         for (idx, mut ext, ops) in work {
             let mut result = Ok(());
+            let mut summer = ends.map(SlotSummer::new);
             for op in ops {
                 let id = expect;
                 expect += 1;
@@ -595,7 +601,7 @@ async fn run_conn(
                     result = Err(fatal);
                     continue;
                 }
-                match read_one(&mut rd, quick_ack, &mut ext, &op, id, deadline).await {
+                match read_one(&mut rd, quick_ack, (&mut ext, summer.as_mut()), &op, id, deadline).await {
                     Ok(Ok(())) => answered = true,
                     Ok(Err(refused)) => {
                         answered = true;
@@ -608,7 +614,8 @@ async fn run_conn(
                     }
                 }
             }
-            out.push((idx, ext, result));
+            let sums = if result.is_ok() { summer.and_then(SlotSummer::finish) } else { None };
+            out.push((idx, ext, result, sums));
         }
         (out, healthy, dead_early)
     };
@@ -651,12 +658,14 @@ impl TcpHooks {
 }
 
 /// Reads one response (quick ACKs re-armed before its header and before its
-/// payload, see [`crate::rt::QuickAck`]). `Ok(Err(_))`: the peer refused this
-/// read, the stream is still in sync. `Err(_)`: the stream is unusable.
+/// payload, see [`crate::rt::QuickAck`]); with a summer, the payload a piece
+/// ([`limits::READ_SUM_PIECE_BYTES`]) at a time, each summed as it landed.
+/// `Ok(Err(_))`: the peer refused this read, the stream is still in sync.
+/// `Err(_)`: the stream is unusable.
 async fn read_one(
     rd: &mut tokio::io::ReadHalf<TcpStream>,
     quick_ack: crate::rt::QuickAck,
-    ext: &mut Extent,
+    (ext, mut summer): (&mut Extent, Option<&mut SlotSummer<'_>>),
     op: &ReadOp,
     id: u64,
     deadline: Instant,
@@ -703,11 +712,20 @@ async fn read_one(
     }
     let dst = &mut ext.as_mut_slice()[op.local_offset as usize..(op.local_offset + op.len) as usize];
     quick_ack.arm();
-    match timeout_at(deadline, rd.read_exact(dst)).await {
-        Ok(Ok(_)) => Ok(Ok(())),
-        Ok(Err(e)) => Err(io_err(e)),
-        Err(_) => Err(TransportError::Timeout),
+    let piece = if summer.is_some() { limits::READ_SUM_PIECE_BYTES } else { dst.len().max(1) };
+    let mut at = op.local_offset;
+    for chunk in dst.chunks_mut(piece) {
+        match timeout_at(deadline, rd.read_exact(chunk)).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => return Err(io_err(e)),
+            Err(_) => return Err(TransportError::Timeout),
+        }
+        if let Some(s) = summer.as_deref_mut() {
+            s.landed(at, chunk);
+        }
+        at += chunk.len() as u64;
     }
+    Ok(Ok(()))
 }
 
 async fn dial(addr: &str, deadline: Instant) -> Result<TcpStream, TransportError> {
@@ -767,6 +785,34 @@ impl Transport for TcpTransport {
         local: Vec<Extent>,
         deadline: Instant,
     ) -> ReadCompletion {
+        self.read_batch(peer, session, ops, local, None, deadline).await
+    }
+
+    async fn read_summed(
+        &self,
+        peer: &NodeAddr,
+        session: &str,
+        ops: Vec<ReadOp>,
+        local: Vec<Extent>,
+        ends: SlotEnds,
+        deadline: Instant,
+    ) -> ReadCompletion {
+        self.read_batch(peer, session, ops, local, Some(ends), deadline).await
+    }
+}
+
+impl TcpTransport {
+    /// A read batch from `peer`; with `ends`, each extent's slot checksums
+    /// are taken as its bytes land (see [`Transport::read_summed`]).
+    async fn read_batch(
+        &self,
+        peer: &NodeAddr,
+        session: &str,
+        ops: Vec<ReadOp>,
+        local: Vec<Extent>,
+        ends: Option<SlotEnds>,
+        deadline: Instant,
+    ) -> ReadCompletion {
         let n = local.len();
         let fail_all = ReadCompletion::all_failed;
         let deadline = if crate::canary::active(crate::canary::Canary::C9ReadPastDeadline) {
@@ -811,6 +857,7 @@ impl Transport for TcpTransport {
                 let p = p.clone();
                 let hooks = self.hooks.clone();
                 let session = session.clone();
+                let ends = ends.clone();
                 tokio::spawn(async move {
                     // Another batch may hold this connection: wait for it
                     // only until this batch's deadline.
@@ -831,25 +878,26 @@ impl Transport for TcpTransport {
                         pooled.then(|| w.iter().map(|(_, _, o)| o.clone()).collect());
                     // An unhealthy stream is dropped: its state is unknown,
                     // reconnect next time.
-                    let mut done = run_conn(stream, &hooks, &session, w, first, deadline).await;
+                    let mut done = run_conn(stream, &hooks, &session, w, (first, ends.as_ref()), deadline).await;
                     if let (true, Some(ops)) = (done.dead_before_any_response, retry_ops)
                         && let Ok(fresh) = dial(&p.data_addr, deadline).await
                     {
                         tracing::debug!(peer = %p.data_addr, "pooled data connection was dead; retrying on a new one");
-                        let w = done.out.into_iter().zip(ops).map(|((i, ext, _), ops)| (i, ext, ops)).collect();
-                        done = run_conn(fresh, &hooks, &session, w, first, deadline).await;
+                        let w = done.out.into_iter().zip(ops).map(|((i, ext, _, _), ops)| (i, ext, ops)).collect();
+                        done = run_conn(fresh, &hooks, &session, w, (first, ends.as_ref()), deadline).await;
                     }
                     *guard = done.stream;
                     done.out
                 })
             })
             .collect();
-        let mut slots: Vec<Option<(Extent, Result<(), TransportError>)>> = (0..n).map(|_| None).collect();
+        let mut slots: Vec<Option<ExtentDone>> = (0..n).map(|_| None).collect();
         for share in shares {
             match share.await {
                 Ok(part) => {
-                    for (i, ext, r) in part {
-                        slots[i] = Some((ext, r));
+                    for done in part {
+                        let i = done.0;
+                        slots[i] = Some(done);
                     }
                 }
                 Err(e) if e.is_panic() => panic!("a transport read task panicked: {e}"),
@@ -860,8 +908,16 @@ impl Transport for TcpTransport {
         }
         // Every extent comes back, in order, unless a share's task was
         // cancelled: then the completion ends before its first extent.
-        let (local, results) = slots.into_iter().map_while(|s| s).unzip();
-        ReadCompletion { local, results }
+        let (mut local, mut results, mut sums) = (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
+        for (_, ext, r, s) in slots.into_iter().map_while(|s| s) {
+            local.push(ext);
+            results.push(r);
+            sums.push(s);
+        }
+        if ends.is_none() {
+            sums.clear();
+        }
+        ReadCompletion { local, results, sums }
     }
 }
 

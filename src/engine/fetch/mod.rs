@@ -6,8 +6,10 @@
 //! state, so the next attempt starts clean) → `QueryBlocksForTransfer` →
 //! READ into freshly allocated pool slots, in parts (up to
 //! `EngineConfig::fetch_reads_in_flight` parts in flight, each part spread
-//! over the transport's connections) → verify each slot's CRC-32C (a part
-//! is checksummed while the next ones are read) → seal each verified part
+//! over the transport's connections) → verify each slot's CRC-32C (taken
+//! by the transport as the bytes land, `Transport::read_summed`, a piece at
+//! a time while it is in cache; else, and for an extent the transport could
+//! not sum, by a pass over the part while the next ones are read) → seal each verified part
 //! in prefix order and register it as owned here (one synchronous step, so
 //! no eviction can slip between them) → release the transfer lock. When an owner delivers only part of what it advertised,
 //! the next owner is asked for the rest (stitching one prefix from several
@@ -62,7 +64,7 @@ use crate::proto::{
 };
 use crate::rt::timeout_at;
 use crate::status::RpcFailure;
-use crate::transport::{HandshakeMetadata, NotConnected, ReadCompletion, ReadOp, Transport, TransportError};
+use crate::transport::{HandshakeMetadata, NotConnected, ReadCompletion, ReadOp, SlotEnds, Transport, TransportError};
 use crate::types::{BlockHash, NodeAddr};
 
 /// Result of [`Engine::fetch_into`].
@@ -291,6 +293,10 @@ struct Driver<'a> {
     /// Parts copied device to device, with their blocks' slot checksums,
     /// until their verify action takes them.
     device_parts: HashMap<usize, Vec<Arc<[u32]>>>,
+    /// Parts whose transport took slot checksums as the bytes landed
+    /// ([`crate::transport::Transport::read_summed`]), per extent, until
+    /// their verify action takes them.
+    landed_sums: HashMap<usize, Vec<Option<Arc<[u32]>>>>,
     /// Request indices whose block landed device to device (sealed as
     /// loaded, never into the pool).
     device_done: std::collections::HashSet<usize>,
@@ -436,6 +442,7 @@ impl Engine {
                 granted: Vec::new(),
                 device: None,
                 device_parts: HashMap::new(),
+                landed_sums: HashMap::new(),
                 device_done: std::collections::HashSet::new(),
             };
             d.run(first).await;
@@ -602,6 +609,9 @@ impl<'a> Driver<'a> {
             Outcome::Read { part, first, done } => {
                 self.reads -= 1;
                 self.put_back(first, done.local);
+                if done.sums.iter().any(Option::is_some) {
+                    self.landed_sums.insert(part, done.sums);
+                }
                 Event::ReadDone { part, results: done.results }
             }
             Outcome::Verified { part, first, local, sums } => {
@@ -727,6 +737,7 @@ impl<'a> Driver<'a> {
                 let direct = self.device_copy(&blocks, &plan, &ops);
                 let local = self.take(&blocks);
                 let (transport, deadline) = (self.transport.clone(), self.deadline);
+                let layout = self.layout.clone();
                 self.reads += 1;
                 let first = blocks.start;
                 pending.push(Box::pin(async move {
@@ -743,7 +754,10 @@ impl<'a> Driver<'a> {
                             }
                         }
                     }
-                    let done = transport.read(&owner, &session, ops, local, deadline).await;
+                    let done = match slot_ends(&layout) {
+                        Some(ends) => transport.read_summed(&owner, &session, ops, local, ends, deadline).await,
+                        None => transport.read(&owner, &session, ops, local, deadline).await,
+                    };
                     Outcome::Read { part, first, done }
                 }));
                 None
@@ -758,6 +772,7 @@ impl<'a> Driver<'a> {
                 }
                 let local = self.take(&blocks);
                 let layout = self.layout.clone();
+                let landed = self.landed_sums.remove(&part);
                 let task_bytes_min = engine.inner.cfg.fetch_verify_task_bytes_min;
                 // C10 canary: the fetcher takes the owner's checksums for
                 // what it read, so nothing is ever rejected.
@@ -771,7 +786,22 @@ impl<'a> Driver<'a> {
                 self.verifies += 1;
                 let deadline = self.deadline;
                 pending.push(Box::pin(async move {
-                    let (local, mut sums) = verify_slots(&layout, local, read_ok, task_bytes_min, deadline).await;
+                    let (local, mut sums) = match landed {
+                        // Summed as the bytes landed: only an extent the
+                        // transport could not sum is read again here.
+                        Some(landed) => {
+                            let sums = local
+                                .iter()
+                                .zip(&read_ok)
+                                .zip(landed.into_iter().chain(std::iter::repeat(None)))
+                                .map(|((e, ok), l)| {
+                                    ok.then(|| l.unwrap_or_else(|| slot_checksums(&layout, e.as_slice())))
+                                })
+                                .collect();
+                            (local, sums)
+                        }
+                        None => verify_slots(&layout, local, read_ok, task_bytes_min, deadline).await,
+                    };
                     if let Some(trusted) = trusted {
                         for (s, t) in sums.iter_mut().zip(trusted) {
                             if s.is_some() {
@@ -1188,6 +1218,24 @@ async fn verify_slots(
         }
     }
     (extents, sums)
+}
+
+/// Where each slot of a block of `layout` ends, for a transport that sums
+/// slots as bytes land; `None` unless the slots tile the block from its
+/// first byte to its last (concatenated in layer order, as
+/// [`super::layout::Layout::slot_offset`] places them), so a summed run of
+/// bytes is exactly the slots the owner checksummed.
+fn slot_ends(layout: &super::layout::Layout) -> Option<SlotEnds> {
+    let mut ends = Vec::with_capacity(layout.layers().len());
+    let mut at = 0u64;
+    for l in 0..layout.layers().len() {
+        if layout.slot_offset(l) != at {
+            return None;
+        }
+        at = at.checked_add(layout.slot_bytes(l))?;
+        ends.push(at);
+    }
+    (at == layout.block_bytes() && !ends.is_empty()).then(|| SlotEnds(ends.into()))
 }
 
 /// Blocks per read part of a fetch of `missing` blocks of `block_bytes`:

@@ -858,8 +858,7 @@ impl Transport for VerbsTransport {
         deadline: Instant,
     ) -> ReadCompletion {
         let _ = session;
-        let fail_all =
-            |local: Vec<Extent>, e: TransportError| ReadCompletion { results: vec![Err(e); local.len()], local };
+        let fail_all = |local: Vec<Extent>, e: TransportError| ReadCompletion::all_failed(local, e);
         if let Err(e) = validate_local(&ops, &local) {
             return fail_all(local, e);
         }
@@ -880,7 +879,7 @@ impl Transport for VerbsTransport {
         };
         if wrs.is_empty() {
             let n = local.len();
-            return ReadCompletion { local, results: vec![Ok(()); n] };
+            return ReadCompletion::unsummed(local, vec![Ok(()); n]);
         }
         s.stats.batches.fetch_add(1, Ordering::Relaxed);
         let start = s.next_start.fetch_add(1, Ordering::Relaxed);
@@ -912,7 +911,7 @@ impl Transport for VerbsTransport {
                 local.len(),
                 &TransportError::io(std::io::ErrorKind::Other, "no completion"),
             );
-            let _ = tx.send(ReadCompletion { local, results });
+            let _ = tx.send(ReadCompletion::unsummed(local, results));
         });
         match rx.await {
             Ok(done) => done,
@@ -920,7 +919,7 @@ impl Transport for VerbsTransport {
                 // The task panicked: its extents were dropped there (after
                 // the QP it held was destroyed by unwinding). Nothing to hand back.
                 tracing::error!(peer = %peer.0, "rdma read task died");
-                ReadCompletion { local: Vec::new(), results: Vec::new() }
+                ReadCompletion::unsummed(Vec::new(), Vec::new())
             }
         }
     }
