@@ -842,7 +842,10 @@ class Node:
 
     def metrics(self) -> Dict[str, int]:
         """Engine counters and gauges (saves, fetched blocks and bytes, pool
-        use, registrations delivered/dropped, ...)."""
+        use, registrations delivered/dropped, ...); with a disk tier also
+        ``ssd_*``: records on disk and their bytes, blocks written, read and
+        staged into the pool, disk evictions, verify failures, writes
+        refused, and blocks recovered at start and re-advertised."""
         return {k: int(v) for k, v in self._node.metrics().items()}
 
     # -- lifecycle ------------------------------------------------------

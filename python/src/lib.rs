@@ -707,6 +707,23 @@ impl Node {
             "registrations_dropped",
             q.dropped_queue_full + q.dropped_rpc_failed + q.dropped_rejected + q.dropped_shutdown,
         )?;
+        // The disk tier, when the node has one (`ssd_*`).
+        if let Some(ds) = engine.disk_stats() {
+            for (k, v) in [
+                ("ssd_records", ds.records),
+                ("ssd_used_bytes", ds.used_bytes),
+                ("ssd_written_blocks", ds.tier.written_blocks),
+                ("ssd_read_blocks", ds.tier.read_blocks),
+                ("ssd_staged_blocks", ds.staged_blocks),
+                ("ssd_evicted", ds.tier.evicted),
+                ("ssd_verify_failures", ds.tier.verify_failures),
+                ("ssd_write_refused", ds.write_refused),
+                ("ssd_recovered", ds.tier.recovered),
+                ("ssd_recovered_advertised", ds.recovered_advertised),
+            ] {
+                d.set_item(k, v)?;
+            }
+        }
         // Per data path (shared pool, TCP): blocks, bytes, fallbacks.
         let paths =
             self.live.lock().expect("live lock").as_ref().and_then(|l| l.handle.path.as_ref().map(|p| p.stats()));

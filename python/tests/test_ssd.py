@@ -1,5 +1,10 @@
 """The disk tier below the pool: ``Node(..., ssd_dir=..., ssd_bytes=...)``."""
 
+import os
+import signal
+import subprocess
+import sys
+import textwrap
 import time
 
 import numpy as np
@@ -59,3 +64,70 @@ def test_two_nodes_on_one_ssd_dir_is_a_start_error(metaserver, tmp_path):
     with kvferry.Node(metaserver.address, ssd_dir=tmp_path, ssd_bytes=8 << 20):
         with pytest.raises(kvferry.StartError, match="in use"):
             kvferry.Node(metaserver.address, ssd_dir=tmp_path, ssd_bytes=8 << 20)
+
+
+# A node that saves `n` blocks through a 16-block pool into its disk tier,
+# waits until every evicted block's record is written, says how many, and
+# serves until it is killed.
+FILLER = textwrap.dedent(
+    """
+    import sys, time, numpy as np, kvferry
+    ms, ns, d, n, bt, bb = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+    shape = (8, bt, 2, 16)
+    rng = np.random.default_rng(5)
+    k = [rng.standard_normal(shape).astype(np.float32) for _ in range(2)]
+    v = [rng.standard_normal(shape).astype(np.float32) for _ in range(2)]
+    node = kvferry.Node(ms, pool_bytes=16 * bb, ssd_dir=d, ssd_bytes=64 << 20)
+    node.register_kv_cache(ns, k, v)
+    hs = kvferry.block_hashes(ns, list(range(n * bt)), bt)
+    for i in range(0, n, 8):
+        assert node.save(ns, hs[i : i + 8], list(range(8))).saved == 8
+    assert node.flush_saves_and_registrations(timeout=10).ok
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        m = node.metrics()
+        if m["ssd_written_blocks"] == m["ssd_records"] and m["evicted"] >= n - 16:
+            break
+        time.sleep(0.05)
+    print(m["ssd_records"], m["ssd_write_refused"], flush=True)
+    sys.stdin.readline()
+    """
+)
+
+
+def test_a_node_killed_and_restarted_readvertises_what_it_had_written(metaserver, ns, tmp_path):
+    """Issue 32's restart target: a node SIGKILLed after its records were
+    written, restarted on the same directory, re-advertises >= 99 % of them
+    (here all) — more blocks than the registration queue holds (4,096), so
+    the re-advertising must wait for room rather than drop the rest."""
+    n = 5000
+    proc = subprocess.Popen(
+        [sys.executable, "-c", FILLER, metaserver.address, ns, str(tmp_path), str(n), str(BT), str(BLOCK_BYTES)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline().split()
+        assert len(line) == 2, line
+        written, refused = int(line[0]), int(line[1])
+        assert written >= n - 16 - refused and written > 4096, (written, refused)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    assert proc.returncode == -signal.SIGKILL
+    with kvferry.Node(metaserver.address, pool_bytes=16 * BLOCK_BYTES, ssd_dir=tmp_path, ssd_bytes=64 << 20) as node:
+        m = node.metrics()
+        assert m["ssd_recovered"] >= 0.99 * written, (m, written)
+        deadline = time.monotonic() + 30
+        while node.metrics()["ssd_recovered_advertised"] < m["ssd_recovered"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert node.flush_saves_and_registrations(timeout=10).ok
+        m = node.metrics()
+        assert m["ssd_recovered_advertised"] == m["ssd_recovered"], m
+        assert m["registrations_dropped"] == 0, m
+        hs = kvferry.block_hashes(ns, list(range(n * BT)), BT)
+        owners = {o.node: o.blocks for o in node.query_prefix_remote(ns, hs, timeout=10)}
+        # The oldest blocks were evicted first: the recovered ones are a
+        # prefix of the hashes, now advertised by the new node.
+        assert owners.get(node.address, 0) >= 0.99 * written, (owners, written)
