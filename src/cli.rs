@@ -197,8 +197,8 @@ struct PdArgs {
     /// Tokens per engine block (divides 512).
     #[arg(long, default_value_t = 64)]
     block_tokens: u64,
-    /// Requests to replay.
-    #[arg(long, default_value_t = 400)]
+    /// Requests to replay (at least 1).
+    #[arg(long, default_value_t = 400, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     requests: usize,
     /// First request of the window.
     #[arg(long, default_value_t = 0)]

@@ -315,13 +315,22 @@ fn replay_with_a_disk_tier_writes_and_verifies_blocks() {
     assert!(ssd.path().join("node-0").join("kvferry-tier.0").exists());
 }
 
-/// A size out of range names `--ssd-size`; a second run on a directory in
-/// use is refused (not exercised here: the lock is tests/disk_tier.rs's).
+/// A size out of range names `--ssd-size` (also one larger than the
+/// tier's 64 TiB bound: its bound, not the free space, is the error); a
+/// missing `--ssd-dir` or a file in its place says so, before anything
+/// starts; a second run on a directory in use is refused (not exercised
+/// here: the lock is tests/disk_tier.rs's).
 #[test]
-fn ssd_size_errors_name_the_flag() {
+fn ssd_settings_errors_name_the_flag() {
     let ssd = tempfile::tempdir().expect("tempdir");
     let dir = ssd.path().to_str().expect("utf8 path");
     fails_with(&["pd", "--quiet", "--ssd-dir", dir, "--ssd-size", "64KiB"], "--ssd-size");
+    fails_with(&["pd", "--quiet", "--ssd-dir", dir, "--ssd-size", "100TiB"], "outside the disk tier's");
+    let missing = ssd.path().join("missing");
+    fails_with(&["pd", "--quiet", "--ssd-dir", missing.to_str().unwrap()], "does not exist (create it");
+    let file = ssd.path().join("a-file");
+    std::fs::write(&file, b"x").unwrap();
+    fails_with(&["pd", "--quiet", "--ssd-dir", file.to_str().unwrap()], "is not a directory");
 }
 
 /// Tiers the file system cannot hold for every node at once are refused

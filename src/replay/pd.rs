@@ -1151,12 +1151,37 @@ pub async fn run_with_observer(
     Ok(rep)
 }
 
-/// Refuses a disk tier the file system cannot hold for every node at once
-/// (each node's `node-i` subdirectory of `--ssd-dir`, less what tier files
-/// from an earlier run already hold), before any node allocates one: a
-/// start that failed half way would leave the first nodes' files behind.
-/// A no-op without `--ssd-dir` or off Linux.
+/// Checks `--ssd-dir` (an existing directory) and `--ssd-size` (the tier's
+/// bounds), then refuses a disk tier the file system cannot hold for every
+/// node at once (each node's `node-i` subdirectory of `--ssd-dir`, less
+/// what tier files from an earlier run already hold), before any node
+/// allocates one: a start that failed half way would leave the first
+/// nodes' files behind. A no-op without `--ssd-dir`; the space check only
+/// on Linux.
+///
+/// # Errors
+/// [`PdError::Config`] for the settings, [`PdError::Start`] for the space.
 fn check_ssd_space(cfg: &PdConfig) -> Result<(), PdError> {
+    if let Some(dir) = &cfg.ssd_dir {
+        // DIR itself is never created: a typo must not preallocate tier
+        // files on another disk (`docs` and `--help` say so).
+        if !dir.exists() {
+            return Err(PdError::Config(format!(
+                "--ssd-dir {} does not exist (create it, on the SSD, first)",
+                dir.display()
+            )));
+        }
+        if !dir.is_dir() {
+            return Err(PdError::Config(format!("--ssd-dir {} is not a directory", dir.display())));
+        }
+        let (min, max) = (limits::DISK_CAPACITY_BYTES_MIN, limits::DISK_CAPACITY_BYTES_MAX);
+        if !(min..=max).contains(&(cfg.ssd_bytes & !(limits::DISK_ALIGN_BYTES - 1))) {
+            return Err(PdError::Config(format!(
+                "--ssd-size {} B is outside the disk tier's {min}..={max} B (1 MiB to 64 TiB per node)",
+                cfg.ssd_bytes
+            )));
+        }
+    }
     #[cfg(target_os = "linux")]
     if let Some(dir) = &cfg.ssd_dir {
         let nodes = if cfg.ssd_roles == SsdRoles::Prefill { cfg.prefill } else { cfg.prefill + cfg.decode };
@@ -1202,18 +1227,6 @@ async fn start_node(
         disk: match &cfg.ssd_dir {
             Some(_) if cfg.ssd_roles == SsdRoles::Prefill && i >= cfg.prefill => None,
             Some(dir) => {
-                // DIR itself is never created: a typo must not preallocate
-                // tier files on another disk (`docs` and `--help` say so).
-                if !dir.is_dir() {
-                    return Err(PdError::Start(format!("--ssd-dir: {} is not an existing directory", dir.display())));
-                }
-                let (min, max) = (limits::DISK_CAPACITY_BYTES_MIN, limits::DISK_CAPACITY_BYTES_MAX);
-                if !(min..=max).contains(&(cfg.ssd_bytes & !(limits::DISK_ALIGN_BYTES - 1))) {
-                    return Err(PdError::Start(format!(
-                        "--ssd-size {} B is outside the disk tier's {min}..={max} B (1 MiB to 64 TiB per node)",
-                        cfg.ssd_bytes
-                    )));
-                }
                 let sub = dir.join(format!("node-{i}"));
                 std::fs::create_dir_all(&sub)
                     .map_err(|e| PdError::Start(format!("--ssd-dir: cannot create {}: {e}", sub.display())))?;
