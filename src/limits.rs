@@ -515,6 +515,10 @@ pub const DISK_RECORD_PAYLOAD_BYTES_MAX: u64 = 1 << 30;
 /// checksum reads the piece from cache rather than memory.
 pub const READ_SUM_PIECE_BYTES: usize = 128 << 10;
 
+/// How often a restarted node's re-advertising of its recovered disk
+/// blocks looks again for room in a full registration queue (ms).
+pub const RECOVERED_READVERTISE_POLL_MS: u64 = 5;
+
 /// Record alignment of an engine's disk tier by default (bytes, 64 KiB;
 /// `DiskConfig::record_align`): a record is padded to it only while the
 /// padding stays under 1/32 of the record (`disk::tier::padded_record_len`),

@@ -1,6 +1,7 @@
 """The disk tier below the pool: ``Node(..., ssd_dir=..., ssd_bytes=...)``."""
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -108,6 +109,9 @@ def test_a_node_killed_and_restarted_readvertises_what_it_had_written(metaserver
         text=True,
     )
     try:
+        # Bounded: a child that hangs before it reports fails the test.
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        assert ready, "the filling node reported nothing within 120 s"
         line = proc.stdout.readline().split()
         assert len(line) == 2, line
         written, refused = int(line[0]), int(line[1])

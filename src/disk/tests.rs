@@ -300,9 +300,9 @@ fn recovery_keeps_what_verifies() {
     assert_eq!(t.write(&key(99), &s, &b), Ok(WriteOutcome::Queued { generation: 9 }));
 }
 
-/// With a record alignment, every record whose padding to it stays small
-/// starts on it and takes a multiple of it; reads and recovery work the
-/// same.
+/// With a record alignment, records whose padding to it stays small take
+/// a multiple of it (records of one size thus also start on it); reads and
+/// recovery work the same.
 #[test]
 fn records_honour_the_record_alignment() {
     let cfg = TierConfig { write_queue_max: 8, record_align: 64 << 10, read_slots: 0 };

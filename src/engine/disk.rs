@@ -66,7 +66,7 @@ use crate::disk::{BlockKey, DiskIo, SlotSum, Tier, TierConfig, TierCounters, Tie
 use crate::limits::{
     DISK_EVICT_AHEAD_HIGH_PER_1024, DISK_EVICT_AHEAD_LOW_PER_1024, DISK_EVICT_AHEAD_YIELD_BLOCKS, DISK_IDLE_POLL_MS,
     DISK_POLL_INTERVAL_US, DISK_QUEUE_DEPTH_DEFAULT, DISK_READ_SLOTS, DISK_RECORD_ALIGN_DEFAULT,
-    DISK_STAGE_DEADLINE_MS_DEFAULT, DISK_WRITE_QUEUE_DEFAULT,
+    DISK_STAGE_DEADLINE_MS_DEFAULT, DISK_WRITE_QUEUE_DEFAULT, RECOVERED_READVERTISE_POLL_MS,
 };
 use crate::types::BlockHash;
 
@@ -645,6 +645,17 @@ impl DiskTier {
         }
     }
 
+    /// Offers the inserts of those of `keys` (all of namespace `ns`) whose
+    /// record is still in the tier, checked and offered under the tier's
+    /// lock (see [`readvertise_recovered`]); returns (offered, accepted).
+    fn offer_recovered(&self, client: &crate::client::MetaServerClient, ns: &str, keys: &[BlockKey]) -> (u64, u64) {
+        let st = self.state.lock().expect("disk lock");
+        let hashes: Vec<BlockHash> =
+            keys.iter().filter(|k| st.tier.lookup(k).is_some()).map(|k| k.hash.clone()).collect();
+        let accepted = client.try_register(ns, &hashes);
+        (hashes.len() as u64, accepted as u64)
+    }
+
     /// Gives a read buffer back for reuse.
     pub(crate) fn recycle(&self, block: ReadBlock) {
         self.state.lock().expect("disk lock").tier.recycle(block.buf);
@@ -737,36 +748,42 @@ impl DiskTier {
 }
 
 /// Advertises the blocks recovery kept (C18) through the registration
-/// queue, never offering more than the queue has room for: a tier
-/// recovers far more blocks than the queue holds (tens of thousands
-/// against `REGISTRATION_QUEUE_DEPTH_DEFAULT`, 4,096), and one offer of
-/// them all dropped everything past the first queue's worth. While the
-/// queue is full it waits for a flush (bounded by the MetaServer RPC
-/// deadline). Ends once every block was offered, or when the engine is
-/// gone or its client shut down.
+/// queue, a share of its free room at a time: a tier recovers far more
+/// blocks than the queue holds (tens of thousands against
+/// `REGISTRATION_QUEUE_DEPTH_DEFAULT`, 4,096), and one offer of them all
+/// dropped everything past the first queue's worth. Each round offers at
+/// most half the free room (the engine's own saves and removals keep the
+/// rest), and only blocks whose record is still in the tier, checked and
+/// offered under the tier's lock ([`DiskTier::offer_recovered`]): a record
+/// evicted after that check has its removal registered by the driver after
+/// the insert, one evicted before it is not advertised — an insert never
+/// follows its own removal. While the queue has no room it polls every
+/// [`RECOVERED_READVERTISE_POLL_MS`] (never a flush, which would take the
+/// report of drops owed to the engine's own next flush, C3). Ends once
+/// every block was considered, or when the engine is gone or its client
+/// shut down.
 pub(crate) async fn readvertise_recovered(engine: Weak<EngineInner>, keys: Vec<BlockKey>) {
-    let mut by_ns: HashMap<Arc<str>, Vec<BlockHash>> = HashMap::new();
+    let mut by_ns: HashMap<Arc<str>, Vec<BlockKey>> = HashMap::new();
     for k in keys {
-        by_ns.entry(k.namespace).or_default().push(k.hash);
+        by_ns.entry(k.namespace.clone()).or_default().push(k);
     }
-    for (ns, hashes) in by_ns {
+    for (ns, keys) in by_ns {
         let mut at = 0;
-        while at < hashes.len() {
+        while at < keys.len() {
             let Some(e) = engine.upgrade() else { return };
-            let client = e.client.clone();
-            let Some(room) = client.queue_room() else { return };
-            if room == 0 {
-                drop(e); // a flush may take an RPC deadline: do not hold the engine
-                client.flush().await;
+            let Some(d) = e.disk.as_ref() else { return };
+            let Some(room) = e.client.queue_room() else { return };
+            let share = room / 2;
+            if share == 0 {
+                drop(e); // do not keep the engine alive while waiting
+                tokio::time::sleep(Duration::from_millis(RECOVERED_READVERTISE_POLL_MS)).await;
                 continue;
             }
-            let part = &hashes[at..(at + room).min(hashes.len())];
-            let accepted = client.try_register(&ns, part);
-            if let Some(d) = &e.disk {
-                d.metrics().recovered_advertised.fetch_add(part.len() as u64, Ordering::Relaxed);
-            }
+            let part = &keys[at..(at + share).min(keys.len())];
+            let (offered, accepted) = d.offer_recovered(&e.client, &ns, part);
+            d.metrics().recovered_advertised.fetch_add(offered, Ordering::Relaxed);
             // Another offer may have taken the room meanwhile.
-            e.metrics.registrations_dropped_at_enqueue.fetch_add((part.len() - accepted) as u64, Ordering::Relaxed);
+            e.metrics.registrations_dropped_at_enqueue.fetch_add(offered - accepted, Ordering::Relaxed);
             at += part.len();
         }
     }

@@ -79,8 +79,10 @@ pub struct EngineConfig {
     /// parts travel over several of the transport's connections at once.
     pub fetch_reads_in_flight: usize,
     /// Least bytes of a fetched part worth a checksum task of its own (see
-    /// [`limits::FETCH_VERIFY_PART_BYTES_MIN`]); the simulator sets it low so
-    /// its small parts take the same spread-over-tasks path as production.
+    /// [`limits::FETCH_VERIFY_PART_BYTES_MIN`]), for the checksum pass over
+    /// what the transport did not sum as it landed (every byte on a
+    /// transport without `read_summed`); the simulator sets it low so its
+    /// small parts take the spread-over-tasks path.
     pub fetch_verify_task_bytes_min: u64,
     /// Seed of the engine's RNG (its incarnation and transfer-session ids,
     /// C16). `None` (the default): drawn from OS entropy, so ids are

@@ -419,7 +419,8 @@ pub struct ReadCompletion {
     /// Per extent, from [`Transport::read_summed`] where the transport
     /// took them: the CRC-32C of each slot of the bytes as they landed in
     /// the extent (`None` for an extent it could not sum: a failed read,
-    /// ops that did not fill it in order). Empty when it took none.
+    /// ops that did not fill it in order). Empty after a plain
+    /// [`Transport::read`] and from a transport that never sums.
     pub sums: Vec<Option<Arc<[u32]>>>,
 }
 
@@ -451,8 +452,9 @@ pub struct SlotEnds(pub Arc<[u64]>);
 /// The checksum is taken while the bytes are still in cache (the
 /// transport sums each piece right after it landed), instead of a pass
 /// that reads the whole part again from memory after the read: on the
-/// H200 host that second pass cost T4 0.80–0.83 against 0.88–1.05
-/// without it (`bench transport`, 1 GiB).
+/// H200 host T4 0.72–0.79 with that pass against 0.83–0.92 summed as the
+/// bytes land, alternating in one lease (`bench transport`, 1 GiB;
+/// `docs/BENCHMARKS.md`).
 #[derive(Debug)]
 pub(crate) struct SlotSummer<'a> {
     ends: &'a [u64],

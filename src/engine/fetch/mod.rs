@@ -609,8 +609,12 @@ impl<'a> Driver<'a> {
             Outcome::Read { part, first, done } => {
                 self.reads -= 1;
                 self.put_back(first, done.local);
+                // Keyed by part index, which a later owner's parts reuse:
+                // never leave an earlier read's sums behind.
                 if done.sums.iter().any(Option::is_some) {
                     self.landed_sums.insert(part, done.sums);
+                } else {
+                    self.landed_sums.remove(&part);
                 }
                 Event::ReadDone { part, results: done.results }
             }
@@ -788,17 +792,19 @@ impl<'a> Driver<'a> {
                 pending.push(Box::pin(async move {
                     let (local, mut sums) = match landed {
                         // Summed as the bytes landed: only an extent the
-                        // transport could not sum is read again here.
+                        // transport could not sum goes through the pass.
                         Some(landed) => {
-                            let sums = local
-                                .iter()
-                                .zip(&read_ok)
-                                .zip(landed.into_iter().chain(std::iter::repeat(None)))
-                                .map(|((e, ok), l)| {
-                                    ok.then(|| l.unwrap_or_else(|| slot_checksums(&layout, e.as_slice())))
-                                })
-                                .collect();
-                            (local, sums)
+                            let landed: Vec<Option<Arc<[u32]>>> =
+                                landed.into_iter().chain(std::iter::repeat(None)).take(local.len()).collect();
+                            let need: Vec<bool> =
+                                read_ok.iter().zip(&landed).map(|(ok, l)| *ok && l.is_none()).collect();
+                            if need.contains(&true) {
+                                let (local, passed) =
+                                    verify_slots(&layout, local, need.clone(), task_bytes_min, deadline).await;
+                                (local, merge_sums(&read_ok, &need, landed, passed))
+                            } else {
+                                (local, merge_sums(&read_ok, &need, landed, Vec::new()))
+                            }
                         }
                         None => verify_slots(&layout, local, read_ok, task_bytes_min, deadline).await,
                     };
@@ -1220,6 +1226,30 @@ async fn verify_slots(
     (extents, sums)
 }
 
+/// A part's sums from the transport's (`landed`) and from the pass over the
+/// extents it could not sum (`need`; `passed`, a prefix when the pass
+/// stopped at the deadline): each read extent's, up to the first one the
+/// pass did not reach (the sums stay a prefix, as [`verify_slots`]'s).
+fn merge_sums(
+    read_ok: &[bool],
+    need: &[bool],
+    landed: Vec<Option<Arc<[u32]>>>,
+    passed: Vec<Option<Arc<[u32]>>>,
+) -> Vec<Option<Arc<[u32]>>> {
+    let mut out = Vec::with_capacity(landed.len());
+    for (i, l) in landed.into_iter().enumerate() {
+        if need[i] {
+            match passed.get(i) {
+                Some(s) => out.push(s.clone()),
+                None => break,
+            }
+        } else {
+            out.push(if read_ok[i] { l } else { None });
+        }
+    }
+    out
+}
+
 /// Where each slot of a block of `layout` ends, for a transport that sums
 /// slots as bytes land; `None` unless the slots tile the block from its
 /// first byte to its last (concatenated in layer order, as
@@ -1241,7 +1271,8 @@ fn slot_ends(layout: &super::layout::Layout) -> Option<SlotEnds> {
 /// Blocks per read part of a fetch of `missing` blocks of `block_bytes`:
 /// about `missing / (2 * reads_in_flight)` blocks, so that every part in
 /// flight is followed by a second one and only the last, small part's
-/// checksum pass and load trail the reads; never more than
+/// load (and, on a transport that does not sum as bytes land, its
+/// checksum pass) trails the reads; never more than
 /// `part_bytes_max` ([`super::EngineConfig::fetch_read_part_bytes`]) nor
 /// less than [`crate::limits::FETCH_READ_PART_BYTES_MIN`] of blocks, and
 /// at least one block. A fetch of 512 MiB or more with 4 parts in flight
@@ -1315,6 +1346,28 @@ mod tests {
     /// The checksum pass ends at the fetch's deadline (C9): before it every
     /// block whose read succeeded is checked; once it passed none is, on
     /// one task or several, and every slot comes back to be freed (C11).
+    /// Sums taken as the bytes landed are kept for read extents; an extent
+    /// the transport could not sum takes the pass's; where the pass stopped
+    /// (its sums a prefix), the part's sums stop too, so no block after an
+    /// unchecked one is kept; a failed read has none.
+    #[test]
+    fn landed_and_passed_sums_merge_into_a_prefix() {
+        let s = |x: u32| Some(Arc::<[u32]>::from(vec![x]));
+        let read_ok = [true, false, true, true, true];
+        let landed = vec![s(1), s(2), None, s(4), None];
+        let need = [false, false, true, false, true];
+        // The pass reached every extent.
+        let all = super::merge_sums(&read_ok, &need, landed.clone(), vec![None, None, s(30), None, s(50)]);
+        assert_eq!(all, vec![s(1), None, s(30), s(4), s(50)]);
+        // The pass stopped after extent 3: extent 4 (needing it) and
+        // everything after it are cut.
+        let cut = super::merge_sums(&read_ok, &need, landed.clone(), vec![None, None, s(30), None]);
+        assert_eq!(cut, vec![s(1), None, s(30), s(4)]);
+        // Stopped before extent 2: the prefix ends there.
+        let early = super::merge_sums(&read_ok, &need, landed, vec![None, None]);
+        assert_eq!(early, vec![s(1), None]);
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_checksum_pass_stops_at_the_deadline() {
         let layers = (0..2u32)
