@@ -608,8 +608,9 @@ pub const DISK_STAGE_DEADLINE_MS_DEFAULT: u64 = 2_000;
 pub const DISK_STAGE_READS_IN_FLIGHT: usize = 64;
 
 /// Record buffers the write-behind queue of each `kvferry pd` node's disk
-/// tier may hold by default (bytes; `--ssd-write-queue` sets a block count
-/// instead): the queue is this many bytes of blocks, at most
+/// tier may hold by default (bytes, and at most 1/8 of `--ssd-size`;
+/// `--ssd-write-queue` sets a block count instead): the queue is this many
+/// bytes of blocks, at most
 /// [`PD_SSD_WRITE_QUEUE_MAX`] blocks, so bursts of evictions (a long
 /// request's saves) are absorbed while the disk catches up. On the H200
 /// host (`pd --requests 1500 --ssd-size 8GiB`, 64 KiB blocks,

@@ -689,12 +689,21 @@ impl<D: DiskIo> Tier<D> {
         }
         let Some(offset) = self.make_room(need) else {
             self.counters.write_refused_no_space += 1;
-            tracing::warn!(
-                need,
-                free = self.space.free_bytes(),
-                capacity = self.space.capacity(),
-                "disk tier: no space for a record even after eviction; the block is dropped"
-            );
+            // Counted every time; logged at warn on the first refusal and on
+            // every power of two from 1024 on (a tier whose space the write
+            // queue's records hold refuses thousands), else at debug.
+            let n = self.counters.write_refused_no_space;
+            if n == 1 || n.is_power_of_two() && n >= 1024 {
+                tracing::warn!(
+                    refusals = n,
+                    need,
+                    free = self.space.free_bytes(),
+                    capacity = self.space.capacity(),
+                    "disk tier: no space for a record even after eviction (records still being written are not evictable: a tier far larger than its write queue avoids this); the block is dropped"
+                );
+            } else {
+                tracing::debug!(refusals = n, need, "disk tier: no space for a record; the block is dropped");
+            }
             return Err(WriteRefused::NoSpace { need, free: self.space.free_bytes(), capacity: self.space.capacity() });
         };
         let mut buf = match self.take_buf(need as usize) {

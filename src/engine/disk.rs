@@ -609,6 +609,8 @@ impl DiskTier {
                             tracing::debug!(refusals = n, "disk tier: write queue full, block dropped");
                         }
                     }
+                    // Logged by the tier, rate-limited.
+                    WriteRefused::NoSpace { .. } => {}
                     e => tracing::warn!(error = %e, "disk tier: write refused, block dropped"),
                 }
                 false

@@ -1194,7 +1194,7 @@ fn check_ssd_space(cfg: &PdConfig) -> Result<(), PdError> {
             .map_err(|e| PdError::Start(format!("--ssd-dir {}: {e}", dir.display())))?;
         if need > free {
             return Err(PdError::Start(format!(
-                "--ssd-dir {}: {nodes} node tier(s) of --ssd-size {} need {:.2} GiB more, the file system has {:.2} GiB free (lower --ssd-size, or --ssd-roles prefill)",
+                "--ssd-dir {}: {nodes} node tier(s) of --ssd-size {} need {:.2} GiB beyond what their files already hold, the file system has {:.2} GiB free (lower --ssd-size, or --ssd-roles prefill)",
                 dir.display(),
                 cfg.ssd_bytes,
                 need as f64 / (1u64 << 30) as f64,
@@ -1232,10 +1232,13 @@ async fn start_node(
                     .map_err(|e| PdError::Start(format!("--ssd-dir: cannot create {}: {e}", sub.display())))?;
                 Some(crate::engine::DiskConfig {
                     write_queue_max: cfg.ssd_write_queue.unwrap_or_else(|| {
+                        // Records still being written cannot be evicted: a
+                        // queue as large as the tier itself would leave no
+                        // room (a 256 MiB tier refused thousands of writes
+                        // for want of space), so it holds at most 1/8 of it.
                         let block = shape.model.block_bytes(cfg.block_tokens).max(1);
-                        usize::try_from(limits::PD_SSD_WRITE_QUEUE_BYTES / block)
-                            .unwrap_or(usize::MAX)
-                            .clamp(1, limits::PD_SSD_WRITE_QUEUE_MAX)
+                        let bytes = limits::PD_SSD_WRITE_QUEUE_BYTES.min(cfg.ssd_bytes / 8);
+                        usize::try_from(bytes / block).unwrap_or(usize::MAX).clamp(1, limits::PD_SSD_WRITE_QUEUE_MAX)
                     }),
                     ..crate::engine::DiskConfig::new(sub, cfg.ssd_bytes)
                 })
