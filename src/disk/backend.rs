@@ -112,4 +112,10 @@ impl DiskIo for RealDisk {
             RealDisk::Pio(d) => d.set_completion_hint(hint),
         }
     }
+    fn next_data(&self, from: u64) -> Option<u64> {
+        match self {
+            RealDisk::Uring(d) => d.next_data(from),
+            RealDisk::Pio(d) => d.next_data(from),
+        }
+    }
 }

@@ -278,6 +278,23 @@ impl DiskFile {
         self.capacity
     }
 
+    /// [`DiskIo::next_data`](super::io::DiskIo::next_data) for this file:
+    /// `lseek(SEEK_DATA)` from `from`; `None` at `ENXIO` (no data after
+    /// `from`), `Some(from)` when the file system cannot tell.
+    pub fn next_data(&self, from: u64) -> Option<u64> {
+        let Ok(at) = libc::off_t::try_from(from) else { return Some(from) };
+        // SAFETY: lseek on a descriptor this file owns; it moves only the
+        // file offset, which no I/O of the tier uses (all positioned).
+        let r = unsafe { libc::lseek(self.file.as_raw_fd(), at, libc::SEEK_DATA) };
+        if r >= 0 {
+            return Some((r as u64).max(from));
+        }
+        match std::io::Error::last_os_error().raw_os_error() {
+            Some(libc::ENXIO) => None,
+            _ => Some(from),
+        }
+    }
+
     /// The file.
     pub fn file(&self) -> &File {
         &self.file

@@ -199,6 +199,18 @@ pub trait DiskIo: Send {
         let _ = hint;
         false
     }
+
+    /// Where data may start at or after byte `from` of the medium: `from`
+    /// itself unless the backend knows the range from `from` holds nothing
+    /// ever written (a file's holes and unwritten preallocated extents,
+    /// `lseek(SEEK_DATA)`); `None` when nothing at or after `from` was ever
+    /// written. Recovery skips what this rules out, so a fresh or partly
+    /// used tier is not read end to end at start. Default: everything may
+    /// be data (`Some(from)`). A backend that answers wrongly can only make
+    /// recovery miss records (never accept one: each still verifies, C18).
+    fn next_data(&self, from: u64) -> Option<u64> {
+        Some(from)
+    }
 }
 
 /// Checks `op`'s alignment and range against `capacity` and the queue

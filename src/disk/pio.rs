@@ -155,6 +155,9 @@ impl DiskIo for PioDisk {
     fn kind(&self) -> BackendKind {
         BackendKind::Pio
     }
+    fn next_data(&self, from: u64) -> Option<u64> {
+        self.file.next_data(from)
+    }
 
     fn capacity(&self) -> u64 {
         self.file.capacity()

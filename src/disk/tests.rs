@@ -476,6 +476,60 @@ mod real {
         assert_eq!(got.unwrap(), saved[13]);
     }
 
+    /// Recovery reads only what was ever written: a fresh file (allocated,
+    /// never written) is skipped whole where the file system tells holes
+    /// (`SEEK_DATA`), and after a few records at its start only their
+    /// region is read — every record still found. On a file system that
+    /// cannot tell, everything is read and still every record found.
+    #[test]
+    fn recovery_skips_what_was_never_written() {
+        let d = dir();
+        let cap = 64u64 << 20;
+        let open = || match open_backend(d.path(), cap, 8, BackendChoice::Pio) {
+            Ok(x) => Some(x),
+            Err(e @ OpenError::DirectIoRefused { .. }) => {
+                println!("SKIPPED: {e}");
+                None
+            }
+            Err(e) => panic!("{e}"),
+        };
+        // Whether this file system tells never-written preallocated space
+        // from data, asked of a file of the test's own (allocated as the
+        // tier's is): then the tier must skip it.
+        let probe = d.path().join("probe");
+        let f = std::fs::File::create(&probe).unwrap();
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&f);
+        // SAFETY: fallocate and lseek on a descriptor this test owns.
+        let holes = unsafe { libc::fallocate(fd, 0, 0, 1 << 20) } == 0
+            && unsafe { libc::lseek(fd, 0, libc::SEEK_DATA) } < 0
+            && std::io::Error::last_os_error().raw_os_error() == Some(libc::ENXIO);
+        println!("the file system tells unwritten space: {holes}");
+        drop(f);
+        std::fs::remove_file(&probe).unwrap();
+        let Some(disk) = open() else { return };
+        let (mut t, fresh) = Tier::open(disk, TierConfig { write_queue_max: 32, ..TierConfig::default() }).unwrap();
+        println!("fresh: scanned {} skipped {}", fresh.scanned_bytes, fresh.skipped_bytes);
+        if holes {
+            assert_eq!(fresh.scanned_bytes, 0, "a never-written file is not read: {fresh:?}");
+        } else {
+            assert_eq!(fresh.scanned_bytes, cap, "{fresh:?}");
+        }
+        for i in 0..20 {
+            let (s, b) = block(i, 4, 20_000);
+            t.write(&key(i), &s, &b).unwrap();
+        }
+        t.drain().unwrap();
+        drop(t);
+        let Some(disk) = open() else { return };
+        let (_t, rec) = Tier::open(disk, TierConfig::default()).unwrap();
+        println!("after 20 records: scanned {} skipped {}", rec.scanned_bytes, rec.skipped_bytes);
+        assert_eq!(rec.blocks.len(), 20, "{rec:?}");
+        assert_eq!(rec.scanned_bytes + rec.skipped_bytes, cap, "every byte is read or ruled out: {rec:?}");
+        if holes {
+            assert!(rec.scanned_bytes < cap / 4, "only the written start is read: {rec:?}");
+        }
+    }
+
     /// A real backend calls the completion hint when operations complete,
     /// without being polled, and dropping it stops its hint thread.
     fn completion_hint(choice: BackendChoice) {

@@ -49,9 +49,10 @@
 //!
 //! # Recovery (C18)
 //!
-//! [`Tier::open`] scans the whole file in
-//! [`DISK_RECOVERY_CHUNK_BYTES`] reads and tries every 4 KiB boundary as a
-//! record start; a candidate is kept only when its header and every slot
+//! [`Tier::open`] scans the file in [`DISK_RECOVERY_CHUNK_BYTES`] reads —
+//! all of it, less what the backend knows was never written
+//! ([`DiskIo::next_data`]: holes and unwritten preallocated space, which
+//! hold no record) — and tries every 4 KiB boundary as a record start; a candidate is kept only when its header and every slot
 //! checksum verify. Candidates are then taken newest generation first; one
 //! that overlaps an already kept record or repeats its key is dropped. A
 //! crash tears at most the writes in flight (records are written in one
@@ -432,6 +433,9 @@ pub struct Recovery {
     pub superseded: u64,
     /// Bytes scanned.
     pub scanned_bytes: u64,
+    /// Bytes not read because the backend knew them never written
+    /// ([`DiskIo::next_data`]: a fresh or partly used file's holes).
+    pub skipped_bytes: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -1169,6 +1173,20 @@ impl<D: DiskIo> Tier<D> {
         while pos < cap {
             let in_chunk = chunk.as_ref().is_some_and(|(s, _, v)| pos >= *s && pos + page <= s + v);
             if !in_chunk {
+                // What was never written holds no record: skip to where
+                // data starts (a record starts inside data, on a page).
+                match self.io.next_data(pos) {
+                    None => {
+                        rec.skipped_bytes += cap - pos;
+                        break;
+                    }
+                    Some(d) if d & !(page - 1) > pos => {
+                        rec.skipped_bytes += (d & !(page - 1)).min(cap) - pos;
+                        pos = d & !(page - 1);
+                        continue;
+                    }
+                    Some(_) => {}
+                }
                 let len = DISK_RECOVERY_CHUNK_BYTES.min(cap - pos);
                 let buf = match chunk.take() {
                     Some((_, mut b, _)) if b.capacity() >= len as usize => {

@@ -173,6 +173,9 @@ impl DiskIo for UringDisk {
     fn kind(&self) -> BackendKind {
         BackendKind::IoUring
     }
+    fn next_data(&self, from: u64) -> Option<u64> {
+        self.file.next_data(from)
+    }
 
     fn capacity(&self) -> u64 {
         self.file.capacity()

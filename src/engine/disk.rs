@@ -328,6 +328,13 @@ impl DiskIo for NodeDisk {
             NodeDisk::Sim(d) => d.set_completion_hint(hint),
         }
     }
+    fn next_data(&self, from: u64) -> Option<u64> {
+        match self {
+            #[cfg(target_os = "linux")]
+            NodeDisk::Real(d) => d.next_data(from),
+            NodeDisk::Sim(d) => d.next_data(from),
+        }
+    }
 }
 
 /// Counters of the engine's use of its disk tier (monotonic); the tier's
@@ -527,6 +534,8 @@ impl DiskTier {
             capacity = tier.capacity(),
             recovered = rec.blocks.len(),
             rejected = rec.rejected,
+            scanned_bytes = rec.scanned_bytes,
+            skipped_bytes = rec.skipped_bytes,
             completions = if hinted { "woken" } else { "polled" },
             "disk tier open"
         );
