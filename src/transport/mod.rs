@@ -419,8 +419,9 @@ pub struct ReadCompletion {
     /// Per extent, from [`Transport::read_summed`] where the transport
     /// took them: the CRC-32C of each slot of the bytes as they landed in
     /// the extent (`None` for an extent it could not sum: a failed read,
-    /// ops that did not fill it in order). Empty after a plain
-    /// [`Transport::read`] and from a transport that never sums.
+    /// ops that did not fill it in order). Empty after a plain read
+    /// ([`Transport::read`], or `read_summed` without slot ends) and from a
+    /// transport that never sums.
     pub sums: Vec<Option<Arc<[u32]>>>,
 }
 
@@ -541,17 +542,17 @@ pub trait Transport: Send + Sync + 'static {
     /// Forgets a peer (connections, metadata).
     fn disconnect(&self, peer: &NodeAddr);
 
-    /// As [`read`](Self::read), and where the transport can, takes each
-    /// extent's slot checksums (`ends`) as the bytes land
-    /// ([`ReadCompletion::sums`]), so the caller need not read them again.
-    /// Default: a plain read, no sums.
+    /// As [`read`](Self::read), and with `ends`, where the transport can,
+    /// takes each extent's slot checksums as the bytes land
+    /// ([`ReadCompletion::sums`]), so the caller need not read them again;
+    /// `None` is a plain read. Default: a plain read, no sums.
     async fn read_summed(
         &self,
         peer: &NodeAddr,
         session: &str,
         ops: Vec<ReadOp>,
         local: Vec<Extent>,
-        ends: SlotEnds,
+        ends: Option<SlotEnds>,
         deadline: Instant,
     ) -> ReadCompletion {
         let _ = ends;

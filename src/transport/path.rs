@@ -342,27 +342,13 @@ impl Transport for PathTransport {
         local: Vec<Extent>,
         deadline: Instant,
     ) -> ReadCompletion {
-        self.read_on_path(peer, session, ops, local, None, deadline).await
+        self.read_summed(peer, session, ops, local, None, deadline).await
     }
 
+    /// The path chosen for `peer`: the shared pool when attached, TCP for
+    /// what it could not read; with `ends`, each path takes the extents'
+    /// slot checksums as the bytes land.
     async fn read_summed(
-        &self,
-        peer: &NodeAddr,
-        session: &str,
-        ops: Vec<ReadOp>,
-        local: Vec<Extent>,
-        ends: super::SlotEnds,
-        deadline: Instant,
-    ) -> ReadCompletion {
-        self.read_on_path(peer, session, ops, local, Some(ends), deadline).await
-    }
-}
-
-impl PathTransport {
-    /// A read batch on the path chosen for `peer` (the shared pool when
-    /// attached, TCP for what it could not read); with `ends`, each path
-    /// takes the extents' slot checksums as the bytes land.
-    async fn read_on_path(
         &self,
         peer: &NodeAddr,
         session: &str,
@@ -371,22 +357,9 @@ impl PathTransport {
         ends: Option<super::SlotEnds>,
         deadline: Instant,
     ) -> ReadCompletion {
-        async fn read(
-            t: &dyn Transport,
-            (peer, session): (&NodeAddr, &str),
-            ops: Vec<ReadOp>,
-            local: Vec<Extent>,
-            ends: Option<super::SlotEnds>,
-            deadline: Instant,
-        ) -> ReadCompletion {
-            match ends {
-                Some(e) => t.read_summed(peer, session, ops, local, e, deadline).await,
-                None => t.read(peer, session, ops, local, deadline).await,
-            }
-        }
         #[cfg(target_os = "linux")]
         if let Some(s) = self.shm.as_ref().filter(|s| s.is_attached(peer)) {
-            let done = read(&**s, (peer, session), ops.clone(), local, ends.clone(), deadline).await;
+            let done = s.read_summed(peer, session, ops.clone(), local, ends.clone(), deadline).await;
             self.shm_counters.count(&ops, &done.results);
             if self.choice == PathChoice::Shm || done.results.iter().all(Result::is_ok) {
                 return done;
@@ -397,7 +370,7 @@ impl PathTransport {
             let (failed, sub_ops, sub, mut kept) = retry_subset(&ops, done.local, &done.results);
             self.shm_counters.fallbacks.fetch_add(failed.len() as u64, Ordering::Relaxed);
             tracing::debug!(%peer, extents = failed.len(), "shared-pool read failed; reading those over TCP");
-            let again = read(&*self.tcp, (peer, session), sub_ops.clone(), sub, ends.clone(), deadline).await;
+            let again = self.tcp.read_summed(peer, session, sub_ops.clone(), sub, ends.clone(), deadline).await;
             self.tcp_counters.count(&sub_ops, &again.results);
             let mut results = done.results;
             let mut sums = done.sums;
@@ -427,7 +400,7 @@ impl PathTransport {
             }
             return ReadCompletion { local, results: kept_results, sums: kept_sums };
         }
-        let done = read(&*self.tcp, (peer, session), ops.clone(), local, ends, deadline).await;
+        let done = self.tcp.read_summed(peer, session, ops.clone(), local, ends, deadline).await;
         self.tcp_counters.count(&ops, &done.results);
         done
     }

@@ -920,33 +920,20 @@ impl Transport for ShmTransport {
     async fn read(
         &self,
         peer: &NodeAddr,
-        _session: &str,
+        session: &str,
         ops: Vec<ReadOp>,
         local: Vec<Extent>,
         deadline: Instant,
     ) -> ReadCompletion {
-        self.copy_in(peer, ops, local, None, deadline).await
+        self.read_summed(peer, session, ops, local, None, deadline).await
     }
 
+    /// With `ends`, each extent's slot checksums are taken as its pieces
+    /// are copied.
     async fn read_summed(
         &self,
         peer: &NodeAddr,
         _session: &str,
-        ops: Vec<ReadOp>,
-        local: Vec<Extent>,
-        ends: super::SlotEnds,
-        deadline: Instant,
-    ) -> ReadCompletion {
-        self.copy_in(peer, ops, local, Some(ends), deadline).await
-    }
-}
-
-impl ShmTransport {
-    /// A read batch from `peer`'s mapped pool; with `ends`, each extent's
-    /// slot checksums are taken as its pieces are copied.
-    async fn copy_in(
-        &self,
-        peer: &NodeAddr,
         ops: Vec<ReadOp>,
         local: Vec<Extent>,
         ends: Option<super::SlotEnds>,
@@ -1312,7 +1299,7 @@ mod tests {
             op(b.offset(), half, 1, 0),
         ];
         let local: Vec<Extent> = (0..2).map(|_| reader.pool.alloc(len).unwrap()).collect();
-        let done = reader.t.read_summed(&owner.node, "s", ops.clone(), local, ends, later()).await;
+        let done = reader.t.read_summed(&owner.node, "s", ops.clone(), local, Some(ends), later()).await;
         assert!(done.results.iter().all(Result::is_ok), "{:?}", done.results);
         assert_eq!(done.local[0].as_slice(), b.as_slice());
         assert_eq!(done.local[1].as_slice(), b.as_slice());

@@ -785,26 +785,10 @@ impl Transport for TcpTransport {
         local: Vec<Extent>,
         deadline: Instant,
     ) -> ReadCompletion {
-        self.read_batch(peer, session, ops, local, None, deadline).await
+        self.read_summed(peer, session, ops, local, None, deadline).await
     }
 
     async fn read_summed(
-        &self,
-        peer: &NodeAddr,
-        session: &str,
-        ops: Vec<ReadOp>,
-        local: Vec<Extent>,
-        ends: SlotEnds,
-        deadline: Instant,
-    ) -> ReadCompletion {
-        self.read_batch(peer, session, ops, local, Some(ends), deadline).await
-    }
-}
-
-impl TcpTransport {
-    /// A read batch from `peer`; with `ends`, each extent's slot checksums
-    /// are taken as its bytes land (see [`Transport::read_summed`]).
-    async fn read_batch(
         &self,
         peer: &NodeAddr,
         session: &str,

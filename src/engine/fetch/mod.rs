@@ -297,6 +297,10 @@ struct Driver<'a> {
     /// ([`crate::transport::Transport::read_summed`]), per extent, until
     /// their verify action takes them.
     landed_sums: HashMap<usize, Vec<Option<Arc<[u32]>>>>,
+    /// Where each slot of a block of `layout` ends, for the transport to
+    /// sum slots as bytes land (`None`: the layout's slots do not tile its
+    /// blocks; every part then goes through the checksum pass).
+    slot_ends: Option<SlotEnds>,
     /// Request indices whose block landed device to device (sealed as
     /// loaded, never into the pool).
     device_done: std::collections::HashSet<usize>,
@@ -423,6 +427,7 @@ impl Engine {
                 owners_max: crate::limits::FETCH_OWNERS_MAX,
             };
             let (m, first) = FetchMachine::start(cfg, hashes.to_vec(), local);
+            let ends = slot_ends(&layout);
             let mut d = Driver {
                 engine: self,
                 namespace,
@@ -443,6 +448,7 @@ impl Engine {
                 device: None,
                 device_parts: HashMap::new(),
                 landed_sums: HashMap::new(),
+                slot_ends: ends,
                 device_done: std::collections::HashSet::new(),
             };
             d.run(first).await;
@@ -740,8 +746,7 @@ impl<'a> Driver<'a> {
                 let ops = read_ops(&self.layout, &plan);
                 let direct = self.device_copy(&blocks, &plan, &ops);
                 let local = self.take(&blocks);
-                let (transport, deadline) = (self.transport.clone(), self.deadline);
-                let layout = self.layout.clone();
+                let (transport, deadline, ends) = (self.transport.clone(), self.deadline, self.slot_ends.clone());
                 self.reads += 1;
                 let first = blocks.start;
                 pending.push(Box::pin(async move {
@@ -758,10 +763,7 @@ impl<'a> Driver<'a> {
                             }
                         }
                     }
-                    let done = match slot_ends(&layout) {
-                        Some(ends) => transport.read_summed(&owner, &session, ops, local, ends, deadline).await,
-                        None => transport.read(&owner, &session, ops, local, deadline).await,
-                    };
+                    let done = transport.read_summed(&owner, &session, ops, local, ends, deadline).await;
                     Outcome::Read { part, first, done }
                 }));
                 None
