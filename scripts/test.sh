@@ -67,6 +67,7 @@ scripts/fuzz.sh smoke "$FUZZ_SECS"
 
 step "tier 4: clippy (tokio and madsim)"
 cargo clippy --all-targets -- -D warnings
+cargo clippy --features cuda --lib --bins -- -D warnings
 RUSTFLAGS="--cfg madsim ${RUSTFLAGS:-}" CARGO_TARGET_DIR=target-sim cargo clippy --lib --test sim -- -D warnings
 RUSTFLAGS="--cfg madsim ${RUSTFLAGS:-}" CARGO_TARGET_DIR=target-sim cargo clippy --lib --test sim --features canaries -- -D warnings
 

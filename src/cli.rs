@@ -233,6 +233,9 @@ struct PdArgs {
     /// Whether a decode fetch from a same-host owner's shared pool copies blocks straight from the mapped pool into the decode's KV (true: one copy) or into its own pool first and then loads them (false: the two-step path, for comparison).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     shm_direct: bool,
+    /// Whether each decode node connects to each prefill node before the replay (handshake; on one host, opening the prefill's shared pool as a copy source, counted in the start-up time) or lazily on its first fetch (false).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    connect_peers: bool,
     /// Whether a request stages its disk-resident prefix into its prefill node's pool while it waits for that node (with --ssd-dir), as an engine loads a queued request's KV ahead of its turn; false stages it on the request's own path.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     prefetch: bool,
@@ -581,9 +584,14 @@ fn report_text(r: &pd::PdReport) -> String {
     println!("  handoff (barrier → fetch end) p50 {:.2} ms, p99 {:.2} ms", r.handoff_p50_ms, r.handoff_p99_ms);
     match r.raw_gbps {
         Some(raw) => {
-            if r.raw_path == "device" {
+            if r.raw_path == "device" || r.raw_path == "h2d" {
+                let (label, what) = if r.raw_path == "device" {
+                    ("raw device copy       ", "one device-to-device copy")
+                } else {
+                    ("raw pinned h2d copy   ", "one pinned host-to-device copy")
+                };
                 println!(
-                    "  raw device copy        {raw:>8.2} GB/s   (one device-to-device copy of {:.1} MiB between fresh allocations, best of {}, at start-up)",
+                    "  {label} {raw:>8.2} GB/s   ({what} of {:.1} MiB into a fresh allocation, best of {}, at start-up)",
                     r.raw_copy_bytes as f64 / (1u64 << 20) as f64,
                     kvferry::limits::PD_RAW_COPY_REPS
                 );
@@ -801,6 +809,7 @@ async fn run_pd(a: PdArgs) -> Result<ExitCode, String> {
         ssd_roles: a.ssd_roles,
         ssd_write_queue: a.ssd_write_queue,
         prefetch: a.prefetch,
+        connect_peers: a.connect_peers,
         fetch_reads_in_flight: a.reads_in_flight,
         fetch_read_part_bytes: a.read_part_size,
         shared_pool_direct: a.shm_direct,

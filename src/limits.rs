@@ -181,6 +181,12 @@ pub const PD_RAW_COPY_BYTES_MAX: u64 = 1 << 30;
 /// copy is mostly connection set-up, not throughput.
 pub const PD_RAW_COPY_BYTES_MIN: u64 = 8 << 20;
 
+/// Longest `kvferry pd` waits for one decode engine's start-up connection
+/// to one prefill engine (`Engine::connect_peer`: handshake and, on one
+/// host, opening the prefill's shared pool; an 8 GiB pool takes ≈ 0.5 s
+/// to register on the H200).
+pub const PD_CONNECT_PEER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// Raw loopback copies `kvferry pd` times at start-up (count); the
 /// fastest is T8's baseline, which makes T8 conservative.
 pub const PD_RAW_COPY_REPS: usize = 3;

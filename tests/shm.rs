@@ -4,7 +4,8 @@
 //! the blocks; forced TCP; a refused shared pool and a failed shared-pool
 //! read falling back to TCP (counted); a forced shared pool that cannot be
 //! used failing cleanly; `fetch_into` copying from the owner's mapped pool
-//! straight into the caller's KV in one step.
+//! straight into the caller's KV in one step; `Engine::connect_peer`
+//! opening that pool before the first fetch.
 #![cfg(target_os = "linux")]
 
 mod common;
@@ -13,10 +14,11 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use common::*;
-use kvferry::engine::Engine;
+use kvferry::engine::fetch::FetchError;
+use kvferry::engine::{Engine, SharedPool};
 use kvferry::metaserver::MetaServerHandle;
 use kvferry::node::{NodeHandle, PathChoice, PathStats};
-use kvferry::types::BlockHash;
+use kvferry::types::{BlockHash, NodeAddr};
 
 const MIB: u64 = 1 << 20;
 const N: u64 = 33;
@@ -200,6 +202,54 @@ async fn fetch_into_copies_from_the_mapped_pool_in_one_step() {
         assert_eq!(m.checksum_failures.load(Ordering::Relaxed), 0);
         // The transfer locks were all released.
         assert!(eventually(Duration::from_secs(2), || p.engine.gauges().active_transfer_locks == 0).await);
+    })
+    .await;
+}
+
+/// `Engine::connect_peer` handshakes and opens a same-host owner's mapped
+/// pool before any fetch, so the first `fetch_into` already copies every
+/// block in one step (without it the first blocks take the pool copy, as
+/// the test above shows); over forced TCP there is no mapping to open; an
+/// address where nothing listens is a clear error within the timeout and
+/// leaves nothing behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_peer_opens_the_shared_pool_before_the_first_fetch() {
+    bounded(async {
+        let ms = start_ms().await;
+        let p = node_with(&ms, PathChoice::Shm).await;
+        let d = node_with(&ms, PathChoice::Shm).await;
+        let kp = register_default(&p.engine, 40);
+        let kd = register_default(&d.engine, 40);
+        let hs = hashes(1..N + 1);
+        prefill(&p.engine, &kp, &hs).await;
+        assert_eq!(d.engine.handshaken_peers(), 0);
+        let state = d.engine.connect_peer(&p.node, Duration::from_secs(5)).await.unwrap();
+        assert_eq!(state, SharedPool::Ready);
+        assert_eq!(d.engine.handshaken_peers(), 1);
+        let m = d.engine.metrics();
+        let all: Vec<(BlockHash, u64)> = hs.iter().cloned().zip(0u64..).collect();
+        let got = d.engine.fetch_into(NS, &all).await.unwrap();
+        assert_eq!(got.ready(), all.len(), "{:?}", got.fetch);
+        for (h, i) in &all {
+            assert!(verify(&d.engine, &kd, *i, h), "block {i} byte-identical at its index");
+        }
+        assert_eq!(m.shared_direct_blocks.load(Ordering::Relaxed), N, "every block in one step");
+        assert_eq!(m.fetched_bytes.load(Ordering::Relaxed), 0, "no block went through the pool");
+        // Connecting again is the same single-flight handshake.
+        assert_eq!(d.engine.connect_peer(&p.node, Duration::from_secs(5)).await.unwrap(), SharedPool::Ready);
+        assert_eq!(d.engine.handshaken_peers(), 1);
+
+        let t = node_with(&ms, PathChoice::Tcp).await;
+        assert_eq!(t.engine.connect_peer(&p.node, Duration::from_secs(5)).await.unwrap(), SharedPool::NotMapped);
+
+        let gone = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = NodeAddr(gone.local_addr().unwrap().to_string());
+        drop(gone);
+        let t0 = std::time::Instant::now();
+        let err = d.engine.connect_peer(&addr, Duration::from_secs(2)).await.unwrap_err();
+        assert!(t0.elapsed() < Duration::from_secs(4), "bounded by the timeout: {:?}", t0.elapsed());
+        assert!(matches!(err, FetchError::Handshake(_) | FetchError::Deadline | FetchError::Peer(_)), "{err}");
+        assert_eq!(d.engine.handshaken_peers(), 1, "a failed connect leaves no peer behind");
     })
     .await;
 }

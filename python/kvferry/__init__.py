@@ -57,6 +57,7 @@ from .errors import (
     KvferryError,
     LayoutError,
     MetaServerError,
+    PeerError,
     PoolFullError,
     StartError,
     UnknownNamespaceError,
@@ -800,6 +801,30 @@ class Node:
         ids = _block_ids(block_ids, distinct=True)
         f, lrep = self._node.fetch_into(namespace, [bytes(h) for h in hashes], ids, t)
         return FetchReport(**f), LoadReport(int(lrep["loaded"]), [tuple(x) for x in lrep["failed"]])
+
+    def connect_peer(self, addr: str, *, timeout: float = 30.0) -> str:
+        """Connects to the peer node at ``addr`` (its ``host:port``, as the
+        MetaServer names owners) before any fetch: the transfer handshake a
+        fetch would make, and, when the peer runs on this host and shares its
+        pool, the opening of that pool as a source of one-step copies into
+        your cache (on ``cuda``: registering it, about 60 ms per GiB, which
+        stalls other copies of this process meanwhile). Call it at start-up
+        for the prefill nodes a decode node will read from, so no request
+        pays for it. Waits at most ``timeout`` seconds.
+
+        Returns:
+            ``"ready"`` (one-step copies from the peer's pool),
+            ``"not_mapped"`` (another host, or reads go over the network),
+            ``"opening"`` (still being opened when ``timeout`` passed; it
+            goes on in the background) or ``"refused"`` (the GPU backend
+            cannot read that pool; reads copy through this node's pool).
+
+        Raises:
+            PeerError: the peer is unreachable or refused the handshake;
+            DeadlineError: ``timeout`` passed during the handshake;
+            ConfigError: a bad ``timeout``.
+        """
+        return str(self._node.connect_peer(str(addr), float(timeout)))
 
     # -- device leases (same-host device-direct handoff) ----------------
     def grant_device_lease(

@@ -29,6 +29,7 @@ __all__ = [
     "MetaServerError",
     "DeadlineError",
     "ClosedError",
+    "PeerError",
     "CODE_CLASSES",
     "CODE_PREFIX_CLASSES",
     "class_for",
@@ -110,6 +111,11 @@ class ClosedError(KvferryError):
     """The node or MetaServer was shut down."""
 
 
+class PeerError(KvferryError, ConnectionError):
+    """A peer node could not be reached or refused the transfer handshake
+    (:meth:`kvferry.Node.connect_peer`)."""
+
+
 #: Exact code → class, for codes whose class differs from their family's.
 CODE_CLASSES: dict[str, type[KvferryError]] = {
     "engine_unknown_namespace": UnknownNamespaceError,
@@ -124,6 +130,7 @@ CODE_CLASSES: dict[str, type[KvferryError]] = {
     "client_tls": ConfigError,
     "closed": ClosedError,
     "deadline": DeadlineError,
+    "fetch_deadline": DeadlineError,
     "runtime": StartError,
     "task_lost": KvferryError,
     "addr_parse": ConfigError,
@@ -146,6 +153,7 @@ CODE_PREFIX_CLASSES: dict[str, type[KvferryError]] = {
     "client_": MetaServerError,
     "metaserver_": StartError,
     "node_": StartError,
+    "fetch_": PeerError,
 }
 
 

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use kvferry::client::ClientError;
 use kvferry::engine::fetch::FetchReport;
-use kvferry::engine::{Engine, EngineError};
+use kvferry::engine::{Engine, EngineError, SharedPool};
 use kvferry::gpu::GpuError;
 use kvferry::metaserver::{MetaServerConfig, MetaServerHandle};
 use kvferry::node::{NodeConfig, NodeError, NodeHandle};
@@ -620,6 +620,24 @@ impl Node {
         .ok_or_else(|| deadline_fail("fetch_into", t + FETCH_OVERRUN_MAX))?
         .map_err(engine_fail)?;
         Ok((fetch_dict(py, &r.fetch)?, load_dict(py, &r.load)?))
+    }
+
+    /// Handshakes with the peer at `addr` and opens its same-host shared
+    /// pool as a copy source ([`kvferry::engine::Engine::connect_peer`]);
+    /// `ready`, `not_mapped`, `opening` or `refused`.
+    fn connect_peer(&self, py: Python<'_>, addr: String, timeout_s: f64) -> PyResult<&'static str> {
+        let t = secs(timeout_s)?;
+        let (rt, engine) = self.engine()?;
+        let peer = kvferry::types::NodeAddr(addr);
+        let r = wait(py, &rt, t + FETCH_OVERRUN_MAX, async move { engine.connect_peer(&peer, t).await })?
+            .ok_or_else(|| deadline_fail("connect_peer", t + FETCH_OVERRUN_MAX))?;
+        match r {
+            Ok(SharedPool::Ready) => Ok("ready"),
+            Ok(SharedPool::NotMapped) => Ok("not_mapped"),
+            Ok(SharedPool::Opening) => Ok("opening"),
+            Ok(SharedPool::Refused) => Ok("refused"),
+            Err(e) => Err(Fail::coded(e.code(), format!("connecting to the peer: {e}")).into()),
+        }
     }
 
     /// Grants a device lease on `blocks` (this engine's block indices) of

@@ -59,6 +59,34 @@ def test_fetch_from_a_peer_then_load_is_bit_identical(metaserver, ns):
         assert d.flush_saves_and_registrations(timeout=5).ok
 
 
+def test_connect_peer_opens_the_same_host_pool_before_the_first_fetch(metaserver, ns):
+    p, d = two_nodes(metaserver)
+    with p, d:
+        pk, pv = paged(seed=3)
+        dk, dv = paged(fill=0.0)
+        p.register_kv_cache(ns, pk, pv)
+        d.register_kv_cache(ns, dk, dv)
+        hs = kvferry.block_hashes(ns, tokens(4 * BT), BT)
+        p.save(ns, hs, [0, 1, 2, 3])
+        assert p.flush_saves_and_registrations(timeout=5).ok
+        # Same host, shared pool: opened now, so the very first fetch copies
+        # every block from the peer's pool straight into d's cache.
+        assert d.connect_peer(p.address, timeout=10) == "ready"
+        f, l = d.fetch_into(ns, hs, [4, 5, 6, 7])
+        assert (f.available, l.loaded) == (4, 4)
+        for src, dst in zip(pk + pv, dk + dv):
+            np.testing.assert_array_equal(dst[[4, 5, 6, 7]], src[:4])
+        m = d.metrics()
+        assert m["path_shm_direct_blocks"] == 4 and m["fetched_blocks"] == 0
+        # Nothing listens there: a clear error within the timeout.
+        t0 = time.monotonic()
+        with pytest.raises((kvferry.PeerError, kvferry.DeadlineError)):
+            d.connect_peer("127.0.0.1:1", timeout=2)
+        assert time.monotonic() - t0 < 5
+        with pytest.raises(kvferry.ConfigError):
+            d.connect_peer(p.address, timeout=-1)
+
+
 def test_partial_prefix_is_k_of_n(metaserver, ns):
     p, d = two_nodes(metaserver)
     with p, d:

@@ -44,6 +44,18 @@ pub(crate) enum SharedSource {
 }
 
 impl PeerState {
+    /// Whether the peer's mapped pool `region` is a copy source now:
+    /// `Some(true)` opened, `Some(false)` refused by the backend, `None`
+    /// not asked yet or still being opened.
+    pub fn shared_opened(&self, region: &crate::transport::SharedRegion) -> Option<bool> {
+        let key = Arc::as_ptr(&region.keep).cast::<()>() as usize;
+        match &*self.shared.lock().expect("shared source lock") {
+            SharedSource::Ready(k, _) if *k == key => Some(true),
+            SharedSource::Refused(k) if *k == key => Some(false),
+            _ => None,
+        }
+    }
+
     /// The peer's mapped shared pool `region` as a source of
     /// [`Gpu::submit_peer`] batches, once opened. The first call for a
     /// mapping starts opening it on a blocking thread (pinning a large pool

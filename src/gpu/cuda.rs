@@ -58,7 +58,7 @@ mod ipc;
 
 use std::sync::{Arc, Mutex};
 
-pub use ipc::{CudaPeerBuffer, peer_checks, time_raw_peer_copy};
+pub use ipc::{CudaPeerBuffer, HOST_REGISTER_PIECE_BYTES, peer_checks, time_raw_peer_copy};
 
 use cudarc::driver::sys;
 use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaStream, LaunchConfig, PushKernelArg, result};
@@ -1140,6 +1140,29 @@ impl Gpu for CudaGpu {
         let secs = timed?;
         a?;
         b?;
+        Ok(Some(secs))
+    }
+
+    fn time_raw_host_to_device_copy(&self, bytes: u64, reps: usize) -> Result<Option<f64>, GpuError> {
+        let len = usize::try_from(bytes).map_err(|_| GpuError::OutOfRange(format!("{bytes} bytes")))?;
+        let dst = self.alloc(bytes)?;
+        // Written, so every page is present before it is pinned.
+        let mut host = vec![1u8; len];
+        let timed = (|| -> Result<f64, GpuError> {
+            let addr = self.inner.buffers.get(dst).map(|b| b.addr).ok_or(GpuError::UnknownBuffer(dst))?;
+            self.inner.ctx.bind_to_thread().map_err(dev_err)?;
+            // SAFETY: `host` is a live allocation of `len` bytes, unpinned
+            // below before it drops.
+            unsafe { sys::cuMemHostRegister_v2(host.as_mut_ptr().cast(), len, 0) }.result().map_err(dev_err)?;
+            let secs = self.time_raw_copy(Direction::HostToDevice, host.as_mut_ptr(), addr, len, reps.max(1));
+            // SAFETY: registered just above; no copy is in flight (the
+            // timing waited for its events).
+            let _ = unsafe { sys::cuMemHostUnregister(host.as_mut_ptr().cast()) };
+            secs
+        })();
+        let freed = self.unregister(dst);
+        let secs = timed?;
+        freed?;
         Ok(Some(secs))
     }
 

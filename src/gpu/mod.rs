@@ -189,6 +189,18 @@ pub trait Gpu: Send + Sync + 'static {
         Ok(None)
     }
 
+    /// The best plain pinned host → device copy of `bytes` this backend's
+    /// device can do (one driver copy from freshly pinned host memory into
+    /// a fresh allocation, best of `reps`; seconds): the limit of a copy
+    /// from host memory, which the one-step shared-pool read is measured
+    /// against (issue 28 item 3). `None` where the backend has no device.
+    ///
+    /// # Errors
+    /// Allocation, pinning and driver failures.
+    fn time_raw_host_to_device_copy(&self, _bytes: u64, _reps: usize) -> Result<Option<f64>, GpuError> {
+        Ok(None)
+    }
+
     /// The kind of handle this backend exports and opens for device-direct
     /// copies between engines on one host ([`peer`]); `None`: no such
     /// copies.

@@ -65,11 +65,7 @@ impl OpenError {
 /// Whether this build contains backend `name` (`host` always; `cuda` with
 /// feature `cuda`). An unknown name is not built.
 pub fn built(name: &str) -> bool {
-    match name {
-        "host" => true,
-        "cuda" => cfg!(feature = "cuda"),
-        _ => false,
-    }
+    name == "host" || (name == "cuda" && cfg!(feature = "cuda"))
 }
 
 /// Opens backend `name` on device ordinal `device` (`host` has one device

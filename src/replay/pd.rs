@@ -27,7 +27,7 @@ use tokio::time::Instant;
 use super::trace::{self, ModelPreset, TraceError, TraceRequest, fill_kv, verify_kv};
 use crate::engine::fetch::FetchPhases;
 use crate::engine::layout::{DeviceBufferId, LayerLayout};
-use crate::engine::{Engine, EngineConfig};
+use crate::engine::{Engine, EngineConfig, SharedPool};
 use crate::gpu::{Gpu, KvMemory};
 use crate::limits;
 use crate::metaserver::{self, MetaServerConfig, MetaServerHandle};
@@ -222,6 +222,9 @@ pub struct PdConfig {
     pub shared_pool_direct: bool,
     /// Bytes of blocks per read part (`EngineConfig::fetch_read_part_bytes`).
     pub fetch_read_part_bytes: u64,
+    /// Decode engines connect to the prefill engines before the replay
+    /// ([`Engine::connect_peer`]); false: on their first fetch.
+    pub connect_peers: bool,
     /// Routing policy.
     pub routing: Routing,
     /// Seed (node RNGs, fault hooks).
@@ -292,6 +295,7 @@ impl Default for PdConfig {
             fetch_reads_in_flight: limits::FETCH_READS_IN_FLIGHT,
             shared_pool_direct: true,
             fetch_read_part_bytes: limits::FETCH_READ_PART_BYTES,
+            connect_peers: true,
             routing: Routing::RoundRobin,
             seed: 0,
             metaserver: None,
@@ -363,7 +367,10 @@ pub struct PdReport {
     /// threads; the count that won is `raw_connections`, the fastest of
     /// [`crate::limits::PD_RAW_COPY_REPS`] each. With `--path ipc` on a
     /// backend with a device (`cuda`), that device's own best copy
-    /// ([`crate::gpu::Gpu::time_raw_device_copy`]). `None` with verbs.
+    /// ([`crate::gpu::Gpu::time_raw_device_copy`]); with `--path shm` and
+    /// the one-step shared pool on such a backend, its pinned host → device
+    /// copy ([`crate::gpu::Gpu::time_raw_host_to_device_copy`]). `None`
+    /// with verbs.
     pub raw_gbps: Option<f64>,
     /// Bytes of the raw copy: the longest request's blocks, within
     /// [`crate::limits::PD_RAW_COPY_BYTES_MIN`]..=[`crate::limits::PD_RAW_COPY_BYTES_MAX`].
@@ -372,7 +379,7 @@ pub struct PdReport {
     /// not measured).
     pub raw_connections: usize,
     /// The path of the raw copy: `tcp` (loopback), `shm` (memcpy), `device`
-    /// (device to device) or empty.
+    /// (device to device), `h2d` (pinned host → device) or empty.
     pub raw_path: String,
     /// Aggregate fetch throughput: all fetched bytes ÷ the union of the
     /// fetch intervals (GB/s; the same figure as `transport_gbps`), to be
@@ -881,16 +888,28 @@ pub async fn run_with_observer(
     // between two fresh allocations), measured on the first decode node's
     // device now that it is up and before any request runs. On `host` the
     // memcpy above stands.
+    // Likewise `--path shm` with `--shm-direct true` on a device: the
+    // shared pool is copied host → device in one step, so T8 divides by
+    // that device's pinned host → device copy.
     let (mut raw_gbps, mut raw_connections, mut raw_path) = (raw_gbps, raw_connections, raw_path);
-    if cfg.path == PathChoice::Ipc {
+    let device_baseline = match cfg.path {
+        PathChoice::Ipc => Some(RawPath::Device),
+        PathChoice::Shm if cfg.shared_pool_direct => Some(RawPath::HostToDevice),
+        _ => None,
+    };
+    if let Some(path) = device_baseline {
         let gpu = engines[cfg.prefill].gpu().clone();
-        let timed = crate::rt::run_blocking(move || gpu.time_raw_device_copy(raw_copy_bytes, limits::PD_RAW_COPY_REPS))
-            .await
-            .map_err(|e| e.0)
-            .and_then(|r| r.map_err(|e| e.to_string()));
+        let (bytes, reps) = (raw_copy_bytes, limits::PD_RAW_COPY_REPS);
+        let timed = crate::rt::run_blocking(move || match path {
+            RawPath::Device => gpu.time_raw_device_copy(bytes, reps),
+            _ => gpu.time_raw_host_to_device_copy(bytes, reps),
+        })
+        .await
+        .map_err(|e| e.0)
+        .and_then(|r| r.map_err(|e| e.to_string()));
         match timed {
             Ok(Some(secs)) if secs > 0.0 => {
-                (raw_gbps, raw_connections, raw_path) = (Some(raw_copy_bytes as f64 / secs / 1e9), 1, RawPath::Device);
+                (raw_gbps, raw_connections, raw_path) = (Some(raw_copy_bytes as f64 / secs / 1e9), 1, path);
             }
             Ok(_) => {}
             Err(e) => {
@@ -898,6 +917,9 @@ pub async fn run_with_observer(
                 return Err(PdError::Start(format!("raw device copy (T8 baseline): {e}")));
             }
         }
+    }
+    if cfg.connect_peers {
+        connect_decode_to_prefill(&engines[cfg.prefill..], &engines[..cfg.prefill]).await;
     }
     let prefill: Vec<Arc<PdNode>> = nodes[..cfg.prefill].to_vec();
     let decode: Vec<Arc<PdNode>> = nodes[cfg.prefill..].to_vec();
@@ -1003,6 +1025,7 @@ pub async fn run_with_observer(
             RawPath::Tcp => "tcp",
             RawPath::Shm => "shm",
             RawPath::Device => "device",
+            RawPath::HostToDevice => "h2d",
             RawPath::None => "",
         }
         .to_string(),
@@ -1291,6 +1314,30 @@ async fn stop_cluster(nodes: &[Arc<PdNode>], ms: Option<MetaServerHandle>) {
     }
 }
 
+/// Every decode engine connects to every prefill engine before the
+/// replay ([`Engine::connect_peer`], all pairs at once): handshakes, and
+/// on one host the opening of each prefill pool as a one-step copy source,
+/// so the first requests do not pay for them (counted in `startup_s`). A
+/// pair that fails is logged and left to connect lazily on its first
+/// fetch, as without this step.
+async fn connect_decode_to_prefill(decode: &[Engine], prefill: &[Engine]) {
+    let tries: FuturesUnordered<_> = decode
+        .iter()
+        .flat_map(|d| prefill.iter().map(move |p| (d, p)))
+        .map(|(d, p)| async move {
+            (d.node().clone(), p.node().clone(), d.connect_peer(p.node(), limits::PD_CONNECT_PEER_TIMEOUT).await)
+        })
+        .collect();
+    let done: Vec<_> = tries.collect().await;
+    for (d, p, res) in done {
+        match res {
+            Ok(SharedPool::Ready | SharedPool::NotMapped) => {}
+            Ok(state) => tracing::debug!(decode = %d.0, prefill = %p.0, ?state, "shared pool not opened at start-up"),
+            Err(e) => tracing::warn!(decode = %d.0, prefill = %p.0, error = %e, "could not connect at start-up"),
+        }
+    }
+}
+
 /// Which plain copy T8 divides by.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum RawPath {
@@ -1302,6 +1349,9 @@ enum RawPath {
     Shm,
     /// [`crate::gpu::Gpu::time_raw_device_copy`] (`--path ipc` on a device).
     Device,
+    /// [`crate::gpu::Gpu::time_raw_host_to_device_copy`] (`--path shm`,
+    /// one step, on a device).
+    HostToDevice,
 }
 
 /// The raw copy of `bytes` on `path` over each of

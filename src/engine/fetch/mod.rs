@@ -77,6 +77,28 @@ pub struct FetchIntoReport {
     pub load: LoadReport,
 }
 
+/// How often [`Engine::connect_peer`] looks whether the peer's pool is
+/// opened.
+const SHARED_OPEN_POLL: Duration = Duration::from_millis(5);
+
+/// The same-host shared pool of a peer after [`Engine::connect_peer`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SharedPool {
+    /// Not read through a mapping: another host, a transport without
+    /// shared pools, or an engine without one-step copies
+    /// (`EngineConfig::shared_pool_direct` off). Reads go over the
+    /// transport.
+    NotMapped,
+    /// Opened: fetches into the KV copy straight from it.
+    Ready,
+    /// Still being opened when the timeout passed; it goes on in the
+    /// background, and reads take the pool copy until it is done.
+    Opening,
+    /// The GPU backend refused it as a copy source (the reason is logged
+    /// at debug); reads copy through this engine's pool.
+    Refused,
+}
+
 impl FetchIntoReport {
     /// Leading blocks now on the device (fetched or already resident, and
     /// loaded): the caller recomputes every block after them.
@@ -470,6 +492,52 @@ impl Engine {
         let results =
             p.results[..rep.available].iter().map(|r| r.clone().unwrap_or(Err(LoadError::NotResident))).collect();
         (rep, Some(Ok(LoadReport { results })))
+    }
+
+    /// Connects to `peer` ahead of any fetch: the transfer handshake (the
+    /// one a fetch would make, single-flight per peer) and, when the peer
+    /// is on this host and its pool is mapped here, the opening of that
+    /// pool as a source of one-step copies into the KV (for `cuda`,
+    /// registering it: ≈ 60 ms per GiB on the H200, which stalls other
+    /// copies of this process while it runs). Engines call it at start-up
+    /// for the peers they will read from, as vLLM's P/D connectors
+    /// handshake their remote agents before the first request, so no
+    /// request pays for it. Waits at most `timeout` for both.
+    ///
+    /// # Errors
+    /// The handshake's failure ([`FetchError::Handshake`],
+    /// [`FetchError::Peer`], [`FetchError::Deadline`] once `timeout`
+    /// passed, [`FetchError::NoTransport`]); a failed handshake leaves no
+    /// state behind, and a later fetch tries again.
+    pub async fn connect_peer(&self, peer: &NodeAddr, timeout: Duration) -> Result<SharedPool, FetchError> {
+        let deadline = Instant::now() + timeout;
+        let p = self
+            .inner
+            .peers
+            .get(peer, self.inner.cfg.peer_rpc_timeout)
+            .map_err(|e| FetchError::Peer(PeerFailure::Endpoint(e.to_string())))?;
+        if let Err(e) = self.handshake(peer, &p, deadline).await {
+            self.inner.peers.invalidate(peer, &p);
+            return Err(e);
+        }
+        let region = if self.inner.cfg.shared_pool_direct {
+            self.transport().and_then(|t| t.shared_region(peer)).filter(|r| r.region == 0)
+        } else {
+            None
+        };
+        let Some(region) = region else { return Ok(SharedPool::NotMapped) };
+        loop {
+            if p.shared_source(self.gpu(), region.clone()).is_some() {
+                return Ok(SharedPool::Ready);
+            }
+            if p.shared_opened(&region) == Some(false) {
+                return Ok(SharedPool::Refused);
+            }
+            if Instant::now() >= deadline {
+                return Ok(SharedPool::Opening);
+            }
+            tokio::time::sleep(SHARED_OPEN_POLL).await;
+        }
     }
 
     async fn handshake(&self, owner: &NodeAddr, p: &PeerState, deadline: Instant) -> Result<(), FetchError> {

@@ -105,7 +105,29 @@ pub struct CudaHostRegion {
     ctx: Arc<cudarc::driver::CudaContext>,
     host: peer::HostRegionBuffer,
     device: sys::CUdeviceptr,
+    /// Bytes registered so far, from the start, in pieces of
+    /// [`HOST_REGISTER_PIECE_BYTES`] (each unregistered on drop).
+    registered: u64,
+    /// Bytes per registration call: [`HOST_REGISTER_PIECE_BYTES`], or the
+    /// whole region where pieces would not form one device range.
+    piece: u64,
 }
+
+/// Bytes of a shared pool registered per `cuMemHostRegister` call. The
+/// driver holds a lock of the context through each call (pinning takes
+/// ≈ 60 ms per GiB), which stalls every other CUDA call of the process:
+/// registering an 8 GiB pool in one call stalled the first fetches'
+/// copies by ≈ 0.45 s on the H200 (session 15, `pd --path shm` read p99).
+/// In 64 MiB pieces each stall is a few ms. The pieces are one device
+/// range only where the device uses the host address for registered
+/// memory (`CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM`, every x86-64 and
+/// Grace system); elsewhere the region is registered in one call.
+pub const HOST_REGISTER_PIECE_BYTES: u64 = 64 << 20;
+
+/// Pause between two registration pieces, so other threads' CUDA calls
+/// (a fetch's copies while a pool registers in the background) take the
+/// driver's lock between them instead of queueing behind the whole pool.
+const HOST_REGISTER_PAUSE: std::time::Duration = std::time::Duration::from_millis(1);
 
 // SAFETY: a registered host range, its device alias and a context handle;
 // no interior mutability.
@@ -116,10 +138,15 @@ unsafe impl Sync for CudaHostRegion {}
 impl Drop for CudaHostRegion {
     fn drop(&mut self) {
         let _ = self.ctx.bind_to_thread();
-        // SAFETY: registered in `open_host_region`, unregistered once; no
-        // batch reads it any more (each holds an `Arc` of this buffer).
-        unsafe {
-            let _ = sys::cuMemHostUnregister(self.host.addr() as *mut std::ffi::c_void);
+        let mut at = 0;
+        while at < self.registered {
+            // SAFETY: each piece was registered in `open_host_region` and
+            // is unregistered once; no batch reads it any more (each holds
+            // an `Arc` of this buffer).
+            unsafe {
+                let _ = sys::cuMemHostUnregister((self.host.addr() + at as usize) as *mut std::ffi::c_void);
+            }
+            at += self.piece;
         }
     }
 }
@@ -188,7 +215,9 @@ impl Inner {
     }
 
     /// [`crate::gpu::Gpu::open_host_region`] of this backend: registers
-    /// the range read-only and device-mapped.
+    /// the range read-only and device-mapped, in pieces of
+    /// [`HOST_REGISTER_PIECE_BYTES`] where the device addresses the pieces
+    /// at their host addresses (one contiguous device range), else whole.
     pub(super) fn open_host_region(
         &self,
         addr: usize,
@@ -197,21 +226,44 @@ impl Inner {
     ) -> Result<Arc<dyn PeerBuffer>, GpuError> {
         let host = peer::HostRegionBuffer::new(addr, len, keep)?;
         self.ctx.bind_to_thread().map_err(dev_err)?;
+        let host_pointer = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM;
+        let piece = match self.ctx.attribute(host_pointer) {
+            Ok(1) => HOST_REGISTER_PIECE_BYTES,
+            _ => len,
+        };
+        // Unregistered on drop (piece by piece), also when a call below fails.
+        let mut region = CudaHostRegion { ctx: self.ctx.clone(), host, device: 0, registered: 0, piece };
         let flags =
             sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP | sys::CU_MEMHOSTREGISTER_READ_ONLY;
-        // SAFETY: `addr..addr+len` is a live read-only mapping that `keep`
-        // (now owned by `host`) holds until this registration is undone.
-        unsafe { sys::cuMemHostRegister_v2(addr as *mut std::ffi::c_void, len as usize, flags) }
-            .result()
-            .map_err(|e| GpuError::Unavailable(format!("cuMemHostRegister of a {len}-byte shared pool: {e}")))?;
-        let mut device: sys::CUdeviceptr = 0;
-        // Unregistered on drop, also when the next call fails.
-        let mut region = CudaHostRegion { ctx: self.ctx.clone(), host, device: 0 };
-        // SAFETY: `addr` was just registered with DEVICEMAP.
-        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, addr as *mut std::ffi::c_void, 0) }
-            .result()
-            .map_err(|e| GpuError::Unavailable(format!("cuMemHostGetDevicePointer of a shared pool: {e}")))?;
-        region.device = device;
+        while region.registered < len {
+            if region.registered > 0 {
+                std::thread::sleep(HOST_REGISTER_PAUSE);
+            }
+            let at = addr + region.registered as usize;
+            let n = piece.min(len - region.registered);
+            // SAFETY: `addr..addr+len` is a live read-only mapping that
+            // `keep` (now owned by `region.host`) holds until this
+            // registration is undone; `[at, at+n)` lies in it.
+            unsafe { sys::cuMemHostRegister_v2(at as *mut std::ffi::c_void, n as usize, flags) }.result().map_err(
+                |e| GpuError::Unavailable(format!("cuMemHostRegister of {n} bytes of a {len}-byte shared pool: {e}")),
+            )?;
+            region.registered += n;
+            let mut device: sys::CUdeviceptr = 0;
+            // SAFETY: `at` was just registered with DEVICEMAP.
+            unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, at as *mut std::ffi::c_void, 0) }
+                .result()
+                .map_err(|e| GpuError::Unavailable(format!("cuMemHostGetDevicePointer of a shared pool: {e}")))?;
+            if region.registered == n {
+                region.device = device;
+            } else if device != region.device + (at - addr) as u64 {
+                // Pieces that are not one device range: the copy kernels
+                // could not read across their seams.
+                return Err(GpuError::Unavailable(format!(
+                    "a shared pool registered in pieces is not one device range ({device:#x} at offset {})",
+                    at - addr
+                )));
+            }
+        }
         Ok(Arc::new(region))
     }
 
