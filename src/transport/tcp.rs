@@ -1044,6 +1044,117 @@ mod tests {
         s.parse().unwrap()
     }
 
+    /// Serves one sealed block (region 0, from offset 0) under session "s".
+    #[cfg(real_os)]
+    struct OneBlock(crate::memory::pool::SealedExtent);
+
+    #[cfg(real_os)]
+    impl DataSource for OneBlock {
+        fn authorize(
+            &self,
+            session: &str,
+            region: u32,
+            offset: u64,
+            len: u64,
+        ) -> Result<(crate::memory::pool::SealedExtent, u64), AccessError> {
+            if session != "s" {
+                return Err(AccessError::UnknownSession);
+            }
+            if region != 0 || offset.checked_add(len).is_none_or(|end| end > self.0.len()) {
+                return Err(AccessError::OutOfRange { region, offset, len });
+            }
+            Ok((self.0.clone(), offset))
+        }
+    }
+
+    /// `read_summed` over real sockets, one batch of four extents: one
+    /// filled in order by two ops (its slot sums are the CRC-32C of each
+    /// slot, slots straddling the ops and the 128 KiB sum pieces), one
+    /// filled back to front (read, but no sums: the fetch checks it by a
+    /// pass), one whose second op the owner refuses (out of range: that
+    /// extent fails and has no sums, the others are untouched), and one in
+    /// order again after the failure. The owner answers each op, so one
+    /// refused op costs only its extent.
+    #[cfg(real_os)]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn read_summed_sums_whole_extents_and_fails_only_the_refused_one() {
+        let len = 3 * limits::READ_SUM_PIECE_BYTES as u64 + 12_345;
+        let owner_pool = crate::memory::pool::Pool::new(len.next_multiple_of(4096), 4096).unwrap();
+        let mut e = owner_pool.alloc(len).unwrap();
+        for (i, b) in e.as_mut_slice().iter_mut().enumerate() {
+            *b = (i * 31 + 7) as u8;
+        }
+        let block = e.seal();
+        let bytes = block.as_slice().to_vec();
+        let reader_pool = crate::memory::pool::Pool::new(6 * len.next_multiple_of(4096), 4096).unwrap();
+        let owner_node = NodeAddr::parse("127.0.0.1:1").unwrap();
+        let owner = TcpTransport::start(
+            "127.0.0.1:0".parse().unwrap(),
+            "127.0.0.1",
+            owner_node.clone(),
+            owner_pool.arena_len(),
+            Arc::new(OneBlock(block)),
+            2,
+        )
+        .await
+        .unwrap();
+        let reader = TcpTransport::start(
+            "127.0.0.1:0".parse().unwrap(),
+            "127.0.0.1",
+            NodeAddr::parse("127.0.0.1:2").unwrap(),
+            4096,
+            Arc::new(OneBlock(reader_pool.alloc(16).unwrap().seal())),
+            2,
+        )
+        .await
+        .unwrap();
+        let later = Instant::now() + std::time::Duration::from_secs(10);
+        reader.connect(&owner_node, &owner.local_metadata(), later).await.unwrap();
+        let cut = len / 2 + 17;
+        let ends = SlotEnds(vec![1000, cut, len].into());
+        let want: Vec<u32> = [0..1000, 1000..cut, cut..len]
+            .iter()
+            .map(|r| crc32c::crc32c(&bytes[r.start as usize..r.end as usize]))
+            .collect();
+        let op = |remote_offset, len, local_extent, local_offset| ReadOp {
+            region: 0,
+            remote_offset,
+            len,
+            local_extent,
+            local_offset,
+        };
+        let third = len / 3;
+        let ops = vec![
+            op(0, third, 0, 0),
+            op(third, len - third, 0, third),
+            op(third, len - third, 1, third),
+            op(0, third, 1, 0),
+            op(0, third, 2, 0),
+            op(len, 64, 2, third), // past the owner's block: refused
+            op(0, len, 3, 0),
+        ];
+        let local: Vec<Extent> = (0..4).map(|_| reader_pool.alloc(len).unwrap()).collect();
+        let done = reader.read_summed(&owner_node, "s", ops, local, Some(ends), later).await;
+        assert_eq!(done.results.len(), 4);
+        assert!(done.results[0].is_ok() && done.results[1].is_ok() && done.results[3].is_ok(), "{:?}", done.results);
+        assert!(matches!(done.results[2], Err(TransportError::Refused { .. })), "{:?}", done.results[2]);
+        for i in [0, 1, 3] {
+            assert_eq!(done.local[i].as_slice(), &bytes[..], "extent {i} holds the owner's bytes");
+        }
+        assert_eq!(done.sums.len(), 4);
+        assert_eq!(done.sums[0].as_deref(), Some(&want[..]));
+        assert_eq!(done.sums[1], None, "filled back to front: no sums");
+        assert_eq!(done.sums[2], None, "a failed extent has no sums");
+        assert_eq!(done.sums[3].as_deref(), Some(&want[..]));
+        // Another session: every extent refused, nothing summed.
+        let local: Vec<Extent> = (0..1).map(|_| reader_pool.alloc(len).unwrap()).collect();
+        let ends = SlotEnds(vec![len].into());
+        let done = reader.read_summed(&owner_node, "other", vec![op(0, len, 0, 0)], local, Some(ends), later).await;
+        assert!(done.results[0].is_err() && done.sums.iter().all(Option::is_none), "{:?}", done.results);
+        owner.shutdown();
+        reader.shutdown();
+    }
+
     /// The per-IP bound, then the total bound; a refusal changes nothing;
     /// a release frees exactly one slot; IPv4-mapped IPv6 counts as IPv4.
     #[test]
