@@ -39,6 +39,10 @@ use super::io::{BackendKind, Completion, DiskIo, EIO, ENOSPC, Errno, IoKind, IoO
 /// Bytes of one simulated sector: the unit a short or torn write moves.
 pub const SIM_SECTOR_BYTES: usize = 512;
 
+/// Bytes of one simulated file-system block: the unit in which the disk
+/// remembers what was ever written, as `SEEK_DATA` reports data.
+pub const SIM_DATA_GRANULE_BYTES: usize = 4096;
+
 /// Per-operation fault probabilities (each `0.0..=1.0`).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct SimFaults {
@@ -122,6 +126,10 @@ struct Flight {
 /// An in-memory file with seeded faults; see the module doc.
 pub struct SimDisk {
     medium: Vec<u8>,
+    /// Per [`SIM_DATA_GRANULE_BYTES`] of the medium: whether any byte of
+    /// it was ever written (torn and short writes included) — what a file
+    /// system's `SEEK_DATA` tells apart from holes ([`DiskIo::next_data`]).
+    written: Vec<bool>,
     depth: usize,
     rng: SmallRng,
     faults: SimFaults,
@@ -145,7 +153,8 @@ impl SimDisk {
     pub fn new(capacity: u64, depth: usize, seed: u64) -> Self {
         let cap = capacity & !(crate::limits::DISK_ALIGN_BYTES - 1);
         let healed = Arc::new(AtomicBool::new(false));
-        Self::over(vec![0; cap as usize], depth.max(1), SmallRng::seed_from_u64(seed), SimStats::default(), healed)
+        let medium = (vec![0; cap as usize], vec![false; (cap as usize).div_ceil(SIM_DATA_GRANULE_BYTES)]);
+        Self::over(medium, depth.max(1), SmallRng::seed_from_u64(seed), SimStats::default(), healed)
     }
 
     /// A switch that, once set, stops every fault of this disk (and of the
@@ -156,9 +165,16 @@ impl SimDisk {
     }
 
     /// A disk over `medium` with nothing in flight and faults off.
-    fn over(medium: Vec<u8>, depth: usize, rng: SmallRng, stats: SimStats, healed: Arc<AtomicBool>) -> Self {
+    fn over(
+        (medium, written): (Vec<u8>, Vec<bool>),
+        depth: usize,
+        rng: SmallRng,
+        stats: SimStats,
+        healed: Arc<AtomicBool>,
+    ) -> Self {
         Self {
             medium,
+            written,
             depth,
             rng,
             faults: SimFaults::none(),
@@ -207,14 +223,25 @@ impl SimDisk {
                 let base = f.op.offset as usize;
                 for (i, sector) in src.chunks(SIM_SECTOR_BYTES).enumerate() {
                     if self.rng.random_bool(0.5) {
-                        let at = base + i * SIM_SECTOR_BYTES;
-                        self.medium[at..at + sector.len()].copy_from_slice(sector);
+                        self.land(base + i * SIM_SECTOR_BYTES, sector);
                     }
                 }
             }
         }
         let rng = SmallRng::seed_from_u64(self.rng.random());
-        SimDisk::over(std::mem::take(&mut self.medium), self.depth, rng, std::mem::take(&mut self.stats), self.healed)
+        let medium = (std::mem::take(&mut self.medium), std::mem::take(&mut self.written));
+        SimDisk::over(medium, self.depth, rng, std::mem::take(&mut self.stats), self.healed)
+    }
+
+    /// Puts `bytes` on the medium at `at`, remembering their granules as
+    /// written.
+    fn land(&mut self, at: usize, bytes: &[u8]) {
+        if bytes.is_empty() {
+            return;
+        }
+        self.medium[at..at + bytes.len()].copy_from_slice(bytes);
+        let (first, last) = (at / SIM_DATA_GRANULE_BYTES, (at + bytes.len() - 1) / SIM_DATA_GRANULE_BYTES);
+        self.written[first..=last].fill(true);
     }
 
     fn chance(&mut self, p: f64) -> bool {
@@ -264,15 +291,15 @@ impl SimDisk {
                 } else if self.chance(self.faults.eio_write) {
                     self.stats.errors += 1;
                     let n = self.short_count(len);
-                    self.medium[at..at + n].copy_from_slice(&op.buf.as_slice()[..n]);
+                    self.land(at, &op.buf.as_slice()[..n]);
                     Err(EIO)
                 } else if self.chance(self.faults.short_write) {
                     self.stats.short += 1;
                     let n = self.short_count(len);
-                    self.medium[at..at + n].copy_from_slice(&op.buf.as_slice()[..n]);
+                    self.land(at, &op.buf.as_slice()[..n]);
                     Ok(n)
                 } else {
-                    self.medium[at..at + len].copy_from_slice(op.buf.as_slice());
+                    self.land(at, op.buf.as_slice());
                     if self.chance(self.faults.corrupt_write) {
                         self.stats.corrupted += 1;
                         let bit = self.rng.random_range(0..len * 8);
@@ -345,6 +372,17 @@ impl DiskIo for SimDisk {
         Ok(())
     }
 
+    /// Where data may start at or after `from`: `from` inside a granule
+    /// ever written, else the start of the next such granule, `None` past
+    /// the last — as `lseek(SEEK_DATA)` on a file whose unwritten blocks
+    /// are holes, so recovery in the simulator skips them as on a real
+    /// file.
+    fn next_data(&self, from: u64) -> Option<u64> {
+        let g = usize::try_from(from).ok()? / SIM_DATA_GRANULE_BYTES;
+        let next = g + self.written.get(g..)?.iter().position(|&w| w)?;
+        Some(from.max((next * SIM_DATA_GRANULE_BYTES) as u64))
+    }
+
     fn reap(&mut self, wait: bool, out: &mut Vec<Completion>) -> Result<usize, Errno> {
         self.now += 1;
         self.advance();
@@ -414,6 +452,35 @@ mod tests {
         let e = d.submit(op(2, IoKind::Read, 0, 0)).unwrap_err();
         assert!(matches!(e.error, super::super::io::SubmitError::QueueFull { depth: 1 }));
         assert_eq!(e.op.tag, 2, "the op comes back");
+    }
+
+    /// `next_data` answers as `SEEK_DATA` on a file whose unwritten blocks
+    /// are holes: nothing on a fresh disk; a written range's granules are
+    /// data (from its first granule's start, or `from` inside it), the
+    /// rest is not; what a crash tears onto the medium counts as written.
+    #[test]
+    fn next_data_skips_what_was_never_written() {
+        let g = SIM_DATA_GRANULE_BYTES as u64;
+        let mut d = SimDisk::new(1 << 20, 4, 1);
+        assert_eq!(d.next_data(0), None);
+        d.submit(op(1, IoKind::Write, 16 * g, 0xab)).unwrap(); // 8 KiB: granules 16 and 17
+        let mut out = Vec::new();
+        d.reap(true, &mut out).unwrap();
+        assert_eq!(d.next_data(0), Some(16 * g));
+        assert_eq!(d.next_data(16 * g + 100), Some(16 * g + 100));
+        assert_eq!(d.next_data(17 * g + 5), Some(17 * g + 5));
+        assert_eq!(d.next_data(18 * g), None);
+        assert_eq!(d.next_data(u64::MAX), None);
+        // A write torn by a crash: over seeds, some leave data behind.
+        let torn = (0..32).any(|seed| {
+            let mut d = SimDisk::new(1 << 20, 4, seed);
+            d.submit(op(1, IoKind::Write, 64 * g, 0xcd)).unwrap();
+            let d = d.crash();
+            d.next_data(0) == Some(64 * g) || d.next_data(0) == Some(65 * g)
+        });
+        assert!(torn);
+        let d = SimDisk::new(1 << 20, 4, 2).crash();
+        assert_eq!(d.next_data(0), None, "a crash with nothing in flight writes nothing");
     }
 
     /// A crash tears in-flight writes sector by sector: over many seeds
