@@ -135,6 +135,17 @@ def _check_metaserver(addr: str) -> str:
     return addr
 
 
+def _check_peer(addr: Any) -> str:
+    """A peer's ``host:port`` (no scheme, port 1-65535), else ``ConfigError``
+    naming ``addr``."""
+    if not isinstance(addr, str):
+        raise ConfigError(f"addr must be a host:port string, got {type(addr).__name__}", "type")
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or "/" in addr or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"addr must be host:port (no scheme, port 1-65535), got {addr!r}", "addr_parse")
+    return addr
+
+
 def block_hashes(namespace: str, tokens: Sequence[int], block_tokens: int) -> List[bytes]:
     """Chained hashes of the *full* blocks of ``tokens``.
 
@@ -820,11 +831,12 @@ class Node:
             cannot read that pool; reads copy through this node's pool).
 
         Raises:
-            PeerError: the peer is unreachable or refused the handshake;
+            PeerError: the peer is unreachable or refused the handshake (a
+            handshake RPC is also bounded by the node's ``rpc_timeout``);
             DeadlineError: ``timeout`` passed during the handshake;
-            ConfigError: a bad ``timeout``.
+            ConfigError: ``addr`` is not ``host:port``, or a bad ``timeout``.
         """
-        return str(self._node.connect_peer(str(addr), float(timeout)))
+        return str(self._node.connect_peer(_check_peer(addr), float(timeout)))
 
     # -- device leases (same-host device-direct handoff) ----------------
     def grant_device_lease(

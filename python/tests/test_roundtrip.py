@@ -85,6 +85,9 @@ def test_connect_peer_opens_the_same_host_pool_before_the_first_fetch(metaserver
         assert time.monotonic() - t0 < 5
         with pytest.raises(kvferry.ConfigError):
             d.connect_peer(p.address, timeout=-1)
+        for bad in ["", "127.0.0.1", "127.0.0.1:99999", "http://" + p.address, None]:
+            with pytest.raises(kvferry.ConfigError, match="addr"):
+                d.connect_peer(bad)
 
 
 def test_partial_prefix_is_k_of_n(metaserver, ns):
