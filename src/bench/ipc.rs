@@ -220,43 +220,52 @@ pub async fn child(device: usize, export: &str) -> Result<serde_json::Value, Str
     let (raw4, _) = raw(&small, REPS)?;
     let (raw_kv, _) = raw(&kv_parts, 3)?;
 
-    // Best wall time of `reps` peer batches; every answer checked.
-    let time_batch = |ops: Vec<PeerCopyOp>, ranges: Vec<std::ops::Range<usize>>, want: Vec<u32>| {
+    // Best wall time of `reps` peer batches from `source`; every answer
+    // checked (errors name `what`).
+    let time_batch = |what: &'static str,
+                      source: Arc<dyn PeerBuffer>,
+                      ops: Vec<PeerCopyOp>,
+                      ranges: Vec<std::ops::Range<usize>>,
+                      want: Vec<u32>| {
         let cuda = cuda.clone();
-        let src = src.clone();
         async move {
             let mut best = f64::MAX;
             for _ in 0..=REPS {
-                let batch = PeerCopyBatch { sources: vec![src.clone()], ops: ops.clone(), checksums: ranges.clone() };
+                let batch =
+                    PeerCopyBatch { sources: vec![source.clone()], ops: ops.clone(), checksums: ranges.clone() };
                 let t = Instant::now();
                 let sums = cuda.submit_peer(batch).await.map_err(|e| e.to_string())?;
                 best = best.min(t.elapsed().as_secs_f64());
                 if sums != want {
                     let bad = sums.iter().zip(&want).filter(|(a, b)| a != b).count();
-                    return Err(format!("{bad} of {} checksums differ from the pattern's", want.len()));
+                    return Err(format!("{what}: {bad} of {} checksums differ from the pattern's", want.len()));
                 }
             }
             Ok::<f64, String>(best)
         }
     };
+    // The bytes themselves, not only their checksums: the last KV batch's
+    // destination, read back and compared with the pattern.
+    let mut back = vec![0u8; TOTAL as usize];
+    let mut check_kv_bytes = |what: &str| -> Result<(), String> {
+        cuda.read(dst, 0, &mut back).map_err(|e| e.to_string())?;
+        for op in &kv {
+            let (s, d) = (op.src_offset as usize, op.dst_offset as usize);
+            if back[d..d + SEG as usize] != data[s..s + SEG as usize] {
+                return Err(format!("{what}: KV bytes at reader offset {d} differ from the owner's at {s}"));
+            }
+        }
+        Ok(())
+    };
     let contig_ops: Vec<PeerCopyOp> =
         contiguous.iter().map(|&(s, d, n)| PeerCopyOp { src: 0, src_offset: s, dst, dst_offset: d, len: n }).collect();
     let per_op: Vec<std::ops::Range<usize>> = (0..contig_ops.len()).map(|i| i..i + 1).collect();
-    let k64 = time_batch(contig_ops.clone(), per_op.clone(), want_parts.clone()).await?;
-    let k64_nosum = time_batch(contig_ops.clone(), Vec::new(), Vec::new()).await?;
-    let k_kv = time_batch(kv.clone(), kv_ranges.clone(), want_kv.clone()).await?;
-    let k_kv_nosum = time_batch(kv.clone(), Vec::new(), Vec::new()).await?;
-
-    // The bytes themselves, not only their checksums: the last KV batch's
-    // destination, read back.
-    let mut back = vec![0u8; TOTAL as usize];
-    cuda.read(dst, 0, &mut back).map_err(|e| e.to_string())?;
-    for op in &kv {
-        let (s, d) = (op.src_offset as usize, op.dst_offset as usize);
-        if back[d..d + SEG as usize] != data[s..s + SEG as usize] {
-            return Err(format!("KV bytes at reader offset {d} differ from the owner's at {s}"));
-        }
-    }
+    let ipc = "CUDA IPC";
+    let k64 = time_batch(ipc, src.clone(), contig_ops.clone(), per_op.clone(), want_parts.clone()).await?;
+    let k64_nosum = time_batch(ipc, src.clone(), contig_ops.clone(), Vec::new(), Vec::new()).await?;
+    let k_kv = time_batch(ipc, src.clone(), kv.clone(), kv_ranges.clone(), want_kv.clone()).await?;
+    let k_kv_nosum = time_batch(ipc, src.clone(), kv.clone(), Vec::new(), Vec::new()).await?;
+    check_kv_bytes(ipc)?;
 
     // Pinned host → device, the same bytes.
     let pool = crate::engine::pool::Pool::new(TOTAL, 4096).map_err(|e| e.to_string())?;
@@ -280,35 +289,11 @@ pub async fn child(device: usize, export: &str) -> Result<serde_json::Value, Str
     let t = Instant::now();
     let shared = cuda.open_host_region(base, TOTAL, Arc::new(arena)).map_err(|e| e.to_string())?;
     let register_s = t.elapsed().as_secs_f64();
-    let shared_time = |ops: Vec<PeerCopyOp>, ranges: Vec<std::ops::Range<usize>>, want: Vec<u32>| {
-        let cuda = cuda.clone();
-        let shared = shared.clone();
-        async move {
-            let mut best = f64::MAX;
-            for _ in 0..=REPS {
-                let batch =
-                    PeerCopyBatch { sources: vec![shared.clone()], ops: ops.clone(), checksums: ranges.clone() };
-                let t = Instant::now();
-                let sums = cuda.submit_peer(batch).await.map_err(|e| e.to_string())?;
-                best = best.min(t.elapsed().as_secs_f64());
-                if sums != want {
-                    let bad = sums.iter().zip(&want).filter(|(a, b)| a != b).count();
-                    return Err(format!("shared pool: {bad} of {} checksums differ from the pattern's", want.len()));
-                }
-            }
-            Ok::<f64, String>(best)
-        }
-    };
-    let s64 = shared_time(contig_ops, per_op, want_parts).await?;
+    let pool_copy = "shared pool";
+    let s64 = time_batch(pool_copy, shared.clone(), contig_ops, per_op, want_parts).await?;
     cuda.write(dst, 0, &vec![0u8; TOTAL as usize]).map_err(|e| e.to_string())?;
-    let s_kv = shared_time(kv.clone(), kv_ranges, want_kv).await?;
-    cuda.read(dst, 0, &mut back).map_err(|e| e.to_string())?;
-    for op in &kv {
-        let (s, d) = (op.src_offset as usize, op.dst_offset as usize);
-        if back[d..d + SEG as usize] != data[s..s + SEG as usize] {
-            return Err(format!("shared pool: KV bytes at reader offset {d} differ from the owner's at {s}"));
-        }
-    }
+    let s_kv = time_batch(pool_copy, shared.clone(), kv.clone(), kv_ranges, want_kv).await?;
+    check_kv_bytes(pool_copy)?;
     drop(shared);
     Ok(json!({
         "bytes": TOTAL,
