@@ -43,12 +43,18 @@ pub(crate) enum SharedSource {
     Refused(usize),
 }
 
+/// The identity of a mapping of a peer's pool: the address of its
+/// keep-alive (a restarted owner's new mapping gets a new one).
+fn mapping_key(region: &crate::transport::SharedRegion) -> usize {
+    Arc::as_ptr(&region.keep).cast::<()>() as usize
+}
+
 impl PeerState {
     /// Whether the peer's mapped pool `region` is a copy source now:
     /// `Some(true)` opened, `Some(false)` refused by the backend, `None`
     /// not asked yet or still being opened.
     pub fn shared_opened(&self, region: &crate::transport::SharedRegion) -> Option<bool> {
-        let key = Arc::as_ptr(&region.keep).cast::<()>() as usize;
+        let key = mapping_key(region);
         match &*self.shared.lock().expect("shared source lock") {
             SharedSource::Ready(k, _) if *k == key => Some(true),
             SharedSource::Refused(k) if *k == key => Some(false),
@@ -67,7 +73,7 @@ impl PeerState {
         gpu: &Arc<dyn Gpu>,
         region: crate::transport::SharedRegion,
     ) -> Option<Arc<dyn PeerBuffer>> {
-        let key = Arc::as_ptr(&region.keep).cast::<()>() as usize;
+        let key = mapping_key(&region);
         let mut st = self.shared.lock().expect("shared source lock");
         match &*st {
             SharedSource::Ready(k, b) if *k == key => return Some(b.clone()),
