@@ -298,6 +298,13 @@ pub struct Shared {
     pub deadline_fetches: AtomicU64,
     /// The longest any fetch ran past its deadline (µs; C9's slack).
     pub fetch_overrun_max_us: AtomicU64,
+    /// `Engine::connect_peer` calls that connected, that ended on their
+    /// timeout, and that failed otherwise.
+    pub connects_ok: AtomicU64,
+    /// See `connects_ok`.
+    pub connects_deadline: AtomicU64,
+    /// See `connects_ok`.
+    pub connects_failed: AtomicU64,
     /// Device leases (C19): per node, the ids its engines granted and the
     /// ends drained so far.
     pub leases: Mutex<LeaseBook>,
@@ -507,6 +514,9 @@ impl Cluster {
             partial_read_errors: AtomicU64::new(0),
             deadline_fetches: AtomicU64::new(0),
             fetch_overrun_max_us: AtomicU64::new(0),
+            connects_ok: AtomicU64::new(0),
+            connects_deadline: AtomicU64::new(0),
+            connects_failed: AtomicU64::new(0),
             disk_heal,
             leases: Mutex::new(LeaseBook {
                 granted: vec![Default::default(); NODES],

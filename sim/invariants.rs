@@ -589,6 +589,21 @@ pub fn inv_degrade_bounded(
     Err(violation("inv_degrade_bounded", format!("node{} request {req}: {}", node + 1, bad.join("; "))))
 }
 
+/// C9 for [`kvferry::engine::Engine::connect_peer`]: it returned within
+/// its `timeout` (plus [`FETCH_SLACK`]), whether the peer was up, down or
+/// cut off; a peer that does not answer is tried again only while time is
+/// left.
+pub fn inv_connect_bounded(node: usize, target: usize, elapsed: Duration, timeout: Duration) -> Result<(), Violation> {
+    if elapsed <= timeout + FETCH_SLACK {
+        COUNT.with(|c| c.borrow_mut().push("inv_connect_bounded"));
+        return Ok(());
+    }
+    Err(violation(
+        "inv_connect_bounded",
+        format!("node{} connect_peer to node{} took {elapsed:?}, timeout {timeout:?}", node + 1, target + 1),
+    ))
+}
+
 /// C9 liveness: with every fault healed, a fetch of a prefix that the
 /// converged index lists at another live node brings at least that prefix
 /// (within two attempts: see the scenario's progress probe).

@@ -337,6 +337,12 @@ canary!(
     "C9 (issue 29): a fetch deadline 1000x the configured one: a fetch from a stalled owner overruns its bound."
 );
 canary!(
+    broken_c9connectpasttimeout_is_caught,
+    C9ConnectPastTimeout,
+    ["inv_connect_bounded"],
+    "C9 (issue 28): connect_peer that keeps trying a down or cut-off peer 5 s past its timeout."
+);
+canary!(
     broken_c13serveexpiredsession_is_caught,
     C13ServeExpiredSession,
     ["inv_no_read_after_expiry"],

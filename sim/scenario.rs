@@ -72,6 +72,9 @@ pub struct Summary {
 pub struct Reach {
     pub partial_read_errors: u64,
     pub deadline_fetches: u64,
+    /// `Engine::connect_peer` calls: connected, ended on their timeout,
+    /// failed otherwise (C9's bound holds for each).
+    pub connects: (u64, u64, u64),
     /// The longest any fetch ran past its deadline (µs).
     pub overrun_max_us: u64,
     pub expired_reads: u64,
@@ -216,10 +219,13 @@ fn summary_line(seed: u64, s: &Summary) -> String {
     let r = &s.reach;
     let _ = write!(
         out,
-        " c8_partial_read_errors={} c9_deadline_fetches={} c9_overrun_max_us={} c13_expired_reads={} c15_unregisters={} c15_busy_refusals={} c15_held_batches={} c19_lease_grants={} c19_lease_ends={} c19_device_reads={}",
+        " c8_partial_read_errors={} c9_deadline_fetches={} c9_overrun_max_us={} c9_connects_ok={} c9_connects_deadline={} c9_connects_failed={} c13_expired_reads={} c15_unregisters={} c15_busy_refusals={} c15_held_batches={} c19_lease_grants={} c19_lease_ends={} c19_device_reads={}",
         r.partial_read_errors,
         r.deadline_fetches,
         r.overrun_max_us,
+        r.connects.0,
+        r.connects.1,
+        r.connects.2,
         r.expired_reads,
         r.unregisters,
         r.busy_refusals,
@@ -310,7 +316,7 @@ async fn drive(c: Arc<Cluster>, req: Request, knobs: WorkloadKnobs, start: Insta
     };
     let Some(d) = pick(&c, req.decode, PREFILL..NODES) else { return Outcome::default() };
     let Some(slot) = c.shared.node(d) else { return Outcome::default() };
-    match c.spawn_on(d, workload::decode(c.shared.clone(), slot, d, req, knobs)).await {
+    match c.spawn_on(d, workload::decode(c.shared.clone(), slot, d, p, req, knobs)).await {
         Ok(o) => Outcome {
             done: true,
             reused: pre.reused,
@@ -341,6 +347,8 @@ async fn run_plan(
         // Every other seed (not drawn from the plan's streams, so a seed's
         // faults are what they were before device leases existed).
         device_leases: seed.is_multiple_of(2),
+        // Every third seed, likewise.
+        connect_peers: seed.is_multiple_of(3),
     };
 
     // ---- safety phase
@@ -466,6 +474,11 @@ async fn run_plan(
         partial_read_errors: shared.partial_read_errors.load(Ordering::SeqCst),
         deadline_fetches: shared.deadline_fetches.load(Ordering::SeqCst),
         overrun_max_us: shared.fetch_overrun_max_us.load(Ordering::SeqCst),
+        connects: (
+            shared.connects_ok.load(Ordering::SeqCst),
+            shared.connects_deadline.load(Ordering::SeqCst),
+            shared.connects_failed.load(Ordering::SeqCst),
+        ),
         expired_reads,
         unregisters: w.unregisters_ok.load(Ordering::SeqCst),
         busy_refusals: w.busy_refusals.load(Ordering::SeqCst),

@@ -23,7 +23,7 @@ use std::time::Duration;
 use kvferry::engine::fetch::FetchReport;
 use kvferry::gpu::Gpu;
 use kvferry::replay::trace::{self, ModelPreset, engine_block_hash, fill_kv, verify_kv};
-use kvferry::types::BlockHash;
+use kvferry::types::{BlockHash, NodeAddr};
 use rand::Rng;
 use rand::rngs::StdRng;
 use tokio::time::Instant;
@@ -154,6 +154,10 @@ pub struct WorkloadKnobs {
     /// decodes use `fetch_into`, which copies leased blocks device to
     /// device.
     pub device_leases: bool,
+    /// Half the decodes first call `Engine::connect_peer` (its C9 bound):
+    /// to the request's prefill node or to any other node, which may be
+    /// down or cut off.
+    pub connect_peers: bool,
 }
 
 /// Outcome of one fetch-and-verify.
@@ -459,14 +463,49 @@ pub struct DecodeOutcome {
     pub recomputed: usize,
 }
 
-/// The decode side of one request. Runs on the decode node.
+/// `Engine::connect_peer` from `node` to a drawn peer (half the time
+/// `prefill`, the node that saved the request, else any other node: it may
+/// be down or cut off) with a drawn timeout; checks `inv_connect_bounded` and counts
+/// how it ended.
+async fn connect_peer(shared: &Shared, n: &NodeSlot, node: usize, prefill: usize) {
+    let (target, timeout) = {
+        let mut rng = shared.rng.lock().expect("rng");
+        let target = if rng.random_bool(0.5) {
+            prefill
+        } else {
+            let other = rng.random_range(0..crate::cluster::NODES - 1);
+            if other >= node { other + 1 } else { other }
+        };
+        let max_ms = 2 * shared.params.fetch_deadline.as_millis() as u64;
+        (target, Duration::from_millis(rng.random_range(10..=max_ms.max(11))))
+    };
+    let addr = NodeAddr(format!("{}:{}", crate::cluster::node_ip(target), crate::cluster::GRPC_PORT));
+    let t0 = Instant::now();
+    let watchdog = timeout + shared.params.fetch_deadline + Duration::from_secs(10);
+    let res = tokio::time::timeout(watchdog, n.engine.connect_peer(&addr, timeout)).await;
+    let elapsed = t0.elapsed();
+    let counter = match &res {
+        Ok(Ok(_)) => &shared.connects_ok,
+        Ok(Err(kvferry::engine::fetch::FetchError::Deadline)) => &shared.connects_deadline,
+        _ => &shared.connects_failed,
+    };
+    counter.fetch_add(1, Ordering::SeqCst);
+    shared.checker.record(invariants::inv_connect_bounded(node, target, elapsed, timeout));
+}
+
+/// The decode side of one request. Runs on the decode node; `prefill` is
+/// the node that served its prefill.
 pub async fn decode(
     shared: Arc<Shared>,
     n: NodeSlot,
     node: usize,
+    prefill: usize,
     req: Request,
     knobs: WorkloadKnobs,
 ) -> DecodeOutcome {
+    if knobs.connect_peers && shared.rng.lock().expect("rng").random_bool(0.5) {
+        connect_peer(&shared, &n, node, prefill).await;
+    }
     let into = knobs.device_leases && shared.rng.lock().expect("rng").random_bool(0.5);
     let f = if into {
         fetch_into_and_verify(&shared, &n, node, &req).await

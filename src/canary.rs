@@ -44,6 +44,9 @@ pub enum Canary {
     /// C9: the fetch deadline is 1000x the configured one (the hook sits in
     /// `engine::fetch`), so a fetch from a stalled owner waits for it.
     C9FetchDeadlineStretched,
+    /// C9: `Engine::connect_peer` keeps trying a peer that is down or
+    /// unreachable 5 s past its timeout (the hook sits in `engine::fetch`).
+    C9ConnectPastTimeout,
     /// C10: the fetcher takes the owner's advertised checksums for what it
     /// read instead of computing them (the hook sits in `engine::fetch`'s
     /// driver), so a corrupted payload is accepted.
@@ -79,7 +82,7 @@ pub enum Canary {
 
 impl Canary {
     /// Every canary, in contract order.
-    pub const ALL: [Canary; 18] = [
+    pub const ALL: [Canary; 19] = [
         Canary::C1FlushAcksEarly,
         Canary::C2FlushUnbounded,
         Canary::C4RemovalLost,
@@ -89,6 +92,7 @@ impl Canary {
         Canary::C8ReleaseSkippedAfterPartialRead,
         Canary::C9ReadPastDeadline,
         Canary::C9FetchDeadlineStretched,
+        Canary::C9ConnectPastTimeout,
         Canary::C10WeakChecksum,
         Canary::C11EvictHeld,
         Canary::C13ServeExpiredSession,
@@ -108,7 +112,7 @@ impl Canary {
             Canary::C4RemovalLost => "C4",
             Canary::C6NoBackfill => "C6",
             Canary::C8PinsTooFew | Canary::C8ReleaseForgotten | Canary::C8ReleaseSkippedAfterPartialRead => "C8",
-            Canary::C9ReadPastDeadline | Canary::C9FetchDeadlineStretched => "C9",
+            Canary::C9ReadPastDeadline | Canary::C9FetchDeadlineStretched | Canary::C9ConnectPastTimeout => "C9",
             Canary::C10WeakChecksum => "C10",
             Canary::C11EvictHeld => "C11",
             Canary::C13ServeExpiredSession => "C13",

@@ -581,6 +581,19 @@ fn report_text(r: &pd::PdReport) -> String {
             p.attach_failures
         );
     }
+    if let Some(c) = &r.connect_peers {
+        println!(
+            "  connected at start-up  {} of {} decode→prefill pairs in {:.2} s ({} pool ready, {} over the transport, {} opening, {} refused, {} failed)",
+            c.pairs - c.failed,
+            c.pairs,
+            c.seconds,
+            c.ready,
+            c.not_mapped,
+            c.opening,
+            c.refused,
+            c.failed
+        );
+    }
     println!("  handoff (barrier → fetch end) p50 {:.2} ms, p99 {:.2} ms", r.handoff_p50_ms, r.handoff_p99_ms);
     match r.raw_gbps {
         Some(raw) => {

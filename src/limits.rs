@@ -187,6 +187,14 @@ pub const PD_RAW_COPY_BYTES_MIN: u64 = 8 << 20;
 /// to register on the H200).
 pub const PD_CONNECT_PEER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
+/// The first pause of `Engine::connect_peer` before it tries a handshake
+/// that failed because the peer is not up yet; the pause doubles up to
+/// [`CONNECT_PEER_RETRY_MAX`].
+pub const CONNECT_PEER_RETRY_MIN: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// The longest pause of `Engine::connect_peer` between handshake tries.
+pub const CONNECT_PEER_RETRY_MAX: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Raw loopback copies `kvferry pd` times at start-up (count); the
 /// fastest is T8's baseline, which makes T8 conservative.
 pub const PD_RAW_COPY_REPS: usize = 3;

@@ -143,7 +143,16 @@ fn replay_path_choice_moves_the_bytes_and_the_baseline() {
         } else {
             assert!(shm > 0.0 && tcp == 0.0 && shm_fb == 0.0, "same host: everything from shared pools: {r}");
         }
+        // Every decode engine connected to every prefill engine at start-up
+        // (2 × 2 by default); on the host backend the pools are read through
+        // the decode's own pool, so none is opened for one-step copies.
+        let c = &r["connect_peers"];
+        assert_eq!((num(c, "pairs"), num(c, "failed")), (4.0, 0.0), "--path {path}: {c}");
+        assert_eq!(num(c, "ready") + num(c, "not_mapped"), 4.0, "--path {path}: {c}");
+        assert!(num(c, "seconds") <= num(&r, "startup_s"), "{r}");
     }
+    let off = run_json_shaped(&shape, &["--requests", "2", "--connect-peers", "false"]);
+    assert!(off["connect_peers"].is_null(), "--connect-peers false: no start-up step: {off}");
 }
 
 #[test]

@@ -40,6 +40,7 @@ child).
 
 from __future__ import annotations
 
+import numbers
 import operator
 import os
 from dataclasses import dataclass, field
@@ -106,6 +107,15 @@ def _int_arg(value: Any, name: str, lo: int, hi: int, cls: type = ConfigError) -
     if not lo <= v <= hi:
         raise cls(f"{name} = {v} is out of range: it must be in [{lo}, {hi}]", "range")
     return v
+
+
+def _seconds(value: Any, name: str = "timeout") -> float:
+    """``value`` as a float of seconds, else ``ConfigError`` naming ``name``
+    (instead of Python's ``ValueError`` or ``TypeError`` from ``float``);
+    the native layer checks its range."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ConfigError(f"{name} must be a number of seconds, got {type(value).__name__} {value!r}", "bad_timeout")
+    return float(value)
 
 
 def _block_ids(block_ids: Sequence[int], *, distinct: bool = False) -> List[int]:
@@ -403,7 +413,7 @@ class MetaServer:
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stops serving (in-flight requests finish) within ``timeout``
         seconds. Idempotent."""
-        self._ms.shutdown(float(timeout))
+        self._ms.shutdown(_seconds(timeout))
 
     def metrics(self) -> Dict[str, Any]:
         """The store's statistics and the service's counters (as text)."""
@@ -475,8 +485,8 @@ class Node:
         if gpu not in ("host", "cuda"):
             raise ConfigError(f'unknown gpu backend {gpu!r}: use "host" or "cuda"', "gpu")
         self._device = _int_arg(device, "device", 0, (1 << 31) - 1)
-        self._fetch_timeout = float(fetch_timeout)
-        self._rpc_timeout = float(rpc_timeout)
+        self._fetch_timeout = _seconds(fetch_timeout, "fetch_timeout")
+        self._rpc_timeout = _seconds(rpc_timeout, "rpc_timeout")
         self._pool_bytes = _int_arg(pool_bytes, "pool_bytes", _POOL_BYTES_MIN, _U64_MAX)
         if ssd_dir is None and ssd_bytes != 0:
             raise ConfigError(
@@ -728,7 +738,7 @@ class Node:
         Raises:
             UnknownNamespaceError, BlockIndexError, GpuError, DeadlineError.
         """
-        r = self._node.save(namespace, [bytes(h) for h in hashes], _block_ids(block_ids), float(timeout))
+        r = self._node.save(namespace, [bytes(h) for h in hashes], _block_ids(block_ids), _seconds(timeout))
         return SaveReport(**r)
 
     def flush_saves_and_registrations(self, timeout: float = 5.0) -> FlushReport:
@@ -738,7 +748,7 @@ class Node:
         returns with ``ok``, a decode node's query sees the blocks. Never
         raises for a MetaServer that is down: the report says what was
         dropped."""
-        delivered, dropped, timed_out = self._node.flush_saves_and_registrations(float(timeout))
+        delivered, dropped, timed_out = self._node.flush_saves_and_registrations(_seconds(timeout))
         return FlushReport(delivered, dropped, timed_out)
 
     def query_prefix(self, namespace: str, hashes: BlockHashes) -> int:
@@ -757,7 +767,7 @@ class Node:
             DeadlineError: no answer within ``timeout`` seconds (default:
                 the node's ``rpc_timeout``).
         """
-        t = self._rpc_timeout if timeout is None else float(timeout)
+        t = self._rpc_timeout if timeout is None else _seconds(timeout)
         return [PrefixOwner(n, int(k)) for n, k in self._node.query_prefix_remote(namespace, [bytes(h) for h in hashes], t)]
 
     def fetch(self, namespace: str, hashes: BlockHashes, *, timeout: Optional[float] = None) -> FetchReport:
@@ -781,7 +791,7 @@ class Node:
             DeadlineError: only when the fetch ran a second past its
                 deadline (a wedged runtime).
         """
-        t = self._fetch_timeout if timeout is None else float(timeout)
+        t = self._fetch_timeout if timeout is None else _seconds(timeout)
         return FetchReport(**self._node.fetch(namespace, [bytes(h) for h in hashes], t))
 
     def load(self, namespace: str, hashes: BlockHashes, block_ids: Sequence[int], *, timeout: float = 30.0) -> LoadReport:
@@ -795,7 +805,7 @@ class Node:
             UnknownNamespaceError, BlockIndexError, DeadlineError (only when
             the load ran a second past its deadline: a wedged runtime).
         """
-        r = self._node.load(namespace, [bytes(h) for h in hashes], _block_ids(block_ids, distinct=True), float(timeout))
+        r = self._node.load(namespace, [bytes(h) for h in hashes], _block_ids(block_ids, distinct=True), _seconds(timeout))
         return LoadReport(int(r["loaded"]), [tuple(f) for f in r["failed"]])
 
     def fetch_into(
@@ -808,7 +818,7 @@ class Node:
         ``"load_deadline"``); copies that started before it are awaited,
         never abandoned, so the load report says exactly which blocks are in
         your cache."""
-        t = self._fetch_timeout if timeout is None else float(timeout)
+        t = self._fetch_timeout if timeout is None else _seconds(timeout)
         ids = _block_ids(block_ids, distinct=True)
         f, lrep = self._node.fetch_into(namespace, [bytes(h) for h in hashes], ids, t)
         return FetchReport(**f), LoadReport(int(lrep["loaded"]), [tuple(x) for x in lrep["failed"]])
@@ -830,13 +840,19 @@ class Node:
             goes on in the background) or ``"refused"`` (the GPU backend
             cannot read that pool; reads copy through this node's pool).
 
+        A peer that is not up yet (nothing listens, no answer within the
+        node's ``rpc_timeout``) is tried again, after 50 ms doubling to 1 s,
+        until ``timeout``: nodes started in any order can call it at
+        start-up.
+
         Raises:
-            PeerError: the peer is unreachable or refused the handshake (a
-            handshake RPC is also bounded by the node's ``rpc_timeout``);
-            DeadlineError: ``timeout`` passed during the handshake;
-            ConfigError: ``addr`` is not ``host:port``, or a bad ``timeout``.
+            DeadlineError: no handshake within ``timeout`` (the node's log
+            names the last failure); PeerError: the peer refused the
+            handshake or answered with metadata that does not decode (at
+            once, not retried); ConfigError: ``addr`` is not ``host:port``,
+            or ``timeout`` is not a number of seconds in (0, 86400].
         """
-        return str(self._node.connect_peer(_check_peer(addr), float(timeout)))
+        return str(self._node.connect_peer(_check_peer(addr), _seconds(timeout)))
 
     # -- device leases (same-host device-direct handoff) ----------------
     def grant_device_lease(
@@ -861,7 +877,7 @@ class Node:
             GpuError: the backend cannot share device memory.
         """
         return str(
-            self._node.grant_device_lease(namespace, [bytes(h) for h in hashes], _block_ids(block_ids), float(ttl))
+            self._node.grant_device_lease(namespace, [bytes(h) for h in hashes], _block_ids(block_ids), _seconds(ttl, "ttl"))
         )
 
     def end_device_lease(self, lease_id: str) -> bool:
@@ -890,7 +906,7 @@ class Node:
         """Stops the node within ``timeout`` seconds: unregisters it from the
         MetaServer (best effort), stops serving peers, frees the pool.
         Idempotent. The registered tensors are released afterwards."""
-        self._node.shutdown(float(timeout))
+        self._node.shutdown(_seconds(timeout))
         self._caches.clear()
 
     def kill(self) -> None:

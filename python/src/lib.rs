@@ -628,7 +628,7 @@ impl Node {
     fn connect_peer(&self, py: Python<'_>, addr: String, timeout_s: f64) -> PyResult<&'static str> {
         let t = secs(timeout_s)?;
         let (rt, engine) = self.engine()?;
-        let peer = kvferry::types::NodeAddr(addr);
+        let peer = kvferry::types::NodeAddr(addr.clone());
         let r = wait(py, &rt, t + FETCH_OVERRUN_MAX, async move { engine.connect_peer(&peer, t).await })?
             .ok_or_else(|| deadline_fail("connect_peer", t + FETCH_OVERRUN_MAX))?;
         match r {
@@ -636,7 +636,15 @@ impl Node {
             Ok(SharedPool::NotMapped) => Ok("not_mapped"),
             Ok(SharedPool::Opening) => Ok("opening"),
             Ok(SharedPool::Refused) => Ok("refused"),
-            Err(e) => Err(Fail::coded(e.code(), format!("connecting to the peer: {e}")).into()),
+            Err(e @ kvferry::engine::fetch::FetchError::Deadline) => Err(Fail::coded(
+                e.code(),
+                format!(
+                    "no handshake with peer {addr} within {:.3} s (is it up? the node's log names the last failure)",
+                    t.as_secs_f64()
+                ),
+            )
+            .into()),
+            Err(e) => Err(Fail::coded(e.code(), format!("connecting to peer {addr}: {e}")).into()),
         }
     }
 

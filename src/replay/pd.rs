@@ -103,6 +103,28 @@ pub struct PathLine {
     pub attach_failures: u64,
 }
 
+/// The start-up connections of decode engines to prefill engines
+/// (`--connect-peers`, [`Engine::connect_peer`]), one per pair.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct ConnectLine {
+    /// Decode × prefill pairs tried.
+    pub pairs: u64,
+    /// Pairs whose prefill pool is open for one-step copies.
+    pub ready: u64,
+    /// Pairs that read over the transport (no mapping: forced TCP,
+    /// another host, or no one-step copies).
+    pub not_mapped: u64,
+    /// Pairs whose pool was still being opened at the timeout.
+    pub opening: u64,
+    /// Pairs whose pool the GPU backend refused as a copy source.
+    pub refused: u64,
+    /// Pairs whose handshake failed (logged with both nodes; they connect
+    /// on their first fetch instead).
+    pub failed: u64,
+    /// Seconds the step took (all pairs at once; part of `startup_s`).
+    pub seconds: f64,
+}
+
 /// Per-node copy statistics (device save/load rates, timed submit to
 /// completion).
 #[derive(Clone, Debug, Default, Serialize)]
@@ -425,6 +447,8 @@ pub struct PdReport {
     pub path: String,
     /// Per data path (shared pool, TCP): blocks, bytes, GB/s, fallbacks.
     pub paths: Vec<PathLine>,
+    /// The start-up connections (`--connect-peers`); `None` when off.
+    pub connect_peers: Option<ConnectLine>,
     /// Tokens per block.
     pub block_tokens: u64,
     /// Bytes per block.
@@ -918,9 +942,11 @@ pub async fn run_with_observer(
             }
         }
     }
-    if cfg.connect_peers {
-        connect_decode_to_prefill(&engines[cfg.prefill..], &engines[..cfg.prefill]).await;
-    }
+    let connect_line = if cfg.connect_peers {
+        Some(connect_decode_to_prefill(&engines[cfg.prefill..], &engines[..cfg.prefill]).await)
+    } else {
+        None
+    };
     let prefill: Vec<Arc<PdNode>> = nodes[..cfg.prefill].to_vec();
     let decode: Vec<Arc<PdNode>> = nodes[cfg.prefill..].to_vec();
 
@@ -1138,6 +1164,7 @@ pub async fn run_with_observer(
         attach_failures: c.attach_failures,
     }))
     .collect();
+    rep.connect_peers = connect_line;
 
     let ssd_stats: Vec<crate::engine::DiskStats> = nodes.iter().filter_map(|n| n.engine.disk_stats()).collect();
     stop_cluster(&nodes, ms).await;
@@ -1319,8 +1346,9 @@ async fn stop_cluster(nodes: &[Arc<PdNode>], ms: Option<MetaServerHandle>) {
 /// on one host the opening of each prefill pool as a one-step copy source,
 /// so the first requests do not pay for them (counted in `startup_s`). A
 /// pair that fails is logged and left to connect lazily on its first
-/// fetch, as without this step.
-async fn connect_decode_to_prefill(decode: &[Engine], prefill: &[Engine]) {
+/// fetch, as without this step. Returns what each pair ended in.
+async fn connect_decode_to_prefill(decode: &[Engine], prefill: &[Engine]) -> ConnectLine {
+    let t0 = Instant::now();
     let tries: FuturesUnordered<_> = decode
         .iter()
         .flat_map(|d| prefill.iter().map(move |p| (d, p)))
@@ -1329,13 +1357,23 @@ async fn connect_decode_to_prefill(decode: &[Engine], prefill: &[Engine]) {
         })
         .collect();
     let done: Vec<_> = tries.collect().await;
+    let mut line = ConnectLine { pairs: done.len() as u64, ..ConnectLine::default() };
     for (d, p, res) in done {
         match res {
-            Ok(SharedPool::Ready | SharedPool::NotMapped) => {}
-            Ok(state) => tracing::debug!(decode = %d.0, prefill = %p.0, ?state, "shared pool not opened at start-up"),
-            Err(e) => tracing::warn!(decode = %d.0, prefill = %p.0, error = %e, "could not connect at start-up"),
+            Ok(SharedPool::Ready) => line.ready += 1,
+            Ok(SharedPool::NotMapped) => line.not_mapped += 1,
+            Ok(state) => {
+                *(if state == SharedPool::Opening { &mut line.opening } else { &mut line.refused }) += 1;
+                tracing::debug!(decode = %d.0, prefill = %p.0, ?state, "shared pool not opened at start-up");
+            }
+            Err(e) => {
+                line.failed += 1;
+                tracing::warn!(decode = %d.0, prefill = %p.0, error = %e, "could not connect at start-up");
+            }
         }
     }
+    line.seconds = t0.elapsed().as_secs_f64();
+    line
 }
 
 /// Which plain copy T8 divides by.

@@ -81,6 +81,21 @@ pub struct FetchIntoReport {
 /// opened.
 const SHARED_OPEN_POLL: Duration = Duration::from_millis(5);
 
+/// Whether trying `e`'s handshake again may succeed: the peer is not up
+/// yet or did not answer in time (its RPC channel, its transport), not an
+/// answer that says no.
+fn connect_retryable(e: &FetchError) -> bool {
+    use tonic::Code;
+    match e {
+        FetchError::Handshake(HandshakeFailure::Rpc(r)) => matches!(
+            r.code,
+            Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled | Code::Unknown | Code::ResourceExhausted
+        ),
+        FetchError::Handshake(HandshakeFailure::Transport(_)) => true,
+        _ => false,
+    }
+}
+
 /// The same-host shared pool of a peer after [`Engine::connect_peer`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SharedPool {
@@ -502,24 +517,52 @@ impl Engine {
     /// copies of this process while it runs). Engines call it at start-up
     /// for the peers they will read from, as vLLM's P/D connectors
     /// handshake their remote agents before the first request, so no
-    /// request pays for it. Waits at most `timeout` for both.
+    /// request pays for it. Waits at most `timeout` for both: a peer that is not up yet
+    /// (nothing listens, the RPC times out, its transport refuses the
+    /// connection) is tried again after
+    /// [`crate::limits::CONNECT_PEER_RETRY_MIN`], the pause doubling to
+    /// [`crate::limits::CONNECT_PEER_RETRY_MAX`], until `timeout`, so
+    /// engines started in any order can call it at start-up; each try is
+    /// bounded by the engine's peer RPC timeout.
     ///
     /// # Errors
-    /// The handshake's failure ([`FetchError::Handshake`],
-    /// [`FetchError::Peer`], [`FetchError::Deadline`] once `timeout`
-    /// passed, [`FetchError::NoTransport`]); a failed handshake leaves no
-    /// state behind, and a later fetch tries again.
+    /// [`FetchError::Deadline`] when `timeout` passed before a handshake
+    /// succeeded (the last try's failure is logged at info, with the peer);
+    /// at once, a failure that trying again cannot fix: an address that is
+    /// not one ([`FetchError::Peer`]), an owner that refused the handshake
+    /// or sent metadata that does not decode ([`FetchError::Handshake`]),
+    /// no transport ([`FetchError::NoTransport`]). A failed connect leaves
+    /// no state behind, and a later fetch tries again.
     pub async fn connect_peer(&self, peer: &NodeAddr, timeout: Duration) -> Result<SharedPool, FetchError> {
-        let deadline = Instant::now() + timeout;
-        let p = self
-            .inner
-            .peers
-            .get(peer, self.inner.cfg.peer_rpc_timeout)
-            .map_err(|e| FetchError::Peer(PeerFailure::Endpoint(e.to_string())))?;
-        if let Err(e) = self.handshake(peer, &p, deadline).await {
+        let stretch = if crate::canary::active(crate::canary::Canary::C9ConnectPastTimeout) {
+            Duration::from_secs(5)
+        } else {
+            Duration::ZERO
+        };
+        let deadline = Instant::now() + timeout + stretch;
+        let mut pause = crate::limits::CONNECT_PEER_RETRY_MIN;
+        let p = loop {
+            let p = self
+                .inner
+                .peers
+                .get(peer, self.inner.cfg.peer_rpc_timeout)
+                .map_err(|e| FetchError::Peer(PeerFailure::Endpoint(e.to_string())))?;
+            let e = match self.handshake(peer, &p, deadline).await {
+                Ok(()) => break p,
+                Err(e) => e,
+            };
             self.inner.peers.invalidate(peer, &p);
-            return Err(e);
-        }
+            if !connect_retryable(&e) {
+                return Err(e);
+            }
+            if Instant::now() + pause >= deadline {
+                tracing::info!(peer = %peer.0, ?timeout, last = %e, "connect_peer: no handshake within the timeout");
+                return Err(FetchError::Deadline);
+            }
+            tracing::debug!(peer = %peer.0, error = %e, ?pause, "connect_peer: handshake failed, trying again");
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(crate::limits::CONNECT_PEER_RETRY_MAX);
+        };
         let region = if self.inner.cfg.shared_pool_direct {
             self.transport().and_then(|t| t.shared_region(peer)).filter(|r| r.region == 0)
         } else {
