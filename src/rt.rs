@@ -264,6 +264,58 @@ pub async fn run_blocking<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'sta
     }
 }
 
+/// Runs `fut`, a service loop that must keep its pace while the caller's
+/// runtime is busy, on a thread of its own (named `name`, a current-thread
+/// runtime with timers) rather than as a task of the current runtime: a
+/// task shares its worker threads with whatever else runs there, and a
+/// runtime whose tasks copy and checksum megabytes between awaits can hold
+/// it off for milliseconds (the disk tier's driver: in `kvferry pd` on a
+/// 2-core machine, as a task, its write-behind queues filled with the disk
+/// at a third of its rate and dropped 9,156 victims; on its own thread, 0
+/// to 211; docs/BENCHMARKS.md, session 20). The thread ends with `fut`.
+/// If the thread or its runtime cannot be started, `fut` becomes a task of
+/// the current runtime (logged at warn). Under the simulator it is always
+/// a task, so a seed replays the same schedule.
+pub fn spawn_on_own_thread<F>(name: &str, fut: F)
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    #[cfg(not(madsim))]
+    {
+        let rt = match tokio::runtime::Builder::new_current_thread().enable_time().build() {
+            Ok(rt) => rt,
+            Err(e) => {
+                tracing::warn!(thread = name, error = %e, "cannot build a service thread's runtime; running it as a task");
+                tokio::spawn(fut);
+                return;
+            }
+        };
+        // The future travels to the thread through a channel, so a thread
+        // that cannot start leaves it here for the fallback.
+        type Loop = std::pin::Pin<Box<dyn Future<Output = ()> + Send>>;
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Loop>(1);
+        let started = std::thread::Builder::new().name(name.to_string()).spawn(move || {
+            if let Ok(fut) = rx.recv() {
+                rt.block_on(fut);
+            }
+        });
+        match started {
+            Ok(_) => {
+                let _ = tx.send(Box::pin(fut));
+            }
+            Err(e) => {
+                tracing::warn!(thread = name, error = %e, "cannot start a service thread; running it as a task");
+                tokio::spawn(fut);
+            }
+        }
+    }
+    #[cfg(madsim)]
+    {
+        let _ = name;
+        tokio::spawn(fut);
+    }
+}
+
 /// Drives `fut` to completion even when the returned future is dropped
 /// first: `fut` runs inline in the caller's task (no extra task hop — two
 /// thread wake-ups fewer on the critical path), and only a future dropped

@@ -12,6 +12,8 @@
 //! | `evicting_ahead_waits_for_room_in_the_write_queue` | evicting ahead never drops a block at a full write-behind queue (C4: no removal) |
 //! | `prefetch_stages_the_disk_prefix_into_the_pool` | `Engine::prefetch` stages the disk-resident prefix (verified, C17), stops at a gap, is a lookup without a tier |
 //! | `a_second_node_on_the_same_directory_is_refused` | the tier locks its directory: a second node fails at start naming it |
+//! | `staging_into_a_small_pool_keeps_its_own_prefix` | a staging holds what it found and staged until its caller's lock or load: it never evicts its own prefix for its tail |
+//! | `the_driver_writes_while_every_runtime_worker_is_busy` | the tier's driver has a thread of its own: queued writes land while the runtime's workers are held |
 
 // Loopback tests on real tokio and tonic; the simulator tier lives in sim/.
 #![cfg(real_os)]
@@ -397,6 +399,92 @@ async fn prefetch_stages_the_disk_prefix_into_the_pool() {
         fill_and_save(&m.engine, &kv2, 0, &hs[..2]).await;
         assert_eq!(m.engine.prefetch(NS, &hs, until).await, 2);
         assert!(m.engine.disk_stats().is_none());
+    })
+    .await;
+}
+
+/// The tier's driver runs on a thread of its own: while synchronous work
+/// holds every worker of the engine's runtime, the writes an eviction
+/// queues still reach the disk (as a task of that runtime the driver would
+/// wait for a free worker, and a busy runtime filled its queues: docs/
+/// BENCHMARKS.md, session 20).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_driver_writes_while_every_runtime_worker_is_busy() {
+    bounded(async {
+        let ms = start_ms().await;
+        let slot = sim_slot(SimFaults::none(), 9);
+        let mut disk = DiskConfig::simulated(slot, DISK_BYTES);
+        disk.evict_ahead = false;
+        let n = start_disk_node(&ms, disk, 16).await;
+        let e = &n.engine;
+        let kv = register_default(e, 32);
+        let hs = hashes(900..912);
+        fill_and_save(e, &kv, 0, &hs).await;
+        assert!(e.disk_drain(Duration::from_secs(5)).await);
+        let before = e.disk_stats().expect("a disk tier").tier.written_blocks;
+        // Both workers sleep (synchronously) for 800 ms once they started;
+        // this test's body runs on its own thread (the runtime's block_on).
+        let started = Arc::new(std::sync::Barrier::new(3));
+        let hold: Vec<_> = (0..2)
+            .map(|_| {
+                let started = started.clone();
+                tokio::spawn(async move {
+                    started.wait();
+                    std::thread::sleep(Duration::from_millis(800));
+                })
+            })
+            .collect();
+        started.wait();
+        let t0 = std::time::Instant::now();
+        let evicted = e.evict(u64::MAX) as u64;
+        assert!(evicted >= hs.len() as u64, "every block was unpinned: {evicted}");
+        let mut written = before;
+        while t0.elapsed() < Duration::from_millis(500) && written < before + evicted {
+            std::thread::sleep(Duration::from_millis(5));
+            written = e.disk_stats().expect("a disk tier").tier.written_blocks;
+        }
+        let busy = t0.elapsed() < Duration::from_millis(800);
+        for h in hold {
+            h.await.expect("holding task");
+        }
+        assert!(busy, "the workers were still held while the writes were checked");
+        assert_eq!(written, before + evicted, "every queued write landed while the runtime was busy");
+        assert_eq!(e.query_prefix(NS, &hs), hs.len(), "the victims stay found locally (on disk)");
+    })
+    .await;
+}
+
+/// A staging holds what it staged until its caller is done: a prefix of
+/// six disk blocks staged into a pool of four keeps the first four (the
+/// last two find no room) instead of evicting its own first blocks to make
+/// room for its last ones, which left no prefix at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn staging_into_a_small_pool_keeps_its_own_prefix() {
+    bounded(async {
+        let ms = start_ms().await;
+        let slot = sim_slot(SimFaults::none(), 10);
+        let cfg = DiskConfig { evict_ahead: false, ..DiskConfig::simulated(slot, DISK_BYTES) };
+        let n = start_disk_node(&ms, cfg, 4).await;
+        let e = &n.engine;
+        let kv = register_default(e, 32);
+        let hs = hashes(1000..1006);
+        save_in_pairs(e, &kv, &hs).await;
+        e.evict(u64::MAX);
+        assert!(e.disk_drain(Duration::from_secs(5)).await);
+        assert_eq!(e.resident_prefix(NS, &hs), 0, "all six on disk only");
+        assert_eq!(e.query_prefix(NS, &hs), hs.len());
+        let until = tokio::time::Instant::now() + Duration::from_secs(5);
+        assert_eq!(e.prefetch(NS, &hs, until).await, 4, "the pool's worth, from the first block");
+        let st = e.disk_stats().expect("a disk tier");
+        assert_eq!((st.staged_blocks, st.stage_failures), (4, 2), "{st:?}");
+        // A load of all six stages nothing it would evict again: the first
+        // four load, the last two are not resident.
+        let rep = e.load(NS, &hs.iter().cloned().zip(16u64..).collect::<Vec<_>>()).await.unwrap();
+        let ok: Vec<bool> = rep.results.iter().map(|r| r.is_ok()).collect();
+        assert_eq!(ok, [true, true, true, true, false, false], "{:?}", rep.results);
+        for (i, h) in hs[..4].iter().enumerate() {
+            assert!(verify(e, &kv, 16 + i as u64, h), "block {i} loaded with its saved bytes");
+        }
     })
     .await;
 }

@@ -36,8 +36,12 @@
 //! # The driver
 //!
 //! [`Tier`] is synchronous and never blocks unless asked to; the driver is
-//! one task per engine that polls it without waiting, hands out read
-//! results and registers removals. It polls again as soon as it is woken —
+//! one loop per engine, on a thread of its own
+//! ([`crate::rt::spawn_on_own_thread`]; a task under the simulator), that
+//! polls it without waiting, hands out read results, registers removals
+//! and evicts ahead. As a task of the engine's runtime it waited for a
+//! worker whenever requests kept them busy copying and checksumming, and
+//! the write-behind queues filled with the disk far from busy. It polls again as soon as it is woken —
 //! by a read or write queued, or by the backend's completion hint
 //! ([`DiskIo::set_completion_hint`]: the io_uring backend's eventfd, the
 //! thread backend's workers) — and otherwise every
@@ -800,7 +804,7 @@ pub(crate) async fn readvertise_recovered(engine: Weak<EngineInner>, keys: Vec<B
     }
 }
 
-/// The driver task of `engine`'s tier (see the module doc); ends when the
+/// The driver loop of `engine`'s tier (see the module doc); ends when the
 /// engine is gone. `wake` is the tier's wake-up (held here so an idle
 /// driver does not keep the engine alive).
 pub(crate) async fn drive(engine: Weak<EngineInner>, wake: Arc<Notify>) {
@@ -930,8 +934,14 @@ impl super::Engine {
     /// reads them (verified, C17), copies each into a fresh pool extent and
     /// seals it into the cache with the record's slot checksums. With
     /// `prefix`, stops at the first block in neither place. Gives up on
-    /// whatever is not done by `deadline` (the block stays absent). Returns
-    /// blocks staged.
+    /// whatever is not done by `deadline` (the block stays absent).
+    ///
+    /// Returns blocks staged, and holds on every block of `hashes` that is
+    /// in the pool — those found there (LRU-touched) and those staged —
+    /// until the caller drops them (after its lock or its load): a staging
+    /// into a small pool would otherwise evict the very blocks it is
+    /// staging for, the resident ones first (least recently used) and then
+    /// its own earlier stagings, and the caller would find a gap.
     pub(crate) async fn stage(
         &self,
         ns: &Arc<str>,
@@ -939,12 +949,14 @@ impl super::Engine {
         hashes: &[BlockHash],
         prefix: bool,
         deadline: Instant,
-    ) -> usize {
-        let Some(d) = &self.inner.disk else { return 0 };
+    ) -> (usize, Vec<super::CachedBlock>) {
+        let Some(d) = &self.inner.disk else { return (0, Vec::new()) };
         let family = family_id(&layout.family());
         let mut want = Vec::new();
+        let mut held = Vec::new();
         for h in hashes {
-            if self.inner.cache.lock().expect("cache lock").contains(ns, h) {
+            if let Some(b) = self.inner.cache.lock().expect("cache lock").get(ns, h) {
+                held.push(b);
                 continue;
             }
             let k = block_key(ns, h, family);
@@ -961,7 +973,8 @@ impl super::Engine {
             for (k, end) in chunk.iter().zip(ends) {
                 match end {
                     ReadEnd::Block(b) => {
-                        if self.seal_from_disk(ns, layout, k, b) {
+                        if let Some(b) = self.seal_from_disk(ns, layout, k, b) {
+                            held.push(b);
                             staged += 1;
                             m.staged_blocks.fetch_add(1, Ordering::Relaxed);
                         } else {
@@ -980,26 +993,32 @@ impl super::Engine {
                 break;
             }
         }
-        staged
+        (staged, held)
     }
 
     /// Copies a verified disk block into a fresh pool extent and seals it
-    /// into the cache. `false` when its shape is not the layout's or the
-    /// pool has no room.
-    fn seal_from_disk(&self, ns: &Arc<str>, layout: &super::Layout, key: &BlockKey, b: ReadBlock) -> bool {
-        let Some(d) = &self.inner.disk else { return false };
+    /// into the cache; returns a hold on the block. `None` when its shape
+    /// is not the layout's or the pool has no room.
+    fn seal_from_disk(
+        &self,
+        ns: &Arc<str>,
+        layout: &super::Layout,
+        key: &BlockKey,
+        b: ReadBlock,
+    ) -> Option<super::CachedBlock> {
+        let d = self.inner.disk.as_ref()?;
         let len = layout.block_bytes();
         if b.bytes().len() as u64 != len || b.slots.len() != layout.layers().len() {
             // The family id matched, so this is a bug or a hash collision.
             tracing::warn!(namespace = %ns, "disk tier: a verified record has another shape than the layout");
             d.recycle(b);
-            return false;
+            return None;
         }
         let mut ext = match self.alloc(len) {
             Ok(e) => e,
             Err(_) => {
                 d.recycle(b);
-                return false;
+                return None;
             }
         };
         ext.as_mut_slice().copy_from_slice(b.bytes());
@@ -1016,14 +1035,16 @@ impl super::Engine {
         }
         let checksums: Arc<[u32]> = b.slots.iter().map(|s| s.crc32c).collect();
         d.recycle(b);
-        let inserted = self.insert_sealed(ns, key.hash.clone(), super::CachedBlock { extent: ext.seal(), checksums });
+        let block = super::CachedBlock { extent: ext.seal(), checksums };
+        let held = block.clone();
+        let inserted = self.insert_sealed(ns, key.hash.clone(), block);
         // The record may have left the tier meanwhile, its removal
         // registered: the pool holds the block now, so advertise it again.
         if inserted && !d.on_disk(key) {
             let n = self.advertise(ns, std::slice::from_ref(&key.hash));
             d.metrics().readvertised.fetch_add(n as u64, Ordering::Relaxed);
         }
-        true
+        Some(held)
     }
 
     /// A fetch's local part: stages the disk-resident prefix of `hashes`
@@ -1032,7 +1053,8 @@ impl super::Engine {
     pub(crate) async fn stage_local_prefix(&self, namespace: &str, hashes: &[BlockHash], until: Instant) -> usize {
         if let (Some(d), Ok((ns, layout))) = (&self.inner.disk, self.layout(namespace)) {
             let deadline = until.min(Instant::now() + d.stage_deadline);
-            self.stage(&ns, &layout, hashes, true, deadline).await;
+            let (_, _held) = self.stage(&ns, &layout, hashes, true, deadline).await;
+            return self.resident_prefix(namespace, hashes);
         }
         self.resident_prefix(namespace, hashes)
     }
@@ -1068,8 +1090,10 @@ impl super::Engine {
     ) -> Result<super::TransferLock, super::EngineError> {
         if let (Some(d), Ok((ns, layout))) = (&self.inner.disk, self.layout(namespace)) {
             let budget = d.stage_deadline.min(self.inner.cfg.peer_rpc_timeout / 2);
-            let staged = self.stage(&ns, &layout, hashes, false, Instant::now() + budget).await;
+            let (staged, _held) = self.stage(&ns, &layout, hashes, false, Instant::now() + budget).await;
             d.metrics().peer_staged_blocks.fetch_add(staged as u64, Ordering::Relaxed);
+            // The lock pins what the staging held.
+            return self.lock_for_transfer(namespace, hashes);
         }
         self.lock_for_transfer(namespace, hashes)
     }

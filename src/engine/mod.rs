@@ -507,7 +507,9 @@ impl Engine {
         client.set_ownership_source(Arc::new(Source(Arc::downgrade(&inner))));
         tokio::spawn(lock_gc(Arc::downgrade(&inner)));
         if let Some(d) = &inner.disk {
-            tokio::spawn(disk::drive(Arc::downgrade(&inner), d.wake.clone()));
+            // Its own thread: it must submit and reap at the disk's pace
+            // however busy this runtime's workers are.
+            crate::rt::spawn_on_own_thread("kvferry-disk", disk::drive(Arc::downgrade(&inner), d.wake.clone()));
             // C18: what recovery verified is advertised again.
             if !recovered.is_empty() {
                 tokio::spawn(disk::readvertise_recovered(Arc::downgrade(&inner), recovered));
@@ -1087,11 +1089,15 @@ impl Engine {
         Self::check_indices(&layout, blocks.iter().map(|(_, i)| i))?;
         self.inner.metrics.loads.fetch_add(1, Ordering::Relaxed);
         let past = |now: Instant| until.is_some_and(|u| now >= u);
-        if let Some(d) = &self.inner.disk {
-            let hashes: Vec<BlockHash> = blocks.iter().map(|(h, _)| h.clone()).collect();
-            let stage_until = Instant::now() + d.stage_deadline;
-            self.stage(&ns, &layout, &hashes, false, until.map_or(stage_until, |u| u.min(stage_until))).await;
-        }
+        // Held (with a tier) until the leases below are taken.
+        let _staged = match &self.inner.disk {
+            Some(d) => {
+                let hashes: Vec<BlockHash> = blocks.iter().map(|(h, _)| h.clone()).collect();
+                let stage_until = Instant::now() + d.stage_deadline;
+                self.stage(&ns, &layout, &hashes, false, until.map_or(stage_until, |u| u.min(stage_until))).await.1
+            }
+            None => Vec::new(),
+        };
         let mut results: Vec<Result<(), LoadError>> = Vec::with_capacity(blocks.len());
         // Leases on the resident blocks (the cache lock is held only here).
         let mut hits: Vec<(usize, SealedExtent, u64)> = Vec::with_capacity(blocks.len());
