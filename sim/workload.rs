@@ -465,8 +465,8 @@ pub struct DecodeOutcome {
 
 /// `Engine::connect_peer` from `node` to a drawn peer (half the time
 /// `prefill`, the node that saved the request, else any other node: it may
-/// be down or cut off) with a drawn timeout; checks `inv_connect_bounded` and counts
-/// how it ended.
+/// be down or cut off) with a drawn timeout; checks `inv_connect_bounded`
+/// and counts how it ended.
 async fn connect_peer(shared: &Shared, n: &NodeSlot, node: usize, prefill: usize) {
     let (target, timeout) = {
         let mut rng = shared.rng.lock().expect("rng");

@@ -39,9 +39,10 @@
 //! one loop per engine, on a thread of its own
 //! ([`crate::rt::spawn_on_own_thread`]; a task under the simulator), that
 //! polls it without waiting, hands out read results, registers removals
-//! and evicts ahead. As a task of the engine's runtime it waited for a
+//! and evicts ahead. (As a task of the engine's runtime it waited for a
 //! worker whenever requests kept them busy copying and checksumming, and
-//! the write-behind queues filled with the disk far from busy. It polls again as soon as it is woken —
+//! the write-behind queues filled with the disk far from busy.) It polls
+//! again as soon as it is woken —
 //! by a read or write queued, or by the backend's completion hint
 //! ([`DiskIo::set_completion_hint`]: the io_uring backend's eventfd, the
 //! thread backend's workers) — and otherwise every
@@ -1051,11 +1052,14 @@ impl super::Engine {
     /// (by the earlier of `until` and the tier's staging deadline) and
     /// returns how many hashes from the first are in the pool now.
     pub(crate) async fn stage_local_prefix(&self, namespace: &str, hashes: &[BlockHash], until: Instant) -> usize {
-        if let (Some(d), Ok((ns, layout))) = (&self.inner.disk, self.layout(namespace)) {
-            let deadline = until.min(Instant::now() + d.stage_deadline);
-            let (_, _held) = self.stage(&ns, &layout, hashes, true, deadline).await;
-            return self.resident_prefix(namespace, hashes);
-        }
+        // Held until the prefix is counted.
+        let _held = match (&self.inner.disk, self.layout(namespace)) {
+            (Some(d), Ok((ns, layout))) => {
+                let deadline = until.min(Instant::now() + d.stage_deadline);
+                self.stage(&ns, &layout, hashes, true, deadline).await.1
+            }
+            _ => Vec::new(),
+        };
         self.resident_prefix(namespace, hashes)
     }
 
@@ -1088,13 +1092,16 @@ impl super::Engine {
         namespace: &str,
         hashes: &[BlockHash],
     ) -> Result<super::TransferLock, super::EngineError> {
-        if let (Some(d), Ok((ns, layout))) = (&self.inner.disk, self.layout(namespace)) {
-            let budget = d.stage_deadline.min(self.inner.cfg.peer_rpc_timeout / 2);
-            let (staged, _held) = self.stage(&ns, &layout, hashes, false, Instant::now() + budget).await;
-            d.metrics().peer_staged_blocks.fetch_add(staged as u64, Ordering::Relaxed);
-            // The lock pins what the staging held.
-            return self.lock_for_transfer(namespace, hashes);
-        }
+        // Held until the lock pinned them.
+        let _held = match (&self.inner.disk, self.layout(namespace)) {
+            (Some(d), Ok((ns, layout))) => {
+                let budget = d.stage_deadline.min(self.inner.cfg.peer_rpc_timeout / 2);
+                let (staged, held) = self.stage(&ns, &layout, hashes, false, Instant::now() + budget).await;
+                d.metrics().peer_staged_blocks.fetch_add(staged as u64, Ordering::Relaxed);
+                held
+            }
+            _ => Vec::new(),
+        };
         self.lock_for_transfer(namespace, hashes)
     }
 
