@@ -486,7 +486,7 @@ async fn connect_peer(shared: &Shared, n: &NodeSlot, node: usize, prefill: usize
     let elapsed = t0.elapsed();
     let counter = match &res {
         Ok(Ok(_)) => &shared.connects_ok,
-        Ok(Err(kvferry::engine::fetch::FetchError::Deadline)) => &shared.connects_deadline,
+        Ok(Err(e)) if e.error == kvferry::engine::fetch::FetchError::Deadline => &shared.connects_deadline,
         _ => &shared.connects_failed,
     };
     counter.fetch_add(1, Ordering::SeqCst);

@@ -583,7 +583,7 @@ fn report_text(r: &pd::PdReport) -> String {
     }
     if let Some(c) = &r.connect_peers {
         println!(
-            "  connected at start-up  {} of {} decode→prefill pairs in {:.2} s ({} pool ready, {} over the transport, {} opening, {} refused, {} failed)",
+            "  connected at start-up  {} of {} decode→prefill pairs in {:.2} s (ready {}, not_mapped {}, opening {}, refused {}, failed {})",
             c.pairs - c.failed,
             c.pairs,
             c.seconds,

@@ -189,7 +189,8 @@ pub const PD_CONNECT_PEER_TIMEOUT: std::time::Duration = std::time::Duration::fr
 
 /// The first pause of `Engine::connect_peer` before it tries a handshake
 /// that failed because the peer is not up yet; the pause doubles up to
-/// [`CONNECT_PEER_RETRY_MAX`].
+/// [`CONNECT_PEER_RETRY_MAX`] and shrinks to half the time left near the
+/// timeout, so the last try comes within this of it.
 pub const CONNECT_PEER_RETRY_MIN: std::time::Duration = std::time::Duration::from_millis(50);
 
 /// The longest pause of `Engine::connect_peer` between handshake tries.

@@ -326,8 +326,8 @@ fn replay_with_a_disk_tier_writes_and_verifies_blocks() {
 
 /// A size out of range names `--ssd-size` (also one larger than the
 /// tier's 64 TiB bound: its bound, not the free space, is the error); a
-/// missing `--ssd-dir` or a file in its place says so, before anything
-/// starts; a second run on a directory in use is refused (not exercised
+/// missing `--ssd-dir` or a file in its place (or in a node's directory's
+/// place) says so, before anything starts; a second run on a directory in use is refused (not exercised
 /// here: the lock is tests/disk_tier.rs's).
 #[test]
 fn ssd_settings_errors_name_the_flag() {
@@ -340,6 +340,18 @@ fn ssd_settings_errors_name_the_flag() {
     let file = ssd.path().join("a-file");
     std::fs::write(&file, b"x").unwrap();
     fails_with(&["pd", "--quiet", "--ssd-dir", file.to_str().unwrap()], "is not a directory");
+    // A file where a node's own directory goes is named as such.
+    let nodes = ssd.path().join("nodes");
+    std::fs::create_dir(&nodes).unwrap();
+    std::fs::write(nodes.join("node-0"), b"x").unwrap();
+    fails_with(
+        &["pd", "--quiet", "--requests", "2", "--ssd-dir", nodes.to_str().unwrap(), "--ssd-size", "16MiB"],
+        "node 0's directory",
+    );
+    fails_with(
+        &["pd", "--quiet", "--requests", "2", "--ssd-dir", nodes.to_str().unwrap(), "--ssd-size", "16MiB"],
+        "exists and is not a directory",
+    );
 }
 
 /// Tiers the file system cannot hold for every node at once are refused

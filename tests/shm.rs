@@ -248,10 +248,14 @@ async fn connect_peer_opens_the_shared_pool_before_the_first_fetch() {
         let t0 = std::time::Instant::now();
         let err = d.engine.connect_peer(&addr, Duration::from_secs(2)).await.unwrap_err();
         let took = t0.elapsed();
-        // Tried again until the timeout (each try is refused at once), not
-        // given up on the first refusal, and not held past the timeout.
-        assert!(took >= Duration::from_millis(1500) && took < Duration::from_secs(3), "{took:?}");
-        assert!(matches!(err, FetchError::Deadline), "{err}");
+        // Tried again until the timeout (each try is refused at once), the
+        // last try within CONNECT_PEER_RETRY_MIN of it, and not past it.
+        let last_try_by = Duration::from_secs(2) - kvferry::limits::CONNECT_PEER_RETRY_MIN;
+        assert!(took >= last_try_by && took < Duration::from_millis(2100), "{took:?}");
+        assert_eq!(err.error, FetchError::Deadline, "{err}");
+        let last = err.last_try.as_ref().expect("the last try's failure");
+        assert!(matches!(last, FetchError::Handshake(_)), "{last}");
+        assert!(err.to_string().contains("last try"), "{err}");
         assert_eq!(d.engine.handshaken_peers(), 1, "a failed connect leaves no peer behind");
     })
     .await;

@@ -842,12 +842,12 @@ class Node:
 
         A peer that is not up yet (nothing listens, no answer within the
         node's ``rpc_timeout``) is tried again, after 50 ms doubling to 1 s,
-        until ``timeout``: nodes started in any order can call it at
-        start-up.
+        until ``timeout`` (the last try within 50 ms of it): nodes started
+        in any order can call it at start-up.
 
         Raises:
-            DeadlineError: no handshake within ``timeout`` (the node's log
-            names the last failure); PeerError: the peer refused the
+            DeadlineError: no handshake within ``timeout`` (the message
+            names the peer and the last try's failure); PeerError: the peer refused the
             handshake or answered with metadata that does not decode (at
             once, not retried); ConfigError: ``addr`` is not ``host:port``,
             or ``timeout`` is not a number of seconds in (0, 86400].

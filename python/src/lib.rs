@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use kvferry::client::ClientError;
 use kvferry::engine::fetch::FetchReport;
-use kvferry::engine::{Engine, EngineError, SharedPool};
+use kvferry::engine::{ConnectError, Engine, EngineError, SharedPool};
 use kvferry::gpu::GpuError;
 use kvferry::metaserver::{MetaServerConfig, MetaServerHandle};
 use kvferry::node::{NodeConfig, NodeError, NodeHandle};
@@ -636,12 +636,14 @@ impl Node {
             Ok(SharedPool::NotMapped) => Ok("not_mapped"),
             Ok(SharedPool::Opening) => Ok("opening"),
             Ok(SharedPool::Refused) => Ok("refused"),
-            Err(e @ kvferry::engine::fetch::FetchError::Deadline) => Err(Fail::coded(
+            Err(e @ ConnectError { error: kvferry::engine::fetch::FetchError::Deadline, .. }) => Err(Fail::coded(
                 e.code(),
-                format!(
-                    "no handshake with peer {addr} within {:.3} s (is it up? the node's log names the last failure)",
-                    t.as_secs_f64()
-                ),
+                match &e.last_try {
+                    Some(last) => {
+                        format!("no handshake with peer {addr} within {:.3} s; the last try: {last}", t.as_secs_f64())
+                    }
+                    None => format!("no handshake with peer {addr} within {:.3} s", t.as_secs_f64()),
+                },
             )
             .into()),
             Err(e) => Err(Fail::coded(e.code(), format!("connecting to peer {addr}: {e}")).into()),

@@ -81,9 +81,9 @@ def test_connect_peer_opens_the_same_host_pool_before_the_first_fetch(metaserver
         # Nothing listens there: tried again until the timeout, then a
         # DeadlineError that names the peer.
         t0 = time.monotonic()
-        with pytest.raises(kvferry.DeadlineError, match="127.0.0.1:1"):
+        with pytest.raises(kvferry.DeadlineError, match="127.0.0.1:1.*last try"):
             d.connect_peer("127.0.0.1:1", timeout=2)
-        assert 1.5 <= time.monotonic() - t0 < 4
+        assert 1.9 <= time.monotonic() - t0 < 3
         for bad in [-1, 0, float("nan"), "5", None, True]:
             with pytest.raises(kvferry.ConfigError, match="timeout"):
                 d.connect_peer(p.address, timeout=bad)

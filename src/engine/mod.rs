@@ -35,7 +35,7 @@ use crate::transport::{DataSource, Transport};
 use crate::types::{BlockHash, IdError, NodeAddr, validate_namespace};
 use cache::{BlockCache, CachedBlock};
 pub use disk::{DISK_STAGED_TRACE_TARGET, DiskConfig, DiskMetrics, DiskOpenError, DiskStats, SimDiskSlot, family_id};
-pub use fetch::{FetchIntoReport, FetchReport, SharedPool};
+pub use fetch::{ConnectError, FetchIntoReport, FetchReport, SharedPool};
 use layout::{LayerLayout, Layout, LayoutError, LayoutFamily};
 use locks::{AccessError, LockError, LockTable};
 use pool::{Extent, Pool, PoolError, SealedExtent};

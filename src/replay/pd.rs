@@ -1278,8 +1278,14 @@ async fn start_node(
             Some(_) if cfg.ssd_roles == SsdRoles::Prefill && i >= cfg.prefill => None,
             Some(dir) => {
                 let sub = dir.join(format!("node-{i}"));
-                std::fs::create_dir_all(&sub)
-                    .map_err(|e| PdError::Start(format!("--ssd-dir: cannot create {}: {e}", sub.display())))?;
+                std::fs::create_dir_all(&sub).map_err(|e| {
+                    let why = if std::fs::symlink_metadata(&sub).is_ok() && !sub.is_dir() {
+                        "it exists and is not a directory (a file or a dangling link)".to_string()
+                    } else {
+                        e.to_string()
+                    };
+                    PdError::Start(format!("--ssd-dir: cannot create node {i}'s directory {}: {why}", sub.display()))
+                })?;
                 Some(crate::engine::DiskConfig {
                     write_queue_max: cfg.ssd_write_queue.unwrap_or_else(|| {
                         // Records still being written cannot be evicted: a

@@ -96,6 +96,33 @@ fn connect_retryable(e: &FetchError) -> bool {
     }
 }
 
+/// Why [`Engine::connect_peer`] failed: the error and, when its timeout
+/// passed, the failure of the last try before it (what tells "nothing
+/// listens" from "no such host" or "no answer in time").
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{error}{}", .last_try.as_ref().map(|l| format!(" (last try: {l})")).unwrap_or_default())]
+pub struct ConnectError {
+    /// [`FetchError::Deadline`] when the timeout passed before a
+    /// handshake succeeded; else the failure that trying again cannot fix.
+    pub error: FetchError,
+    /// With [`FetchError::Deadline`]: the last try's failure, if a try
+    /// failed before the timeout.
+    pub last_try: Option<FetchError>,
+}
+
+impl ConnectError {
+    /// The stable code of [`ConnectError::error`].
+    pub fn code(&self) -> &'static str {
+        self.error.code()
+    }
+}
+
+impl From<FetchError> for ConnectError {
+    fn from(error: FetchError) -> Self {
+        Self { error, last_try: None }
+    }
+}
+
 /// The same-host shared pool of a peer after [`Engine::connect_peer`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SharedPool {
@@ -525,15 +552,21 @@ impl Engine {
     /// engines started in any order can call it at start-up; each try is
     /// bounded by the engine's peer RPC timeout.
     ///
+    /// The pause before a try shrinks to half the time left when that is
+    /// shorter, so the last try comes within
+    /// [`crate::limits::CONNECT_PEER_RETRY_MIN`] of the timeout: a peer
+    /// that comes up just before it is still found.
+    ///
     /// # Errors
     /// [`FetchError::Deadline`] when `timeout` passed before a handshake
-    /// succeeded (the last try's failure is logged at info, with the peer);
-    /// at once, a failure that trying again cannot fix: an address that is
-    /// not one ([`FetchError::Peer`]), an owner that refused the handshake
-    /// or sent metadata that does not decode ([`FetchError::Handshake`]),
-    /// no transport ([`FetchError::NoTransport`]). A failed connect leaves
-    /// no state behind, and a later fetch tries again.
-    pub async fn connect_peer(&self, peer: &NodeAddr, timeout: Duration) -> Result<SharedPool, FetchError> {
+    /// succeeded, with the last try's failure
+    /// ([`ConnectError::last_try`]); at once, a failure that trying again
+    /// cannot fix: an address that is not one ([`FetchError::Peer`]), an
+    /// owner that refused the handshake or sent metadata that does not
+    /// decode ([`FetchError::Handshake`]), no transport
+    /// ([`FetchError::NoTransport`]). A failed connect leaves no state
+    /// behind, and a later fetch tries again.
+    pub async fn connect_peer(&self, peer: &NodeAddr, timeout: Duration) -> Result<SharedPool, ConnectError> {
         let stretch = if crate::canary::active(crate::canary::Canary::C9ConnectPastTimeout) {
             Duration::from_secs(5)
         } else {
@@ -553,14 +586,16 @@ impl Engine {
             };
             self.inner.peers.invalidate(peer, &p);
             if !connect_retryable(&e) {
-                return Err(e);
+                return Err(e.into());
             }
-            if Instant::now() + pause >= deadline {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left < crate::limits::CONNECT_PEER_RETRY_MIN {
                 tracing::info!(peer = %peer.0, ?timeout, last = %e, "connect_peer: no handshake within the timeout");
-                return Err(FetchError::Deadline);
+                return Err(ConnectError { error: FetchError::Deadline, last_try: Some(e) });
             }
-            tracing::debug!(peer = %peer.0, error = %e, ?pause, "connect_peer: handshake failed, trying again");
-            tokio::time::sleep(pause).await;
+            let nap = pause.min(left / 2);
+            tracing::debug!(peer = %peer.0, error = %e, ?nap, "connect_peer: handshake failed, trying again");
+            tokio::time::sleep(nap).await;
             pause = (pause * 2).min(crate::limits::CONNECT_PEER_RETRY_MAX);
         };
         let region = if self.inner.cfg.shared_pool_direct {
