@@ -187,6 +187,10 @@ pub const PD_RAW_COPY_BYTES_MIN: u64 = 8 << 20;
 /// to register on the H200).
 pub const PD_CONNECT_PEER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
+/// Longest `kvferry pd` waits, after the replay, for each node's disk tier
+/// to finish its queued writes before the report takes the tiers' figures.
+pub const PD_SSD_DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// The first pause of `Engine::connect_peer` before it tries a handshake
 /// that failed because the peer is not up yet; the pause doubles up to
 /// [`CONNECT_PEER_RETRY_MAX`] and shrinks to half the time left near the

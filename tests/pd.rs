@@ -322,6 +322,13 @@ fn replay_with_a_disk_tier_writes_and_verifies_blocks() {
         assert!(s.get(key).is_some(), "ssd lacks {key}: {s}");
     }
     assert!(ssd.path().join("node-0").join("kvferry-tier.0").exists());
+    // A run on the same directories recovers at most what the first one
+    // reported written and still on disk (its writes drained before the
+    // report: none lands after it).
+    let again = run_json_shaped(&shape, &["--requests", "1", "--ssd-dir", &dir, "--ssd-size", "16MiB"]);
+    let recovered = num(&again["ssd"], "recovered");
+    assert!(recovered > 0.0, "{again}");
+    assert!(recovered <= num(s, "written_blocks") - num(s, "evicted"), "recovered {recovered}, first run {s}");
 }
 
 /// A size out of range names `--ssd-size` (also one larger than the
