@@ -413,9 +413,8 @@ async fn the_driver_writes_while_every_runtime_worker_is_busy() {
     bounded(async {
         let ms = start_ms().await;
         let slot = sim_slot(SimFaults::none(), 9);
-        let mut disk = DiskConfig::simulated(slot, DISK_BYTES);
-        disk.evict_ahead = false;
-        let n = start_disk_node(&ms, disk, 16).await;
+        let cfg = DiskConfig { evict_ahead: false, ..DiskConfig::simulated(slot, DISK_BYTES) };
+        let n = start_disk_node(&ms, cfg, 16).await;
         let e = &n.engine;
         let kv = register_default(e, 32);
         let hs = hashes(900..912);

@@ -636,16 +636,13 @@ impl Node {
             Ok(SharedPool::NotMapped) => Ok("not_mapped"),
             Ok(SharedPool::Opening) => Ok("opening"),
             Ok(SharedPool::Refused) => Ok("refused"),
-            Err(e @ ConnectError { error: kvferry::engine::fetch::FetchError::Deadline, .. }) => Err(Fail::coded(
-                e.code(),
-                match &e.last_try {
-                    Some(last) => {
-                        format!("no handshake with peer {addr} within {:.3} s; the last try: {last}", t.as_secs_f64())
-                    }
-                    None => format!("no handshake with peer {addr} within {:.3} s", t.as_secs_f64()),
-                },
-            )
-            .into()),
+            Err(e @ ConnectError { error: kvferry::engine::fetch::FetchError::Deadline, .. }) => {
+                let mut msg = format!("no handshake with peer {addr} within {:.3} s", t.as_secs_f64());
+                if let Some(last) = &e.last_try {
+                    msg += &format!("; the last try: {last}");
+                }
+                Err(Fail::coded(e.code(), msg).into())
+            }
             Err(e) => Err(Fail::coded(e.code(), format!("connecting to peer {addr}: {e}")).into()),
         }
     }

@@ -1373,11 +1373,17 @@ async fn connect_decode_to_prefill(decode: &[Engine], prefill: &[Engine]) -> Con
     let mut line = ConnectLine { pairs: done.len() as u64, ..ConnectLine::default() };
     for (d, p, res) in done {
         match res {
-            Ok(SharedPool::Ready) => line.ready += 1,
-            Ok(SharedPool::NotMapped) => line.not_mapped += 1,
             Ok(state) => {
-                *(if state == SharedPool::Opening { &mut line.opening } else { &mut line.refused }) += 1;
-                tracing::debug!(decode = %d.0, prefill = %p.0, ?state, "shared pool not opened at start-up");
+                let count = match state {
+                    SharedPool::Ready => &mut line.ready,
+                    SharedPool::NotMapped => &mut line.not_mapped,
+                    SharedPool::Opening => &mut line.opening,
+                    SharedPool::Refused => &mut line.refused,
+                };
+                *count += 1;
+                if matches!(state, SharedPool::Opening | SharedPool::Refused) {
+                    tracing::debug!(decode = %d.0, prefill = %p.0, ?state, "shared pool not opened at start-up");
+                }
             }
             Err(e) => {
                 line.failed += 1;
