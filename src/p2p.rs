@@ -11,7 +11,7 @@ use tonic::{Request, Response, Status};
 use crate::engine::Engine;
 use crate::engine::EngineError;
 use crate::engine::device::DeviceAsk;
-use crate::engine::locks::transfer_block_info;
+use crate::engine::locks::{slot_shapes, transfer_block_info};
 use crate::gpu::peer::PeerKind;
 use crate::limits;
 use crate::proto::engine_server::{Engine as EngineRpc, EngineServer};
@@ -299,6 +299,7 @@ impl EngineRpc for P2pTransferService {
                 device_buffers: Vec::new(),
                 device_lease_ms_left: 0,
                 device_layout: None,
+                slot_shapes: Vec::new(),
             }));
         };
         let (session, found) = self
@@ -306,7 +307,9 @@ impl EngineRpc for P2pTransferService {
             .lock_for_transfer_staged(&r.namespace, &hashes)
             .await
             .map_err(|e| to_status(P2pError::Lock(e)))?;
-        let mut blocks: Vec<_> = found.iter().map(|(h, b)| transfer_block_info(&layout, h, b)).collect();
+        let shapes = slot_shapes(&layout);
+        let compact = r.compact_slots;
+        let mut blocks: Vec<_> = found.iter().map(|(h, b)| transfer_block_info(&shapes, compact, h, b)).collect();
         let grant = match (&session, r.device.as_ref().and_then(|d| self.device_ask(d, &r.requester_id))) {
             (Some(s), Some(ask)) => {
                 let hashes: Vec<BlockHash> = found.iter().map(|(h, _)| h.clone()).collect();
@@ -349,6 +352,7 @@ impl EngineRpc for P2pTransferService {
             device_buffers,
             device_lease_ms_left,
             device_layout,
+            slot_shapes: if compact { shapes } else { Vec::new() },
         }))
     }
 

@@ -200,6 +200,7 @@ async fn forced_paths_and_foreign_askers_get_no_device_ranges() {
             block_hashes: hs.iter().map(|h| h.0.clone()).collect(),
             requester_id: t.node.0.clone(),
             device: Some(DeviceCapability { kind, pid }),
+            compact_slots: false,
         };
         let other = std::process::id() + 1;
         for (kind, pid) in [(1, other), (2, other), (99, std::process::id())] {

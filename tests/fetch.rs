@@ -903,6 +903,7 @@ async fn p2p_grpc_surface() {
             block_hashes: hashes,
             requester_id: d.node.0.clone(),
             device: None,
+            compact_slots: false,
         };
         let err = c.query_blocks_for_transfer(q(vec![], NS)).await.unwrap_err();
         assert_eq!(err.code(), Code::InvalidArgument);
@@ -935,6 +936,31 @@ async fn p2p_grpc_surface() {
             }
         }
         assert_eq!(p.engine.gauges().active_transfer_locks, 1);
+        assert!(r.slot_shapes.is_empty(), "an answer with slots sends no shapes");
+
+        // The compact answer (kvferry's own requesters ask for it): the
+        // shapes once, each block its pool offset and slot checksums, the
+        // same places and checksums as the slots above.
+        let ask = vec![hs[0].0.clone(), BlockHash::from_u64(99).0, hs[2].0.clone(), hs[3].0.clone()];
+        let compact = QueryBlocksForTransferRequest { compact_slots: true, ..q(ask, NS) };
+        let rc = c.query_blocks_for_transfer(compact).await.unwrap().into_inner();
+        assert!(!rc.transfer_session_id.is_empty() && rc.transfer_session_id != r.transfer_session_id);
+        assert_eq!(rc.slot_shapes.len(), LAYERS as usize);
+        assert_eq!(rc.blocks.len(), r.blocks.len());
+        for (bc, b) in rc.blocks.iter().zip(&r.blocks) {
+            assert_eq!(bc.block_hash, b.block_hash);
+            assert!(bc.slots.is_empty());
+            let base = bc.pool_offset.expect("a compact block names its pool offset");
+            assert_eq!(bc.slot_crc32c, b.slots.iter().map(|s| s.crc32c).collect::<Vec<_>>());
+            for (shape, s) in rc.slot_shapes.iter().zip(&b.slots) {
+                assert_eq!(
+                    (base + shape.k_offset, shape.k_size, base + shape.v_offset, shape.v_size),
+                    (s.k_ptr, s.k_size, s.v_ptr, s.v_size)
+                );
+            }
+        }
+        let rel1 = ReleaseTransferLockRequest { transfer_session_id: rc.transfer_session_id.clone() };
+        assert_eq!(c.release_transfer_lock(rel1).await.unwrap().into_inner().released_blocks, 3);
 
         // Release is idempotent.
         let rel = |sid: &str| ReleaseTransferLockRequest { transfer_session_id: sid.into() };

@@ -898,7 +898,10 @@ class Node:
         use, registrations delivered/dropped, ...); with a disk tier also
         ``ssd_*``: records on disk and their bytes, blocks written, read and
         staged into the pool, disk evictions, verify failures, writes
-        refused, and blocks recovered at start and re-advertised."""
+        refused, and blocks recovered at start and re-advertised; per data
+        path the fetched ``path_{ipc,shm,tcp}_{blocks,bytes,fallbacks}``
+        (``path_shm_*`` includes the shared pool's one-step copies into
+        the KV, also counted alone as ``path_shm_direct_*``)."""
         return {k: int(v) for k, v in self._node.metrics().items()}
 
     # -- lifecycle ------------------------------------------------------

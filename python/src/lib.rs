@@ -686,7 +686,7 @@ impl Node {
             .collect())
     }
 
-    /// Counters and gauges; with the TCP data plane also `path_{shm,tcp}_{blocks,bytes,fallbacks}` (which path moved the fetched blocks), and `path_ipc_*` for blocks copied device to device from a same-host owner.
+    /// Counters and gauges; with the TCP data plane also `path_{shm,tcp}_{blocks,bytes,fallbacks}` (which path moved the fetched blocks; `path_shm_*` includes the shared pool's one-step copies into the KV, `path_shm_direct_*`), and `path_ipc_*` for blocks copied device to device from a same-host owner.
     fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let (_, engine) = self.engine()?;
         let m = engine.metrics();
@@ -749,14 +749,17 @@ impl Node {
                 d.set_item(k, v)?;
             }
         }
-        // Per data path (shared pool, TCP): blocks, bytes, fallbacks.
+        // Per data path (shared pool, TCP): blocks, bytes, fallbacks. The
+        // shared pool's figures hold its one-step copies into the KV too
+        // (`path_shm_direct_*` alone), as `kvferry pd` reports them.
         let paths =
             self.live.lock().expect("live lock").as_ref().and_then(|l| l.handle.path.as_ref().map(|p| p.stats()));
         if let Some(s) = paths {
-            for (name, c) in [("shm", s.shm), ("tcp", s.tcp)] {
-                d.set_item(format!("path_{name}_blocks"), c.extents)?;
-                d.set_item(format!("path_{name}_bytes"), c.bytes)?;
-                d.set_item(format!("path_{name}_fallbacks"), c.fallbacks)?;
+            let direct = [c(&m.shared_direct_blocks), c(&m.shared_direct_bytes), c(&m.shared_direct_fallbacks)];
+            for (name, p, add) in [("shm", s.shm, direct), ("tcp", s.tcp, [0; 3])] {
+                d.set_item(format!("path_{name}_blocks"), p.extents + add[0])?;
+                d.set_item(format!("path_{name}_bytes"), p.bytes + add[1])?;
+                d.set_item(format!("path_{name}_fallbacks"), p.fallbacks + add[2])?;
             }
         }
         Ok(d)

@@ -78,6 +78,8 @@ def test_connect_peer_opens_the_same_host_pool_before_the_first_fetch(metaserver
             np.testing.assert_array_equal(dst[[4, 5, 6, 7]], src[:4])
         m = d.metrics()
         assert m["path_shm_direct_blocks"] == 4 and m["fetched_blocks"] == 0
+        # The shared pool's path counts its one-step copies (as pd does).
+        assert (m["path_shm_blocks"], m["path_tcp_blocks"]) == (4, 0)
         # Nothing listens there: tried again until the timeout, then a
         # DeadlineError that names the peer.
         t0 = time.monotonic()

@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use super::cache::CachedBlock;
 use super::layout::Layout;
 use super::pool::SealedExtent;
-use crate::proto::{TransferBlockInfo, TransferSlotInfo};
+use crate::proto::{SlotShape, TransferBlockInfo, TransferSlotInfo};
 pub use crate::transport::AccessError;
 use crate::types::BlockHash;
 
@@ -242,26 +242,57 @@ impl LockTable {
     }
 }
 
-/// Builds the slot descriptors of a locked block for `QueryBlocksForTransfer`.
-pub fn transfer_block_info(layout: &Layout, hash: &BlockHash, block: &CachedBlock) -> TransferBlockInfo {
-    let base = block.extent.offset();
-    let slots = layout
+/// The slots of a block of `layout`, relative to the block's start in the
+/// pool, in layer order: one [`SlotShape`] per layer (K then V where the
+/// layer splits them). Sent once per compact `QueryBlocksForTransfer`
+/// answer.
+pub fn slot_shapes(layout: &Layout) -> Vec<SlotShape> {
+    layout
         .layers()
         .iter()
         .enumerate()
         .map(|(l, ly)| {
-            let k_ptr = base + layout.slot_offset(l);
+            let k_offset = layout.slot_offset(l);
             let seg = ly.bytes_per_block;
             let split = ly.v.is_some();
-            TransferSlotInfo {
-                k_ptr,
+            SlotShape {
+                k_offset,
                 k_size: seg,
-                v_ptr: if split { k_ptr + seg } else { 0 },
+                v_offset: if split { k_offset + seg } else { 0 },
                 v_size: if split { seg } else { 0 },
-                numa_node: 0,
-                crc32c: block.checksums[l],
             }
         })
+        .collect()
+}
+
+/// Describes a locked block for `QueryBlocksForTransfer`: with `shapes`
+/// (a compact answer, see [`slot_shapes`]) its pool offset and slot
+/// checksums only; without, one `TransferSlotInfo` per slot (PegaFlow's
+/// form) built from `full`, the layout's shapes.
+pub fn transfer_block_info(
+    full: &[SlotShape],
+    compact: bool,
+    hash: &BlockHash,
+    block: &CachedBlock,
+) -> TransferBlockInfo {
+    let base = block.extent.offset();
+    let mut info = TransferBlockInfo { block_hash: hash.0.clone(), ..Default::default() };
+    if compact {
+        info.pool_offset = Some(base);
+        info.slot_crc32c = block.checksums.to_vec();
+        return info;
+    }
+    info.slots = full
+        .iter()
+        .zip(block.checksums.iter())
+        .map(|(s, &crc32c)| TransferSlotInfo {
+            k_ptr: base + s.k_offset,
+            k_size: s.k_size,
+            v_ptr: if s.v_size == 0 { 0 } else { base + s.v_offset },
+            v_size: s.v_size,
+            numa_node: 0,
+            crc32c,
+        })
         .collect();
-    TransferBlockInfo { block_hash: hash.0.clone(), slots, device_block: None }
+    info
 }

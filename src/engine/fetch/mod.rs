@@ -60,7 +60,7 @@ use super::{Engine, EngineError, LoadError, LoadReport, slot_checksums};
 use crate::proto::engine_client::EngineClient;
 use crate::proto::{
     DeviceCapability, QueryBlocksForTransferRequest, QueryBlocksForTransferResponse, RdmaHandshakeRequest,
-    ReleaseTransferLockRequest,
+    ReleaseTransferLockRequest, SlotShape, TransferBlockInfo,
 };
 use crate::rt::timeout_at;
 use crate::status::RpcFailure;
@@ -838,6 +838,7 @@ impl<'a> Driver<'a> {
                     block_hashes: self.hashes[blocks].iter().map(|h| h.0.clone()).collect(),
                     requester_id: engine.node().0.clone(),
                     device,
+                    compact_slots: true,
                 };
                 if Instant::now() >= self.deadline {
                     // Not sent: no answer could arrive in time.
@@ -1191,21 +1192,8 @@ fn from_answer(
                 refused += usize::from(!ok && device.is_some());
                 ok
             });
-            LockedBlock {
-                hash: BlockHash(b.block_hash),
-                slots: b
-                    .slots
-                    .iter()
-                    .map(|s| LockedSlot {
-                        k_offset: s.k_ptr,
-                        k_len: s.k_size,
-                        v_offset: s.v_ptr,
-                        v_len: s.v_size,
-                        crc32c: s.crc32c,
-                    })
-                    .collect(),
-                device_block,
-            }
+            let slots = locked_slots(&b, &r.slot_shapes);
+            LockedBlock { hash: BlockHash(b.block_hash), slots, device_block }
         })
         .collect();
     if refused > 0 {
@@ -1215,6 +1203,43 @@ fn from_answer(
         );
     }
     (LockGrant { session: r.transfer_session_id, blocks }, device)
+}
+
+/// A block's slots as the owner described them: one `TransferSlotInfo`
+/// per slot (PegaFlow's form), or, in a compact answer, the answer's
+/// `shapes` placed at the block's `pool_offset` with its `slot_crc32c`.
+/// A compact block whose checksums do not match the shapes one for one,
+/// or whose offsets overflow, gets no slots, which the shape check
+/// refuses (the block is not read).
+fn locked_slots(b: &TransferBlockInfo, shapes: &[SlotShape]) -> Vec<LockedSlot> {
+    if !b.slots.is_empty() {
+        return b
+            .slots
+            .iter()
+            .map(|s| LockedSlot {
+                k_offset: s.k_ptr,
+                k_len: s.k_size,
+                v_offset: s.v_ptr,
+                v_len: s.v_size,
+                crc32c: s.crc32c,
+            })
+            .collect();
+    }
+    let Some(base) = b.pool_offset.filter(|_| b.slot_crc32c.len() == shapes.len()) else { return Vec::new() };
+    shapes
+        .iter()
+        .zip(&b.slot_crc32c)
+        .map(|(s, &crc32c)| {
+            Some(LockedSlot {
+                k_offset: base.checked_add(s.k_offset)?,
+                k_len: s.k_size,
+                v_offset: if s.v_size == 0 { 0 } else { base.checked_add(s.v_offset)? },
+                v_len: s.v_size,
+                crc32c,
+            })
+        })
+        .collect::<Option<Vec<_>>>()
+        .unwrap_or_default()
 }
 
 /// Maximal runs of consecutive indices in `v` (ascending).
@@ -1559,5 +1584,49 @@ mod tests {
         assert_eq!(part_blocks(1000, 0, max, 0), FETCH_READ_PART_BYTES_MIN as usize);
         // A cap below the minimum wins (a caller asked for small parts).
         assert_eq!(part_blocks(160, kib64, 128 << 10, 4), 2);
+    }
+
+    /// A compact lock answer (shapes once, per block its pool offset and
+    /// slot checksums) describes the same slots as PegaFlow's form; a
+    /// compact block that does not match the shapes, or whose offsets
+    /// overflow, gets no slots (the shape check then refuses it).
+    #[test]
+    fn compact_answer_blocks_read_as_their_full_form() {
+        use super::locked_slots;
+        use crate::engine::locks::slot_shapes;
+        use crate::proto::{TransferBlockInfo, TransferSlotInfo};
+        let layers = (0..3).map(|l| LayerLayout::paged(DeviceBufferId(2 * l), Some(DeviceBufferId(2 * l + 1)), 8, 100));
+        let layout = Layout::new(layers.collect(), |_| Some(800)).unwrap();
+        let shapes = slot_shapes(&layout);
+        let base = 7 * layout.block_bytes();
+        let crcs = vec![11, 22, 33];
+        let full = TransferBlockInfo {
+            slots: shapes
+                .iter()
+                .zip(&crcs)
+                .map(|(s, &crc32c)| TransferSlotInfo {
+                    k_ptr: base + s.k_offset,
+                    k_size: s.k_size,
+                    v_ptr: base + s.v_offset,
+                    v_size: s.v_size,
+                    numa_node: 0,
+                    crc32c,
+                })
+                .collect(),
+            ..Default::default()
+        };
+        let compact = TransferBlockInfo { pool_offset: Some(base), slot_crc32c: crcs.clone(), ..Default::default() };
+        let want = locked_slots(&full, &[]);
+        assert_eq!(want.len(), 3);
+        assert_eq!((want[1].k_offset, want[1].k_len, want[1].v_offset), (base + 200, 100, base + 300));
+        assert_eq!(locked_slots(&compact, &shapes), want);
+        // Malformed compact blocks: no slots.
+        let short = TransferBlockInfo { slot_crc32c: crcs[..2].to_vec(), ..compact.clone() };
+        assert!(locked_slots(&short, &shapes).is_empty());
+        let no_offset = TransferBlockInfo { pool_offset: None, ..compact.clone() };
+        assert!(locked_slots(&no_offset, &shapes).is_empty());
+        let overflow = TransferBlockInfo { pool_offset: Some(u64::MAX - 50), ..compact.clone() };
+        assert!(locked_slots(&overflow, &shapes).is_empty());
+        assert!(locked_slots(&compact, &[]).is_empty(), "a compact block in an answer without shapes");
     }
 }
