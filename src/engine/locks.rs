@@ -265,12 +265,12 @@ pub fn slot_shapes(layout: &Layout) -> Vec<SlotShape> {
         .collect()
 }
 
-/// Describes a locked block for `QueryBlocksForTransfer`: with `shapes`
-/// (a compact answer, see [`slot_shapes`]) its pool offset and slot
-/// checksums only; without, one `TransferSlotInfo` per slot (PegaFlow's
-/// form) built from `full`, the layout's shapes.
+/// Describes a locked block for `QueryBlocksForTransfer`: `compact`, its
+/// pool offset and slot checksums only (the answer carries `shapes` once);
+/// otherwise one `TransferSlotInfo` per slot (PegaFlow's form), placed by
+/// `shapes`, the layout's [`slot_shapes`].
 pub fn transfer_block_info(
-    full: &[SlotShape],
+    shapes: &[SlotShape],
     compact: bool,
     hash: &BlockHash,
     block: &CachedBlock,
@@ -282,7 +282,7 @@ pub fn transfer_block_info(
         info.slot_crc32c = block.checksums.to_vec();
         return info;
     }
-    info.slots = full
+    info.slots = shapes
         .iter()
         .zip(block.checksums.iter())
         .map(|(s, &crc32c)| TransferSlotInfo {
