@@ -7,7 +7,8 @@
 //! | test | contract |
 //! | --- | --- |
 //! | `leased_blocks_land_device_to_device_and_the_lease_ends_once` | C19 path, C10, C8/C19 released once |
-//! | `a_block_changed_under_its_lease_is_read_from_the_pool` | C10 on the device path, fallback |
+//! | `a_device_direct_fetch_evicts_nothing_from_the_readers_pool` | C19 path takes no pool slots |
+//! | `a_block_changed_under_its_lease_is_read_from_the_pool` | C10 on the device path, fallback (slots taken then) |
 //! | `expired_revoked_and_unleased_blocks_take_the_pool_path` | C19 expiry and revocation, C15 |
 //! | `forced_paths_and_foreign_askers_get_no_device_ranges` | C19 who may read |
 //! | `bad_grants_are_refused_and_change_nothing` | bad input |
@@ -108,6 +109,41 @@ async fn leased_blocks_land_device_to_device_and_the_lease_ends_once() {
         for (i, h) in hs.iter().enumerate() {
             assert!(verify(&e.engine, &ke, 10 + i as u64, h));
         }
+    })
+    .await;
+}
+
+/// A device-direct fetch takes no pool slots: the reader's pool, full of
+/// its own saved blocks, keeps every one of them (nothing evicted, nothing
+/// unregistered) while the leased blocks land in its KV. (The slots a part
+/// would need if it fell back are taken only then; the fallback is
+/// `a_block_changed_under_its_lease_is_read_from_the_pool`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_direct_fetch_evicts_nothing_from_the_readers_pool() {
+    bounded(async {
+        let ms = start_ms().await;
+        let (p, _) = start_node_cfg(cfg(&ms, PathChoice::Ipc)).await;
+        let (d, _) = start_node_cfg(cfg(&ms, PathChoice::Ipc)).await;
+        let kp = register_default(&p.engine, 32);
+        // 32 KiB blocks: 12 fetched into 0..12, its own 128 saved from 32..
+        let kd = register_default(&d.engine, 160);
+        // The reader's own blocks, as many as its 4 MiB pool holds.
+        let own = hashes(9000..9000 + 4 * MIB / kd.block_bytes());
+        let rep = d.engine.save(NS, &fill_blocks(&d.engine, &kd, 32, &own)).await.expect("save");
+        assert_eq!(rep.saved.len(), own.len(), "the pool holds them all");
+        assert_eq!(d.engine.query_prefix(NS, &own), own.len());
+        let hs = hashes(7400..7412);
+        prefill_leased(&p.engine, &kp, &hs, Duration::from_secs(30)).await;
+        let wanted: Vec<(BlockHash, u64)> = hs.iter().cloned().zip(0u64..).collect();
+        let got = d.engine.fetch_into(NS, &wanted).await.unwrap();
+        assert_eq!((got.fetch.fetched, got.ready()), (12, 12), "{:?}", got.fetch);
+        for (i, h) in hs.iter().enumerate() {
+            assert!(verify(&d.engine, &kd, i as u64, h), "block {i}");
+        }
+        let m = d.engine.metrics();
+        assert_eq!(m.device_blocks.load(Ordering::Relaxed), 12);
+        assert_eq!(m.evicted.load(Ordering::Relaxed), 0, "no pool slot was taken for the device copy");
+        assert_eq!(d.engine.query_prefix(NS, &own), own.len(), "the reader's own blocks are all resident");
     })
     .await;
 }

@@ -74,7 +74,8 @@ recompute T9 divides by). On the CPU the numpy model runs with one BLAS
 thread per process.
 
 Reported per case (JSON): ``handoff_ms`` (``barrier``, ``query``,
-``fetch``, ``load``), ``handoff_total_ms`` and ``handoff_ratio`` (the
+``fetch``, ``load``; ``fetch_phases_ms`` splits ``fetch`` by
+``FetchReport.phases_ms``), ``handoff_total_ms`` and ``handoff_ratio`` (the
 handoff, barrier call to KV in the decode's cache, ÷ the local recompute's
 time to first token ``ttft_recompute_ms``), ``ttft_fetch_ms`` and ``t9``
 (``ttft_fetch_ms`` ÷ ``ttft_recompute_ms``). The recompute's time includes
@@ -318,6 +319,7 @@ def _decode(kvferry, node, model, ns, pk, pv, scratch, bt, tokens, ready, opts) 
             model.sync()
             handoff["load"] = now_ms() - f1
             r["fetch"] = str(rep)
+            r["fetch_phases_ms"] = {k: round(v, 3) for k, v in rep.phases_ms.items()}
             r["bytes"] = rep.bytes
             k = rep.available
             r["blocks_fetched"] = rep.fetched
@@ -503,6 +505,7 @@ def run_case(cluster: Cluster, name: str, tokens: List[int], fault: Optional[str
         paths=d["paths"],
         ipc_fallbacks=d["ipc_fallbacks"],
         fetch=d["fetch"],
+        fetch_phases_ms=d.get("fetch_phases_ms"),
         query_error=d["query_error"],
         flush=ready["flush"],
         prefill_ms={"compute": ready["compute_ms"], "save": ready["save_ms"], "barrier": ready["barrier_ms"]},

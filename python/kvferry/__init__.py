@@ -278,6 +278,11 @@ class FetchReport:
         stopped: why it stopped short (``None`` when ``available == requested``).
         stopped_code: the stable code of ``stopped`` (``"fetch_no_owner"``,
             ``"fetch_metaserver"``...; ``docs/design.md``, "Errors").
+        phases_ms: where the fetch's wall time went, in milliseconds, by
+            phase in handoff order (``stage``, ``query``, ``handshake``,
+            ``lock``, ``read``, ``verify``, ``seal``, ``release``,
+            ``load_tail``; the Rust ``FetchPhases``); they add up to the
+            fetch's wall time.
     """
 
     requested: int
@@ -288,6 +293,7 @@ class FetchReport:
     owners: List[str]
     stopped: Optional[str]
     stopped_code: Optional[str]
+    phases_ms: Dict[str, float] = field(default_factory=dict)
 
     @property
     def stopped_cause(self) -> Optional[str]:

@@ -353,6 +353,11 @@ fn fetch_dict<'py>(py: Python<'py>, r: &FetchReport) -> PyResult<Bound<'py, PyDi
     d.set_item("owners", r.owners.iter().map(|o| o.0.clone()).collect::<Vec<_>>())?;
     d.set_item("stopped", r.stopped.as_ref().map(|e| e.to_string()))?;
     d.set_item("stopped_code", r.stopped.as_ref().map(|e| e.code()))?;
+    let phases = PyDict::new(py);
+    for (name, t) in r.phases.named() {
+        phases.set_item(name, t.as_secs_f64() * 1e3)?;
+    }
+    d.set_item("phases_ms", phases)?;
     Ok(d)
 }
 

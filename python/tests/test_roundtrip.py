@@ -50,6 +50,13 @@ def test_fetch_from_a_peer_then_load_is_bit_identical(metaserver, ns):
         assert f.bytes == 5 * d.kv_cache(ns).block_bytes
         assert f.owners == [p.address]
         assert str(f).startswith("5 of 5 blocks")
+        # Where the fetch's time went: every phase named, the data moved
+        # in `read` under the transfer lock taken in `lock`.
+        assert list(f.phases_ms) == [
+            "stage", "query", "handshake", "lock", "read", "verify", "seal", "release", "load_tail",
+        ]
+        assert all(v >= 0.0 for v in f.phases_ms.values())
+        assert f.phases_ms["read"] > 0.0 and f.phases_ms["lock"] > 0.0
         assert l.loaded == 5
         for src, dst in zip(pk + pv, dk + dv):
             np.testing.assert_array_equal(dst[[7, 6, 5, 4, 3]], src[:5])

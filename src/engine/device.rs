@@ -233,17 +233,19 @@ impl Engine {
             }
         }
         self.inner.metrics.device_leases_taken.fetch_add(1, Ordering::Relaxed);
-        let ids: Vec<String> = taken.leases.iter().map(ToString::to_string).collect();
-        tracing::trace!(
-            target: DEVICE_LEASE_TRACE_TARGET,
-            owner = %self.node(),
-            session,
-            leases = %ids.join(","),
-            blocks = taken.blocks.len(),
-            now_ms = now,
-            expires_at_ms = taken.expires_ms,
-            "taken"
-        );
+        if tracing::enabled!(target: DEVICE_LEASE_TRACE_TARGET, tracing::Level::TRACE) {
+            let ids: Vec<String> = taken.leases.iter().map(ToString::to_string).collect();
+            tracing::trace!(
+                target: DEVICE_LEASE_TRACE_TARGET,
+                owner = %self.node(),
+                session,
+                leases = %ids.join(","),
+                blocks = taken.blocks.len(),
+                now_ms = now,
+                expires_at_ms = taken.expires_ms,
+                "taken"
+            );
+        }
         // C19 canary: the reader is told a fresh lease's time left.
         let ms_left = if crate::canary::active(crate::canary::Canary::C19LeaseExpiryIgnored) {
             crate::limits::DEVICE_LEASE_TTL_MS_MAX

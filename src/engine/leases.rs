@@ -162,8 +162,9 @@ pub struct Taken {
 #[derive(Debug, Default)]
 pub struct DeviceLeases {
     leases: HashMap<DeviceLeaseId, Lease>,
-    /// `(namespace, hash)` → lease; and `(namespace, device block)` → lease.
-    by_hash: HashMap<(Arc<str>, BlockHash), DeviceLeaseId>,
+    /// namespace → hash → (lease, device block), looked up without a
+    /// copy of the hash; and `(namespace, device block)` → lease.
+    by_hash: HashMap<Arc<str>, HashMap<BlockHash, (DeviceLeaseId, u64)>>,
     by_block: HashMap<(Arc<str>, u64), DeviceLeaseId>,
     ended: VecDeque<LeaseEnded>,
     stats: LeaseStats,
@@ -213,10 +214,10 @@ impl DeviceLeases {
         }
         let mut hashes = std::collections::HashSet::new();
         let mut indices = std::collections::HashSet::new();
+        let leased = self.by_hash.get(&namespace);
         for (h, b) in &blocks {
-            let key_h = (namespace.clone(), h.clone());
             let key_b = (namespace.clone(), *b);
-            if self.by_hash.contains_key(&key_h)
+            if leased.is_some_and(|m| m.contains_key(h))
                 || self.by_block.contains_key(&key_b)
                 || !hashes.insert(h)
                 || !indices.insert(*b)
@@ -224,8 +225,9 @@ impl DeviceLeases {
                 return Err(LeaseError::AlreadyLeased(format!("{} (device block {b})", hex::encode(h.as_bytes()))));
             }
         }
+        let by_hash = self.by_hash.entry(namespace.clone()).or_default();
         for (h, b) in &blocks {
-            self.by_hash.insert((namespace.clone(), h.clone()), id);
+            by_hash.insert(h.clone(), (id, *b));
             self.by_block.insert((namespace.clone(), *b), id);
         }
         self.leases.insert(id, Lease { namespace, blocks, expires_ms: now_ms.saturating_add(ttl_ms), taken: None });
@@ -244,9 +246,12 @@ impl DeviceLeases {
             self.expire(now_ms);
         }
         let mut out = Taken { blocks: Vec::new(), expires_ms: u64::MAX, leases: Vec::new() };
-        let ns: Arc<str> = Arc::from(namespace);
+        let Some(leased) = self.by_hash.get(namespace) else {
+            out.expires_ms = 0;
+            return out;
+        };
         for (i, h) in hashes.iter().enumerate() {
-            let Some(id) = self.by_hash.get(&(ns.clone(), h.clone())).copied() else { continue };
+            let Some(&(id, b)) = leased.get(h) else { continue };
             let lease = self.leases.get_mut(&id).expect("index names a live lease");
             match &lease.taken {
                 None => {
@@ -256,7 +261,6 @@ impl DeviceLeases {
                 Some(s) if s == session => {}
                 Some(_) => continue,
             }
-            let b = lease.blocks.iter().find(|(lh, _)| lh == h).map(|(_, b)| *b).expect("index matches the lease");
             out.blocks.push((i, b));
             out.expires_ms = out.expires_ms.min(lease.expires_ms);
             if !out.leases.contains(&id) {
@@ -318,8 +322,15 @@ impl DeviceLeases {
 
     fn finish(&mut self, id: DeviceLeaseId, end: LeaseEnd, now_ms: u64) {
         let Some(lease) = self.leases.remove(&id) else { return };
-        for (h, b) in &lease.blocks {
-            self.by_hash.remove(&(lease.namespace.clone(), h.clone()));
+        if let Some(m) = self.by_hash.get_mut(&lease.namespace) {
+            for (h, _) in &lease.blocks {
+                m.remove(h);
+            }
+            if m.is_empty() {
+                self.by_hash.remove(&lease.namespace);
+            }
+        }
+        for (_, b) in &lease.blocks {
             self.by_block.remove(&(lease.namespace.clone(), *b));
         }
         match end {
@@ -368,6 +379,24 @@ mod tests {
         assert!(t.drain_ended().is_empty());
         // The blocks may be leased again.
         t.grant(DeviceLeaseId(2), ns(), vec![(h(1), 10)], 8, 10).unwrap();
+    }
+
+    #[test]
+    fn take_names_each_hashs_own_device_block_per_namespace() {
+        let mut t = DeviceLeases::new();
+        let blocks: Vec<(BlockHash, u64)> = (0..200u8).map(|i| (h(i), 1000 + u64::from(i))).collect();
+        t.grant(DeviceLeaseId(1), ns(), blocks, 0, 100).unwrap();
+        t.grant(DeviceLeaseId(2), Arc::from("x"), vec![(h(7), 5)], 0, 100).unwrap();
+        // Asked in reverse, with a hash no lease covers in between.
+        let asked: Vec<BlockHash> = [199u8, 250, 7, 0].iter().map(|&i| h(i)).collect();
+        assert_eq!(t.take("m", &asked, "s", 1).blocks, vec![(0, 1199), (2, 1007), (3, 1000)]);
+        assert_eq!(t.take("x", &asked, "s", 1).blocks, vec![(2, 5)]);
+        assert_eq!(t.take("none", &asked, "s", 1), Taken::default());
+        // Once ended, a lease's hashes name nothing, in its namespace only.
+        assert_eq!(t.release_session("s", 2), 2);
+        assert!(t.take("m", &asked, "s2", 3).blocks.is_empty());
+        t.grant(DeviceLeaseId(3), ns(), vec![(h(7), 9)], 3, 100).unwrap();
+        assert_eq!(t.take("m", &asked, "s2", 3).blocks, vec![(2, 9)]);
     }
 
     #[test]

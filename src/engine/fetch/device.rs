@@ -212,8 +212,15 @@ pub(crate) fn plan_part(
 /// layout's, ranges that do not tile one block, a destination index past
 /// this node's layout): the part is read from the pool instead.
 pub(crate) fn plan_copies(layout: &Layout, blocks: &[SourceBlock], dst: &[u64]) -> Result<PartPlan, String> {
-    let mut out = PartPlan::default();
     let block_bytes = layout.block_bytes();
+    // One op per segment when both sides cut blocks alike (the usual case).
+    let segments: usize = layout.layers().iter().map(|l| usize::from(l.segments())).sum();
+    let mut out = PartPlan {
+        ops: Vec::with_capacity(blocks.len() * segments),
+        checksums: Vec::with_capacity(blocks.len() * layout.layers().len()),
+        expected: Vec::with_capacity(blocks.len()),
+        bytes: 0,
+    };
     for (b, &d) in blocks.iter().zip(dst) {
         if b.expected.len() != layout.layers().len() {
             return Err(format!("{} slots, the layout has {} layers", b.expected.len(), layout.layers().len()));

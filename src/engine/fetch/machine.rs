@@ -846,13 +846,14 @@ pub struct FetchReport {
 /// split). The driver attributes every interval between two events to the
 /// one phase that was blocking it: a read in flight counts as `read` even
 /// while a CRC pass runs beside it, a CRC pass alone as `verify`, and so on;
-/// `seal` is the synchronous work (slot allocation, seal + register, frees).
+/// `seal` is the synchronous bookkeeping (slot allocation, seal + register,
+/// frees) and `read` includes issuing each read.
 /// The phases therefore add up to the fetch's wall time.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct FetchPhases {
     /// Staging the disk-resident part of the local prefix into the pool
-    /// (zero without a disk tier), before anything is asked of the
-    /// MetaServer.
+    /// and counting that prefix, before anything is asked of the
+    /// MetaServer (without a disk tier, only the count: microseconds).
     pub stage: Duration,
     /// MetaServer `QueryPrefixBlocks`.
     pub query: Duration,
@@ -860,7 +861,8 @@ pub struct FetchPhases {
     pub handshake: Duration,
     /// `QueryBlocksForTransfer` (the transfer lock).
     pub lock: Duration,
-    /// Data-plane reads in flight.
+    /// Data-plane reads in flight, and issuing them (planning a part's
+    /// copies, submitting a one-step copy into the engine's KV).
     pub read: Duration,
     /// CRC-32C passes not hidden behind a read.
     pub verify: Duration,

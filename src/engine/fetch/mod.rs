@@ -222,12 +222,14 @@ enum Direct {
 /// the pool).
 type DirectCopy<'a> = Pin<Box<dyn Future<Output = Result<Vec<Arc<[u32]>>, (Direct, String)>> + Send + 'a>>;
 
-/// Submits a one-step copy batch and checks the checksums the GPU backend
-/// took of the landed bytes against the owner's `expected` (C10), counting
-/// the part in `kind`'s metrics. `lease_session`: the transfer session of a
-/// device-lease read, traced for the simulator's C19 check. No copy
-/// starts after the fetch's `deadline`: a copy into the caller's KV is
-/// awaited once started (C11), so the pool path then ends at once (C9).
+/// Submits a one-step copy batch now — so the device copies one part
+/// while the fetch plans the next — and returns its completion, which
+/// checks the checksums the GPU backend took of the landed bytes against
+/// the owner's `expected` (C10) and counts the part in `kind`'s metrics.
+/// `lease_session`: the transfer session of a device-lease read, traced
+/// for the simulator's C19 check. No copy starts after the fetch's
+/// `deadline`: a copy into the caller's KV is awaited once started (C11),
+/// so the pool path then ends at once (C9).
 fn submit_direct<'a>(
     engine: &'a Engine,
     kind: Direct,
@@ -237,18 +239,18 @@ fn submit_direct<'a>(
     lease_session: Option<String>,
     deadline: Instant,
 ) -> DirectCopy<'a> {
-    let gpu = engine.gpu().clone();
+    let t0 = Instant::now();
+    if t0 >= deadline {
+        return Box::pin(std::future::ready(Err((kind, "the fetch deadline passed".to_string()))));
+    }
+    if let Some(session) = lease_session {
+        // The simulator checks this against the owner's lease events
+        // (C19: no device read after the lease ended).
+        tracing::trace!(target: super::leases::DEVICE_READ_TRACE_TARGET, me = %engine.node(), session, "device read");
+    }
+    let copy = engine.gpu().submit_peer(batch);
     Box::pin(async move {
-        let t0 = Instant::now();
-        if t0 >= deadline {
-            return Err((kind, "the fetch deadline passed".to_string()));
-        }
-        if let Some(session) = lease_session {
-            // The simulator checks this against the owner's lease events
-            // (C19: no device read after the lease ended).
-            tracing::trace!(target: super::leases::DEVICE_READ_TRACE_TARGET, me = %engine.node(), session, "device read");
-        }
-        let sums = gpu.submit_peer(batch).await.map_err(|e| (kind, format!("device copy: {e}")))?;
+        let sums = copy.await.map_err(|e| (kind, format!("device copy: {e}")))?;
         let mut out = Vec::with_capacity(expected.len());
         let mut at = 0;
         for want in expected {
@@ -283,6 +285,13 @@ fn shared_blocks(plan: &[&LockedBlock], ops: &[ReadOp]) -> Vec<device::SourceBlo
         out[op.local_extent].ranges.push((0, op.remote_offset, op.len));
     }
     out
+}
+
+/// The phase an action's synchronous work is charged to.
+enum Phase {
+    Read,
+    Release,
+    Seal,
 }
 
 /// The RPC a fetch is waiting on (at most one at a time).
@@ -357,6 +366,9 @@ struct Driver<'a> {
     /// Parts copied device to device, with their blocks' slot checksums,
     /// until their verify action takes them.
     device_parts: HashMap<usize, Vec<Arc<[u32]>>>,
+    /// The current plan's pool slots were not taken at `Alloc`
+    /// ([`Self::one_step_expected`]): a part that falls back takes its own.
+    defer_slots: bool,
     /// Parts whose transport took slot checksums as the bytes landed
     /// ([`crate::transport::Transport::read_summed`]), per extent, until
     /// their verify action takes them.
@@ -511,6 +523,7 @@ impl Engine {
                 granted: Vec::new(),
                 device: None,
                 device_parts: HashMap::new(),
+                defer_slots: false,
                 landed_sums: HashMap::new(),
                 slot_ends: ends,
                 device_done: std::collections::HashSet::new(),
@@ -660,11 +673,22 @@ impl<'a> Driver<'a> {
                     return;
                 }
                 let t0 = Instant::now();
-                let releasing = matches!(action, Action::Release { .. });
+                // Issuing a read (planning it, submitting a one-step copy)
+                // is part of the read; the rest is `seal`'s bookkeeping.
+                let phase = match action {
+                    Action::Release { .. } => Phase::Release,
+                    Action::Read { .. } => Phase::Read,
+                    _ => Phase::Seal,
+                };
                 if let Some(ev) = self.perform(action, &mut pending) {
                     queue.extend(self.m.step(ev));
                 }
-                *(if releasing { &mut self.phases.release } else { &mut self.phases.seal }) += t0.elapsed();
+                let p = &mut self.phases;
+                *(match phase {
+                    Phase::Release => &mut p.release,
+                    Phase::Read => &mut p.read,
+                    Phase::Seal => &mut p.seal,
+                }) += t0.elapsed();
             }
             let t0 = Instant::now();
             let deadline = self.deadline;
@@ -879,8 +903,18 @@ impl<'a> Driver<'a> {
                 None
             }
             Action::Alloc { blocks } => {
-                let bytes = self.layout.block_bytes();
-                self.slots = (0..blocks).map_while(|_| engine.alloc(bytes).ok().map(Some)).collect();
+                // Where every part is expected to go straight into the
+                // engine's KV, the pool slots would only serve a fallback:
+                // they are taken when a part falls back instead, so a
+                // one-step fetch neither evicts the pool's blocks nor pays
+                // for slots it never fills.
+                self.defer_slots = self.one_step_expected();
+                if self.defer_slots {
+                    self.slots = (0..blocks).map(|_| None).collect();
+                } else {
+                    let bytes = self.layout.block_bytes();
+                    self.slots = (0..blocks).map_while(|_| engine.alloc(bytes).ok().map(Some)).collect();
+                }
                 Some(Event::Allocated(self.slots.len()))
             }
             Action::Read { part, blocks } => {
@@ -894,6 +928,9 @@ impl<'a> Driver<'a> {
                 let direct = self.device_copy(&blocks, &plan, &ops);
                 let local = self.take(&blocks);
                 let (transport, deadline, ends) = (self.transport.clone(), self.deadline, self.slot_ends.clone());
+                // Slots deferred at `Alloc`: taken now if this part falls
+                // back; any the pool cannot give fail the part's reads.
+                let defer = self.defer_slots.then(|| (self.layout.block_bytes(), blocks.len()));
                 self.reads += 1;
                 let first = blocks.start;
                 pending.push(Box::pin(async move {
@@ -910,6 +947,10 @@ impl<'a> Driver<'a> {
                             }
                         }
                     }
+                    let local = match defer {
+                        Some((bytes, n)) => (0..n).map_while(|_| engine.alloc(bytes).ok()).collect(),
+                        None => local,
+                    };
                     let done = transport.read_summed(&owner, &session, ops, local, ends, deadline).await;
                     Outcome::Read { part, first, done }
                 }));
@@ -1105,26 +1146,61 @@ impl<'a> Driver<'a> {
             Ok(p) => p,
             Err(e) => return fallback(Direct::Lease, format!("owner's device ranges: {e}")),
         };
-        let mut used: HashMap<usize, usize> = HashMap::new();
+        // The batch's sources are the exports this part reads, opened, in
+        // first-use order; `at[export]` is its index there. (A vector, not a
+        // map: this runs once per op, ~70 per Qwen3-8B block.)
+        let mut at: Vec<Option<usize>> = vec![None; side.exports.len()];
         let mut sources = Vec::new();
         let mut ops = plan.ops;
         {
             let mut opened = peer.opened.lock().expect("opened lock");
             for op in &mut ops {
-                let next = used.len();
-                let at = *used.entry(op.src).or_insert(next);
-                if at == sources.len() {
-                    match opened.get(gpu.as_ref(), &side.exports[op.src]) {
-                        Ok(b) => sources.push(b),
+                // `plan_part` took `src` from the checked owner layout,
+                // whose runs name exports below `exports.len()`.
+                let slot = &mut at[op.src];
+                op.src = match *slot {
+                    Some(i) => i,
+                    None => match opened.get(gpu.as_ref(), &side.exports[op.src]) {
+                        Ok(b) => {
+                            sources.push(b);
+                            *slot = Some(sources.len() - 1);
+                            sources.len() - 1
+                        }
                         Err(e) => return fallback(Direct::Lease, format!("opening the owner's buffer: {e}")),
-                    }
-                }
-                op.src = at;
+                    },
+                };
             }
         }
         let batch = crate::gpu::peer::PeerCopyBatch { sources, ops, checksums: plan.checksums };
         let session = self.m.transfer_session().map(|(_, s)| s.to_string()).unwrap_or_default();
         Some(submit_direct(self.engine, Direct::Lease, batch, plan.expected, plan.bytes, Some(session), self.deadline))
+    }
+
+    /// Whether every part of the current plan is expected to take a
+    /// one-step path into the engine's KV ([`Self::device_copy`]): a fetch
+    /// into it, and either device ranges offered for every planned block
+    /// with lease left, or the owner's pool open as a copy source. Only a
+    /// forecast: a part that falls back still gets pool slots.
+    fn one_step_expected(&self) -> bool {
+        if self.load.is_none() {
+            return false;
+        }
+        let plan = self.m.plan();
+        if let Some(side) = &self.device
+            && Instant::now() < side.until
+            && plan.iter().all(|b| b.device_block.is_some())
+        {
+            return true;
+        }
+        if !self.engine.inner.cfg.shared_pool_direct {
+            return false;
+        }
+        let Some((owner, peer)) = &self.peer else { return false };
+        // Without opening it (that is the read's to start).
+        self.transport
+            .shared_region(owner)
+            .filter(|r| r.region == 0)
+            .is_some_and(|r| peer.shared_opened(&r) == Some(true))
     }
 
     /// The gRPC client of `owner` (the current peer entry, else the table's).
@@ -1226,20 +1302,14 @@ fn locked_slots(b: &TransferBlockInfo, shapes: &[SlotShape]) -> Vec<LockedSlot> 
             .collect();
     }
     let Some(base) = b.pool_offset.filter(|_| b.slot_crc32c.len() == shapes.len()) else { return Vec::new() };
-    shapes
-        .iter()
-        .zip(&b.slot_crc32c)
-        .map(|(s, &crc32c)| {
-            Some(LockedSlot {
-                k_offset: base.checked_add(s.k_offset)?,
-                k_len: s.k_size,
-                v_offset: if s.v_size == 0 { 0 } else { base.checked_add(s.v_offset)? },
-                v_len: s.v_size,
-                crc32c,
-            })
-        })
-        .collect::<Option<Vec<_>>>()
-        .unwrap_or_default()
+    let mut slots = Vec::with_capacity(shapes.len());
+    for (s, &crc32c) in shapes.iter().zip(&b.slot_crc32c) {
+        let k_offset = base.checked_add(s.k_offset);
+        let v_offset = if s.v_size == 0 { Some(0) } else { base.checked_add(s.v_offset) };
+        let (Some(k_offset), Some(v_offset)) = (k_offset, v_offset) else { return Vec::new() };
+        slots.push(LockedSlot { k_offset, k_len: s.k_size, v_offset, v_len: s.v_size, crc32c });
+    }
+    slots
 }
 
 /// Maximal runs of consecutive indices in `v` (ascending).
