@@ -245,11 +245,9 @@ impl DeviceLeases {
         if !crate::canary::active(crate::canary::Canary::C19LeaseExpiryIgnored) {
             self.expire(now_ms);
         }
+        // No lease in the namespace: nothing taken (as an empty take ends below).
+        let Some(leased) = self.by_hash.get(namespace) else { return Taken::default() };
         let mut out = Taken { blocks: Vec::new(), expires_ms: u64::MAX, leases: Vec::new() };
-        let Some(leased) = self.by_hash.get(namespace) else {
-            out.expires_ms = 0;
-            return out;
-        };
         for (i, h) in hashes.iter().enumerate() {
             let Some(&(id, b)) = leased.get(h) else { continue };
             let lease = self.leases.get_mut(&id).expect("index names a live lease");
