@@ -296,6 +296,10 @@ pub struct Shared {
     /// Fetches that ended on their deadline (stopped by `Deadline` or a
     /// transport timeout; C9).
     pub deadline_fetches: AtomicU64,
+    /// `fetch_into`s that started from the decode's own, possibly stale,
+    /// MetaServer answer (`fetch_into_with_owners`; C9, C10, C14 hold for
+    /// them as for any fetch).
+    pub known_owner_fetches: AtomicU64,
     /// The longest any fetch ran past its deadline (µs; C9's slack).
     pub fetch_overrun_max_us: AtomicU64,
     /// `Engine::connect_peer` calls that connected, that ended on their
@@ -513,6 +517,7 @@ impl Cluster {
             graveyard: Mutex::new(Vec::new()),
             partial_read_errors: AtomicU64::new(0),
             deadline_fetches: AtomicU64::new(0),
+            known_owner_fetches: AtomicU64::new(0),
             fetch_overrun_max_us: AtomicU64::new(0),
             connects_ok: AtomicU64::new(0),
             connects_deadline: AtomicU64::new(0),

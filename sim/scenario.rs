@@ -72,6 +72,8 @@ pub struct Summary {
 pub struct Reach {
     pub partial_read_errors: u64,
     pub deadline_fetches: u64,
+    /// `fetch_into`s started from the decode's own MetaServer answer.
+    pub known_owner_fetches: u64,
     /// `Engine::connect_peer` calls: connected, ended on their timeout,
     /// failed otherwise (C9's bound holds for each).
     pub connects: (u64, u64, u64),
@@ -219,9 +221,10 @@ fn summary_line(seed: u64, s: &Summary) -> String {
     let r = &s.reach;
     let _ = write!(
         out,
-        " c8_partial_read_errors={} c9_deadline_fetches={} c9_overrun_max_us={} c9_connects_ok={} c9_connects_deadline={} c9_connects_failed={} c13_expired_reads={} c15_unregisters={} c15_busy_refusals={} c15_held_batches={} c19_lease_grants={} c19_lease_ends={} c19_device_reads={}",
+        " c8_partial_read_errors={} c9_deadline_fetches={} c9_known_owner_fetches={} c9_overrun_max_us={} c9_connects_ok={} c9_connects_deadline={} c9_connects_failed={} c13_expired_reads={} c15_unregisters={} c15_busy_refusals={} c15_held_batches={} c19_lease_grants={} c19_lease_ends={} c19_device_reads={}",
         r.partial_read_errors,
         r.deadline_fetches,
+        r.known_owner_fetches,
         r.overrun_max_us,
         r.connects.0,
         r.connects.1,
@@ -473,6 +476,7 @@ async fn run_plan(
     summary.reach = Reach {
         partial_read_errors: shared.partial_read_errors.load(Ordering::SeqCst),
         deadline_fetches: shared.deadline_fetches.load(Ordering::SeqCst),
+        known_owner_fetches: shared.known_owner_fetches.load(Ordering::SeqCst),
         overrun_max_us: shared.fetch_overrun_max_us.load(Ordering::SeqCst),
         connects: (
             shared.connects_ok.load(Ordering::SeqCst),

@@ -418,7 +418,11 @@ pub fn drain_leases(shared: &Shared, n: &NodeSlot, node: usize) {
 
 /// `fetch_into` the request's device slots (the path that may copy device
 /// to device from a same-host owner, C19) and verify every ready block's
-/// bytes in place. Checks `inv_degrade_bounded` and `inv_fetch_integrity`.
+/// bytes in place. Half the time the decode first asks the MetaServer who
+/// holds the prefix, as an engine's scheduler does, waits a drawn while
+/// (the answer may go stale: owners die, evict, are cut off) and starts
+/// the fetch from that answer (`fetch_into_with_owners`). Checks
+/// `inv_degrade_bounded` and `inv_fetch_integrity`.
 async fn fetch_into_and_verify(shared: &Shared, n: &NodeSlot, node: usize, req: &Request) -> Fetched {
     let bound = invariants::fetch_bound(&shared.params);
     let blocks: Vec<(BlockHash, u64)> =
@@ -427,8 +431,25 @@ async fn fetch_into_and_verify(shared: &Shared, n: &NodeSlot, node: usize, req: 
         poison_block(n, *slot);
     }
     shared.leases.lock().expect("leases").fetch_intos += 1;
+    let ask_first = {
+        let mut rng = shared.rng.lock().expect("rng");
+        rng.random_bool(0.5).then(|| Duration::from_millis(rng.random_range(0..200)))
+    };
+    let mut owners = None;
+    if let Some(pause) = ask_first {
+        let rpc = shared.params.metaserver_rpc_timeout;
+        owners = n.engine.client().query_prefix(NAMESPACE, &req.hashes, rpc).await.ok();
+        tokio::time::sleep(pause).await;
+    }
+    let known0 = n.engine.metrics().fetch_known_owners.load(Ordering::SeqCst);
     let t0 = Instant::now();
-    let got = match tokio::time::timeout(bound * 2, n.engine.fetch_into(NAMESPACE, &blocks)).await {
+    let fetch = async {
+        match owners {
+            Some(o) => n.engine.fetch_into_with_owners(NAMESPACE, &blocks, o, t0 + bound).await,
+            None => n.engine.fetch_into(NAMESPACE, &blocks).await,
+        }
+    };
+    let got = match tokio::time::timeout(bound * 2, fetch).await {
         Ok(r) => r.expect("valid fetch_into"),
         Err(_) => {
             shared.checker.record(Err(invariants::violation(
@@ -440,6 +461,9 @@ async fn fetch_into_and_verify(shared: &Shared, n: &NodeSlot, node: usize, req: 
     };
     count_report(shared, &got.fetch);
     check_bounded(shared, node, req.id, &got.fetch, t0.elapsed(), None);
+    if n.engine.metrics().fetch_known_owners.load(Ordering::SeqCst) > known0 {
+        shared.known_owner_fetches.fetch_add(1, Ordering::SeqCst);
+    }
     let mut ok = 0;
     for i in 0..got.ready() {
         let good = device_block_ok(n, req.slot_base() + i as u64, &req.hashes[i]);

@@ -9,6 +9,7 @@
 //! | `leased_blocks_land_device_to_device_and_the_lease_ends_once` | C19 path, C10, C8/C19 released once |
 //! | `a_device_direct_fetch_evicts_nothing_from_the_readers_pool` | C19 path takes no pool slots |
 //! | `a_block_changed_under_its_lease_is_read_from_the_pool` | C10 on the device path, fallback (slots taken then) |
+//! | `a_fallback_the_pool_cannot_serve_keeps_what_it_read_and_stops_with_no_space` | fallback with a full pool: C11, `NoSpace` |
 //! | `expired_revoked_and_unleased_blocks_take_the_pool_path` | C19 expiry and revocation, C15 |
 //! | `forced_paths_and_foreign_askers_get_no_device_ranges` | C19 who may read |
 //! | `bad_grants_are_refused_and_change_nothing` | bad input |
@@ -25,6 +26,7 @@ use common::*;
 
 const MIB: u64 = 1 << 20;
 use kvferry::client::{ClientConfig, MetaServerClient};
+use kvferry::engine::fetch::FetchError;
 use kvferry::engine::leases::LeaseEnd;
 use kvferry::engine::{Engine, EngineError};
 use kvferry::gpu::Gpu;
@@ -173,6 +175,45 @@ async fn a_block_changed_under_its_lease_is_read_from_the_pool() {
         assert!(m.device_fallbacks.load(Ordering::Relaxed) >= 1);
         assert!(m.checksum_failures.load(Ordering::Relaxed) >= 1);
         assert!(m.fetched_bytes.load(Ordering::Relaxed) > 0, "the fallback read the pool");
+    })
+    .await;
+}
+
+/// A part that falls back while the reader's pool cannot give it every
+/// slot: the reader's own blocks fill the pool and all but two are held
+/// by a transfer lock (nothing frees their memory). The part expected to
+/// go device to device fails its checksums (a leased block changed), takes
+/// the two slots it can get, reads those two blocks from the owner's pool
+/// and keeps them; the fetch stops at the third with `NoSpace` (before,
+/// the short part failed whole, as a transport error).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fallback_the_pool_cannot_serve_keeps_what_it_read_and_stops_with_no_space() {
+    bounded(async {
+        let ms = start_ms().await;
+        let (p, _) = start_node_cfg(cfg(&ms, PathChoice::Auto)).await;
+        let (d, _) = start_node_cfg(cfg(&ms, PathChoice::Auto)).await;
+        let kp = register_default(&p.engine, 16);
+        let kd = register_default(&d.engine, 160);
+        let own = hashes(9100..9100 + 4 * MIB / kd.block_bytes());
+        let rep = d.engine.save(NS, &fill_blocks(&d.engine, &kd, 32, &own)).await.expect("save");
+        assert_eq!(rep.saved.len(), own.len(), "the pool holds them all");
+        let (session, held) = d.engine.lock_for_transfer(NS, &own[2..]).expect("lock");
+        assert_eq!(held.len(), own.len() - 2);
+        let hs = hashes(7500..7506);
+        prefill_leased(&p.engine, &kp, &hs, Duration::from_secs(30)).await;
+        clear(&p.engine, &kp, 3);
+        let wanted: Vec<(BlockHash, u64)> = hs.iter().cloned().zip(0u64..).collect();
+        let got = d.engine.fetch_into(NS, &wanted).await.unwrap();
+        assert_eq!(got.fetch.stopped, Some(FetchError::NoSpace), "{:?}", got.fetch);
+        assert_eq!((got.fetch.available, got.ready()), (2, 2), "{:?}", got.fetch);
+        for (i, h) in hs[..2].iter().enumerate() {
+            assert!(verify(&d.engine, &kd, i as u64, h), "block {i}");
+        }
+        let m = d.engine.metrics();
+        assert_eq!(m.device_fallbacks.load(Ordering::Relaxed), 1);
+        assert_eq!(m.fetched_blocks.load(Ordering::Relaxed), 2, "the two blocks with slots came through the pool");
+        d.engine.release_transfer(&session.expect("a session")).expect("release");
+        drop(held);
     })
     .await;
 }

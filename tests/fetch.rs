@@ -9,6 +9,7 @@
 //! | `owner_killed_mid_read_degrades_within_deadline` | C9 (owner dead), C11, C14 |
 //! | `requester_dropped_mid_fetch_releases_or_expires_the_lock` | C8 (cancel → guard; dead requester → GC) |
 //! | `metaserver_down_fetch_returns_zero_quickly` | C9 (MetaServer down) |
+//! | `fetch_into_with_owners_starts_from_the_callers_answer` | C9, C14 (the caller's MetaServer answer; stale owner) |
 //! | `corrupted_byte_on_the_wire_rejects_the_block` | C10, C9 (verified prefix), C14 |
 //! | `concurrent_and_mutual_handshakes_are_single_flight` | §5 single-flight handshake |
 //! | `stitches_one_prefix_from_two_owners` | C14 |
@@ -536,6 +537,60 @@ async fn metaserver_down_fetch_returns_zero_quickly() {
         assert!(rep.owners.is_empty());
         assert_eq!(p.engine.metrics().transfer_locks_created.load(Ordering::Relaxed), 0);
         assert_eq!(d.engine.gauges().pool_used_bytes, 0);
+    })
+    .await;
+}
+
+/// `fetch_into_with_owners` starts from the caller's own MetaServer
+/// answer: with the MetaServer gone after the query, the fetch still moves
+/// every block (no second query); a stale answer (an owner holding
+/// nothing) is refused by that owner's lock and the fetch asks the
+/// MetaServer for the rest; an answer with no usable owner is not used.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fetch_into_with_owners_starts_from_the_callers_answer() {
+    bounded(async {
+        let ms = start_ms().await;
+        let (p, _) = start_node(&ms, 4 * MIB).await;
+        let (empty, _) = start_node(&ms, 4 * MIB).await;
+        let (d, _) = start_node(&ms, 4 * MIB).await;
+        let (d2, _) = start_node(&ms, 4 * MIB).await;
+        let kp = register_default(&p.engine, 16);
+        let _ke = register_default(&empty.engine, 16);
+        let kd = register_default(&d.engine, 16);
+        let kd2 = register_default(&d2.engine, 16);
+        let hs = hashes(1..9);
+        prefill(&p.engine, &kp, &hs).await;
+        let wanted: Vec<(BlockHash, u64)> = hs.iter().cloned().zip(0u64..).collect();
+        let until = || tokio::time::Instant::now() + Duration::from_secs(5);
+        let owners = d.engine.client().query_prefix(NS, &hs, Duration::from_secs(3)).await.unwrap();
+        assert_eq!(owners, vec![(p.node.clone(), 8)]);
+
+        // Stale: the named owner holds nothing; the MetaServer names `p`.
+        let stale = vec![(empty.node.clone(), 8)];
+        let got = d.engine.fetch_into_with_owners(NS, &wanted, stale, until()).await.unwrap();
+        assert_eq!(got.ready(), 8, "{:?}", got.fetch);
+        assert_eq!(got.fetch.owners, vec![empty.node.clone(), p.node.clone()]);
+        assert_eq!(d.engine.metrics().fetch_known_owners.load(Ordering::Relaxed), 1);
+        for (h, i) in &wanted {
+            assert!(verify(&d.engine, &kd, *i, h), "block {i}");
+        }
+
+        let _ = tokio::time::timeout(Duration::from_secs(3), ms.shutdown()).await;
+        // No usable owner in the answer (only the asker, or nothing past
+        // zero blocks): asked of the MetaServer, which is down.
+        let useless = vec![(d2.node.clone(), 8), (p.node.clone(), 0)];
+        let got = d2.engine.fetch_into_with_owners(NS, &wanted, useless, until()).await.unwrap();
+        assert_eq!(got.ready(), 0, "{:?}", got.fetch);
+        assert!(matches!(got.fetch.stopped, Some(FetchError::MetaServer(_))), "{:?}", got.fetch);
+        assert_eq!(d2.engine.metrics().fetch_known_owners.load(Ordering::Relaxed), 0);
+        // The answer from before the MetaServer went down: every block.
+        let got = d2.engine.fetch_into_with_owners(NS, &wanted, owners, until()).await.unwrap();
+        assert_eq!(got.ready(), 8, "{:?}", got.fetch);
+        assert_eq!(got.fetch.phases.query, Duration::ZERO, "no MetaServer query");
+        assert_eq!(d2.engine.metrics().fetch_known_owners.load(Ordering::Relaxed), 1);
+        for (h, i) in &wanted {
+            assert!(verify(&d2.engine, &kd2, *i, h), "block {i}");
+        }
     })
     .await;
 }

@@ -211,7 +211,8 @@ async fn fetch_into_copies_from_the_mapped_pool_in_one_step() {
 /// block in one step (without it the first blocks take the pool copy, as
 /// the test above shows); over forced TCP there is no mapping to open; an
 /// address where nothing listens is a clear error within the timeout and
-/// leaves nothing behind.
+/// leaves nothing behind. The one-step fetch takes no slots of the
+/// reader's pool, full of its own blocks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connect_peer_opens_the_shared_pool_before_the_first_fetch() {
     bounded(async {
@@ -219,7 +220,12 @@ async fn connect_peer_opens_the_shared_pool_before_the_first_fetch() {
         let p = node_with(&ms, PathChoice::Shm).await;
         let d = node_with(&ms, PathChoice::Shm).await;
         let kp = register_default(&p.engine, 40);
-        let kd = register_default(&d.engine, 40);
+        // The reader's own blocks fill its pool (device blocks 40..): a
+        // one-step fetch takes no pool slots, so it evicts none of them.
+        let kd = register_default(&d.engine, 40 + 4 * MIB / BLOCK);
+        let own = hashes(5000..5000 + 4 * MIB / BLOCK);
+        fill_and_save(&d.engine, &kd, 40, &own).await;
+        assert_eq!(d.engine.query_prefix(NS, &own), own.len(), "the pool holds them all");
         let hs = hashes(1..N + 1);
         prefill(&p.engine, &kp, &hs).await;
         assert_eq!(d.engine.handshaken_peers(), 0);
@@ -235,6 +241,8 @@ async fn connect_peer_opens_the_shared_pool_before_the_first_fetch() {
         }
         assert_eq!(m.shared_direct_blocks.load(Ordering::Relaxed), N, "every block in one step");
         assert_eq!(m.fetched_bytes.load(Ordering::Relaxed), 0, "no block went through the pool");
+        assert_eq!(m.evicted.load(Ordering::Relaxed), 0, "no pool slot was taken for the one-step copy");
+        assert_eq!(d.engine.query_prefix(NS, &own), own.len(), "the reader's own blocks are all resident");
         // Connecting again is the same single-flight handshake.
         assert_eq!(d.engine.connect_peer(&p.node, Duration::from_secs(5)).await.unwrap(), SharedPool::Ready);
         assert_eq!(d.engine.handshaken_peers(), 1);

@@ -312,8 +312,11 @@ def _decode(kvferry, node, model, ns, pk, pv, scratch, bt, tokens, ready, opts) 
         if owners:
             # fetch_into: each verified part is loaded into the paged cache
             # while the next is read, so "fetch" covers the loads too and
-            # "load" is what the device still had to finish afterwards.
-            rep, lrep = node.fetch_into(ns, hashes, list(range(usable)), timeout=opts["fetch_timeout"])
+            # "load" is what the device still had to finish afterwards. It
+            # starts from the owners just asked for (no second query).
+            rep, lrep = node.fetch_into(
+                ns, hashes, list(range(usable)), timeout=opts["fetch_timeout"], owners=owners
+            )
             f1 = now_ms()
             handoff["fetch"] = f1 - q1
             model.sync()

@@ -9,7 +9,7 @@ use kvferry::engine::layout::{DeviceBufferId, LayerLayout, SegmentBase};
 use kvferry::engine::{Engine, EngineError, FetchIntoReport, LoadReport, SaveReport};
 use kvferry::gpu::{Gpu, GpuError};
 use kvferry::hash::{HashError, KvFamily};
-use kvferry::types::BlockHash;
+use kvferry::types::{BlockHash, NodeAddr};
 
 /// The GPU backend a node runs with.
 #[derive(Clone)]
@@ -123,14 +123,19 @@ pub async fn load(
 }
 
 /// Fetches, by `deadline`, then loads the available prefix into the given
-/// block indices.
+/// block indices; `owners`: the caller's MetaServer answer for the same
+/// hashes, which the fetch starts from instead of asking again.
 pub async fn fetch_into(
     engine: &Engine,
     namespace: &str,
     blocks: Vec<(BlockHash, u64)>,
+    owners: Option<Vec<(NodeAddr, u32)>>,
     deadline: tokio::time::Instant,
 ) -> Result<FetchIntoReport, EngineError> {
-    engine.fetch_into_with_deadline(namespace, &blocks, deadline).await
+    match owners {
+        Some(o) => engine.fetch_into_with_owners(namespace, &blocks, o, deadline).await,
+        None => engine.fetch_into_with_deadline(namespace, &blocks, deadline).await,
+    }
 }
 
 /// The shared chained hashes (kvferry's v1) of the full blocks of `tokens`.

@@ -606,7 +606,9 @@ impl Node {
     }
 
     /// Fetch, then load the available prefix into `blocks`; `(fetch, load)`
-    /// report dicts.
+    /// report dicts. `owners`: `query_prefix_remote`'s answer for the same
+    /// hashes, which the fetch starts from instead of asking again.
+    #[pyo3(signature = (namespace, hashes, blocks, timeout_s, owners=None))]
     fn fetch_into<'py>(
         &self,
         py: Python<'py>,
@@ -614,13 +616,15 @@ impl Node {
         hashes: Vec<Vec<u8>>,
         blocks: Vec<u64>,
         timeout_s: f64,
+        owners: Option<Vec<(String, u32)>>,
     ) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyDict>)> {
         let t = secs(timeout_s)?;
         let (rt, engine) = self.engine()?;
         let p = pairs(hashes, blocks)?;
+        let owners = owners.map(|o| o.into_iter().map(|(n, k)| (kvferry::types::NodeAddr(n), k)).collect());
         // As in `fetch`: the timeout is the fetch's own deadline.
         let r = wait(py, &rt, t + FETCH_OVERRUN_MAX, async move {
-            adapter::fetch_into(&engine, &namespace, p, tokio::time::Instant::now() + t).await
+            adapter::fetch_into(&engine, &namespace, p, owners, tokio::time::Instant::now() + t).await
         })?
         .ok_or_else(|| deadline_fail("fetch_into", t + FETCH_OVERRUN_MAX))?
         .map_err(engine_fail)?;
@@ -706,6 +710,7 @@ impl Node {
             ("evicted", c(&m.evicted)),
             ("alloc_failures", c(&m.alloc_failures)),
             ("fetches", c(&m.fetches)),
+            ("fetch_known_owners", c(&m.fetch_known_owners)),
             ("fetched_blocks", c(&m.fetched_blocks)),
             ("fetched_bytes", c(&m.fetched_bytes)),
             ("checksum_failures", c(&m.checksum_failures)),

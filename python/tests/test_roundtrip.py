@@ -66,6 +66,30 @@ def test_fetch_from_a_peer_then_load_is_bit_identical(metaserver, ns):
         assert d.flush_saves_and_registrations(timeout=5).ok
 
 
+def test_fetch_into_starts_from_the_owners_the_caller_asked_for(metaserver, ns):
+    p, d = two_nodes(metaserver)
+    with p, d:
+        pk, pv = paged(seed=4)
+        dk, dv = paged(fill=0.0)
+        p.register_kv_cache(ns, pk, pv)
+        d.register_kv_cache(ns, dk, dv)
+        hs = kvferry.block_hashes(ns, tokens(3 * BT), BT)
+        p.save(ns, hs, [0, 1, 2])
+        assert p.flush_saves_and_registrations(timeout=5).ok
+        owners = d.query_prefix_remote(ns, hs)
+        with pytest.raises(TypeError, match="PrefixOwner"):
+            d.fetch_into(ns, hs, [0, 1, 2], owners=[(p.address, 3)])
+        with pytest.raises(TypeError, match="PrefixOwner"):
+            d.fetch_into(ns, hs, [0, 1, 2], owners=p.address)
+        f, l = d.fetch_into(ns, hs, [5, 6, 7], owners=owners)
+        assert (f.available, f.owners, l.loaded) == (3, [p.address], 3)
+        # The caller's answer stood in for the fetch's own MetaServer query.
+        assert f.phases_ms["query"] == 0.0
+        assert d.metrics()["fetch_known_owners"] == 1
+        for src, dst in zip(pk + pv, dk + dv):
+            np.testing.assert_array_equal(dst[[5, 6, 7]], src[:3])
+
+
 def test_connect_peer_opens_the_same_host_pool_before_the_first_fetch(metaserver, ns):
     p, d = two_nodes(metaserver)
     with p, d:

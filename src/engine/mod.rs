@@ -277,6 +277,9 @@ pub struct EngineMetrics {
     pub alloc_failures: AtomicU64,
     /// Fetch calls.
     pub fetches: AtomicU64,
+    /// Fetches whose first MetaServer query the caller's own answer
+    /// replaced ([`Engine::fetch_into_with_owners`]).
+    pub fetch_known_owners: AtomicU64,
     /// Blocks fetched from peers into the pool (verified and sealed);
     /// blocks copied device to device count in `device_blocks` instead.
     pub fetched_blocks: AtomicU64,

@@ -114,7 +114,11 @@ pub enum Event {
     ReadDone {
         /// Part number.
         part: usize,
-        /// Per block of the part, in order.
+        /// Per block of the part, in order. Shorter than the part when the
+        /// driver had no pool slot for the rest (a part expected to go
+        /// straight into the engine's KV fell back while the pool was
+        /// full): the fetch stops at the first of them with
+        /// [`FetchError::NoSpace`], keeping the blocks before it.
         results: Vec<Result<(), TransportError>>,
     },
     /// A CRC pass of a part completed: per block, its slot checksums (`None`
@@ -445,6 +449,8 @@ impl FetchMachine {
                     for (i, b) in blocks.clone().enumerate() {
                         match (results.get(i), sums.get(i)) {
                             (Some(Err(e)), _) => bad = Some(FetchError::Transport(e.clone())),
+                            // No pool slot for this block (see `Event::ReadDone`).
+                            (None, _) => bad = Some(FetchError::NoSpace),
                             (Some(Ok(())), Some(Some(s))) if as_advertised(s, &t.plan[b]) => {
                                 good.push(s.clone());
                                 continue;
@@ -1415,6 +1421,33 @@ mod tests {
         assert_eq!(m.step(Event::Owners(Ok(vec![(NodeAddr("owner:1".into()), 3)]))), vec![Action::Done]);
         assert_eq!(m.report().available, 3);
         assert_eq!(m.report().stopped, Some(FetchError::Checksum));
+    }
+
+    /// A part whose read came back shorter than the part (the driver had
+    /// no pool slot for its last block): the blocks read are judged and
+    /// kept, nothing after is read, and the fetch stops with `NoSpace`.
+    #[test]
+    fn a_short_read_stops_the_fetch_with_no_space_keeping_the_blocks_before() {
+        let cfg = two_by_two();
+        let owner = NodeAddr("owner:1".into());
+        let (mut m, _) = FetchMachine::start(cfg, (0..4).map(hash).collect(), 0);
+        m.step(Event::Owners(Ok(vec![(owner.clone(), 4)])));
+        m.step(Event::Handshake(Ok(())));
+        let grant = LockGrant { session: "s".into(), blocks: (0..4).map(|i| info(i, SEG)).collect() };
+        m.step(Event::Locked(Ok(grant)));
+        let a = m.step(Event::Allocated(4));
+        assert_eq!(a, vec![Action::Read { part: 0, blocks: 0..2 }, Action::Read { part: 1, blocks: 2..4 }]);
+        let a = m.step(Event::ReadDone { part: 0, results: vec![Ok(())] });
+        assert_eq!(a, vec![Action::Verify { part: 0, blocks: 0..2, read_ok: vec![true, false] }]);
+        let a = m.step(Event::Verified { part: 0, sums: vec![Some(sums(0))] });
+        assert_eq!(
+            a,
+            vec![Action::Seal { blocks: 0..1, hashes: 0..1, sums: vec![sums(0)] }, Action::Free { blocks: 1..2 }]
+        );
+        let a = m.step(Event::ReadDone { part: 1, results: vec![Ok(()), Ok(())] });
+        assert_eq!(a, vec![Action::Free { blocks: 2..4 }, Action::Release { owner, session: "s".into() }]);
+        m.step(Event::Released);
+        assert_eq!((m.report().available, m.report().stopped.clone()), (1, Some(FetchError::NoSpace)));
     }
 
     /// The deadline passes with part 0 in its CRC pass and part 1 still

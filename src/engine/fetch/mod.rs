@@ -171,7 +171,7 @@ impl Engine {
         namespace: &str,
         blocks: &[(BlockHash, u64)],
     ) -> Result<FetchIntoReport, EngineError> {
-        self.fetch_into_inner(namespace, blocks, None).await
+        self.fetch_into_inner(namespace, blocks, None, None).await
     }
 
     /// [`Engine::fetch_into`] that also ends by the caller's `deadline`
@@ -190,7 +190,37 @@ impl Engine {
         blocks: &[(BlockHash, u64)],
         deadline: Instant,
     ) -> Result<FetchIntoReport, EngineError> {
-        self.fetch_into_inner(namespace, blocks, Some(deadline)).await
+        self.fetch_into_inner(namespace, blocks, Some(deadline), None).await
+    }
+
+    /// [`Engine::fetch_into_with_deadline`] for a caller that has just asked
+    /// the MetaServer who holds `blocks`' prefix ([`MetaServerClient::query_prefix`]
+    /// of the same hashes, from the first; `owners` is its answer, longest
+    /// prefix first): the fetch starts from that answer instead of asking
+    /// again, saving a MetaServer round trip on the handoff's critical
+    /// path. The P/D pattern: the decode side's scheduler asks how much of
+    /// a prompt is cached before it allocates KV blocks, then loads them
+    /// (vLLM's connector does `get_num_new_matched_tokens`, then
+    /// `start_load_kv`).
+    ///
+    /// Only the first query is answered from `owners`: an owner that no
+    /// longer holds its blocks is refused by its own transfer lock (the
+    /// authority), and the fetch asks the MetaServer for the rest as
+    /// usual. An answer with no usable owner (empty, only this node, none
+    /// past the local prefix) is not used at all.
+    ///
+    /// [`MetaServerClient::query_prefix`]: crate::client::MetaServerClient::query_prefix
+    ///
+    /// # Errors
+    /// As [`Engine::fetch_into`].
+    pub async fn fetch_into_with_owners(
+        &self,
+        namespace: &str,
+        blocks: &[(BlockHash, u64)],
+        owners: Vec<(NodeAddr, u32)>,
+        deadline: Instant,
+    ) -> Result<FetchIntoReport, EngineError> {
+        self.fetch_into_inner(namespace, blocks, Some(deadline), Some(owners)).await
     }
 
     async fn fetch_into_inner(
@@ -198,11 +228,12 @@ impl Engine {
         namespace: &str,
         blocks: &[(BlockHash, u64)],
         until: Option<Instant>,
+        owners: Option<Vec<(NodeAddr, u32)>>,
     ) -> Result<FetchIntoReport, EngineError> {
         let (_, layout) = self.layout(namespace)?;
         Self::check_indices(&layout, blocks.iter().map(|(_, i)| i))?;
         let hashes: Vec<BlockHash> = blocks.iter().map(|(h, _)| h.clone()).collect();
-        let (fetch, load) = self.fetch_inner(namespace, &hashes, Some(blocks), until).await;
+        let (fetch, load) = self.fetch_inner(namespace, &hashes, Some(blocks), until, owners).await;
         let load = load.unwrap_or_else(|| Ok(LoadReport { results: Vec::new() }))?;
         Ok(FetchIntoReport { fetch, load })
     }
@@ -380,6 +411,10 @@ struct Driver<'a> {
     /// Request indices whose block landed device to device (sealed as
     /// loaded, never into the pool).
     device_done: std::collections::HashSet<usize>,
+    /// Owners the caller already asked the MetaServer for
+    /// ([`Engine::fetch_into_with_owners`]): answers the first query
+    /// instead of an RPC, once.
+    known_owners: Option<Vec<(NodeAddr, u32)>>,
 }
 
 /// The loads of a [`Engine::fetch_into`], started part by part as blocks
@@ -426,7 +461,7 @@ impl Engine {
     /// Never fails and never hangs: it ends by the engine's fetch deadline
     /// with "k of n" (C9). See the module doc.
     pub async fn fetch(&self, namespace: &str, hashes: &[BlockHash]) -> FetchReport {
-        self.fetch_inner(namespace, hashes, None, None).await.0
+        self.fetch_inner(namespace, hashes, None, None, None).await.0
     }
 
     /// [`Engine::fetch`] that also ends by the caller's `deadline` (the
@@ -438,7 +473,7 @@ impl Engine {
     /// outside. The release is handed to a task of its own and not waited
     /// for. A part read but not checked by the deadline is not kept.
     pub async fn fetch_with_deadline(&self, namespace: &str, hashes: &[BlockHash], deadline: Instant) -> FetchReport {
-        self.fetch_inner(namespace, hashes, None, Some(deadline)).await.0
+        self.fetch_inner(namespace, hashes, None, Some(deadline), None).await.0
     }
 
     /// [`Engine::fetch`]; with `load`, also loads each block into the
@@ -451,6 +486,7 @@ impl Engine {
         hashes: &'a [BlockHash],
         load: Option<&'a [(BlockHash, u64)]>,
         until: Option<Instant>,
+        owners: Option<Vec<(NodeAddr, u32)>>,
     ) -> (FetchReport, Option<Result<LoadReport, EngineError>>) {
         self.inner.metrics.fetches.fetch_add(1, Ordering::Relaxed);
         let started = Instant::now();
@@ -527,6 +563,7 @@ impl Engine {
                 landed_sums: HashMap::new(),
                 slot_ends: ends,
                 device_done: std::collections::HashSet::new(),
+                known_owners: owners,
             };
             d.run(first).await;
             rep = d.m.report().clone();
@@ -820,6 +857,20 @@ impl<'a> Driver<'a> {
         let engine = self.engine;
         match action {
             Action::QueryOwners { from } => {
+                if let Some(known) = self.known_owners.take() {
+                    // The caller's answer counts from the first hash; the
+                    // machine asks from `from` (past the local prefix).
+                    let me = engine.node();
+                    let rest: Vec<(NodeAddr, u32)> = known
+                        .into_iter()
+                        .filter_map(|(n, k)| Some((n, k.checked_sub(u32::try_from(from).ok()?)?)))
+                        .filter(|(n, k)| *k > 0 && n != me)
+                        .collect();
+                    if !rest.is_empty() {
+                        engine.inner.metrics.fetch_known_owners.fetch_add(1, Ordering::Relaxed);
+                        return Some(Event::Owners(Ok(rest)));
+                    }
+                }
                 let left = self.deadline.saturating_duration_since(Instant::now());
                 let (ns, rest) = (self.namespace, &self.hashes[from..]);
                 self.rpc = Some(Rpc::Query);
@@ -947,10 +998,31 @@ impl<'a> Driver<'a> {
                             }
                         }
                     }
-                    let local = match defer {
-                        Some((bytes, n)) => (0..n).map_while(|_| engine.alloc(bytes).ok()).collect(),
-                        None => local,
+                    let (local, ops) = match defer {
+                        Some((bytes, n)) => {
+                            if Instant::now() >= deadline {
+                                // No slot is taken (and nothing evicted) for
+                                // a read the deadline already refuses.
+                                let results = vec![Err(TransportError::Timeout); n];
+                                return Outcome::Read {
+                                    part,
+                                    first,
+                                    done: ReadCompletion::unsummed(Vec::new(), results),
+                                };
+                            }
+                            let local: Vec<Extent> = (0..n).map_while(|_| engine.alloc(bytes).ok()).collect();
+                            // Blocks the pool had no slot for are not read:
+                            // the completion comes back shorter than the
+                            // part, which stops the fetch there with
+                            // `NoSpace` and keeps the blocks before.
+                            let got = local.len();
+                            (local, ops.into_iter().filter(|op| op.local_extent < got).collect())
+                        }
+                        None => (local, ops),
                     };
+                    if local.is_empty() {
+                        return Outcome::Read { part, first, done: ReadCompletion::unsummed(local, Vec::new()) };
+                    }
                     let done = transport.read_summed(&owner, &session, ops, local, ends, deadline).await;
                     Outcome::Read { part, first, done }
                 }));
