@@ -288,12 +288,15 @@ def _physical_block_view(t: Any) -> Any:
 class LoadJob:
     """One asynchronous load: fetch ``hashes`` into vLLM blocks ``block_ids``
     (the same length; position ``i`` of the request's prompt blocks is
-    ``first_block + i``)."""
+    ``first_block + i``). ``owners``: the scheduler's MetaServer answer for
+    these hashes as ``(node, blocks)`` counted from ``hashes[0]``, which the
+    worker's fetch starts from instead of asking again (None: ask)."""
 
     req_id: str
     hashes: List[bytes]
     block_ids: List[int]
     first_block: int = 0
+    owners: Optional[List[Tuple[str, int]]] = None
 
 
 @dataclass
@@ -434,6 +437,9 @@ class _ReqState:
     load_failed: bool = False  # a load stopped short: no more loads for this request
     # the last answer of _held_blocks: (monotonic time, usable blocks, held blocks)
     last_query: Optional[Tuple[float, int, int]] = None
+    # the MetaServer's owners in that answer, counted from the first block
+    # (None: answered locally, or the MetaServer was not asked)
+    owners: Optional[List[Tuple[str, int]]] = None
 
 
 # ---------------------------------------------------------------- connector
@@ -506,9 +512,10 @@ class KvferryConnector(KVConnectorBase_V1):
             st.hashes = kvferry.block_hashes(_hash_namespace(self.ns, r), list(r.prompt_token_ids), self.block_size)
         return st.hashes
 
-    def _held_blocks(self, hashes: List[bytes]) -> int:
+    def _held_blocks(self, hashes: List[bytes]) -> Tuple[int, Optional[List[Tuple[str, int]]]]:
         """Blocks of ``hashes`` (from the first) that some node holds: this
-        process's worker pool, else the MetaServer's longest owner."""
+        process's worker pool, else the MetaServer's longest owner; and the
+        MetaServer's owners when it was asked (for the load to start from)."""
         local = 0
         node = _LOCAL_NODES.get(self._engine_id)
         if node is not None and node.running:
@@ -517,7 +524,7 @@ class KvferryConnector(KVConnectorBase_V1):
             except KvferryError:
                 local = 0
         if local == len(hashes) or time.monotonic() < self._ms_down_until:
-            return local
+            return local, None
         self.stats["queries"] += 1
         try:
             owners = self._query_node.query_prefix_remote(self.ns, hashes, timeout=self.cfg.query_timeout)
@@ -525,8 +532,8 @@ class KvferryConnector(KVConnectorBase_V1):
             self.stats["query_failures"] += 1
             self._ms_down_until = time.monotonic() + self.cfg.metaserver_retry
             logger.warning("kvferry: MetaServer prefix query failed (%s); no remote hits for %.1fs", e, self.cfg.metaserver_retry)
-            return local
-        return max([local] + [o.blocks for o in owners])
+            return local, None
+        return max([local] + [o.blocks for o in owners]), [(o.node, o.blocks) for o in owners]
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> Tuple[int, bool]:
         """Tokens beyond ``num_computed_tokens`` (vLLM's own prefix hit, block
@@ -553,7 +560,8 @@ class KvferryConnector(KVConnectorBase_V1):
         if st.last_query is not None and now - st.last_query[0] < 1.0 and st.last_query[1] == usable:
             held = st.last_query[2]
         else:
-            held = min(self._held_blocks(hashes[:usable]), usable)
+            held, st.owners = self._held_blocks(hashes[:usable])
+            held = min(held, usable)
             st.last_query = (now, usable, held)
         if held <= local:
             return 0, False
@@ -628,7 +636,10 @@ class KvferryConnector(KVConnectorBase_V1):
         if first + n > len(ids) or first + n > len(st.hashes):
             logger.error("kvferry: request %s: %d blocks to load but %d allocated", request.request_id, first + n, len(ids))
             return
-        job = LoadJob(request.request_id, st.hashes[first:first + n], list(ids[first:first + n]), first)
+        # The owners the scheduler was told of, counted from this job's
+        # first block (the worker's fetch starts from them: no second query).
+        owners = None if st.owners is None else [(o, k - first) for o, k in st.owners if k > first]
+        job = LoadJob(request.request_id, st.hashes[first:first + n], list(ids[first:first + n]), first, owners or None)
         self._pending_loads.append(job)
         st.load_job = job
         self.stats["load_jobs"] += 1
@@ -842,7 +853,8 @@ class KvferryConnector(KVConnectorBase_V1):
 
     def _load(self, node: "kvferry.Node", job: LoadJob) -> int:
         """Returns how many of ``job``'s blocks (from the first) are in vLLM's cache."""
-        f, lrep = node.fetch_into(self.ns, job.hashes, job.block_ids, timeout=self.cfg.fetch_timeout)
+        owners = None if not job.owners else [kvferry.PrefixOwner(o, k) for o, k in job.owners]
+        f, lrep = node.fetch_into(self.ns, job.hashes, job.block_ids, timeout=self.cfg.fetch_timeout, owners=owners)
         loaded = f.available
         if lrep.failed:
             loaded = min([loaded] + [pos for pos, _, _ in lrep.failed])

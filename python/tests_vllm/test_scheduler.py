@@ -38,10 +38,14 @@ def test_hit_from_another_instance(tiny_model, metaserver, layout):
         so = b.step()
         assert b.scheduler.requests["r1"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
         assert [len(j.hashes) for j in so.kv_connector_metadata.loads] == [5]
+        # The scheduler's MetaServer answer travels with the load, and the
+        # worker's fetch starts from it (no second query).
+        assert so.kv_connector_metadata.loads[0].owners == [(a.worker.node.address, 5)]
         assert so.num_scheduled_tokens.get("r1", 0) == 0  # nothing computed while loading
         finish(b, "r1", p)
         assert b.worker.stats["loaded_blocks"] == 5 and b.worker.stats["failed_blocks"] == 0
         assert b.worker.node.metrics()["fetched_blocks"] == 5
+        assert b.worker.node.metrics()["fetch_known_owners"] == 1
         # the stand-in model checked every loaded position before decoding
     finally:
         a.close()
@@ -107,6 +111,8 @@ def test_local_vllm_hit_is_not_loaded_again(tiny_model, metaserver):
         so = b.step()
         loads = so.kv_connector_metadata.loads
         assert [len(j.hashes) for j in loads] == [2] and loads[0].first_block == 2
+        # The owner's 4 blocks, counted from the load's first block.
+        assert loads[0].owners == [(a.worker.node.address, 2)]
         finish(b, "r1", p)
     finally:
         a.close()
