@@ -545,7 +545,9 @@ async fn metaserver_down_fetch_returns_zero_quickly() {
 /// answer: with the MetaServer gone after the query, the fetch still moves
 /// every block (no second query); a stale answer (an owner holding
 /// nothing) is refused by that owner's lock and the fetch asks the
-/// MetaServer for the rest; an answer with no usable owner is not used.
+/// MetaServer for the rest; an answer older than the owner's last save
+/// (fewer blocks than it holds now) still gets every block; an answer with
+/// no usable owner is not used.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fetch_into_with_owners_starts_from_the_callers_answer() {
     bounded(async {
@@ -554,22 +556,36 @@ async fn fetch_into_with_owners_starts_from_the_callers_answer() {
         let (empty, _) = start_node(&ms, 4 * MIB).await;
         let (d, _) = start_node(&ms, 4 * MIB).await;
         let (d2, _) = start_node(&ms, 4 * MIB).await;
+        let (d3, _) = start_node(&ms, 4 * MIB).await;
         let kp = register_default(&p.engine, 16);
+        let kd3 = register_default(&d3.engine, 16);
         let _ke = register_default(&empty.engine, 16);
         let kd = register_default(&d.engine, 16);
         let kd2 = register_default(&d2.engine, 16);
         let hs = hashes(1..9);
-        prefill(&p.engine, &kp, &hs).await;
+        prefill(&p.engine, &kp, &hs[..3]).await;
+        let short = d3.engine.client().query_prefix(NS, &hs, Duration::from_secs(3)).await.unwrap();
+        assert_eq!(short, vec![(p.node.clone(), 3)]);
+        fill_and_save(&p.engine, &kp, 3, &hs[3..]).await;
+        assert_eq!(p.engine.flush_saves_and_registrations(Duration::from_secs(3)).await.delivered, 5);
         let wanted: Vec<(BlockHash, u64)> = hs.iter().cloned().zip(0u64..).collect();
         let until = || tokio::time::Instant::now() + Duration::from_secs(5);
         let owners = d.engine.client().query_prefix(NS, &hs, Duration::from_secs(3)).await.unwrap();
         assert_eq!(owners, vec![(p.node.clone(), 8)]);
 
+        // Older than the owner's last save: the owner is asked for all 8.
+        let got = d3.engine.fetch_into_with_owners(NS, &wanted, short, until()).await.unwrap();
+        assert_eq!((got.ready(), got.fetch.owners.clone()), (8, vec![p.node.clone()]), "{:?}", got.fetch);
+        for (h, i) in &wanted {
+            assert!(verify(&d3.engine, &kd3, *i, h), "block {i}");
+        }
+
         // Stale: the named owner holds nothing; the MetaServer names `p`.
         let stale = vec![(empty.node.clone(), 8)];
         let got = d.engine.fetch_into_with_owners(NS, &wanted, stale, until()).await.unwrap();
         assert_eq!(got.ready(), 8, "{:?}", got.fetch);
-        assert_eq!(got.fetch.owners, vec![empty.node.clone(), p.node.clone()]);
+        // (Then an owner the MetaServer names: `p`, or `d3` by now.)
+        assert_eq!((got.fetch.owners.len(), &got.fetch.owners[0]), (2, &empty.node));
         assert_eq!(d.engine.metrics().fetch_known_owners.load(Ordering::Relaxed), 1);
         for (h, i) in &wanted {
             assert!(verify(&d.engine, &kd, *i, h), "block {i}");

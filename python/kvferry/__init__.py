@@ -43,6 +43,7 @@ from __future__ import annotations
 import numbers
 import operator
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -133,6 +134,24 @@ def _block_ids(block_ids: Sequence[int], *, distinct: bool = False) -> List[int]
                     "duplicate_block",
                 )
             seen[b] = i
+    return out
+
+
+def _owners(owners: Any) -> List[Tuple[str, int]]:
+    """``query_prefix_remote``'s answer as ``(node, blocks)`` pairs, else
+    ``ConfigError`` naming ``owners`` or ``owners[i]``."""
+    if isinstance(owners, (str, bytes)) or not isinstance(owners, Iterable):
+        raise ConfigError(
+            f"owners must be a sequence of PrefixOwner (as query_prefix_remote returns), got {type(owners).__name__}",
+            "type",
+        )
+    out = []
+    for i, o in enumerate(owners):
+        if not isinstance(o, PrefixOwner) or not isinstance(o.node, str):
+            raise ConfigError(
+                f"owners[{i}] must be a PrefixOwner with a str node (as query_prefix_remote returns), got {o!r}", "type"
+            )
+        out.append((o.node, _int_arg(o.blocks, f"owners[{i}].blocks", 0, _U32_MAX)))
     return out
 
 
@@ -821,7 +840,7 @@ class Node:
         block_ids: Sequence[int],
         *,
         timeout: Optional[float] = None,
-        owners: Optional[Sequence[PrefixOwner]] = None,
+        owners: Optional[Iterable[PrefixOwner]] = None,
     ) -> Tuple[FetchReport, LoadReport]:
         """:meth:`fetch`, then :meth:`load` of the ``available`` prefix into
         ``block_ids[:available]``. Returns both reports. ``timeout`` is the
@@ -835,20 +854,20 @@ class Node:
             owners: what :meth:`query_prefix_remote` just answered for the
                 same ``hashes``: the fetch starts from it instead of asking
                 the MetaServer again (one round trip less in the handoff).
-                An owner that no longer holds its blocks is refused by its
-                own transfer lock and the fetch asks the MetaServer for the
-                rest; an answer with no usable owner is ignored.
+                Its first usable owner is asked for every block left (it may
+                hold more by now); one that no longer holds what the answer
+                said is refused by its own transfer lock, and the fetch asks
+                the MetaServer for the rest. An answer with no usable owner
+                is ignored.
 
         Raises:
-            TypeError: ``owners`` is not a sequence of :class:`PrefixOwner`.
+            ConfigError: ``owners`` is not a sequence of :class:`PrefixOwner`
+                (``owners[i]`` named), or an entry's ``node`` is not a string
+                or its ``blocks`` not an integer in u32 range.
         """
         t = self._fetch_timeout if timeout is None else _seconds(timeout)
         ids = _block_ids(block_ids, distinct=True)
-        known = None
-        if owners is not None:
-            if isinstance(owners, (str, bytes)) or not all(isinstance(o, PrefixOwner) for o in owners):
-                raise TypeError("owners must be a sequence of PrefixOwner (as query_prefix_remote returns)")
-            known = [(o.node, o.blocks) for o in owners]
+        known = None if owners is None else _owners(owners)
         f, lrep = self._node.fetch_into(namespace, [bytes(h) for h in hashes], ids, t, known)
         return FetchReport(**f), LoadReport(int(lrep["loaded"]), [tuple(x) for x in lrep["failed"]])
 

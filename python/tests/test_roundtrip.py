@@ -77,11 +77,19 @@ def test_fetch_into_starts_from_the_owners_the_caller_asked_for(metaserver, ns):
         p.save(ns, hs, [0, 1, 2])
         assert p.flush_saves_and_registrations(timeout=5).ok
         owners = d.query_prefix_remote(ns, hs)
-        with pytest.raises(TypeError, match="PrefixOwner"):
-            d.fetch_into(ns, hs, [0, 1, 2], owners=[(p.address, 3)])
-        with pytest.raises(TypeError, match="PrefixOwner"):
-            d.fetch_into(ns, hs, [0, 1, 2], owners=p.address)
-        f, l = d.fetch_into(ns, hs, [5, 6, 7], owners=owners)
+        for bad, named in [
+            ([(p.address, 3)], r"owners\[0\]"),
+            (p.address, "owners must"),
+            (5, "owners must"),
+            ([kvferry.PrefixOwner(p.address, -1)], r"owners\[0\]\.blocks = -1"),
+            ([owners[0], kvferry.PrefixOwner(p.address, 2**32)], r"owners\[1\]\.blocks"),
+            ([kvferry.PrefixOwner(7, 3)], r"owners\[0\]"),
+        ]:
+            with pytest.raises(kvferry.ConfigError, match=named):
+                d.fetch_into(ns, hs, [0, 1, 2], owners=bad)
+        assert d.metrics()["fetches"] == 0, "refused before anything was fetched"
+        # Any iterable of PrefixOwner (a generator is read once).
+        f, l = d.fetch_into(ns, hs, [5, 6, 7], owners=(o for o in owners))
         assert (f.available, f.owners, l.loaded) == (3, [p.address], 3)
         # The caller's answer stood in for the fetch's own MetaServer query.
         assert f.phases_ms["query"] == 0.0

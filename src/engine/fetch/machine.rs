@@ -102,6 +102,12 @@ pub enum Event {
     /// Answer to [`Action::QueryOwners`]: `(owner, prefix length)` in the
     /// MetaServer's order, or why the query failed.
     Owners(Result<Vec<(NodeAddr, u32)>, RpcFailure>),
+    /// Answer to the first [`Action::QueryOwners`] from the caller's own,
+    /// possibly older, MetaServer answer (as `Owners`, lengths counted
+    /// from `from`): the owner chosen from it is asked for every block
+    /// left, since it may hold more by now, and owes only the length the
+    /// answer gave ([`crate::engine::Engine::fetch_into_with_owners`]).
+    KnownOwners(Vec<(NodeAddr, u32)>),
     /// Answer to [`Action::Handshake`].
     Handshake(Result<(), FetchError>),
     /// Answer to [`Action::Lock`]; a lock answered with an empty session is
@@ -250,7 +256,7 @@ struct Transfer {
     owner: NodeAddr,
     /// Request index of plan block 0.
     base: usize,
-    /// Blocks asked of this owner.
+    /// Blocks this owner must deliver (it advertised them).
     asked: usize,
     plan: Vec<LockedBlock>,
     parts: Vec<(Range<usize>, Part)>,
@@ -271,10 +277,11 @@ struct Transfer {
 enum Stage {
     /// Waiting for the MetaServer's owners.
     Querying,
-    /// Waiting for a handshake with the owner.
-    Handshaking { owner: NodeAddr, len: usize },
+    /// Waiting for a handshake with the owner, who is asked for `ask`
+    /// blocks and must deliver the first `promised` of them.
+    Handshaking { owner: NodeAddr, ask: usize, promised: usize },
     /// Waiting for the lock.
-    Locking { owner: NodeAddr, len: usize },
+    Locking { owner: NodeAddr, ask: usize, promised: usize },
     /// Waiting for slots.
     Allocating(Transfer),
     /// Reads and CRC passes in flight.
@@ -380,12 +387,13 @@ impl FetchMachine {
                 self.rep.stopped = Some(FetchError::Deadline);
                 self.finish(&mut out);
             }
-            (Stage::Querying, Event::Owners(res)) => self.on_owners(res, &mut out),
-            (Stage::Handshaking { owner, len }, Event::Handshake(res)) => match res {
+            (Stage::Querying, Event::Owners(res)) => self.on_owners(res, false, &mut out),
+            (Stage::Querying, Event::KnownOwners(list)) => self.on_owners(Ok(list), true, &mut out),
+            (Stage::Handshaking { owner, ask, promised }, Event::Handshake(res)) => match res {
                 Ok(()) => {
                     let from = self.rep.available;
-                    out.push(Action::Lock { owner: owner.clone(), blocks: from..from + len });
-                    self.stage = Stage::Locking { owner, len };
+                    out.push(Action::Lock { owner: owner.clone(), blocks: from..from + ask });
+                    self.stage = Stage::Locking { owner, ask, promised };
                 }
                 Err(e) => {
                     out.push(Action::ForgetPeer { owner, disconnect: false });
@@ -393,8 +401,8 @@ impl FetchMachine {
                     self.next_owner(&mut out);
                 }
             },
-            (Stage::Locking { owner, len }, Event::Locked(res)) => match res {
-                Ok(grant) => self.on_locked(owner, len, grant, &mut out),
+            (Stage::Locking { owner, ask, promised }, Event::Locked(res)) => match res {
+                Ok(grant) => self.on_locked(owner, ask, promised, grant, &mut out),
                 Err(e) => {
                     if matches!(e, FetchError::Peer(_)) {
                         out.push(Action::ForgetPeer { owner, disconnect: false });
@@ -489,7 +497,8 @@ impl FetchMachine {
         out
     }
 
-    fn on_owners(&mut self, res: Result<Vec<(NodeAddr, u32)>, RpcFailure>, out: &mut Vec<Action>) {
+    /// `known`: the list is the caller's own answer ([`Event::KnownOwners`]).
+    fn on_owners(&mut self, res: Result<Vec<(NodeAddr, u32)>, RpcFailure>, known: bool, out: &mut Vec<Action>) {
         let owners = match res {
             Ok(o) => o,
             Err(e) => {
@@ -508,20 +517,28 @@ impl FetchMachine {
         };
         self.rep.owners.push(owner.clone());
         let rest = self.hashes.len() - self.rep.available;
-        let len = usize::try_from(len).unwrap_or(usize::MAX).min(rest);
+        let promised = usize::try_from(len).unwrap_or(usize::MAX).min(rest);
+        // The caller's answer may be older than the owner's registrations:
+        // the owner is asked for everything left (it is asked once per
+        // fetch) and owes only what the answer promised.
+        let ask = if known { rest } else { promised };
         out.push(Action::Handshake { owner: owner.clone() });
-        self.stage = Stage::Handshaking { owner, len };
+        self.stage = Stage::Handshaking { owner, ask, promised };
     }
 
-    fn on_locked(&mut self, owner: NodeAddr, len: usize, grant: LockGrant, out: &mut Vec<Action>) {
+    /// `ask`: the blocks asked for; the first `promised` of them must all
+    /// be granted (else the owner is stale), the rest are welcome.
+    fn on_locked(&mut self, owner: NodeAddr, ask: usize, promised: usize, grant: LockGrant, out: &mut Vec<Action>) {
         self.held = Some((owner.clone(), grant.session));
         let base = self.rep.available;
         let mut plan = Vec::new();
         let mut stop = None;
         let mut offered = grant.blocks;
-        for h in &self.hashes[base..base + len] {
+        for (i, h) in self.hashes[base..base + ask].iter().enumerate() {
             let Some(pos) = offered.iter().position(|b| b.hash == *h) else {
-                stop = Some(FetchError::Stale);
+                if i < promised {
+                    stop = Some(FetchError::Stale);
+                }
                 break;
             };
             let b = offered.swap_remove(pos);
@@ -534,7 +551,7 @@ impl FetchMachine {
         let t = Transfer {
             owner,
             base,
-            asked: len,
+            asked: promised,
             plan,
             parts: Vec::new(),
             next_settle: 0,
@@ -1012,6 +1029,8 @@ mod tests {
         verified: std::collections::HashSet<usize>,
         lock_held: bool,
         sessions: usize,
+        /// The first query was answered with the caller's own answer.
+        known: bool,
     }
 
     /// Which paths a run took (to show the scripts reach them all).
@@ -1024,6 +1043,7 @@ mod tests {
         read_done_after_deadline: usize,
         stitched: usize,
         completed: usize,
+        from_known_owners: usize,
     }
 
     fn run(
@@ -1125,6 +1145,7 @@ mod tests {
         paths.sealed += w.sealed.len();
         paths.rejected += w.rejected;
         paths.stitched += usize::from(w.grants.len() > 1 && rep.fetched > 0);
+        paths.from_known_owners += usize::from(w.known && rep.fetched > 0);
         paths
     }
 
@@ -1153,7 +1174,13 @@ mod tests {
                         list.push((o.clone(), s.below(9) as u32));
                     }
                     let _ = from;
-                    Event::Owners(Ok(list))
+                    if m.report().owners.is_empty() && s.chance(25) {
+                        // The caller's own answer (`fetch_into_with_owners`).
+                        w.known = true;
+                        Event::KnownOwners(list)
+                    } else {
+                        Event::Owners(Ok(list))
+                    }
                 };
                 w.pending.push((ev, Vec::new(), false));
                 None
@@ -1345,6 +1372,7 @@ mod tests {
             total.deadline_mid_read += p.deadline_mid_read;
             total.read_done_after_deadline += p.read_done_after_deadline;
             total.stitched += p.stitched;
+            total.from_known_owners += p.from_known_owners;
             total.completed += p.completed;
         }
         let t = &total;
@@ -1355,6 +1383,7 @@ mod tests {
             ("deadline mid-read", t.deadline_mid_read),
             ("read done after the deadline", t.read_done_after_deadline),
             ("stitched from two owners", t.stitched),
+            ("fetched from the caller's own answer", t.from_known_owners),
             ("completed", t.completed),
         ] {
             assert!(count > 0, "no run {what}: {t:?}");
@@ -1421,6 +1450,44 @@ mod tests {
         assert_eq!(m.step(Event::Owners(Ok(vec![(NodeAddr("owner:1".into()), 3)]))), vec![Action::Done]);
         assert_eq!(m.report().available, 3);
         assert_eq!(m.report().stopped, Some(FetchError::Checksum));
+    }
+
+    /// The caller's own answer says the owner holds 2 blocks; by now it
+    /// holds all 4: it is asked for all 4 and every one is kept (asked
+    /// only for 2, the fetch would stop there: the MetaServer names the
+    /// same owner again, which a fetch never asks twice). An owner that
+    /// grants fewer than the answer promised is stale, as always.
+    #[test]
+    fn a_short_known_answer_asks_the_owner_for_everything_left() {
+        let cfg = two_by_two();
+        let owner = NodeAddr("owner:1".into());
+        let (mut m, _) = FetchMachine::start(cfg.clone(), (0..4).map(hash).collect(), 0);
+        m.step(Event::KnownOwners(vec![(owner.clone(), 2)]));
+        let a = m.step(Event::Handshake(Ok(())));
+        assert_eq!(a, vec![Action::Lock { owner: owner.clone(), blocks: 0..4 }]);
+        let grant = LockGrant { session: "s".into(), blocks: (0..4).map(|i| info(i, SEG)).collect() };
+        assert_eq!(m.step(Event::Locked(Ok(grant))), vec![Action::Alloc { blocks: 4 }]);
+        m.step(Event::Allocated(4));
+        m.step(Event::ReadDone { part: 0, results: vec![Ok(()), Ok(())] });
+        m.step(Event::ReadDone { part: 1, results: vec![Ok(()), Ok(())] });
+        m.step(Event::Verified { part: 0, sums: vec![Some(sums(0)), Some(sums(1))] });
+        let a = m.step(Event::Verified { part: 1, sums: vec![Some(sums(2)), Some(sums(3))] });
+        assert_eq!(a.last(), Some(&Action::Release { owner: owner.clone(), session: "s".into() }));
+        assert_eq!(m.step(Event::Released), vec![Action::Done]);
+        assert_eq!((m.report().available, m.report().stopped.clone()), (4, None));
+
+        // It holds only the first block of the 2 promised: stale.
+        let (mut m, _) = FetchMachine::start(cfg, (0..4).map(hash).collect(), 0);
+        m.step(Event::KnownOwners(vec![(owner.clone(), 2)]));
+        m.step(Event::Handshake(Ok(())));
+        let grant = LockGrant { session: "s".into(), blocks: vec![info(0, SEG)] };
+        assert_eq!(m.step(Event::Locked(Ok(grant))), vec![Action::Alloc { blocks: 1 }]);
+        m.step(Event::Allocated(1));
+        m.step(Event::ReadDone { part: 0, results: vec![Ok(())] });
+        m.step(Event::Verified { part: 0, sums: vec![Some(sums(0))] });
+        assert_eq!(m.step(Event::Released), vec![Action::QueryOwners { from: 1 }]);
+        assert_eq!(m.step(Event::Owners(Ok(vec![(owner, 4)]))), vec![Action::Done]);
+        assert_eq!((m.report().available, m.report().stopped.clone()), (1, Some(FetchError::Stale)));
     }
 
     /// A part whose read came back shorter than the part (the driver had

@@ -203,11 +203,13 @@ impl Engine {
     /// (vLLM's connector does `get_num_new_matched_tokens`, then
     /// `start_load_kv`).
     ///
-    /// Only the first query is answered from `owners`: an owner that no
-    /// longer holds its blocks is refused by its own transfer lock (the
-    /// authority), and the fetch asks the MetaServer for the rest as
-    /// usual. An answer with no usable owner (empty, only this node, none
-    /// past the local prefix) is not used at all.
+    /// Only the first query is answered from `owners`, and the owner picked
+    /// from it (the first usable one) is asked for every block left, since
+    /// it may have saved more since the answer; it owes only what the
+    /// answer said. An owner that no longer holds that is refused by its
+    /// own transfer lock (the authority), and the fetch asks the MetaServer
+    /// for the rest as usual. An answer with no usable owner (empty, only
+    /// this node, none past the local prefix) is not used at all.
     ///
     /// [`MetaServerClient::query_prefix`]: crate::client::MetaServerClient::query_prefix
     ///
@@ -868,7 +870,7 @@ impl<'a> Driver<'a> {
                         .collect();
                     if !rest.is_empty() {
                         engine.inner.metrics.fetch_known_owners.fetch_add(1, Ordering::Relaxed);
-                        return Some(Event::Owners(Ok(rest)));
+                        return Some(Event::KnownOwners(rest));
                     }
                 }
                 let left = self.deadline.saturating_duration_since(Instant::now());
