@@ -25,6 +25,7 @@
 //! index the blocks locked from the current owner (plan index 0 is request
 //! index `base`, the verified prefix length when the lock was asked for).
 
+use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
@@ -531,17 +532,32 @@ impl FetchMachine {
     fn on_locked(&mut self, owner: NodeAddr, ask: usize, promised: usize, grant: LockGrant, out: &mut Vec<Action>) {
         self.held = Some((owner.clone(), grant.session));
         let base = self.rep.available;
-        let mut plan = Vec::new();
+        let mut plan = Vec::with_capacity(ask.min(grant.blocks.len()));
         let mut stop = None;
-        let mut offered = grant.blocks;
+        // The owner answers in request order: each block is looked for at
+        // the cursor first, and only an answer out of order builds an
+        // index (a linear search per block was quadratic: ~130,000 hash
+        // comparisons for a 511-block lock, outside every phase).
+        let mut offered: Vec<Option<LockedBlock>> = grant.blocks.into_iter().map(Some).collect();
+        let mut index: Option<HashMap<BlockHash, usize>> = None;
+        let mut next = 0;
         for (i, h) in self.hashes[base..base + ask].iter().enumerate() {
-            let Some(pos) = offered.iter().position(|b| b.hash == *h) else {
+            let at_cursor = offered.get(next).and_then(Option::as_ref).is_some_and(|b| b.hash == *h);
+            let pos = if at_cursor {
+                Some(next)
+            } else {
+                let index = index.get_or_insert_with(|| {
+                    offered.iter().enumerate().filter_map(|(j, b)| Some((b.as_ref()?.hash.clone(), j))).collect()
+                });
+                index.get(h).copied().filter(|&j| offered[j].is_some())
+            };
+            let Some(b) = pos.and_then(|j| offered[j].take()) else {
                 if i < promised {
                     stop = Some(FetchError::Stale);
                 }
                 break;
             };
-            let b = offered.swap_remove(pos);
+            next = pos.map_or(next, |j| j + 1);
             if let Err(why) = check_shape_family(&self.cfg.family, &b) {
                 stop = Some(FetchError::Shape(why));
                 break;
@@ -935,10 +951,13 @@ impl FetchPhases {
 /// the two must be of one [`LayoutFamily`] (per layer the segment count and
 /// bytes), whatever buffers each side registered (C15).
 pub(crate) fn check_shape_family(local: &LayoutFamily, b: &LockedBlock) -> Result<(), ShapeMismatch> {
-    let peer = LayoutFamily { slots: b.slots.iter().map(|s| (if s.v_len == 0 { 1 } else { 2 }, s.k_len)).collect() };
+    let shape = |s: &LockedSlot| (if s.v_len == 0 { 1 } else { 2 }, s.k_len);
     let split_unequal = b.slots.iter().any(|s| s.v_len != 0 && s.v_len != s.k_len);
-    if peer != *local || split_unequal {
-        return Err(ShapeMismatch { owner: peer, local: local.clone(), split_unequal });
+    // Compared in place: the peer's family is only built for the error.
+    let same = b.slots.len() == local.slots.len() && b.slots.iter().zip(&local.slots).all(|(s, l)| shape(s) == *l);
+    if !same || split_unequal {
+        let owner = LayoutFamily { slots: b.slots.iter().map(shape).collect() };
+        return Err(ShapeMismatch { owner, local: local.clone(), split_unequal });
     }
     Ok(())
 }
