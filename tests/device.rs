@@ -48,6 +48,18 @@ fn cfg(ms: &kvferry::metaserver::MetaServerHandle, path: PathChoice) -> NodeConf
     c
 }
 
+/// `hs` paired with the caller's destination blocks `first..`.
+fn wanted(hs: &[BlockHash], first: u64) -> Vec<(BlockHash, u64)> {
+    hs.iter().cloned().zip(first..).collect()
+}
+
+/// Every block of `hs` landed byte-identical at destination `first + i`.
+fn assert_landed(e: &Engine, kv: &Kv, hs: &[BlockHash], first: u64) {
+    for (i, h) in hs.iter().enumerate() {
+        assert!(verify(e, kv, first + i as u64, h), "block {i} byte-identical at destination {}", first + i as u64);
+    }
+}
+
 /// Saves `hs` from device blocks `0..` of the owner, waits for their
 /// registration, and grants a device lease on them.
 async fn prefill_leased(
@@ -81,12 +93,10 @@ async fn leased_blocks_land_device_to_device_and_the_lease_ends_once() {
         let hs = hashes(7100..7112);
         let lease = prefill_leased(&p.engine, &kp, &hs, Duration::from_secs(30)).await;
         assert_eq!(p.engine.device_leases_live(), 1);
-        let wanted: Vec<(BlockHash, u64)> = hs.iter().cloned().zip(10u64..).collect();
+        let wanted = wanted(&hs, 10);
         let got = d.engine.fetch_into(NS, &wanted).await.unwrap();
         assert_eq!((got.fetch.fetched, got.ready()), (12, 12), "{:?}", got.fetch);
-        for (i, h) in hs.iter().enumerate() {
-            assert!(verify(&d.engine, &kd, 10 + i as u64, h), "block {i} byte-identical at its index");
-        }
+        assert_landed(&d.engine, &kd, &hs, 10);
         let m = d.engine.metrics();
         assert_eq!(m.device_blocks.load(Ordering::Relaxed), 12);
         assert_eq!(m.device_bytes.load(Ordering::Relaxed), 12 * kd.block_bytes());
@@ -108,9 +118,7 @@ async fn leased_blocks_land_device_to_device_and_the_lease_ends_once() {
         let got = e.engine.fetch_into(NS, &wanted).await.unwrap();
         assert_eq!(got.ready(), 12);
         assert_eq!(e.engine.metrics().device_blocks.load(Ordering::Relaxed), 0);
-        for (i, h) in hs.iter().enumerate() {
-            assert!(verify(&e.engine, &ke, 10 + i as u64, h));
-        }
+        assert_landed(&e.engine, &ke, &hs, 10);
     })
     .await;
 }
@@ -136,12 +144,10 @@ async fn a_device_direct_fetch_evicts_nothing_from_the_readers_pool() {
         assert_eq!(d.engine.query_prefix(NS, &own), own.len());
         let hs = hashes(7400..7412);
         prefill_leased(&p.engine, &kp, &hs, Duration::from_secs(30)).await;
-        let wanted: Vec<(BlockHash, u64)> = hs.iter().cloned().zip(0u64..).collect();
+        let wanted = wanted(&hs, 0);
         let got = d.engine.fetch_into(NS, &wanted).await.unwrap();
         assert_eq!((got.fetch.fetched, got.ready()), (12, 12), "{:?}", got.fetch);
-        for (i, h) in hs.iter().enumerate() {
-            assert!(verify(&d.engine, &kd, i as u64, h), "block {i}");
-        }
+        assert_landed(&d.engine, &kd, &hs, 0);
         let m = d.engine.metrics();
         assert_eq!(m.device_blocks.load(Ordering::Relaxed), 12);
         assert_eq!(m.evicted.load(Ordering::Relaxed), 0, "no pool slot was taken for the device copy");
@@ -165,12 +171,10 @@ async fn a_block_changed_under_its_lease_is_read_from_the_pool() {
         let hs = hashes(7200..7206);
         prefill_leased(&p.engine, &kp, &hs, Duration::from_secs(30)).await;
         clear(&p.engine, &kp, 3);
-        let wanted: Vec<(BlockHash, u64)> = hs.iter().cloned().zip(0u64..).collect();
+        let wanted = wanted(&hs, 0);
         let got = d.engine.fetch_into(NS, &wanted).await.unwrap();
         assert_eq!(got.ready(), 6, "{:?}", got.fetch);
-        for (i, h) in hs.iter().enumerate() {
-            assert!(verify(&d.engine, &kd, i as u64, h), "block {i}");
-        }
+        assert_landed(&d.engine, &kd, &hs, 0);
         let m = d.engine.metrics();
         assert!(m.device_fallbacks.load(Ordering::Relaxed) >= 1);
         assert!(m.checksum_failures.load(Ordering::Relaxed) >= 1);
@@ -202,13 +206,11 @@ async fn a_fallback_the_pool_cannot_serve_keeps_what_it_read_and_stops_with_no_s
         let hs = hashes(7500..7506);
         prefill_leased(&p.engine, &kp, &hs, Duration::from_secs(30)).await;
         clear(&p.engine, &kp, 3);
-        let wanted: Vec<(BlockHash, u64)> = hs.iter().cloned().zip(0u64..).collect();
+        let wanted = wanted(&hs, 0);
         let got = d.engine.fetch_into(NS, &wanted).await.unwrap();
         assert_eq!(got.fetch.stopped, Some(FetchError::NoSpace), "{:?}", got.fetch);
         assert_eq!((got.fetch.available, got.ready()), (2, 2), "{:?}", got.fetch);
-        for (i, h) in hs[..2].iter().enumerate() {
-            assert!(verify(&d.engine, &kd, i as u64, h), "block {i}");
-        }
+        assert_landed(&d.engine, &kd, &hs[..2], 0);
         let m = d.engine.metrics();
         assert_eq!(m.device_fallbacks.load(Ordering::Relaxed), 1);
         assert_eq!(m.fetched_blocks.load(Ordering::Relaxed), 2, "the two blocks with slots came through the pool");
@@ -232,15 +234,13 @@ async fn expired_revoked_and_unleased_blocks_take_the_pool_path() {
         let hs = hashes(7300..7304);
         let lease = prefill_leased(&p.engine, &kp, &hs, Duration::from_millis(1)).await;
         tokio::time::sleep(Duration::from_millis(20)).await;
-        let wanted: Vec<(BlockHash, u64)> = hs.iter().cloned().zip(0u64..).collect();
+        let wanted = wanted(&hs, 0);
         let got = d.engine.fetch_into(NS, &wanted).await.unwrap();
         assert_eq!(got.ready(), 4);
         assert_eq!(d.engine.metrics().device_blocks.load(Ordering::Relaxed), 0);
         let ended = p.engine.ended_device_leases();
         assert_eq!(ended.iter().map(|e| (e.id, e.end)).collect::<Vec<_>>(), vec![(lease, LeaseEnd::Expired)]);
-        for (i, h) in hs.iter().enumerate() {
-            assert!(verify(&d.engine, &kd, i as u64, h));
-        }
+        assert_landed(&d.engine, &kd, &hs, 0);
         // Revocation: unregistering the layout ends the lease at once.
         let lease = p.engine.grant_device_lease(NS, &[(hs[0].clone(), 0)], Duration::from_secs(30)).unwrap();
         p.engine.unregister_layout(NS).unwrap();
@@ -264,7 +264,7 @@ async fn forced_paths_and_foreign_askers_get_no_device_ranges() {
         let _kt = register_default(&t.engine, 16);
         let hs = hashes(7400..7403);
         prefill_leased(&p.engine, &kp, &hs, Duration::from_secs(30)).await;
-        let wanted: Vec<(BlockHash, u64)> = hs.iter().cloned().zip(0u64..).collect();
+        let wanted = wanted(&hs, 0);
         assert_eq!(t.engine.fetch_into(NS, &wanted).await.unwrap().ready(), 3);
         assert_eq!(
             t.engine.metrics().device_blocks.load(Ordering::Relaxed),
@@ -488,7 +488,7 @@ async fn malformed_device_answers_are_read_from_the_pool() {
             let _owner = tampering_owner(&ms, &hs, tamper).await;
             let (d, _) = start_node_cfg(cfg(&ms, PathChoice::Ipc)).await;
             let kd = register_default(&d.engine, 16);
-            let wanted: Vec<(BlockHash, u64)> = hs.iter().cloned().zip(0u64..).collect();
+            let wanted = wanted(&hs, 0);
             let got = d.engine.fetch_into(NS, &wanted).await.unwrap();
             assert_eq!(got.ready(), 6, "{name}: {:?}", got.fetch);
             for (j, h) in hs.iter().enumerate() {
