@@ -29,3 +29,18 @@ def paged(fill=None, seed=0, shape=SHAPE, dtype=np.float32):
 def tokens(n, seed=0):
     rng = np.random.default_rng(seed)
     return [int(t) for t in rng.integers(0, 50_000, n)]
+
+
+def prefill_pair(p, d, ns, n, seed):
+    """Random caches on ``p`` and zeroed ones on ``d``, both registered in
+    ``ns``; the ``n`` blocks of an ``n``-block prompt saved on ``p`` from
+    cache blocks ``0..n`` and registered at the MetaServer. Returns
+    ``(pk, pv, dk, dv, hashes)``."""
+    pk, pv = paged(seed=seed)
+    dk, dv = paged(fill=0.0)
+    p.register_kv_cache(ns, pk, pv)
+    d.register_kv_cache(ns, dk, dv)
+    hs = kvferry.block_hashes(ns, tokens(n * BT), BT)
+    p.save(ns, hs, list(range(n)))
+    assert p.flush_saves_and_registrations(timeout=5).ok
+    return pk, pv, dk, dv, hs

@@ -8,20 +8,14 @@ import numpy as np
 import pytest
 
 import kvferry
-from conftest import BT, paged, tokens
+from conftest import BT, paged, prefill_pair, tokens
 
 
 def test_leased_blocks_are_copied_cache_to_cache_and_the_lease_ends_released(metaserver, ns):
     p = kvferry.Node(metaserver.address, pool_bytes=16 << 20)
     d = kvferry.Node(metaserver.address, pool_bytes=16 << 20)
     with p, d:
-        pk, pv = paged(seed=11)
-        dk, dv = paged(fill=0.0)
-        p.register_kv_cache(ns, pk, pv)
-        d.register_kv_cache(ns, dk, dv)
-        hs = kvferry.block_hashes(ns, tokens(4 * BT), BT)
-        p.save(ns, hs, [0, 1, 2, 3])
-        assert p.flush_saves_and_registrations(timeout=5).ok
+        pk, pv, dk, dv, hs = prefill_pair(p, d, ns, 4, seed=11)
         lease = p.grant_device_lease(ns, hs, [0, 1, 2, 3], ttl=30)
         assert len(lease) == 32
         f, lrep = d.fetch_into(ns, hs, [4, 5, 6, 7])

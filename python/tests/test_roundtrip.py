@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import kvferry
-from conftest import BT, LAYERS, SHAPE, paged, tokens
+from conftest import BT, LAYERS, SHAPE, paged, prefill_pair, tokens
 
 
 def two_nodes(ms, **kw):
@@ -69,13 +69,7 @@ def test_fetch_from_a_peer_then_load_is_bit_identical(metaserver, ns):
 def test_fetch_into_starts_from_the_owners_the_caller_asked_for(metaserver, ns):
     p, d = two_nodes(metaserver)
     with p, d:
-        pk, pv = paged(seed=4)
-        dk, dv = paged(fill=0.0)
-        p.register_kv_cache(ns, pk, pv)
-        d.register_kv_cache(ns, dk, dv)
-        hs = kvferry.block_hashes(ns, tokens(3 * BT), BT)
-        p.save(ns, hs, [0, 1, 2])
-        assert p.flush_saves_and_registrations(timeout=5).ok
+        pk, pv, dk, dv, hs = prefill_pair(p, d, ns, 3, seed=4)
         owners = d.query_prefix_remote(ns, hs)
         for bad, named in [
             ([(p.address, 3)], r"owners\[0\]"),
@@ -101,13 +95,7 @@ def test_fetch_into_starts_from_the_owners_the_caller_asked_for(metaserver, ns):
 def test_connect_peer_opens_the_same_host_pool_before_the_first_fetch(metaserver, ns):
     p, d = two_nodes(metaserver)
     with p, d:
-        pk, pv = paged(seed=3)
-        dk, dv = paged(fill=0.0)
-        p.register_kv_cache(ns, pk, pv)
-        d.register_kv_cache(ns, dk, dv)
-        hs = kvferry.block_hashes(ns, tokens(4 * BT), BT)
-        p.save(ns, hs, [0, 1, 2, 3])
-        assert p.flush_saves_and_registrations(timeout=5).ok
+        pk, pv, dk, dv, hs = prefill_pair(p, d, ns, 4, seed=3)
         # Same host, shared pool: opened now, so the very first fetch copies
         # every block from the peer's pool straight into d's cache.
         assert d.connect_peer(p.address, timeout=10) == "ready"

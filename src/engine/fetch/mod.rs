@@ -64,7 +64,9 @@ use crate::proto::{
 };
 use crate::rt::timeout_at;
 use crate::status::RpcFailure;
-use crate::transport::{HandshakeMetadata, NotConnected, ReadCompletion, ReadOp, SlotEnds, Transport, TransportError};
+use crate::transport::{
+    HandshakeMetadata, NotConnected, ReadCompletion, ReadOp, SharedRegion, SlotEnds, Transport, TransportError,
+};
 use crate::types::{BlockHash, NodeAddr};
 
 /// Result of [`Engine::fetch_into`].
@@ -588,6 +590,24 @@ impl Engine {
         (rep, Some(Ok(LoadReport { results })))
     }
 
+    /// Up to `n` pool slots of `bytes` each, fewer when the pool (after
+    /// eviction) has no room for more.
+    fn alloc_slots(&self, bytes: u64, n: usize) -> Vec<Extent> {
+        (0..n).map_while(|_| self.alloc(bytes).ok()).collect()
+    }
+
+    /// `owner`'s pool as a source of one-step copies into the KV: the
+    /// shared region `transport` mapped for it, region 0 (the owner's pool,
+    /// which every pool read names, see `read_ops`), when this engine
+    /// copies from shared pools in one step
+    /// ([`super::EngineConfig::shared_pool_direct`]).
+    fn one_step_pool_region(&self, transport: &dyn Transport, owner: &NodeAddr) -> Option<SharedRegion> {
+        if !self.inner.cfg.shared_pool_direct {
+            return None;
+        }
+        transport.shared_region(owner).filter(|r| r.region == 0)
+    }
+
     /// Connects to `peer` ahead of any fetch: the transfer handshake (the
     /// one a fetch would make, single-flight per peer) and, when the peer
     /// is on this host and its pool is mapped here, the opening of that
@@ -650,11 +670,7 @@ impl Engine {
             tokio::time::sleep(nap).await;
             pause = (pause * 2).min(crate::limits::CONNECT_PEER_RETRY_MAX);
         };
-        let region = if self.inner.cfg.shared_pool_direct {
-            self.transport().and_then(|t| t.shared_region(peer)).filter(|r| r.region == 0)
-        } else {
-            None
-        };
+        let region = self.transport().and_then(|t| self.one_step_pool_region(t.as_ref(), peer));
         let Some(region) = region else { return Ok(SharedPool::NotMapped) };
         loop {
             if p.shared_source(self.gpu(), region.clone()).is_some() {
@@ -966,7 +982,7 @@ impl<'a> Driver<'a> {
                     self.slots = (0..blocks).map(|_| None).collect();
                 } else {
                     let bytes = self.layout.block_bytes();
-                    self.slots = (0..blocks).map_while(|_| engine.alloc(bytes).ok().map(Some)).collect();
+                    self.slots = engine.alloc_slots(bytes, blocks).into_iter().map(Some).collect();
                 }
                 Some(Event::Allocated(self.slots.len()))
             }
@@ -1012,7 +1028,7 @@ impl<'a> Driver<'a> {
                                     done: ReadCompletion::unsummed(Vec::new(), results),
                                 };
                             }
-                            let local: Vec<Extent> = (0..n).map_while(|_| engine.alloc(bytes).ok()).collect();
+                            let local = engine.alloc_slots(bytes, n);
                             // Blocks the pool had no slot for are not read:
                             // the completion comes back shorter than the
                             // part, which stops the fetch there with
@@ -1191,11 +1207,7 @@ impl<'a> Driver<'a> {
         };
         let offered = self.device.as_ref().filter(|_| plan.iter().all(|b| b.device_block.is_some()));
         let Some(side) = offered else {
-            if !self.engine.inner.cfg.shared_pool_direct {
-                return None;
-            }
-            // Reads name region 0, the owner's pool (see `read_ops`).
-            let region = self.transport.shared_region(&owner).filter(|r| r.region == 0)?;
+            let region = self.engine.one_step_pool_region(self.transport.as_ref(), &owner)?;
             let source = peer.shared_source(&gpu, region)?;
             let plan = match device::plan_copies(&self.layout, &shared_blocks(plan, ops), &dst) {
                 Ok(p) => p,
@@ -1266,14 +1278,10 @@ impl<'a> Driver<'a> {
         {
             return true;
         }
-        if !self.engine.inner.cfg.shared_pool_direct {
-            return false;
-        }
         let Some((owner, peer)) = &self.peer else { return false };
         // Without opening it (that is the read's to start).
-        self.transport
-            .shared_region(owner)
-            .filter(|r| r.region == 0)
+        self.engine
+            .one_step_pool_region(self.transport.as_ref(), owner)
             .is_some_and(|r| peer.shared_opened(&r) == Some(true))
     }
 
