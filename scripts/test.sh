@@ -19,9 +19,11 @@
 #   2. madsim build: library unit tests and doc-tests under --cfg madsim
 #      (build.rs passes the cfg on to rustdoc), then the simulation sweep
 #      (scripts/sim.sh): SIM_SEEDS seeds of the main scenario, the
-#      determinism sample, every canary (one per starred contract).
+#      determinism sample, every canary (one per starred contract); then
+#      clippy under madsim (with and without the canaries).
 #   3. fuzz smoke (scripts/fuzz.sh smoke): each coverage-guided target briefly.
-#   4. clippy in both cfgs (warnings are errors).
+#   4. clippy on the real build (tokio, and the cuda feature; warnings are
+#      errors).
 #   5. the Python package (scripts/python-test.sh): the wheel into a venv,
 #      pytest (incl. the P/D example on CPU with the numpy model), and
 #      fmt/clippy of the python/ crate.
@@ -37,7 +39,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 SIM_SEEDS=${SIM_SEEDS:-500}
 FUZZ_SECS=${FUZZ_SECS:-20}
-step() { printf '\n==== %s\n' "$*"; }
+step() { printf '\n==== %s (disk: %s free)\n' "$*" "$(df -h --output=avail . | tail -1 | tr -d ' ')"; }
+# With PRUNE_BUILDS=1 (CI sets it: a clean clone on a machine whose disk
+# may be small) each build folder goes as soon as no later tier uses it,
+# so that the last tier's Python packages (about 16 GB, one venv at a
+# time) find the disk nearly empty. A developer's warm build folders are
+# left alone.
+prune() {
+    if [ "${PRUNE_BUILDS:-0}" = "1" ]; then
+        rm -rf "$@"
+    fi
+}
 
 step "tier 0: module layers (no upward imports)"
 scripts/layers.sh
@@ -62,29 +74,25 @@ RUSTFLAGS="--cfg madsim ${RUSTFLAGS:-}" CARGO_TARGET_DIR=target-sim cargo test -
 step "tier 2b: simulation sweep ($SIM_SEEDS seeds)"
 scripts/sim.sh "$SIM_SEEDS"
 
-step "tier 3: fuzz smoke (${FUZZ_SECS}s per target)"
-scripts/fuzz.sh smoke "$FUZZ_SECS"
-
-step "tier 4: clippy (tokio and madsim)"
-cargo clippy --all-targets -- -D warnings
-cargo clippy --features cuda --lib --bins -- -D warnings
+step "tier 2c: clippy under madsim"
 RUSTFLAGS="--cfg madsim ${RUSTFLAGS:-}" CARGO_TARGET_DIR=target-sim cargo clippy --lib --test sim -- -D warnings
 RUSTFLAGS="--cfg madsim ${RUSTFLAGS:-}" CARGO_TARGET_DIR=target-sim cargo clippy --lib --test sim --features canaries -- -D warnings
+prune target-sim
+
+step "tier 3: fuzz smoke (${FUZZ_SECS}s per target)"
+scripts/fuzz.sh smoke "$FUZZ_SECS"
+prune fuzz/target
+
+step "tier 4: clippy (tokio and cuda)"
+cargo clippy --all-targets -- -D warnings
+cargo clippy --features cuda --lib --bins -- -D warnings
+# python/target stays: tier 5 builds the wheel there, tier 6 installs it.
+prune target/debug target/release
 
 step "tier 5: python package (wheel into a venv, pytest)"
 cargo fmt --manifest-path python/Cargo.toml -- --check
 CARGO_TARGET_DIR=python/target cargo clippy --manifest-path python/Cargo.toml -- -D warnings
 scripts/python-test.sh
-
-# The last tier installs about 16 GB of Python packages. With PRUNE_BUILDS=1
-# (CI sets it) the build outputs that tier does not use go first: the
-# madsim, fuzz and tokio build folders (python/target stays: the wheel is
-# built from it), and scripts/vllm-test.sh removes its first venv before it
-# builds the second. A developer's warm build folders are left alone.
-if [ "${PRUNE_BUILDS:-0}" = "1" ]; then
-    rm -rf target-sim fuzz/target target/debug target/release
-fi
-echo "disk before tier 6: $(df -h --output=avail . | tail -1 | tr -d ' ') free"
 
 step "tier 6: vLLM connector (vllm==0.33.0 in its own venv, scheduler on the CPU)"
 scripts/vllm-test.sh

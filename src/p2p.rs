@@ -11,7 +11,7 @@ use tonic::{Request, Response, Status};
 use crate::engine::Engine;
 use crate::engine::EngineError;
 use crate::engine::device::DeviceAsk;
-use crate::engine::locks::{slot_shapes, transfer_block_info};
+use crate::engine::locks::{PackedBlocks, slot_shapes, transfer_block_info};
 use crate::gpu::peer::PeerKind;
 use crate::limits;
 use crate::proto::engine_server::{Engine as EngineRpc, EngineServer};
@@ -291,16 +291,7 @@ impl EngineRpc for P2pTransferService {
             .collect::<Result<_, _>>()?;
         let Ok((_, layout)) = self.engine.layout(&r.namespace) else {
             // Unknown namespace here: nothing to lock.
-            return Ok(Response::new(QueryBlocksForTransferResponse {
-                status: ok(),
-                blocks: Vec::new(),
-                transfer_session_id: String::new(),
-                lock_timeout_secs: 0,
-                device_buffers: Vec::new(),
-                device_lease_ms_left: 0,
-                device_layout: None,
-                slot_shapes: Vec::new(),
-            }));
+            return Ok(Response::new(QueryBlocksForTransferResponse { status: ok(), ..Default::default() }));
         };
         let (session, found) = self
             .engine
@@ -308,8 +299,15 @@ impl EngineRpc for P2pTransferService {
             .await
             .map_err(|e| to_status(P2pError::Lock(e)))?;
         let shapes = slot_shapes(&layout);
-        let compact = r.compact_slots;
-        let mut blocks: Vec<_> = found.iter().map(|(h, b)| transfer_block_info(&shapes, compact, h, b)).collect();
+        // Three forms of the answer: packed columns, a compact record per
+        // block, or PegaFlow's slots per block (what the requester asked).
+        let compact = r.compact_slots || r.packed_blocks;
+        let mut packed = r.packed_blocks.then(|| PackedBlocks::new(&hashes, &found));
+        let mut blocks: Vec<_> = if packed.is_some() {
+            Vec::new()
+        } else {
+            found.iter().map(|(h, b)| transfer_block_info(&shapes, compact, h, b)).collect()
+        };
         let grant = match (&session, r.device.as_ref().and_then(|d| self.device_ask(d, &r.requester_id))) {
             (Some(s), Some(ask)) => {
                 let hashes: Vec<BlockHash> = found.iter().map(|(h, _)| h.clone()).collect();
@@ -320,8 +318,13 @@ impl EngineRpc for P2pTransferService {
         let (device_buffers, device_lease_ms_left, device_layout) = match grant {
             None => (Vec::new(), 0, None),
             Some(g) => {
-                for (b, index) in blocks.iter_mut().zip(g.blocks) {
-                    b.device_block = index;
+                match packed.as_mut() {
+                    Some(p) => p.set_device_blocks(&g.blocks),
+                    None => {
+                        for (b, &index) in blocks.iter_mut().zip(&g.blocks) {
+                            b.device_block = index;
+                        }
+                    }
                 }
                 let layout = DeviceLayout {
                     num_blocks: g.num_blocks,
@@ -344,6 +347,7 @@ impl EngineRpc for P2pTransferService {
                 (exports, g.ms_left, Some(layout))
             }
         };
+        let packed = packed.unwrap_or_default();
         Ok(Response::new(QueryBlocksForTransferResponse {
             status: ok(),
             blocks,
@@ -353,6 +357,10 @@ impl EngineRpc for P2pTransferService {
             device_lease_ms_left,
             device_layout,
             slot_shapes: if compact { shapes } else { Vec::new() },
+            packed_index: packed.index,
+            packed_pool_offset: packed.pool_offset,
+            packed_slot_crc32c: packed.slot_crc32c,
+            packed_device_block: packed.device_block,
         }))
     }
 

@@ -278,6 +278,7 @@ async fn forced_paths_and_foreign_askers_get_no_device_ranges() {
             requester_id: t.node.0.clone(),
             device: Some(DeviceCapability { kind, pid }),
             compact_slots: false,
+            packed_blocks: false,
         };
         let other = std::process::id() + 1;
         for (kind, pid) in [(1, other), (2, other), (99, std::process::id())] {
@@ -340,8 +341,9 @@ async fn bad_grants_are_refused_and_change_nothing() {
     .await;
 }
 
-/// How a [`Tampering`] owner rewrites its transfer answers.
-type Tamper = fn(&mut QueryBlocksForTransferResponse);
+/// How a [`Tampering`] owner rewrites its transfer answers (given the
+/// request's block hashes).
+type Tamper = fn(&mut QueryBlocksForTransferResponse, &[bytes::Bytes]);
 
 /// The owner's real P2P service with its `QueryBlocksForTransfer` answers
 /// rewritten on the way out: what a broken or hostile same-host owner
@@ -394,8 +396,9 @@ impl EngineRpc for Tampering {
         &self,
         r: Request<QueryBlocksForTransferRequest>,
     ) -> Result<Response<QueryBlocksForTransferResponse>, Status> {
+        let asked = r.get_ref().block_hashes.clone();
         let mut answer = self.inner.query_blocks_for_transfer(r).await?.into_inner();
-        (self.tamper)(&mut answer);
+        (self.tamper)(&mut answer, &asked);
         Ok(Response::new(answer))
     }
     async fn release_transfer_lock(
@@ -442,6 +445,29 @@ async fn tampering_owner(ms: &kvferry::metaserver::MetaServerHandle, hs: &[Block
     (engine, kv)
 }
 
+/// Rewrites a packed answer as an owner that does not know the packed
+/// form answers: a compact `TransferBlockInfo` per block.
+fn unpack(r: &mut QueryBlocksForTransferResponse, asked: &[bytes::Bytes]) {
+    let per = r.slot_shapes.len();
+    r.blocks = r
+        .packed_index
+        .iter()
+        .enumerate()
+        .map(|(i, &at)| TransferBlockInfo {
+            block_hash: asked[at as usize].clone(),
+            pool_offset: Some(r.packed_pool_offset[i]),
+            slot_crc32c: r.packed_slot_crc32c[i * per..(i + 1) * per].to_vec(),
+            device_block: r.packed_device_block.get(i).copied(),
+            ..Default::default()
+        })
+        .collect();
+    assert!(!r.blocks.is_empty(), "the fetch asked for the packed answer");
+    r.packed_index.clear();
+    r.packed_pool_offset.clear();
+    r.packed_slot_crc32c.clear();
+    r.packed_device_block.clear();
+}
+
 /// A same-host owner's device half is input from the network: a layout
 /// run past its export, an export shorter than the layout, a layout of
 /// another family, too many runs, zero blocks, a block index past the
@@ -449,37 +475,37 @@ async fn tampering_owner(ms: &kvferry::metaserver::MetaServerHandle, hs: &[Block
 /// owner's pool instead, byte-identical. A layout that is in bounds but
 /// points every block at the next one's bytes is copied, fails the slot
 /// checksums (C10) and is re-read from the pool. The untampered owner
-/// (first case) copies device to device, so each case can fail.
+/// (first case) copies device to device, so each case can fail; so does
+/// an owner that answers a record per block instead of the packed
+/// columns the fetch asked for (an owner without that form).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_device_answers_are_read_from_the_pool() {
     // (what the owner does, blocks expected device to device)
-    let cases: [(&str, Tamper, u64); 8] = [
-        ("untampered", |_| {}, 6),
-        ("a run past its export", |r| r.device_layout.as_mut().unwrap().runs[5].offset += 1, 0),
-        ("an export shorter than the layout", |r| r.device_buffers.iter_mut().for_each(|b| b.len -= 1), 0),
-        ("another family", |r| r.device_layout.as_mut().unwrap().runs[0].len *= 2, 0),
+    let cases: [(&str, Tamper, u64); 9] = [
+        ("untampered", |_, _| {}, 6),
+        ("a record per block (an owner without the packed answer)", unpack, 6),
+        ("a run past its export", |r, _| r.device_layout.as_mut().unwrap().runs[5].offset += 1, 0),
+        ("an export shorter than the layout", |r, _| r.device_buffers.iter_mut().for_each(|b| b.len -= 1), 0),
+        ("another family", |r, _| r.device_layout.as_mut().unwrap().runs[0].len *= 2, 0),
         (
             "too many runs",
-            |r| {
+            |r, _| {
                 let l = r.device_layout.as_mut().unwrap();
                 l.runs = vec![l.runs[0]; kvferry::limits::DEVICE_LAYOUT_RUNS_MAX + 1];
             },
             0,
         ),
-        ("zero blocks", |r| r.device_layout.as_mut().unwrap().num_blocks = 0, 0),
+        ("zero blocks", |r, _| r.device_layout.as_mut().unwrap().num_blocks = 0, 0),
         (
             "block indices past the layout",
-            |r| {
+            |r, _| {
+                // kvferry's fetch asks for the packed answer (columns).
                 let n = r.device_layout.as_ref().unwrap().num_blocks;
-                r.blocks.iter_mut().for_each(|b| b.device_block = Some(n));
+                r.packed_device_block.iter_mut().for_each(|b| *b = n);
             },
             0,
         ),
-        (
-            "every block pointed at the next one",
-            |r| r.blocks.iter_mut().for_each(|b| b.device_block = b.device_block.map(|i| i + 1)),
-            0,
-        ),
+        ("every block pointed at the next one", |r, _| r.packed_device_block.iter_mut().for_each(|b| *b += 1), 0),
     ];
     bounded(async {
         let ms = start_ms().await;

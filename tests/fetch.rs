@@ -975,6 +975,7 @@ async fn p2p_grpc_surface() {
             requester_id: d.node.0.clone(),
             device: None,
             compact_slots: false,
+            packed_blocks: false,
         };
         let err = c.query_blocks_for_transfer(q(vec![], NS)).await.unwrap_err();
         assert_eq!(err.code(), Code::InvalidArgument);
@@ -1032,6 +1033,22 @@ async fn p2p_grpc_surface() {
         }
         let rel1 = ReleaseTransferLockRequest { transfer_session_id: rc.transfer_session_id.clone() };
         assert_eq!(c.release_transfer_lock(rel1).await.unwrap().into_inner().released_blocks, 3);
+        // The packed answer (what kvferry's fetch asks for): the same as
+        // columns, each block named by its index in the request (the gap
+        // at index 1 skipped); no device block without a device ask.
+        let ask = vec![hs[0].0.clone(), BlockHash::from_u64(99).0, hs[2].0.clone(), hs[3].0.clone()];
+        let packed = QueryBlocksForTransferRequest { packed_blocks: true, ..q(ask, NS) };
+        let rp = c.query_blocks_for_transfer(packed).await.unwrap().into_inner();
+        assert!(rp.blocks.is_empty(), "a packed answer has no per-block records");
+        assert_eq!(rp.slot_shapes, rc.slot_shapes);
+        assert_eq!(rp.packed_index, vec![0, 2, 3]);
+        let offsets: Vec<u64> = rc.blocks.iter().map(|b| b.pool_offset.unwrap()).collect();
+        assert_eq!(rp.packed_pool_offset, offsets);
+        let crcs: Vec<u32> = rc.blocks.iter().flat_map(|b| b.slot_crc32c.iter().copied()).collect();
+        assert_eq!(rp.packed_slot_crc32c, crcs);
+        assert!(rp.packed_device_block.is_empty());
+        let rel2 = ReleaseTransferLockRequest { transfer_session_id: rp.transfer_session_id.clone() };
+        assert_eq!(c.release_transfer_lock(rel2).await.unwrap().into_inner().released_blocks, 3);
 
         // Release is idempotent.
         let rel = |sid: &str| ReleaseTransferLockRequest { transfer_session_id: sid.into() };

@@ -265,6 +265,71 @@ pub fn slot_shapes(layout: &Layout) -> Vec<SlotShape> {
         .collect()
 }
 
+/// `device_block` of a block without one in a packed answer's
+/// `packed_device_block` column.
+pub const PACKED_NO_DEVICE_BLOCK: u64 = u64::MAX;
+
+/// The locked blocks of a packed `QueryBlocksForTransfer` answer, as the
+/// answer's columns (proto fields `packed_index` .. `packed_device_block`):
+/// per block its index in the request, its pool offset, its slot
+/// checksums (concatenated, one per slot) and, once a device grant was
+/// made, its device block index ([`PACKED_NO_DEVICE_BLOCK`] for none).
+/// One answer of 511 Qwen3-8B blocks decodes in about a quarter of the
+/// time of a `TransferBlockInfo` per block (dev machine: 40 against
+/// 158 µs).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct PackedBlocks {
+    /// Index of each block's hash in the request's `block_hashes`.
+    pub index: Vec<u32>,
+    /// Where each block starts in the owner's pool, in bytes.
+    pub pool_offset: Vec<u64>,
+    /// Each block's slot checksums, block after block.
+    pub slot_crc32c: Vec<u32>,
+    /// Each block's device block index; empty when no block has one.
+    pub device_block: Vec<u64>,
+}
+
+impl PackedBlocks {
+    /// The columns of `found`, the blocks a lock pinned out of
+    /// `requested`, in request order as
+    /// [`Engine::lock_for_transfer`](super::Engine::lock_for_transfer)
+    /// returns them (a block not found in that order, which that function
+    /// never returns, gets index `u32::MAX`: no requester reads it).
+    pub fn new(requested: &[BlockHash], found: &[(BlockHash, CachedBlock)]) -> Self {
+        let slots = found.first().map_or(0, |(_, b)| b.checksums.len());
+        let mut p = Self {
+            index: Vec::with_capacity(found.len()),
+            pool_offset: Vec::with_capacity(found.len()),
+            slot_crc32c: Vec::with_capacity(found.len() * slots),
+            device_block: Vec::new(),
+        };
+        let mut at = 0;
+        for (h, b) in found {
+            match requested.get(at..).and_then(|rest| rest.iter().position(|r| r == h)) {
+                Some(k) => {
+                    at += k;
+                    p.index.push(u32::try_from(at).unwrap_or(u32::MAX));
+                    at += 1;
+                }
+                None => p.index.push(u32::MAX),
+            }
+            p.pool_offset.push(b.extent.offset());
+            p.slot_crc32c.extend_from_slice(&b.checksums);
+        }
+        p
+    }
+
+    /// Records a device grant: `blocks[i]` is block `i`'s device index
+    /// (the column stays empty when none has one).
+    pub fn set_device_blocks(&mut self, blocks: &[Option<u64>]) {
+        self.device_block = if blocks.iter().any(Option::is_some) {
+            blocks.iter().map(|b| b.unwrap_or(PACKED_NO_DEVICE_BLOCK)).collect()
+        } else {
+            Vec::new()
+        };
+    }
+}
+
 /// Describes a locked block for `QueryBlocksForTransfer`: `compact`, its
 /// pool offset and slot checksums only (the answer carries `shapes` once);
 /// otherwise one `TransferSlotInfo` per slot (PegaFlow's form), placed by

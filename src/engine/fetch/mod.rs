@@ -54,6 +54,7 @@ pub use machine::{
 
 use super::cache::CachedBlock;
 use super::layout::Layout;
+use super::locks::PACKED_NO_DEVICE_BLOCK;
 use super::peers::PeerState;
 use super::pool::Extent;
 use super::{Engine, EngineError, LoadError, LoadReport, slot_checksums};
@@ -926,12 +927,15 @@ impl<'a> Driver<'a> {
                     .then(|| engine.gpu().peer_kind())
                     .flatten()
                     .map(|kind| DeviceCapability { kind: kind.to_u32(), pid: std::process::id() });
+                // The packed answer names each block by its index here.
+                let requested: Vec<BlockHash> = self.hashes[blocks].to_vec();
                 let req = QueryBlocksForTransferRequest {
                     namespace: self.namespace.to_string(),
-                    block_hashes: self.hashes[blocks].iter().map(|h| h.0.clone()).collect(),
+                    block_hashes: requested.iter().map(|h| h.0.clone()).collect(),
                     requester_id: engine.node().0.clone(),
                     device,
                     compact_slots: true,
+                    packed_blocks: true,
                 };
                 if Instant::now() >= self.deadline {
                     // Not sent: no answer could arrive in time.
@@ -957,7 +961,7 @@ impl<'a> Driver<'a> {
                             if r.transfer_session_id.is_empty() {
                                 (Err(FetchError::Stale), None)
                             } else {
-                                let (grant, device) = from_answer(r, &layout, Instant::now());
+                                let (grant, device) = from_answer(r, &requested, &layout, Instant::now());
                                 (Ok(Box::new(LateRelease::new(grant, grpc, rpc_timeout))), device)
                             }
                         }
@@ -1330,6 +1334,7 @@ impl Drop for Driver<'_> {
 /// is read from the owner's pool.
 fn from_answer(
     r: QueryBlocksForTransferResponse,
+    requested: &[BlockHash],
     layout: &Layout,
     now: Instant,
 ) -> (LockGrant, Option<device::DeviceSide>) {
@@ -1341,19 +1346,28 @@ fn from_answer(
         now,
     );
     let mut refused = 0usize;
-    let blocks = r
-        .blocks
-        .into_iter()
-        .map(|b| {
-            let device_block = b.device_block.filter(|&i| {
-                let ok = device.as_ref().is_some_and(|d| d.layout.has_block(i));
-                refused += usize::from(!ok && device.is_some());
-                ok
-            });
-            let slots = locked_slots(&b, &r.slot_shapes);
-            LockedBlock { hash: BlockHash(b.block_hash), slots, device_block }
+    let mut checked = |index: Option<u64>| {
+        index.filter(|&i| {
+            let ok = device.as_ref().is_some_and(|d| d.layout.has_block(i));
+            refused += usize::from(!ok && device.is_some());
+            ok
         })
-        .collect();
+    };
+    let blocks = if r.blocks.is_empty() && !r.packed_index.is_empty() {
+        packed_blocks(&r, requested)
+            .into_iter()
+            .map(|(hash, slots, device_block)| LockedBlock { hash, slots, device_block: checked(device_block) })
+            .collect()
+    } else {
+        r.blocks
+            .iter()
+            .map(|b| LockedBlock {
+                hash: BlockHash(b.block_hash.clone()),
+                slots: locked_slots(b, &r.slot_shapes),
+                device_block: checked(b.device_block),
+            })
+            .collect()
+    };
     if refused > 0 {
         tracing::debug!(
             refused,
@@ -1365,10 +1379,8 @@ fn from_answer(
 
 /// A block's slots as the owner described them: one `TransferSlotInfo`
 /// per slot (PegaFlow's form), or, in a compact answer, the answer's
-/// `shapes` placed at the block's `pool_offset` with its `slot_crc32c`.
-/// A compact block whose checksums do not match the shapes one for one,
-/// or whose offsets overflow, gets no slots, which the shape check
-/// refuses (the block is not read).
+/// `shapes` placed at the block's `pool_offset` with its `slot_crc32c`
+/// ([`slots_at`]).
 fn locked_slots(b: &TransferBlockInfo, shapes: &[SlotShape]) -> Vec<LockedSlot> {
     if !b.slots.is_empty() {
         return b
@@ -1383,15 +1395,55 @@ fn locked_slots(b: &TransferBlockInfo, shapes: &[SlotShape]) -> Vec<LockedSlot> 
             })
             .collect();
     }
-    let Some(base) = b.pool_offset.filter(|_| b.slot_crc32c.len() == shapes.len()) else { return Vec::new() };
+    b.pool_offset.map_or_else(Vec::new, |base| slots_at(base, &b.slot_crc32c, shapes))
+}
+
+/// The slots of a block of a compact or packed answer: `shapes` placed
+/// at `base` with `crcs`. A block whose checksums do not match the shapes
+/// one for one, or whose offsets overflow, gets no slots, which the shape
+/// check (C15) refuses: that block is not read.
+fn slots_at(base: u64, crcs: &[u32], shapes: &[SlotShape]) -> Vec<LockedSlot> {
+    if crcs.len() != shapes.len() {
+        return Vec::new();
+    }
     let mut slots = Vec::with_capacity(shapes.len());
-    for (s, &crc32c) in shapes.iter().zip(&b.slot_crc32c) {
+    for (s, &crc32c) in shapes.iter().zip(crcs) {
         let k_offset = base.checked_add(s.k_offset);
         let v_offset = if s.v_size == 0 { Some(0) } else { base.checked_add(s.v_offset) };
         let (Some(k_offset), Some(v_offset)) = (k_offset, v_offset) else { return Vec::new() };
         slots.push(LockedSlot { k_offset, k_len: s.k_size, v_offset, v_len: s.v_size, crc32c });
     }
     slots
+}
+
+/// The blocks of a packed answer (`packed_*` columns): `(hash, slots,
+/// device block)` each, the hash taken from `requested` at the block's
+/// index. A block whose index is past the request is left out (its lock
+/// goes with the session's release); columns of the wrong lengths give
+/// every block no slots (none is read) and no device block.
+fn packed_blocks(
+    r: &QueryBlocksForTransferResponse,
+    requested: &[BlockHash],
+) -> Vec<(BlockHash, Vec<LockedSlot>, Option<u64>)> {
+    let n = r.packed_index.len();
+    let per = r.slot_shapes.len();
+    let whole = r.packed_pool_offset.len() == n
+        && per.checked_mul(n) == Some(r.packed_slot_crc32c.len())
+        && (r.packed_device_block.is_empty() || r.packed_device_block.len() == n);
+    r.packed_index
+        .iter()
+        .enumerate()
+        .filter_map(|(i, &at)| {
+            let hash = requested.get(at as usize)?.clone();
+            if !whole {
+                return Some((hash, Vec::new(), None));
+            }
+            let slots =
+                slots_at(r.packed_pool_offset[i], &r.packed_slot_crc32c[i * per..(i + 1) * per], &r.slot_shapes);
+            let device_block = r.packed_device_block.get(i).copied().filter(|&d| d != PACKED_NO_DEVICE_BLOCK);
+            Some((hash, slots, device_block))
+        })
+        .collect()
 }
 
 /// Maximal runs of consecutive indices in `v` (ascending).
@@ -1780,5 +1832,90 @@ mod tests {
         let overflow = TransferBlockInfo { pool_offset: Some(u64::MAX - 50), ..compact.clone() };
         assert!(locked_slots(&overflow, &shapes).is_empty());
         assert!(locked_slots(&compact, &[]).is_empty(), "a compact block in an answer without shapes");
+    }
+
+    /// A packed answer (columns) reads as the compact one: each block's
+    /// hash from its index in the request, its slots from the shapes, its
+    /// device block unless marked none. An index past the request drops
+    /// that block; columns of the wrong lengths leave every block
+    /// without slots and device block (none is read).
+    #[test]
+    fn packed_answer_blocks_read_as_their_compact_form() {
+        use super::{PACKED_NO_DEVICE_BLOCK, packed_blocks, slots_at};
+        use crate::engine::locks::slot_shapes;
+        use crate::proto::QueryBlocksForTransferResponse;
+        use crate::types::BlockHash;
+        let layers = (0..3).map(|l| LayerLayout::paged(DeviceBufferId(2 * l), Some(DeviceBufferId(2 * l + 1)), 8, 100));
+        let layout = Layout::new(layers.collect(), |_| Some(800)).unwrap();
+        let shapes = slot_shapes(&layout);
+        let bb = layout.block_bytes();
+        let requested: Vec<BlockHash> = (0..4).map(BlockHash::from_u64).collect();
+        let answer = QueryBlocksForTransferResponse {
+            slot_shapes: shapes.clone(),
+            packed_index: vec![0, 2, 3],
+            packed_pool_offset: vec![5 * bb, bb, 9 * bb],
+            packed_slot_crc32c: (1..=9).collect(),
+            packed_device_block: vec![4, PACKED_NO_DEVICE_BLOCK, 6],
+            ..Default::default()
+        };
+        let got = packed_blocks(&answer, &requested);
+        let want = vec![
+            (requested[0].clone(), slots_at(5 * bb, &[1, 2, 3], &shapes), Some(4)),
+            (requested[2].clone(), slots_at(bb, &[4, 5, 6], &shapes), None),
+            (requested[3].clone(), slots_at(9 * bb, &[7, 8, 9], &shapes), Some(6)),
+        ];
+        assert!(want.iter().all(|(_, s, _)| s.len() == 3));
+        assert_eq!(got, want);
+        // No device column: no device blocks.
+        let plain = QueryBlocksForTransferResponse { packed_device_block: Vec::new(), ..answer.clone() };
+        assert!(packed_blocks(&plain, &requested).iter().all(|(_, s, d)| s.len() == 3 && d.is_none()));
+        // An index past the request: that block is left out.
+        let past = QueryBlocksForTransferResponse { packed_index: vec![0, 4, 3], ..answer.clone() };
+        let hs: Vec<BlockHash> = packed_blocks(&past, &requested).into_iter().map(|(h, _, _)| h).collect();
+        assert_eq!(hs, vec![requested[0].clone(), requested[3].clone()]);
+        // Columns of the wrong lengths: every block, and none readable.
+        let short_crcs = QueryBlocksForTransferResponse { packed_slot_crc32c: (1..=8).collect(), ..answer.clone() };
+        let short_offsets = QueryBlocksForTransferResponse { packed_pool_offset: vec![0; 2], ..answer.clone() };
+        let short_devices = QueryBlocksForTransferResponse { packed_device_block: vec![4], ..answer.clone() };
+        let no_shapes = QueryBlocksForTransferResponse { slot_shapes: Vec::new(), ..answer.clone() };
+        for bad in [short_crcs, short_offsets, short_devices, no_shapes] {
+            let got = packed_blocks(&bad, &requested);
+            assert_eq!(got.len(), 3);
+            assert!(got.iter().all(|(_, s, d)| s.is_empty() && d.is_none()), "{bad:?}");
+        }
+    }
+
+    proptest::proptest! {
+        /// Any packed columns an owner may send (input from the network):
+        /// no panic; each block read is a requested hash, with all its
+        /// slots or none.
+        #[test]
+        fn any_packed_columns_read_without_panic(
+            index in proptest::collection::vec(0u32..8, 0..12),
+            offsets in proptest::collection::vec(proptest::prelude::any::<u64>(), 0..12),
+            crcs in proptest::collection::vec(proptest::prelude::any::<u32>(), 0..40),
+            devices in proptest::collection::vec(proptest::prelude::any::<u64>(), 0..12),
+            shapes in 0usize..4,
+        ) {
+            use super::packed_blocks;
+            use crate::engine::locks::slot_shapes;
+            let layers = (0..3).map(|l| LayerLayout::paged(DeviceBufferId(2 * l), Some(DeviceBufferId(2 * l + 1)), 8, 100));
+            let layout = Layout::new(layers.collect(), |_| Some(800)).unwrap();
+            let requested: Vec<crate::types::BlockHash> = (0..5).map(crate::types::BlockHash::from_u64).collect();
+            let answer = crate::proto::QueryBlocksForTransferResponse {
+                slot_shapes: slot_shapes(&layout).into_iter().take(shapes).collect(),
+                packed_index: index.clone(),
+                packed_pool_offset: offsets,
+                packed_slot_crc32c: crcs,
+                packed_device_block: devices,
+                ..Default::default()
+            };
+            let got = packed_blocks(&answer, &requested);
+            proptest::prop_assert_eq!(got.len(), index.iter().filter(|&&i| (i as usize) < requested.len()).count());
+            for (h, slots, _) in &got {
+                proptest::prop_assert!(requested.contains(h));
+                proptest::prop_assert!(slots.is_empty() || slots.len() == shapes);
+            }
+        }
     }
 }
