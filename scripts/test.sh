@@ -39,11 +39,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 SIM_SEEDS=${SIM_SEEDS:-500}
 FUZZ_SECS=${FUZZ_SECS:-20}
+# The madsim build folder (scripts/sim.sh reads the same variable).
+SIM_TARGET_DIR=${SIM_TARGET_DIR:-target-sim}
+export SIM_TARGET_DIR
 step() { printf '\n==== %s (disk: %s free)\n' "$*" "$(df -h --output=avail . | tail -1 | tr -d ' ')"; }
 # With PRUNE_BUILDS=1 (CI sets it: a clean clone on a machine whose disk
 # may be small) each build folder goes as soon as no later tier uses it,
 # so that the last tier's Python packages (about 16 GB, one venv at a
-# time) find the disk nearly empty. A developer's warm build folders are
+# time) find the disk nearly empty: target-sim (or $SIM_TARGET_DIR),
+# fuzz/target, and target/debug and target/release (or under
+# $CARGO_TARGET_DIR). Without it a developer's warm build folders are
 # left alone.
 prune() {
     if [ "${PRUNE_BUILDS:-0}" = "1" ]; then
@@ -68,16 +73,16 @@ cargo test --features tls --test tls
 cargo test --features rdma --lib transport::verbs
 
 step "tier 2a: library unit tests under --cfg madsim"
-RUSTFLAGS="--cfg madsim ${RUSTFLAGS:-}" CARGO_TARGET_DIR=target-sim cargo test --lib
-RUSTFLAGS="--cfg madsim ${RUSTFLAGS:-}" CARGO_TARGET_DIR=target-sim cargo test --doc
+RUSTFLAGS="--cfg madsim ${RUSTFLAGS:-}" CARGO_TARGET_DIR="$SIM_TARGET_DIR" cargo test --lib
+RUSTFLAGS="--cfg madsim ${RUSTFLAGS:-}" CARGO_TARGET_DIR="$SIM_TARGET_DIR" cargo test --doc
 
 step "tier 2b: simulation sweep ($SIM_SEEDS seeds)"
 scripts/sim.sh "$SIM_SEEDS"
 
 step "tier 2c: clippy under madsim"
-RUSTFLAGS="--cfg madsim ${RUSTFLAGS:-}" CARGO_TARGET_DIR=target-sim cargo clippy --lib --test sim -- -D warnings
-RUSTFLAGS="--cfg madsim ${RUSTFLAGS:-}" CARGO_TARGET_DIR=target-sim cargo clippy --lib --test sim --features canaries -- -D warnings
-prune target-sim
+RUSTFLAGS="--cfg madsim ${RUSTFLAGS:-}" CARGO_TARGET_DIR="$SIM_TARGET_DIR" cargo clippy --lib --test sim -- -D warnings
+RUSTFLAGS="--cfg madsim ${RUSTFLAGS:-}" CARGO_TARGET_DIR="$SIM_TARGET_DIR" cargo clippy --lib --test sim --features canaries -- -D warnings
+prune "$SIM_TARGET_DIR"
 
 step "tier 3: fuzz smoke (${FUZZ_SECS}s per target)"
 scripts/fuzz.sh smoke "$FUZZ_SECS"
@@ -87,7 +92,7 @@ step "tier 4: clippy (tokio and cuda)"
 cargo clippy --all-targets -- -D warnings
 cargo clippy --features cuda --lib --bins -- -D warnings
 # python/target stays: tier 5 builds the wheel there, tier 6 installs it.
-prune target/debug target/release
+prune "${CARGO_TARGET_DIR:-target}/debug" "${CARGO_TARGET_DIR:-target}/release"
 
 step "tier 5: python package (wheel into a venv, pytest)"
 cargo fmt --manifest-path python/Cargo.toml -- --check

@@ -294,7 +294,8 @@ impl PackedBlocks {
     /// `requested`, in request order as
     /// [`Engine::lock_for_transfer`](super::Engine::lock_for_transfer)
     /// returns them (a block not found in that order, which that function
-    /// never returns, gets index `u32::MAX`: no requester reads it).
+    /// never returns, gets index `u32::MAX`, which makes a reader refuse
+    /// the whole answer).
     pub fn new(requested: &[BlockHash], found: &[(BlockHash, CachedBlock)]) -> Self {
         let slots = found.first().map_or(0, |(_, b)| b.checksums.len());
         let mut p = Self {
@@ -360,4 +361,35 @@ pub fn transfer_block_info(
         })
         .collect();
     info
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::PackedBlocks;
+    use crate::engine::cache::CachedBlock;
+    use crate::engine::pool::Pool;
+    use crate::types::BlockHash;
+
+    /// The packed columns of a lock's found blocks: each block's index in
+    /// the request (strictly increasing, what a reader requires), its
+    /// pool offset and its checksums in order — also when the request
+    /// names a hash twice (each occurrence its own index) or a block in
+    /// between was not found.
+    #[test]
+    fn packed_indices_follow_the_request_and_only_increase() {
+        let pool = Pool::new(1 << 16, 64).unwrap();
+        let block =
+            |crc: u32| CachedBlock { extent: pool.alloc(64).unwrap().seal(), checksums: Arc::from(vec![crc, crc + 1]) };
+        let (a, b, c) = (BlockHash::from_u64(1), BlockHash::from_u64(2), BlockHash::from_u64(3));
+        let requested = vec![a.clone(), b.clone(), a.clone(), c.clone()];
+        // b was not found; a twice (the request's two occurrences), then c.
+        let found = vec![(a.clone(), block(10)), (a.clone(), block(20)), (c.clone(), block(30))];
+        let p = PackedBlocks::new(&requested, &found);
+        assert_eq!(p.index, vec![0, 2, 3]);
+        assert_eq!(p.pool_offset, found.iter().map(|(_, b)| b.extent.offset()).collect::<Vec<_>>());
+        assert_eq!(p.slot_crc32c, vec![10, 11, 20, 21, 30, 31]);
+        assert!(p.device_block.is_empty());
+    }
 }

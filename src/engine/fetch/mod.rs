@@ -1355,9 +1355,19 @@ fn from_answer(
     };
     let blocks = if r.blocks.is_empty() && !r.packed_index.is_empty() {
         packed_blocks(&r, requested)
+            .unwrap_or_default()
             .into_iter()
             .map(|(hash, slots, device_block)| LockedBlock { hash, slots, device_block: checked(device_block) })
             .collect()
+    } else if r.blocks.len() > requested.len() {
+        // More blocks than asked for: not an owner's answer (each grants
+        // a requested block at most once); none is read.
+        tracing::debug!(
+            blocks = r.blocks.len(),
+            requested = requested.len(),
+            "a lock answer with more blocks than requested: none is read"
+        );
+        Vec::new()
     } else {
         r.blocks
             .iter()
@@ -1418,32 +1428,43 @@ fn slots_at(base: u64, crcs: &[u32], shapes: &[SlotShape]) -> Vec<LockedSlot> {
 
 /// The blocks of a packed answer (`packed_*` columns): `(hash, slots,
 /// device block)` each, the hash taken from `requested` at the block's
-/// index. A block whose index is past the request is left out (its lock
-/// goes with the session's release); columns of the wrong lengths give
-/// every block no slots (none is read) and no device block.
+/// index. `None` — no block of the answer is read — unless the answer is
+/// what an owner builds ([`crate::engine::locks::PackedBlocks`]): indices
+/// strictly increasing and inside the request (so at most one block per
+/// requested hash: a hostile owner cannot make the reader allocate per
+/// repeated index), every column of its length, at least one slot shape.
 fn packed_blocks(
     r: &QueryBlocksForTransferResponse,
     requested: &[BlockHash],
-) -> Vec<(BlockHash, Vec<LockedSlot>, Option<u64>)> {
+) -> Option<Vec<(BlockHash, Vec<LockedSlot>, Option<u64>)>> {
     let n = r.packed_index.len();
     let per = r.slot_shapes.len();
-    let whole = r.packed_pool_offset.len() == n
+    let increasing = r.packed_index.windows(2).all(|w| w[0] < w[1]);
+    let inside = r.packed_index.last().is_none_or(|&last| (last as usize) < requested.len());
+    let whole = per > 0
+        && r.packed_pool_offset.len() == n
         && per.checked_mul(n) == Some(r.packed_slot_crc32c.len())
         && (r.packed_device_block.is_empty() || r.packed_device_block.len() == n);
-    r.packed_index
-        .iter()
-        .enumerate()
-        .filter_map(|(i, &at)| {
-            let hash = requested.get(at as usize)?.clone();
-            if !whole {
-                return Some((hash, Vec::new(), None));
-            }
-            let slots =
-                slots_at(r.packed_pool_offset[i], &r.packed_slot_crc32c[i * per..(i + 1) * per], &r.slot_shapes);
-            let device_block = r.packed_device_block.get(i).copied().filter(|&d| d != PACKED_NO_DEVICE_BLOCK);
-            Some((hash, slots, device_block))
-        })
-        .collect()
+    if !(increasing && inside && whole) {
+        tracing::debug!(
+            blocks = n,
+            requested = requested.len(),
+            increasing,
+            inside,
+            pool_offsets = r.packed_pool_offset.len(),
+            slot_crcs = r.packed_slot_crc32c.len(),
+            slot_shapes = per,
+            device_blocks = r.packed_device_block.len(),
+            "a packed lock answer not as an owner builds it: none of its blocks is read"
+        );
+        return None;
+    }
+    let blocks = r.packed_index.iter().enumerate().map(|(i, &at)| {
+        let slots = slots_at(r.packed_pool_offset[i], &r.packed_slot_crc32c[i * per..(i + 1) * per], &r.slot_shapes);
+        let device_block = r.packed_device_block.get(i).copied().filter(|&d| d != PACKED_NO_DEVICE_BLOCK);
+        (requested[at as usize].clone(), slots, device_block)
+    });
+    Some(blocks.collect())
 }
 
 /// Maximal runs of consecutive indices in `v` (ascending).
@@ -1836,9 +1857,10 @@ mod tests {
 
     /// A packed answer (columns) reads as the compact one: each block's
     /// hash from its index in the request, its slots from the shapes, its
-    /// device block unless marked none. An index past the request drops
-    /// that block; columns of the wrong lengths leave every block
-    /// without slots and device block (none is read).
+    /// device block unless marked none. An answer not as an owner builds
+    /// it — an index past the request, indices repeated or out of order,
+    /// more indices than requested, columns of the wrong lengths, no
+    /// shapes — reads as no block at all.
     #[test]
     fn packed_answer_blocks_read_as_their_compact_form() {
         use super::{PACKED_NO_DEVICE_BLOCK, packed_blocks, slots_at};
@@ -1858,7 +1880,7 @@ mod tests {
             packed_device_block: vec![4, PACKED_NO_DEVICE_BLOCK, 6],
             ..Default::default()
         };
-        let got = packed_blocks(&answer, &requested);
+        let got = packed_blocks(&answer, &requested).expect("an owner's answer");
         let want = vec![
             (requested[0].clone(), slots_at(5 * bb, &[1, 2, 3], &shapes), Some(4)),
             (requested[2].clone(), slots_at(bb, &[4, 5, 6], &shapes), None),
@@ -1868,27 +1890,74 @@ mod tests {
         assert_eq!(got, want);
         // No device column: no device blocks.
         let plain = QueryBlocksForTransferResponse { packed_device_block: Vec::new(), ..answer.clone() };
-        assert!(packed_blocks(&plain, &requested).iter().all(|(_, s, d)| s.len() == 3 && d.is_none()));
-        // An index past the request: that block is left out.
-        let past = QueryBlocksForTransferResponse { packed_index: vec![0, 4, 3], ..answer.clone() };
-        let hs: Vec<BlockHash> = packed_blocks(&past, &requested).into_iter().map(|(h, _, _)| h).collect();
-        assert_eq!(hs, vec![requested[0].clone(), requested[3].clone()]);
-        // Columns of the wrong lengths: every block, and none readable.
-        let short_crcs = QueryBlocksForTransferResponse { packed_slot_crc32c: (1..=8).collect(), ..answer.clone() };
-        let short_offsets = QueryBlocksForTransferResponse { packed_pool_offset: vec![0; 2], ..answer.clone() };
-        let short_devices = QueryBlocksForTransferResponse { packed_device_block: vec![4], ..answer.clone() };
-        let no_shapes = QueryBlocksForTransferResponse { slot_shapes: Vec::new(), ..answer.clone() };
-        for bad in [short_crcs, short_offsets, short_devices, no_shapes] {
-            let got = packed_blocks(&bad, &requested);
-            assert_eq!(got.len(), 3);
-            assert!(got.iter().all(|(_, s, d)| s.is_empty() && d.is_none()), "{bad:?}");
+        assert!(packed_blocks(&plain, &requested).unwrap().iter().all(|(_, s, d)| s.len() == 3 && d.is_none()));
+        let with_index = |packed_index: Vec<u32>| {
+            let n = packed_index.len();
+            QueryBlocksForTransferResponse {
+                packed_index,
+                packed_pool_offset: vec![bb; n],
+                packed_slot_crc32c: vec![7; 3 * n],
+                packed_device_block: Vec::new(),
+                ..answer.clone()
+            }
+        };
+        assert_eq!(packed_blocks(&with_index(vec![0, 1, 2, 3]), &requested).map(|b| b.len()), Some(4));
+        let bad = [
+            with_index(vec![0, 4, 3]),       // past the request
+            with_index(vec![0, 2, 2]),       // a block twice
+            with_index(vec![3, 2]),          // out of order
+            with_index(vec![0, 1, 2, 3, 4]), // more than requested
+            with_index(vec![0; 100_000]),    // a hostile owner's many repeats
+            QueryBlocksForTransferResponse { packed_slot_crc32c: (1..=8).collect(), ..answer.clone() },
+            QueryBlocksForTransferResponse { packed_pool_offset: vec![0; 2], ..answer.clone() },
+            QueryBlocksForTransferResponse { packed_device_block: vec![4], ..answer.clone() },
+            QueryBlocksForTransferResponse {
+                slot_shapes: Vec::new(),
+                packed_slot_crc32c: Vec::new(),
+                ..answer.clone()
+            },
+        ];
+        for bad in bad {
+            assert_eq!(packed_blocks(&bad, &requested), None, "{:?}", bad.packed_index.len());
         }
+    }
+
+    /// A lock answer with more blocks than the fetch asked for (each
+    /// owner grants a requested block at most once) reads as no block:
+    /// a hostile owner's repeats cost the reader nothing per repeat.
+    #[tokio::test]
+    async fn an_answer_with_more_blocks_than_requested_reads_none() {
+        use super::from_answer;
+        use crate::proto::{QueryBlocksForTransferResponse, TransferBlockInfo};
+        use crate::types::BlockHash;
+        let layers = (0..3).map(|l| LayerLayout::paged(DeviceBufferId(2 * l), Some(DeviceBufferId(2 * l + 1)), 8, 100));
+        let layout = Layout::new(layers.collect(), |_| Some(800)).unwrap();
+        let shapes = crate::engine::locks::slot_shapes(&layout);
+        let requested: Vec<BlockHash> = (0..2).map(BlockHash::from_u64).collect();
+        let block = |h: &BlockHash| TransferBlockInfo {
+            block_hash: h.0.clone(),
+            pool_offset: Some(0),
+            slot_crc32c: vec![1, 2, 3],
+            ..Default::default()
+        };
+        let answer = |blocks: Vec<TransferBlockInfo>| QueryBlocksForTransferResponse {
+            transfer_session_id: "s".into(),
+            slot_shapes: shapes.clone(),
+            blocks,
+            ..Default::default()
+        };
+        let now = Instant::now();
+        let ok = from_answer(answer(requested.iter().map(block).collect()), &requested, &layout, now).0;
+        assert_eq!(ok.blocks.len(), 2);
+        assert!(ok.blocks.iter().all(|b| b.slots.len() == 3));
+        let repeated = answer(vec![block(&requested[0]); 3]);
+        assert!(from_answer(repeated, &requested, &layout, now).0.blocks.is_empty());
     }
 
     proptest::proptest! {
         /// Any packed columns an owner may send (input from the network):
-        /// no panic; each block read is a requested hash, with all its
-        /// slots or none.
+        /// no panic; at most one block per requested hash is read, each a
+        /// requested hash with all its slots.
         #[test]
         fn any_packed_columns_read_without_panic(
             index in proptest::collection::vec(0u32..8, 0..12),
@@ -1910,8 +1979,8 @@ mod tests {
                 packed_device_block: devices,
                 ..Default::default()
             };
-            let got = packed_blocks(&answer, &requested);
-            proptest::prop_assert_eq!(got.len(), index.iter().filter(|&&i| (i as usize) < requested.len()).count());
+            let got = packed_blocks(&answer, &requested).unwrap_or_default();
+            proptest::prop_assert!(got.len() <= requested.len());
             for (h, slots, _) in &got {
                 proptest::prop_assert!(requested.contains(h));
                 proptest::prop_assert!(slots.is_empty() || slots.len() == shapes);
