@@ -57,7 +57,10 @@ def test_two_engines_in_two_processes(metaserver, ns, tmp_path):
 
 CTRL_C = textwrap.dedent(
     """
-    import socket, sys, time, kvferry
+    import signal, socket, sys, time, kvferry
+    # Python's Ctrl-C handler even where the parent ignores SIGINT (a
+    # background job of a shell passes SIG_IGN on, and Python keeps it).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     # A "MetaServer" that accepts connections and never answers.
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
