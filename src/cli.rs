@@ -644,7 +644,7 @@ fn report_text(r: &pd::PdReport) -> String {
     }
     if !r.handoff_phases_ms.is_empty() {
         println!(
-            "  handoff phases (ms)         p50       p99      mean   (barrier call to load end; the {} requests above)",
+            "  handoff phases (ms)         p50       p99      mean   (barrier call to load end; {} requests fetching >= 1 MiB)",
             r.t8_requests
         );
         let names = pd::HANDOFF_PHASES.iter().chain(std::iter::once(&"total"));
