@@ -1741,6 +1741,15 @@ mod tests {
     use crate::engine::pool::Pool;
     use crate::limits::FETCH_READ_PART_BYTES_MIN;
 
+    /// `layers` paged layers (separate K and V buffers, 8 blocks of 100
+    /// bytes per segment) on buffers of 800 bytes: the layout of these
+    /// tests' lock answers.
+    fn paged_layout(layers: u32) -> Layout {
+        let layers =
+            (0..layers).map(|l| LayerLayout::paged(DeviceBufferId(2 * l), Some(DeviceBufferId(2 * l + 1)), 8, 100));
+        Layout::new(layers.collect(), |_| Some(800)).unwrap()
+    }
+
     /// The checksum pass ends at the fetch's deadline (C9): before it every
     /// block whose read succeeded is checked; once it passed none is, on
     /// one task or several, and every slot comes back to be freed (C11).
@@ -1768,10 +1777,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_checksum_pass_stops_at_the_deadline() {
-        let layers = (0..2u32)
-            .map(|l| LayerLayout::paged(DeviceBufferId(2 * l), Some(DeviceBufferId(2 * l + 1)), 8, 100))
-            .collect();
-        let layout = Arc::new(Layout::new(layers, |_| Some(800)).unwrap());
+        let layout = Arc::new(paged_layout(2));
         let pool = Pool::new(1 << 20, 64).unwrap();
         let slots = || (0..4).map(|_| pool.alloc(layout.block_bytes()).unwrap()).collect::<Vec<_>>();
         let later = Instant::now() + Duration::from_secs(60);
@@ -1820,8 +1826,7 @@ mod tests {
         use super::locked_slots;
         use crate::engine::locks::slot_shapes;
         use crate::proto::{TransferBlockInfo, TransferSlotInfo};
-        let layers = (0..3).map(|l| LayerLayout::paged(DeviceBufferId(2 * l), Some(DeviceBufferId(2 * l + 1)), 8, 100));
-        let layout = Layout::new(layers.collect(), |_| Some(800)).unwrap();
+        let layout = paged_layout(3);
         let shapes = slot_shapes(&layout);
         let base = 7 * layout.block_bytes();
         let crcs = vec![11, 22, 33];
@@ -1867,8 +1872,7 @@ mod tests {
         use crate::engine::locks::slot_shapes;
         use crate::proto::QueryBlocksForTransferResponse;
         use crate::types::BlockHash;
-        let layers = (0..3).map(|l| LayerLayout::paged(DeviceBufferId(2 * l), Some(DeviceBufferId(2 * l + 1)), 8, 100));
-        let layout = Layout::new(layers.collect(), |_| Some(800)).unwrap();
+        let layout = paged_layout(3);
         let shapes = slot_shapes(&layout);
         let bb = layout.block_bytes();
         let requested: Vec<BlockHash> = (0..4).map(BlockHash::from_u64).collect();
@@ -1930,8 +1934,7 @@ mod tests {
         use super::from_answer;
         use crate::proto::{QueryBlocksForTransferResponse, TransferBlockInfo};
         use crate::types::BlockHash;
-        let layers = (0..3).map(|l| LayerLayout::paged(DeviceBufferId(2 * l), Some(DeviceBufferId(2 * l + 1)), 8, 100));
-        let layout = Layout::new(layers.collect(), |_| Some(800)).unwrap();
+        let layout = paged_layout(3);
         let shapes = crate::engine::locks::slot_shapes(&layout);
         let requested: Vec<BlockHash> = (0..2).map(BlockHash::from_u64).collect();
         let block = |h: &BlockHash| TransferBlockInfo {
@@ -1968,8 +1971,7 @@ mod tests {
         ) {
             use super::packed_blocks;
             use crate::engine::locks::slot_shapes;
-            let layers = (0..3).map(|l| LayerLayout::paged(DeviceBufferId(2 * l), Some(DeviceBufferId(2 * l + 1)), 8, 100));
-            let layout = Layout::new(layers.collect(), |_| Some(800)).unwrap();
+            let layout = paged_layout(3);
             let requested: Vec<crate::types::BlockHash> = (0..5).map(crate::types::BlockHash::from_u64).collect();
             let answer = crate::proto::QueryBlocksForTransferResponse {
                 slot_shapes: slot_shapes(&layout).into_iter().take(shapes).collect(),
