@@ -47,9 +47,9 @@ step() { printf '\n==== %s (disk: %s free)\n' "$*" "$(df -h --output=avail . | t
 # may be small) each build folder goes as soon as no later tier uses it,
 # so that the last tier's Python packages (about 16 GB, one venv at a
 # time) find the disk nearly empty: target-sim (or $SIM_TARGET_DIR),
-# fuzz/target, and target/debug and target/release (or under
-# $CARGO_TARGET_DIR). Without it a developer's warm build folders are
-# left alone.
+# fuzz/target, target/debug and target/release (or under
+# $CARGO_TARGET_DIR), and python/target/debug. Without it a developer's
+# warm build folders are left alone.
 prune() {
     if [ "${PRUNE_BUILDS:-0}" = "1" ]; then
         rm -rf "$@"
@@ -85,7 +85,9 @@ RUSTFLAGS="--cfg madsim ${RUSTFLAGS:-}" CARGO_TARGET_DIR="$SIM_TARGET_DIR" cargo
 prune "$SIM_TARGET_DIR"
 
 step "tier 3: fuzz smoke (${FUZZ_SECS}s per target)"
-scripts/fuzz.sh smoke "$FUZZ_SECS"
+# In fuzz/target (cargo-fuzz's own default) even when CARGO_TARGET_DIR is
+# exported, so that the prune below finds them.
+CARGO_TARGET_DIR="$PWD/fuzz/target" scripts/fuzz.sh smoke "$FUZZ_SECS"
 prune fuzz/target
 
 step "tier 4: clippy (tokio and cuda)"
@@ -98,6 +100,8 @@ step "tier 5: python package (wheel into a venv, pytest)"
 cargo fmt --manifest-path python/Cargo.toml -- --check
 CARGO_TARGET_DIR=python/target cargo clippy --manifest-path python/Cargo.toml -- -D warnings
 scripts/python-test.sh
+# The clippy build above; tier 6 needs only the release build of the wheel.
+prune python/target/debug
 
 step "tier 6: vLLM connector (vllm==0.33.0 in its own venv, scheduler on the CPU)"
 scripts/vllm-test.sh

@@ -11,7 +11,7 @@ use kvferry::gpu::{self, Gpu};
 use kvferry::metaserver::service::{ConfigField, StartError};
 use kvferry::metaserver::{self, MetaServerConfig};
 use kvferry::node::TransportChoice;
-use kvferry::replay::pd::{self, PdConfig, PdError, Routing, SsdRoles};
+use kvferry::replay::pd::{self, PdConfig, PdError, Prefetch, Routing, SsdRoles};
 use kvferry::tls::TlsIdentity;
 use kvferry::transport::verbs::VerbsConfig;
 
@@ -236,9 +236,9 @@ struct PdArgs {
     /// Whether each decode node connects to each prefill node before the replay (handshake; on one host, opening the prefill's shared pool as a copy source, counted in the start-up time) or lazily on its first fetch (false).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     connect_peers: bool,
-    /// Whether a request stages its disk-resident prefix into its prefill node's pool while it waits for that node (with --ssd-dir), as an engine loads a queued request's KV ahead of its turn; false stages it on the request's own path.
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
-    prefetch: bool,
+    /// When a request brings its reused KV into its prefill node's pool: `disk`, its disk-resident prefix staged while it waits for the node's device (with --ssd-dir), peers' blocks fetched holding the device; `fetch`, the whole fetch (disk staging, peers' blocks) before it queues for the device, as an engine loads a waiting request's KV asynchronously; `off`, everything holding the device.
+    #[arg(long, value_enum, default_value_t = Prefetch::Disk)]
+    prefetch: Prefetch,
     /// Read parts a decode fetch keeps in flight (each spread over the transport's connections).
     #[arg(long, default_value_t = kvferry::limits::FETCH_READS_IN_FLIGHT, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=64))]
     reads_in_flight: usize,
@@ -509,7 +509,7 @@ fn report_text(r: &pd::PdReport) -> String {
     }
     let gib = r.bytes_transferred as f64 / (1u64 << 30) as f64;
     println!(
-        "kvferry pd — {} request{}{}, model {} ({} tokens/block, {} KiB/block), transport {}, path {}",
+        "kvferry pd — {} request{}{}, model {} ({} tokens/block, {} KiB/block), transport {}, path {}, prefetch {}",
         r.requests,
         if r.requests == 1 { "" } else { "s" },
         if r.interrupted { " (INTERRUPTED: the figures cover the requests replayed)" } else { "" },
@@ -517,7 +517,8 @@ fn report_text(r: &pd::PdReport) -> String {
         r.block_tokens,
         r.block_bytes >> 10,
         r.transport,
-        r.path
+        r.path,
+        r.prefetch.name()
     );
     println!(
         "  prefix hit rate        {:>8.1} %   (oracle for this window {:.1} %)",

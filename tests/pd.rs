@@ -397,3 +397,28 @@ fn a_closed_stdout_pipe_ends_pd_without_a_panic() {
     assert!(!err.contains("panicked"), "pd panicked on a closed stdout: {err}");
     assert!(res.status.success() || res.status.code() == Some(141), "status {:?}: {err}", res.status);
 }
+
+/// Each `--prefetch` mode (issue 32): every block verified, and the
+/// prefill side's hits split into local hits and peer fetches as the node
+/// had them before the request's own fetch (with `fetch`, the fetch runs
+/// before the request queues for the device; counting after it would call
+/// every fetched block local). The report names the mode.
+#[test]
+fn every_prefetch_mode_verifies_and_counts_peer_fetches() {
+    let ssd = tempfile::tempdir().expect("tempdir");
+    for mode in ["off", "disk", "fetch"] {
+        let dir = ssd.path().join(mode);
+        std::fs::create_dir(&dir).expect("mkdir");
+        let shape = ["--model", "tiny", "--block-tokens", "64", "--max-blocks", "12", "--pool-size", "2MiB"];
+        let dir = dir.to_str().expect("utf8 path");
+        let r = run_json_shaped(
+            &shape,
+            &["--requests", "150", "--prefetch", mode, "--ssd-dir", dir, "--ssd-size", "16MiB"],
+        );
+        assert_eq!(r["prefetch"], mode, "{r}");
+        assert_eq!(num(&r, "blocks_verified"), num(&r, "blocks_total"), "{mode}: every block verified");
+        assert!(num(&r, "prefill_fetched") > 0.0, "{mode}: prefill nodes fetched from each other: {r}");
+        assert!(num(&r, "prefill_local_hits") > 0.0, "{mode}: {r}");
+        assert!(num(&r["ssd"], "staged_blocks") > 0.0, "{mode}: blocks staged from disk: {r}");
+    }
+}

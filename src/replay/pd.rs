@@ -64,6 +64,40 @@ pub enum SsdRoles {
     Prefill,
 }
 
+/// When a request brings its reused KV into its prefill node's pool
+/// (`--prefetch`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
+pub enum Prefetch {
+    /// Everything on the request's own path, holding the prefill node's
+    /// device: disk staging, the peers' blocks, the load.
+    Off,
+    /// The disk-resident part of the prefix is staged into the pool while
+    /// the request waits for the device ([`Engine::prefetch`]); the peers'
+    /// blocks are fetched holding it. The default.
+    #[default]
+    Disk,
+    /// The whole fetch (disk staging and the peers' blocks, [`Engine::fetch`])
+    /// before the request queues for the device, which it then holds only
+    /// to load, compute and save: an engine that loads a waiting request's
+    /// external KV asynchronously while it runs others (vLLM's KV
+    /// connectors: a request stays in `WAITING_FOR_REMOTE_KVS`, out of the
+    /// running batch, until its load finished).
+    Fetch,
+}
+
+impl Prefetch {
+    /// `off`, `disk` or `fetch` (the flag's value and the JSON's).
+    pub fn name(self) -> &'static str {
+        match self {
+            Prefetch::Off => "off",
+            Prefetch::Disk => "disk",
+            Prefetch::Fetch => "fetch",
+        }
+    }
+}
+
 /// A node's role in the replay.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub enum Role {
@@ -170,15 +204,17 @@ pub const HANDOFF_PHASES: [&str; 5] = ["save_barrier", "registration_barrier", "
 /// The steps of one request on its two nodes, in order; per request they
 /// tile the time from the request's start to the end of its decode
 /// verification, so their sums over all requests ([`PdReport::request_steps_s`])
-/// say where the replay's node time goes (a node runs one request's step at
-/// a time, so a step's sum over one node's requests is that node's busy
-/// time in it).
+/// say where the replay's node time goes (a node runs one request's device
+/// step at a time, so such a step's sum over one node's requests is that
+/// node's busy time in it).
 ///
 /// - `prefill_wait`: waiting for the prefill node's device (another
-///   request holds it), with `--prefetch` staging the request's
+///   request holds it), with `--prefetch disk` staging the request's
 ///   disk-resident prefix meanwhile, and for its device leases to end;
 /// - `prefill_lookup`: the local prefix lookup;
-/// - `prefill_fetch`: the prefill node's fetch of the prefix it lacks;
+/// - `prefill_fetch`: the prefill node's fetch of the prefix it lacks
+///   (with `--prefetch fetch`, most of it before the request queues for
+///   the device: requests fetch side by side);
 /// - `prefill_load`: loading the reused prefix (staging from disk
 ///   included);
 /// - `prefill_compute`: "computing" the rest;
@@ -289,12 +325,9 @@ pub struct PdConfig {
     /// `--ssd-write-queue`); `None`: [`limits::PD_SSD_WRITE_QUEUE_BYTES`]
     /// of blocks, 1 to [`limits::PD_SSD_WRITE_QUEUE_MAX`].
     pub ssd_write_queue: Option<usize>,
-    /// Whether a request, while it waits for its prefill node, stages the
-    /// disk-resident part of its prefix into that node's pool
-    /// ([`Engine::prefetch`], `--prefetch`), as an engine would start
-    /// loading a queued request's KV; `false` stages it on the request's
-    /// own path (its lookup, fetch or load). No effect without a disk tier.
-    pub prefetch: bool,
+    /// When a request brings its reused KV into its prefill node's pool
+    /// (`--prefetch`).
+    pub prefetch: Prefetch,
     /// When this turns true (the binary's Ctrl-C), no further request is
     /// started; the requests in flight finish (each bounded by its flush
     /// and fetch deadlines) and the report covers the requests replayed so
@@ -334,7 +367,7 @@ impl Default for PdConfig {
             ssd_bytes: 8 << 30,
             ssd_roles: SsdRoles::All,
             ssd_write_queue: None,
-            prefetch: true,
+            prefetch: Prefetch::Disk,
             stop: None,
         }
     }
@@ -381,6 +414,9 @@ pub struct PdReport {
     pub handoff_p99_ms: f64,
     /// Requests in flight at once (`--concurrency`): T8 is defined at 1.
     pub concurrency: usize,
+    /// When requests brought their reused KV into the prefill pools
+    /// (`--prefetch`: `off`, `disk` or `fetch`).
+    pub prefetch: Prefetch,
     /// T8's baseline, measured at start-up (GB/s, 1e9 B/s): the best plain
     /// copy of `raw_copy_bytes` on the fetches' path (`raw_path`): with
     /// `--path tcp` [`crate::transport::tcp::raw_loopback_copy`] over 1-16
@@ -1044,6 +1080,7 @@ pub async fn run_with_observer(
         requests: started as u64,
         interrupted,
         concurrency: cfg.concurrency,
+        prefetch: cfg.prefetch,
         raw_gbps,
         raw_copy_bytes,
         raw_connections,
@@ -1569,7 +1606,7 @@ async fn serve_request(
     hashes: Vec<BlockHash>,
     flush_deadline: Duration,
     lease: bool,
-    prefetch: bool,
+    prefetch: Prefetch,
 ) -> Result<ReqOutcome, PdError> {
     let n = hashes.len();
     let mut o = ReqOutcome { blocks: n as u64, ..Default::default() };
@@ -1590,9 +1627,26 @@ async fn serve_request(
     let save_barrier;
     let mut leased = None;
     {
-        // While it waits for the device, the request's disk-resident prefix
-        // is staged into the pool (REQUEST_STEPS: part of `prefill_wait`).
-        let _dev = if prefetch && pe.disk_stats().is_some() {
+        // With `Prefetch::Fetch` the request brings its reused KV into the
+        // pool before it queues for the device (REQUEST_STEPS: its
+        // `prefill_lookup` and `prefill_fetch`), as an engine that loads a
+        // waiting request's KV asynchronously; a block evicted again before
+        // the device is free is fetched (or recomputed) on the request's path.
+        let early = if prefetch == Prefetch::Fetch {
+            let t = Instant::now();
+            let f = pe.fetch(&shape.ns, &hashes).await;
+            if f.available > f.local_hits {
+                o.fetch_intervals.push((t, Instant::now()));
+            }
+            o.bytes += f.bytes;
+            step(&mut o, 2);
+            Some(f)
+        } else {
+            None
+        };
+        // With `Prefetch::Disk`, while it waits for the device, the request's
+        // disk-resident prefix is staged into the pool (part of `prefill_wait`).
+        let _dev = if prefetch == Prefetch::Disk && pe.disk_stats().is_some() {
             let until = Instant::now() + Duration::from_millis(limits::FETCH_DEADLINE_MS_DEFAULT);
             tokio::join!(p.device.lock(), pe.prefetch(&shape.ns, &hashes, until)).0
         } else {
@@ -1614,8 +1668,10 @@ async fn serve_request(
         };
         o.bytes += fetched.bytes;
         let reuse = local.max(fetched.available);
-        o.prefill_local = local as u64;
-        o.prefill_fetched = (reuse - local) as u64;
+        // Local hits: what the node had before any fetch of this request.
+        let had = early.as_ref().map_or(local, |f| f.local_hits).min(reuse);
+        o.prefill_local = had as u64;
+        o.prefill_fetched = (reuse - had) as u64;
         step(&mut o, 2);
         let reused: Vec<(BlockHash, u64)> = hashes[..reuse].iter().cloned().zip(0u64..).collect();
         if !reused.is_empty() {
