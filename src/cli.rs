@@ -227,7 +227,7 @@ struct PdArgs {
     /// Which nodes get a disk tier (with --ssd-dir): all, or prefill nodes only.
     #[arg(long, value_enum, default_value = "all", requires = "ssd_dir")]
     ssd_roles: SsdRoles,
-    /// Write-behind queue of each node's disk tier (blocks, 1-4096; with --ssd-dir); a full queue drops the evicted block. Default: 256 MiB of blocks and at most 1/8 of --ssd-size, at most 4096 blocks.
+    /// Write-behind queue of each node's disk tier (blocks, 1-16384, each holding a record buffer of the block's size; with --ssd-dir); a full queue drops the evicted block. Default: 256 MiB of blocks and at most 1/8 of --ssd-size, at most 16384 blocks.
     #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=kvferry::limits::PD_SSD_WRITE_QUEUE_MAX as u64), requires = "ssd_dir")]
     ssd_write_queue: Option<usize>,
     /// Whether a decode fetch from a same-host owner's shared pool copies blocks straight from the mapped pool into the decode's KV (true: one copy) or into its own pool first and then loads them (false: the two-step path, for comparison).

@@ -561,8 +561,11 @@ pub const DISK_CAPACITY_BYTES_MAX: u64 = 1 << 46;
 /// counted, never waited for.
 pub const DISK_WRITE_QUEUE_DEFAULT: usize = 64;
 
-/// Largest write-behind queue (blocks).
-pub const DISK_WRITE_QUEUE_MAX: usize = 4_096;
+/// Largest write-behind queue (blocks; each queued block holds a record
+/// buffer of its size: 1 GiB of 64 KiB blocks). 4,096 until session 26:
+/// `pd --prefetch fetch` on an H100 host refused 10,099 / 11,160 victims
+/// at a queue of 4,096 (docs/BENCHMARKS.md), so larger queues can be tried.
+pub const DISK_WRITE_QUEUE_MAX: usize = 16_384;
 
 /// I/O operations the tier keeps in flight at the backend by default
 /// (count; the queue depth).
@@ -639,4 +642,4 @@ pub const DISK_STAGE_READS_IN_FLIGHT: usize = 64;
 pub const PD_SSD_WRITE_QUEUE_BYTES: u64 = 256 << 20;
 /// Most blocks in a `kvferry pd` node's write-behind queue
 /// (`--ssd-write-queue` accepts 1 to this).
-pub const PD_SSD_WRITE_QUEUE_MAX: usize = 4_096;
+pub const PD_SSD_WRITE_QUEUE_MAX: usize = 16_384;

@@ -25,7 +25,7 @@ use serde::Serialize;
 use tokio::time::Instant;
 
 use super::trace::{self, ModelPreset, TraceError, TraceRequest, fill_kv, verify_kv};
-use crate::engine::fetch::FetchPhases;
+use crate::engine::fetch::{FetchPhases, FetchReport};
 use crate::engine::layout::{DeviceBufferId, LayerLayout};
 use crate::engine::{Engine, EngineConfig, SharedPool};
 use crate::gpu::{Gpu, KvMemory};
@@ -1668,10 +1668,14 @@ async fn serve_request(
         };
         o.bytes += fetched.bytes;
         let reuse = local.max(fetched.available);
-        // Local hits: what the node had before any fetch of this request.
-        let had = early.as_ref().map_or(local, |f| f.local_hits).min(reuse);
-        o.prefill_local = had as u64;
-        o.prefill_fetched = (reuse - had) as u64;
+        // Peer fetches: the blocks this request's fetches brought from
+        // peers; local hits the rest of the reuse (the node's own blocks,
+        // staged from its disk included, and with `Prefetch::Fetch` those
+        // another request saved while this one waited for the device).
+        let peers = |f: &FetchReport| f.available.saturating_sub(f.local_hits);
+        let from_peers = (early.as_ref().map_or(0, peers) + peers(&fetched)).min(reuse);
+        o.prefill_local = (reuse - from_peers) as u64;
+        o.prefill_fetched = from_peers as u64;
         step(&mut o, 2);
         let reused: Vec<(BlockHash, u64)> = hashes[..reuse].iter().cloned().zip(0u64..).collect();
         if !reused.is_empty() {
