@@ -399,10 +399,11 @@ fn a_closed_stdout_pipe_ends_pd_without_a_panic() {
 }
 
 /// Each `--prefetch` mode (issue 32): every block verified, and the
-/// prefill side's hits split into local hits and peer fetches as the node
-/// had them before the request's own fetch (with `fetch`, the fetch runs
-/// before the request queues for the device; counting after it would call
-/// every fetched block local). The report names the mode.
+/// prefill side's hits split into local hits and peer fetches, counted
+/// from the request's fetches (with `fetch`, the fetch runs before the
+/// request queues for the device; counting only what it fetched holding
+/// the device would call every fetched block local). The report names the
+/// mode.
 #[test]
 fn every_prefetch_mode_verifies_and_counts_peer_fetches() {
     let ssd = tempfile::tempdir().expect("tempdir");
