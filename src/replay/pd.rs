@@ -74,11 +74,11 @@ pub enum Prefetch {
     /// device: disk staging, the peers' blocks, the load.
     Off,
     /// The disk-resident part of the prefix is staged into the pool while
-    /// the request waits for the device ([`Engine::prefetch`]); the peers'
+    /// the request waits for the device (`Engine::prefetch`); the peers'
     /// blocks are fetched holding it. The default.
     #[default]
     Disk,
-    /// The whole fetch (disk staging and the peers' blocks, [`Engine::fetch`])
+    /// The whole fetch (disk staging and the peers' blocks, `Engine::fetch`)
     /// before the request queues for the device, which it then holds only
     /// to load, compute and save: an engine that loads a waiting request's
     /// external KV asynchronously while it runs others (vLLM's KV
