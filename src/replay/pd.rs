@@ -1134,6 +1134,15 @@ pub async fn run_with_observer(
     rep.handoff_p99_ms = percentile(&handoffs, 0.99);
     rep.fetch_gbps_aggregate = rep.transport_gbps;
     t8_figures(&mut rep, &outcomes);
+    // The tiers' queued writes land before any node's figures are taken,
+    // so `written` counts every record a restart on the directories finds,
+    // and the pools' eviction counts include what the drivers evicted
+    // ahead meanwhile (only evicted blocks are written).
+    for n in &nodes {
+        if !n.engine.disk_drain(limits::PD_SSD_DRAIN_TIMEOUT).await {
+            tracing::warn!(node = %n.engine.node().0, "disk tier still writing after the drain timeout");
+        }
+    }
     rep.checksum_failures = nodes.iter().map(|n| n.engine.metrics().checksum_failures.load(Ordering::Relaxed)).sum();
     let rate = |b: u64, ns: u64| if ns == 0 { 0.0 } else { b as f64 / ns as f64 };
     rep.nodes = nodes
@@ -1203,13 +1212,6 @@ pub async fn run_with_observer(
     .collect();
     rep.connect_peers = connect_line;
 
-    // The tiers' queued writes land before their figures are taken, so
-    // `written` counts every record a restart on the directories finds.
-    for n in &nodes {
-        if !n.engine.disk_drain(limits::PD_SSD_DRAIN_TIMEOUT).await {
-            tracing::warn!(node = %n.engine.node().0, "disk tier still writing after the drain timeout");
-        }
-    }
     let ssd_stats: Vec<crate::engine::DiskStats> = nodes.iter().filter_map(|n| n.engine.disk_stats()).collect();
     stop_cluster(&nodes, ms).await;
     rep.wall_s = wall.elapsed().as_secs_f64();
