@@ -1985,7 +1985,7 @@ mod tests {
             proptest::prop_assert!(got.len() <= requested.len());
             for (h, slots, _) in &got {
                 proptest::prop_assert!(requested.contains(h));
-                proptest::prop_assert!(slots.is_empty() || slots.len() == shapes);
+                proptest::prop_assert_eq!(slots.len(), shapes);
             }
         }
     }
