@@ -226,23 +226,24 @@ pub struct NodeHandle {
 }
 
 impl NodeHandle {
-    /// Graceful stop: shuts the client down (best-effort unregister within
-    /// `deadline`), stops the TCP data plane (waiting, within `deadline`,
-    /// until its listener is closed, so its port can be bound again) and the
-    /// gRPC server. The verbs
+    /// Graceful stop within `deadline` altogether: shuts the client down
+    /// (best-effort unregister), stops the TCP data plane (waiting until
+    /// its listener is closed, so its port can be bound again) and the
+    /// gRPC server, each step given what is left of `deadline`. The verbs
     /// transport has no listener to stop: its queue pairs are destroyed
     /// when the last reference to it (the engine's) drops.
     pub async fn shutdown(self, deadline: Duration) {
+        let end = tokio::time::Instant::now() + deadline;
         self.engine.client().shutdown(deadline).await;
         if let Some(p) = &self.path {
             p.shutdown();
         }
         if let Some(t) = &self.tcp {
             t.shutdown();
-            let _ = tokio::time::timeout(deadline, t.listener_closed()).await;
+            let _ = tokio::time::timeout_at(end, t.listener_closed()).await;
         }
         let _ = self.shutdown.send(true);
-        let _ = tokio::time::timeout(deadline, self.serve).await;
+        let _ = tokio::time::timeout_at(end, self.serve).await;
     }
 
     /// Abrupt stop (a crash): the TCP data plane and the gRPC server stop at

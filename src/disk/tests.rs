@@ -668,10 +668,11 @@ mod real {
             .args(["--exact", "disk::tests::real::sigkill_child", "--nocapture", "--test-threads=1"])
             .env("KVFERRY_DISK_CHILD_DIR", d.path())
             .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
             .spawn()
             .unwrap();
         let stdout = child.stdout.take().unwrap();
+        let mut stderr = child.stderr.take().unwrap();
         let mut lines = std::io::BufReader::new(stdout).lines();
         let mut live: HashMap<u64, u64> = HashMap::new();
         let mut seen = 0;
@@ -698,8 +699,14 @@ mod real {
         for l in lines.map_while(Result::ok) {
             handle(&l, &mut live);
         }
-        let _ = child.wait();
-        assert!(seen >= 400, "the child wrote only {seen} blocks");
+        let status = child.wait();
+        if seen < 400 {
+            // The child ended on its own: say why (its panic, if any).
+            let mut why = String::new();
+            let _ = std::io::Read::read_to_string(&mut stderr, &mut why);
+            let tail: String = why.chars().rev().take(2000).collect::<Vec<_>>().into_iter().rev().collect();
+            panic!("the child wrote only {seen} blocks before it ended ({status:?}); its stderr ends:\n{tail}");
+        }
         let disk = open_backend(d.path(), 64 << 20, 16, BackendChoice::Auto).unwrap();
         let (mut t, rec) = Tier::open(disk, TierConfig::default()).unwrap();
         let got: HashMap<u64, u64> = rec
