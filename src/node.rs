@@ -234,16 +234,18 @@ impl NodeHandle {
     /// when the last reference to it (the engine's) drops.
     pub async fn shutdown(self, deadline: Duration) {
         let end = tokio::time::Instant::now() + deadline;
+        // (madsim's tokio has no `timeout_at`.)
+        let left = || end.saturating_duration_since(tokio::time::Instant::now());
         self.engine.client().shutdown(deadline).await;
         if let Some(p) = &self.path {
             p.shutdown();
         }
         if let Some(t) = &self.tcp {
             t.shutdown();
-            let _ = tokio::time::timeout_at(end, t.listener_closed()).await;
+            let _ = tokio::time::timeout(left(), t.listener_closed()).await;
         }
         let _ = self.shutdown.send(true);
-        let _ = tokio::time::timeout_at(end, self.serve).await;
+        let _ = tokio::time::timeout(left(), self.serve).await;
     }
 
     /// Abrupt stop (a crash): the TCP data plane and the gRPC server stop at
