@@ -460,28 +460,6 @@ mod tests {
         }
     }
 
-    /// `kvferry_copy_crc_lane`'s inner loop: the byte table copied once
-    /// per warp lane (entry `e` of lane `l` at word `32e + l`), a word
-    /// xored in and then four byte steps, gives slicing-by-4's CRC.
-    #[test]
-    fn lane_table_byte_steps_match_slicing_by_4() {
-        let tables = kernel_tables();
-        let lane_table: Vec<u32> = (0..256 * 32).map(|i| tables[i >> 5]).collect();
-        let t = slicing_tables();
-        let d = bytes(4096, 21);
-        for lane in [0usize, 7, 31] {
-            let tl = &lane_table[lane..];
-            let mut crc = 0u32;
-            for w in d.chunks_exact(4) {
-                crc ^= u32::from_le_bytes([w[0], w[1], w[2], w[3]]);
-                for _ in 0..4 {
-                    crc = tl[((crc & 255) << 5) as usize] ^ (crc >> 8);
-                }
-            }
-            assert_eq!(crc, raw_update(&t, 0, &d), "lane {lane}");
-        }
-    }
-
     fn ranges_of(spec: &[(usize, u64, u64)]) -> Vec<ChecksumRange> {
         spec.iter().map(|&(extent, offset, len)| ChecksumRange { extent, offset, len }).collect()
     }

@@ -204,57 +204,6 @@ extern "C" __global__ void kvferry_copy_crc(const unsigned long long* __restrict
         }
     }
 }
-
-// The fused kernel with the byte-at-a-time table copied once per lane of
-// a warp (entry e of lane l at word 32e + l), so the 32 lookups of a warp
-// always hit 32 different banks: one lookup per byte, never a conflict,
-// where slicing-by-4 costs about one lookup per byte with bank conflicts
-// (random bytes index random entries). Otherwise as kvferry_copy_crc.
-#define KV_LBYTE crc = tl[(crc & 255u) << 5] ^ (crc >> 8);
-#define KV_LSTEP(w) crc ^= (w); KV_LBYTE KV_LBYTE KV_LBYTE KV_LBYTE
-extern "C" __global__ void kvferry_copy_crc_lane(const unsigned long long* __restrict__ desc, unsigned long long n,
-                                                 unsigned int* __restrict__ out, const unsigned int* __restrict__ tables) {
-    __shared__ unsigned int kv_lt[256 * 32];
-    __shared__ unsigned int kv_sh[1024];
-    __shared__ uint4 stripe[KV_STRIPE / 16];
-    __shared__ unsigned int warp_x[8];
-    for (unsigned int i = threadIdx.x; i < 256u * 32u; i += blockDim.x) kv_lt[i] = tables[i >> 5];
-    for (unsigned int i = threadIdx.x; i < 1024u; i += blockDim.x) kv_sh[i] = tables[KV_STRIPE_SHIFT_AT + i];
-    __syncthreads();
-    const unsigned int tid = threadIdx.x;
-    const unsigned int* tl = kv_lt + (tid & 31u);
-    const unsigned int end_shift = tables[KV_END_SHIFT_AT + tid];
-    for (unsigned long long p = blockIdx.x; p < n; p += gridDim.x) {
-        const uint4* s = (const uint4*)desc[3 * p];
-        uint4* d = (uint4*)desc[3 * p + 1];
-        unsigned long long w = desc[3 * p + 2], len = w & 0xffffffffull;
-        unsigned int acc = 0;
-        for (unsigned long long off = 0; off < len; off += KV_STRIPE) {
-            const uint4* ss = s + (off >> 4);
-            uint4* dd = d + (off >> 4);
-            uint4 a = ss[tid], b = ss[tid + 256];
-            dd[tid] = a; dd[tid + 256] = b;
-            stripe[tid] = a; stripe[tid + 256] = b;
-            __syncthreads();
-            unsigned int crc = kv_sh[acc & 255u] ^ kv_sh[256 + ((acc >> 8) & 255u)] ^ kv_sh[512 + ((acc >> 16) & 255u)] ^ kv_sh[768 + (acc >> 24)];
-            uint4 q = stripe[2 * tid];
-            KV_LSTEP(q.x) KV_LSTEP(q.y) KV_LSTEP(q.z) KV_LSTEP(q.w)
-            q = stripe[2 * tid + 1];
-            KV_LSTEP(q.x) KV_LSTEP(q.y) KV_LSTEP(q.z) KV_LSTEP(q.w)
-            acc = crc;
-            __syncthreads();
-        }
-        unsigned int v = kv_mulmod(acc, end_shift);
-        for (int o = 16; o > 0; o >>= 1) v ^= __shfl_xor_sync(0xffffffffu, v, o);
-        if ((tid & 31u) == 0) warp_x[tid >> 5] = v;
-        __syncthreads();
-        if (tid == 0) {
-            unsigned int x = 0;
-            for (unsigned int k = 0; k < 8; k++) x ^= warp_x[k];
-            out[w >> 32] = x;
-        }
-    }
-}
 "#;
 
 /// Thread blocks per SM of the fused copy-and-checksum kernel: measured on
@@ -276,8 +225,7 @@ fn kernel_source() -> String {
 /// (`KVFERRY_CUDA_BLOCKS_PER_SM`, `KVFERRY_CUDA_DMA_MIN_BYTES`,
 /// `KVFERRY_CUDA_LAUNCH_PIECES`, `KVFERRY_CUDA_DEVICE_CHECKSUMS=0|1`,
 /// `KVFERRY_CUDA_STAGING_BYTES`, `KVFERRY_CUDA_STAGING_SLOTS`,
-/// `KVFERRY_CUDA_PEER_BLOCKS_PER_SM`, `KVFERRY_CUDA_PEER_FUSED=0|1`,
-/// `KVFERRY_CUDA_PEER_LANE_TABLES=0|1`), for
+/// `KVFERRY_CUDA_PEER_BLOCKS_PER_SM`, `KVFERRY_CUDA_PEER_FUSED=0|1`), for
 /// benchmarking on a new machine.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CudaConfig {
@@ -313,11 +261,6 @@ pub struct CudaConfig {
     /// over HBM instead of a copy and a second read); otherwise, and when
     /// this is off, a copy followed by the checksum kernel.
     pub peer_fused_checksums: bool,
-    /// The fused kernel looks bytes up in a copy of the CRC table per
-    /// warp lane (`kvferry_copy_crc_lane`: no shared-memory bank
-    /// conflicts, one lookup per byte, 44 KiB of shared memory per thread
-    /// block) instead of slicing-by-4 tables shared by all lanes.
-    pub peer_fused_lane_tables: bool,
 }
 
 impl Default for CudaConfig {
@@ -331,7 +274,6 @@ impl Default for CudaConfig {
             staging_slots: 4,
             peer_blocks_per_sm: 8,
             peer_fused_checksums: true,
-            peer_fused_lane_tables: false,
         }
     }
 }
@@ -360,8 +302,6 @@ impl CudaConfig {
                 .filter(|&n: &u32| n > 0)
                 .unwrap_or(d.peer_blocks_per_sm),
             peer_fused_checksums: var::<u8>("KVFERRY_CUDA_PEER_FUSED").map_or(d.peer_fused_checksums, |v| v != 0),
-            peer_fused_lane_tables: var::<u8>("KVFERRY_CUDA_PEER_LANE_TABLES")
-                .map_or(d.peer_fused_lane_tables, |v| v != 0),
         }
     }
 }
@@ -494,14 +434,7 @@ impl CudaGpu {
         let module = ctx.load_module(ptx).map_err(|e| unavailable(format!("load module: {e}")))?;
         let load = |name: &str| module.load_function(name).map_err(|e| unavailable(format!("load {name}: {e}")));
         let (copy_kernel, crc_kernel) = (load("kvferry_copy")?, load("kvferry_crc")?);
-        let copy_crc_kernel =
-            load(if cfg.peer_fused_lane_tables { "kvferry_copy_crc_lane" } else { "kvferry_copy_crc" })?;
-        if cfg.peer_fused_lane_tables {
-            // Four of its thread blocks per SM need most of the SM's shared memory.
-            copy_crc_kernel
-                .set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
-                .map_err(|e| unavailable(format!("shared memory carveout: {e}")))?;
-        }
+        let copy_crc_kernel = load("kvferry_copy_crc")?;
         let sm_count = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| unavailable(format!("attribute: {e}")))? as u32;
