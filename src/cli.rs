@@ -535,13 +535,15 @@ fn report_text(r: &pd::PdReport) -> String {
     );
     if let Some(d) = &r.ssd {
         println!(
-            "  ssd                    {:>8.2} GiB per node ({}): {} blocks written, {} read ({} hits, {} staged), {} evicted, {} verify failures, {} recovered at start",
+            "  ssd                    {:>8.2} GiB per node ({}): {} blocks written, {} read ({} of them from the write queue; {} hits, {} staged), {} reads missed a block being written, {} evicted, {} verify failures, {} recovered at start",
             d.bytes_per_node as f64 / (1u64 << 30) as f64,
             d.backend,
             d.written_blocks,
             d.read_blocks,
+            d.queue_reads,
             d.hits,
             d.staged_blocks,
+            d.writing_misses,
             d.evicted,
             d.verify_failures,
             d.recovered

@@ -564,7 +564,8 @@ pub const DISK_WRITE_QUEUE_DEFAULT: usize = 64;
 /// Largest write-behind queue (blocks; each queued block holds a record
 /// buffer of its size: 1 GiB of 64 KiB blocks). 4,096 until session 26:
 /// `pd --prefetch fetch` on an H100 host refused 10,099 / 11,160 victims
-/// at a queue of 4,096 (docs/BENCHMARKS.md), so larger queues can be tried.
+/// at a queue of 4,096; queues of 8,192 and 16,384 refused few or none
+/// there but did not raise its hit rate (docs/BENCHMARKS.md, session 27).
 pub const DISK_WRITE_QUEUE_MAX: usize = 16_384;
 
 /// I/O operations the tier keeps in flight at the backend by default

@@ -63,6 +63,34 @@ fn write_then_read_returns_the_bytes() {
     assert_eq!((c.hits, c.misses, c.write_dedup), (1, 1, 1));
 }
 
+/// A record whose write still waits in the write-behind queue is read
+/// from the queue's buffer (verified, the bytes saved); one whose write is
+/// at the backend is refused as being written; both are counted.
+#[test]
+fn a_record_waiting_in_the_write_queue_is_read_from_its_buffer() {
+    let mut t = tier(1 << 20, 1, 8);
+    let blocks: Vec<_> = (0..3).map(|i| block(40 + i, 2, 5_000)).collect();
+    for (i, (s, b)) in blocks.iter().enumerate() {
+        assert!(matches!(t.write(&key(i as u64), s, b), Ok(WriteOutcome::Queued { .. })));
+    }
+    assert_eq!(t.io_mut().in_flight(), 1, "depth 1: the first write is at the backend, two wait");
+    assert_eq!(t.read(&key(0)), Err(ReadRefused::Writing));
+    let tag = t.read(&key(2)).expect("a queued record is readable");
+    let evs = t.poll(false).unwrap();
+    let got = evs.into_iter().find_map(|ev| match ev {
+        TierEvent::Read { tag: g, result, .. } if g == tag => Some(result.map(|b| b.bytes().to_vec())),
+        _ => None,
+    });
+    assert_eq!(got.expect("its event comes with the next poll").unwrap(), blocks[2].1);
+    let c = t.counters();
+    assert_eq!((c.queue_reads, c.writing_misses, c.read_blocks, c.hits), (1, 1, 1, 1));
+    // Every write still lands, and the disk's copy reads back the same.
+    let written = t.drain().unwrap().iter().filter(|e| matches!(e, TierEvent::Written { .. })).count();
+    assert_eq!(written, 3);
+    assert_eq!(read_now(&mut t, &key(2)).0.unwrap(), blocks[2].1);
+    assert_eq!(t.counters().queue_reads, 1, "the second read came from the disk");
+}
+
 /// With `read_slots`, writes never take the last slots of the backend's
 /// depth: a read started behind a long write queue goes to the backend at
 /// once, and every write still lands.

@@ -33,7 +33,10 @@
 //! counted: the caller drops the block as it would without a disk tier.
 //! Before copying, the block's bytes are checked against the slot
 //! checksums the caller passes (taken at seal time, C10), so a block that
-//! changed in memory since it was sealed is never written.
+//! changed in memory since it was sealed is never written. A read of a
+//! record whose write still waits in the queue copies it from the
+//! queue's buffer and verifies the copy as a disk read's; one whose write
+//! is at the backend is refused ([`ReadRefused::Writing`]) and counted.
 //!
 //! # What a read checks (C17)
 //!
@@ -378,12 +381,20 @@ pub struct TierCounters {
     pub write_failed: u64,
     /// Of those, `ENOSPC` from the device.
     pub write_enospc: u64,
-    /// Reads started on a block found in the index.
+    /// Reads started on a block found in the index (on disk or waiting
+    /// in the write-behind queue).
     pub hits: u64,
     /// Reads of a block not on disk.
     pub misses: u64,
     /// Reads that returned verified bytes.
     pub read_blocks: u64,
+    /// Of those, reads served from a record still waiting in the
+    /// write-behind queue (copied from its buffer and verified as a disk
+    /// read is), not from the disk.
+    pub queue_reads: u64,
+    /// Reads refused because the record's write was at the backend
+    /// ([`ReadRefused::Writing`]).
+    pub writing_misses: u64,
     /// Block bytes returned by verified reads.
     pub read_bytes: u64,
     /// Reads failed at the device (error, short, misdirected).
@@ -449,6 +460,8 @@ struct Entry {
     payload_len: u64,
     tick: u64,
     written: bool,
+    /// The tag of the record's write (meaningful while `!written`).
+    write_tag: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -774,11 +787,13 @@ impl<D: DiskIo> Tier<D> {
                 payload_len: header.payload_len,
                 tick,
                 written: false,
+                write_tag: self.next_tag,
             },
         );
         self.writes_pending += 1;
         self.counters.writes_queued += 1;
         let tag = self.issue(IoKind::Write, key.clone(), offset, generation, header.payload_len, buf);
+        debug_assert_eq!(self.index.get(key).map(|e| e.write_tag), Some(tag));
         self.waiting.push_back(tag);
         self.pump();
         Ok(WriteOutcome::Queued { generation })
@@ -790,17 +805,24 @@ impl<D: DiskIo> Tier<D> {
     ///
     /// # Errors
     /// [`ReadRefused::NotFound`] (a miss, counted),
-    /// [`ReadRefused::Writing`] while its write is in flight,
+    /// [`ReadRefused::Writing`] while its write is at the backend (a
+    /// record whose write still waits in the queue is read from the
+    /// queue's buffer: its event comes with the next poll),
     /// [`ReadRefused::Buffer`].
     pub fn read(&mut self, key: &BlockKey) -> Result<u64, ReadRefused> {
         let Some(e) = self.index.get(key) else {
             self.counters.misses += 1;
             return Err(ReadRefused::NotFound);
         };
-        if !e.written {
-            return Err(ReadRefused::Writing);
-        }
         let (offset, len, generation, payload_len) = (e.offset, e.read_len, e.generation, e.payload_len);
+        if !e.written {
+            let write_tag = e.write_tag;
+            if !self.built.contains_key(&write_tag) {
+                self.counters.writing_misses += 1;
+                return Err(ReadRefused::Writing);
+            }
+            return self.read_queued(key, write_tag, len as usize, generation, payload_len);
+        }
         let buf = self.take_buf(len as usize)?;
         self.counters.hits += 1;
         self.touch(key);
@@ -808,6 +830,85 @@ impl<D: DiskIo> Tier<D> {
         self.waiting.push_front(tag);
         self.pump();
         Ok(tag)
+    }
+
+    /// A read of a record whose write waits in the queue (not yet at the
+    /// backend): its first `len` bytes are copied from the write's buffer
+    /// and verified as a disk read's (C17); the [`TierEvent::Read`] is
+    /// queued for the next poll. A copy that does not verify (the buffer
+    /// changed since it was checked on write) fails this read and the
+    /// write (the record is dropped, its removal reported).
+    fn read_queued(
+        &mut self,
+        key: &BlockKey,
+        write_tag: u64,
+        len: usize,
+        generation: u64,
+        payload_len: u64,
+    ) -> Result<u64, ReadRefused> {
+        let mut buf = self.take_buf(len)?;
+        let Some(op) = self.built.get(&write_tag) else {
+            self.recycle(buf);
+            self.counters.internal_errors += 1;
+            return Err(ReadRefused::Writing);
+        };
+        match op.buf.as_slice().get(..len) {
+            Some(src) => buf.as_mut_slice().copy_from_slice(src),
+            None => {
+                self.recycle(buf);
+                self.counters.internal_errors += 1;
+                return Err(ReadRefused::Writing);
+            }
+        }
+        self.counters.hits += 1;
+        self.touch(key);
+        let tag = self.next_tag;
+        self.next_tag += 1;
+        match self.verify_read(&buf, key, generation, payload_len) {
+            Ok((slots, payload)) => {
+                self.counters.read_blocks += 1;
+                self.counters.queue_reads += 1;
+                self.counters.read_bytes += payload_len;
+                let block = ReadBlock { buf, payload, slots, generation };
+                self.events.push(TierEvent::Read { tag, key: key.clone(), result: Ok(block) });
+            }
+            Err(e) => {
+                self.counters.verify_failures += 1;
+                tracing::warn!(error = %e, "disk tier: a queued record does not verify; its write is cancelled");
+                let f = IoFailure::Verify(e);
+                self.events.push(TierEvent::Read { tag, key: key.clone(), result: Err(f.clone()) });
+                self.recycle(buf);
+                // Never written: the write fails (counted), its record is
+                // dropped and its removal reported.
+                if let Some(op) = self.built.remove(&write_tag) {
+                    self.waiting.retain(|&t| t != write_tag);
+                    self.fail(write_tag, op.buf, f);
+                }
+            }
+        }
+        Ok(tag)
+    }
+
+    /// The record in `buf` checked against the index's identity of `key`
+    /// (C17): its slot sums and where its payload lies in `buf`.
+    fn verify_read(
+        &self,
+        buf: &AlignedBuf,
+        key: &BlockKey,
+        generation: u64,
+        payload_len: u64,
+    ) -> Result<(Vec<SlotSum>, Range<usize>), FormatError> {
+        if canary::active(Canary::C17DiskReadUnverified) {
+            // The canary: trust the index and the header, hand out the
+            // bytes where the payload should be (with the header's slot
+            // sums, so the engine stages them) without checking them.
+            let (start, slots) =
+                format::decode_header(buf.as_slice()).map_or((0, Vec::new()), |h| (h.header_area() as usize, h.slots));
+            let end = (start + payload_len as usize).min(buf.len());
+            return Ok((slots, start.min(end)..end));
+        }
+        let expect = Expect { key, generation, payload_len };
+        format::verify_record(buf.as_slice(), Some(expect)).map(|(h, r)| (h.slots, r))
     }
 
     /// Submits what waits, collects completions (with `wait`, blocks until
@@ -1055,37 +1156,22 @@ impl<D: DiskIo> Tier<D> {
                 }
                 self.recycle(c.buf);
             }
-            IoKind::Read => {
-                let expect = Expect { key: &p.key, generation: p.generation, payload_len: p.payload_len };
-                let verified = if canary::active(Canary::C17DiskReadUnverified) {
-                    // The canary: trust the index and the header, hand out
-                    // the bytes where the payload should be (with the
-                    // header's slot sums, so the engine stages them) without
-                    // checking them.
-                    let (start, slots) = format::decode_header(c.buf.as_slice())
-                        .map_or((0, Vec::new()), |h| (h.header_area() as usize, h.slots));
-                    let end = (start + p.payload_len as usize).min(c.buf.len());
-                    Ok((slots, start.min(end)..end))
-                } else {
-                    format::verify_record(c.buf.as_slice(), Some(expect)).map(|(h, r)| (h.slots, r))
-                };
-                match verified {
-                    Ok((slots, payload)) => {
-                        self.counters.read_blocks += 1;
-                        self.counters.read_bytes += p.payload_len;
-                        let block = ReadBlock { buf: c.buf, payload, slots, generation: p.generation };
-                        self.events.push(TierEvent::Read { tag: c.tag, key: p.key, result: Ok(block) });
-                    }
-                    Err(e) => {
-                        self.counters.verify_failures += 1;
-                        tracing::warn!(error = %e, "disk tier: a record read back does not verify; it is dropped");
-                        let f = IoFailure::Verify(e);
-                        self.events.push(TierEvent::Read { tag: c.tag, key: p.key.clone(), result: Err(f.clone()) });
-                        self.drop_record(&p.key, p.generation, Removal::ReadFailed(f));
-                        self.recycle(c.buf);
-                    }
+            IoKind::Read => match self.verify_read(&c.buf, &p.key, p.generation, p.payload_len) {
+                Ok((slots, payload)) => {
+                    self.counters.read_blocks += 1;
+                    self.counters.read_bytes += p.payload_len;
+                    let block = ReadBlock { buf: c.buf, payload, slots, generation: p.generation };
+                    self.events.push(TierEvent::Read { tag: c.tag, key: p.key, result: Ok(block) });
                 }
-            }
+                Err(e) => {
+                    self.counters.verify_failures += 1;
+                    tracing::warn!(error = %e, "disk tier: a record read back does not verify; it is dropped");
+                    let f = IoFailure::Verify(e);
+                    self.events.push(TierEvent::Read { tag: c.tag, key: p.key.clone(), result: Err(f.clone()) });
+                    self.drop_record(&p.key, p.generation, Removal::ReadFailed(f));
+                    self.recycle(c.buf);
+                }
+            },
         }
     }
 
@@ -1278,6 +1364,7 @@ impl<D: DiskIo> Tier<D> {
                     payload_len: h.payload_len,
                     tick: 0,
                     written: true,
+                    write_tag: 0,
                 },
             );
             kept.push((generation, offset, rl, h));

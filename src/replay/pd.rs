@@ -527,8 +527,15 @@ pub struct SsdLine {
     pub read_blocks: u64,
     /// Block bytes read back and verified.
     pub read_bytes: u64,
-    /// Reads started on a block found on disk.
+    /// Reads started on a block the tier holds (on disk, or waiting in
+    /// its write-behind queue).
     pub hits: u64,
+    /// Of the blocks read, those served from the write-behind queue's
+    /// buffer (their write had not started yet).
+    pub queue_reads: u64,
+    /// Reads that found the block's write under way at the disk: not
+    /// reads, the block was absent for them.
+    pub writing_misses: u64,
     /// Blocks staged into a pool from disk (local lookups, loads, peers'
     /// lock requests).
     pub staged_blocks: u64,
@@ -1229,6 +1236,8 @@ pub async fn run_with_observer(
             l.read_blocks += t.read_blocks;
             l.read_bytes += t.read_bytes;
             l.hits += t.hits;
+            l.queue_reads += t.queue_reads;
+            l.writing_misses += t.writing_misses;
             l.evicted += t.evicted;
             l.verify_failures += t.verify_failures;
             l.write_refused += st.write_refused;
