@@ -185,6 +185,9 @@ enum BenchCmd {
 }
 
 #[derive(clap::Args)]
+// A negative number is a bad value of its option (named in the error),
+// not an unknown argument.
+#[command(allow_negative_numbers = true)]
 struct PdArgs {
     /// Trace file (JSON lines with timestamp, input_length, output_length, hash_ids; 512-token blocks).
     /// Default: data/conversation_trace.jsonl under the working directory, else the bundled trace
