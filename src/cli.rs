@@ -504,6 +504,16 @@ fn print_report(r: &pd::PdReport) {
     out(&report_text(r));
 }
 
+/// `bytes` in GiB from 1 GiB on, else in MiB (a small tier is not "0.00
+/// GiB"), two decimals.
+fn size_text(bytes: u64) -> String {
+    if bytes >= 1 << 30 {
+        format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
+    } else {
+        format!("{:.2} MiB", bytes as f64 / (1u64 << 20) as f64)
+    }
+}
+
 fn report_text(r: &pd::PdReport) -> String {
     use std::fmt::Write;
     let mut s = String::new();
@@ -538,8 +548,8 @@ fn report_text(r: &pd::PdReport) -> String {
     );
     if let Some(d) = &r.ssd {
         println!(
-            "  ssd                    {:>8.2} GiB per node ({}): {} blocks written, {} read ({} of them from the write queue; {} hits, {} staged), {} reads missed a block being written, {} evicted, {} verify failures, {} recovered at start",
-            d.bytes_per_node as f64 / (1u64 << 30) as f64,
+            "  ssd                    {:>8} per node ({}): {} blocks written, {} read ({} of them from the write queue; {} hits, {} staged), {} reads missed a block being written, {} evicted, {} verify failures, {} recovered at start",
+            size_text(d.bytes_per_node),
             d.backend,
             d.written_blocks,
             d.read_blocks,
@@ -1149,8 +1159,12 @@ mod tests {
         assert!(text.contains("save  -") && text.contains("load  -"), "{text}");
         assert!(!text.contains("load    0.00"), "{text}");
         r.concurrency = 1;
+        r.ssd = Some(pd::SsdLine { bytes_per_node: 16 << 20, ..Default::default() });
         let text = report_text(&r);
         assert!(text.contains("p50 2.00, p99 9.00") && text.contains("MISSED"), "{text}");
+        assert!(text.contains("16.00 MiB per node"), "a small tier in MiB: {text}");
+        r.ssd = Some(pd::SsdLine { bytes_per_node: 8 << 30, ..Default::default() });
+        assert!(report_text(&r).contains("8.00 GiB per node"));
     }
 
     /// Issue 30: an existing file that cannot be replaced is not "No such
