@@ -562,14 +562,15 @@ fn report_text(r: &pd::PdReport) -> String {
             d.recovered
         );
         println!(
-            "    ssd throughput       write {:.2} GB/s, read {:.2} GB/s (over the replay), read latency {:.2} ms mean; {} writes refused ({} no space, {} write queue full), {} stagings failed",
+            "    ssd throughput       write {:.2} GB/s, read {:.2} GB/s (over the replay), read latency {:.2} ms mean; {} writes refused ({} no space, {} write queue full), {} stagings failed ({} for want of pool room)",
             d.write_gbps,
             d.read_gbps,
             d.read_ms_mean,
             d.write_refused,
             d.write_refused_no_space,
             d.write_refused_queue_full,
-            d.stage_failures
+            d.stage_failures,
+            d.stage_no_room
         );
     }
     println!("  decode blocks          {:>8}", r.blocks_total);

@@ -475,7 +475,7 @@ async fn staging_into_a_small_pool_keeps_its_own_prefix() {
         let until = tokio::time::Instant::now() + Duration::from_secs(5);
         assert_eq!(e.prefetch(NS, &hs, until).await, 4, "the pool's worth, from the first block");
         let st = e.disk_stats().expect("a disk tier");
-        assert_eq!((st.staged_blocks, st.stage_failures), (4, 2), "{st:?}");
+        assert_eq!((st.staged_blocks, st.stage_failures, st.stage_no_room), (4, 2, 2), "{st:?}");
         // A load of all six stages nothing it would evict again: the first
         // four load, the last two are not resident.
         let rep = e.load(NS, &hs.iter().cloned().zip(16u64..).collect::<Vec<_>>()).await.unwrap();

@@ -367,6 +367,9 @@ pub struct DiskMetrics {
     /// Stagings that failed: the read failed or did not verify, the record
     /// was not readable (still being written), or no pool room.
     pub stage_failures: AtomicU64,
+    /// Of those, stagings that found no room in the pool (every block
+    /// pinned, or held by the staging itself).
+    pub stage_no_room: AtomicU64,
     /// Stagings that missed their deadline.
     pub stage_timeouts: AtomicU64,
     /// Blocks staged for a peer's transfer-lock request (a subset of
@@ -412,6 +415,8 @@ pub struct DiskStats {
     pub staged_blocks: u64,
     /// See [`DiskMetrics::stage_failures`].
     pub stage_failures: u64,
+    /// See [`DiskMetrics::stage_no_room`].
+    pub stage_no_room: u64,
     /// See [`DiskMetrics::stage_timeouts`].
     pub stage_timeouts: u64,
     /// See [`DiskMetrics::peer_staged_blocks`].
@@ -706,6 +711,7 @@ impl DiskTier {
             evicted_ahead: ld(&m.evicted_ahead),
             staged_blocks: ld(&m.staged_blocks),
             stage_failures: ld(&m.stage_failures),
+            stage_no_room: ld(&m.stage_no_room),
             stage_timeouts: ld(&m.stage_timeouts),
             peer_staged_blocks: ld(&m.peer_staged_blocks),
             write_queue_full: ld(&m.write_queue_full),
@@ -1018,6 +1024,7 @@ impl super::Engine {
         let mut ext = match self.alloc(len) {
             Ok(e) => e,
             Err(_) => {
+                d.metrics().stage_no_room.fetch_add(1, Ordering::Relaxed);
                 d.recycle(b);
                 return None;
             }

@@ -551,6 +551,8 @@ pub struct SsdLine {
     pub write_refused_queue_full: u64,
     /// Stagings that failed or missed their deadline.
     pub stage_failures: u64,
+    /// Of those, stagings that found no room in the pool.
+    pub stage_no_room: u64,
     /// Records recovered at start (a directory reused from a previous run).
     pub recovered: u64,
     /// Write throughput averaged over the replay (`replay_s`; GB/s).
@@ -1245,6 +1247,7 @@ pub async fn run_with_observer(
             l.write_refused_queue_full += st.write_queue_full;
             l.staged_blocks += st.staged_blocks;
             l.stage_failures += st.stage_failures + st.stage_timeouts;
+            l.stage_no_room += st.stage_no_room;
             l.recovered += t.recovered;
         }
         let gbps = |b: u64| if rep.replay_s > 0.0 { b as f64 / rep.replay_s / 1e9 } else { 0.0 };
