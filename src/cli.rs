@@ -504,8 +504,8 @@ fn print_report(r: &pd::PdReport) {
     out(&report_text(r));
 }
 
-/// `bytes` in GiB from 1 GiB on, else in MiB (a small tier is not "0.00
-/// GiB"), two decimals.
+/// `bytes` in GiB from 1 GiB on, else in MiB (a small pool or tier is
+/// not "0.00 GiB"), two decimals.
 fn size_text(bytes: u64) -> String {
     if bytes >= 1 << 30 {
         format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
@@ -541,14 +541,14 @@ fn report_text(r: &pd::PdReport) -> String {
     println!("    prefill local hits   {:>8} blocks", r.prefill_local_hits);
     println!("    prefill peer fetches {:>8} blocks", r.prefill_fetched);
     println!(
-        "  pools                  {:>8.2} GiB per node ({} blocks), {} blocks evicted (all nodes)",
-        r.pool_bytes as f64 / (1u64 << 30) as f64,
+        "  pools                  {:>12} per node ({} blocks), {} blocks evicted (all nodes)",
+        size_text(r.pool_bytes),
         r.pool_bytes / r.block_bytes.max(1),
         r.evicted_blocks
     );
     if let Some(d) = &r.ssd {
         println!(
-            "  ssd                    {:>8} per node ({}): {} blocks written, {} read ({} of them from the write queue; {} hits, {} staged), {} reads missed a block being written, {} evicted, {} verify failures, {} recovered at start",
+            "  ssd                    {:>12} per node ({}): {} blocks written, {} read ({} of them from the write queue; {} hits, {} staged), {} reads missed a block being written, {} evicted, {} verify failures, {} recovered at start",
             size_text(d.bytes_per_node),
             d.backend,
             d.written_blocks,

@@ -775,6 +775,7 @@ impl<D: DiskIo> Tier<D> {
         out[area + at..].fill(0);
         let generation = self.next_generation;
         self.next_generation += 1;
+        let tag = self.issue(IoKind::Write, key.clone(), offset, generation, header.payload_len, buf);
         let tick = self.bump();
         self.lru.insert(tick, key.clone());
         self.index.insert(
@@ -787,13 +788,11 @@ impl<D: DiskIo> Tier<D> {
                 payload_len: header.payload_len,
                 tick,
                 written: false,
-                write_tag: self.next_tag,
+                write_tag: tag,
             },
         );
         self.writes_pending += 1;
         self.counters.writes_queued += 1;
-        let tag = self.issue(IoKind::Write, key.clone(), offset, generation, header.payload_len, buf);
-        debug_assert_eq!(self.index.get(key).map(|e| e.write_tag), Some(tag));
         self.waiting.push_back(tag);
         self.pump();
         Ok(WriteOutcome::Queued { generation })
@@ -847,14 +846,11 @@ impl<D: DiskIo> Tier<D> {
         payload_len: u64,
     ) -> Result<u64, ReadRefused> {
         let mut buf = self.take_buf(len)?;
-        let Some(op) = self.built.get(&write_tag) else {
-            self.recycle(buf);
-            self.counters.internal_errors += 1;
-            return Err(ReadRefused::Writing);
-        };
-        match op.buf.as_slice().get(..len) {
+        match self.built.get(&write_tag).and_then(|op| op.buf.as_slice().get(..len)) {
             Some(src) => buf.as_mut_slice().copy_from_slice(src),
             None => {
+                // The caller found the write queued; a record longer than
+                // its own write buffer is a bug.
                 self.recycle(buf);
                 self.counters.internal_errors += 1;
                 return Err(ReadRefused::Writing);
