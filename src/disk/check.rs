@@ -49,6 +49,10 @@ pub struct DiskChecks {
     pub read_failures: u64,
     /// Crashes simulated.
     pub crashes: u64,
+    /// Reads served from the write-behind queue's buffer (reach: their
+    /// events are judged by `inv_disk_read_verified` like any read's,
+    /// unless a crash came before the next poll).
+    pub queue_reads: u64,
 }
 
 impl DiskChecks {
@@ -59,6 +63,7 @@ impl DiskChecks {
         self.recovery_complete += o.recovery_complete;
         self.read_failures += o.read_failures;
         self.crashes += o.crashes;
+        self.queue_reads += o.queue_reads;
     }
 }
 
@@ -186,6 +191,7 @@ pub fn run_disk_seed(seed: u64) -> Result<DiskChecks, DiskViolation> {
             _ => {
                 // Crash and restart.
                 run.checks.crashes += 1;
+                run.checks.queue_reads += tier.counters().queue_reads;
                 let expected = tier.written_keys();
                 let disk = tier.into_io().crash();
                 let (t, rec) = open(disk, &run)?;
@@ -228,6 +234,7 @@ pub fn run_disk_seed(seed: u64) -> Result<DiskChecks, DiskViolation> {
     }
     let evs = tier.drain().map_err(|e| run.violation("inv_disk_open", format!("drain: {e}")))?;
     run.events(evs, &mut tier)?;
+    run.checks.queue_reads += tier.counters().queue_reads;
     Ok(run.checks)
 }
 

@@ -421,6 +421,7 @@ fn disk_sweep_c17_c18() {
     assert!(sum.recovery_complete > 100, "{sum:?}");
     assert!(sum.read_failures > 50, "{sum:?}");
     assert!(sum.crashes > 100, "{sum:?}");
+    assert!(sum.queue_reads > 50, "reads served from the write-behind queue: {sum:?}");
 }
 
 /// `DISK_SEED=N cargo test --lib disk::tests::replay_disk_seed -- --nocapture`
