@@ -683,10 +683,14 @@ mod real {
 
     /// C18 with a real crash: a child process writing through the tier is
     /// SIGKILLed mid-stream; a restart on its directory recovers every
-    /// block whose write it saw complete and had not evicted, each
+    /// block whose write it saw complete and had not evicted (save the oldest
+    /// few, whose eviction the kill may have kept it from reporting), each
     /// verified, with the bytes the child wrote.
     #[test]
     fn sigkill_mid_write_recovers_every_completed_write() {
+        /// Records one write's eviction may take (same-sized records: one,
+        /// more only when free space is split), reported after the kill.
+        const UNREPORTED_EVICTIONS_MAX: usize = 4;
         use std::collections::HashMap;
         use std::io::BufRead;
         let d = dir();
@@ -743,9 +747,22 @@ mod real {
             .iter()
             .map(|b| (u64::from_le_bytes(b.key.hash.as_bytes()[..8].try_into().unwrap()), b.generation))
             .collect();
-        let missing: Vec<_> = live.iter().filter(|(i, g)| got.get(i) != Some(g)).collect();
+        let mut missing: Vec<u64> = live.iter().filter(|(i, g)| got.get(i) != Some(g)).map(|(i, _)| *i).collect();
+        missing.sort();
         println!("sigkill: {} completed and live, {} recovered, {} missing", live.len(), got.len(), missing.len());
-        assert!(missing.is_empty(), "completed writes not recovered: {missing:?}");
+        // The kill can land after a write evicted the LRU record (and its
+        // space was overwritten) but before the child printed that `E`:
+        // such a record is gone by design, not lost by the crash. With no
+        // reads, LRU is write order, so those can only be the oldest live
+        // records, and one write evicts at most a few. Any other record
+        // missing is a completed write the restart lost.
+        let mut oldest: Vec<u64> = live.keys().copied().collect();
+        oldest.sort();
+        oldest.truncate(UNREPORTED_EVICTIONS_MAX);
+        assert!(
+            missing.len() <= UNREPORTED_EVICTIONS_MAX && missing.iter().all(|i| oldest.contains(i)),
+            "completed writes not recovered: {missing:?} (only the {UNREPORTED_EVICTIONS_MAX} oldest live, {oldest:?}, may be evictions the kill kept the child from printing)"
+        );
         let mut sample: Vec<u64> = got.keys().copied().collect();
         sample.sort();
         for &i in sample.iter().step_by(7) {
