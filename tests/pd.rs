@@ -420,7 +420,11 @@ fn every_prefetch_mode_verifies_and_counts_peer_fetches() {
         let dir = dir.to_str().expect("utf8 path");
         let r = run_json_shaped(
             &shape,
-            &["--requests", "150", "--prefetch", mode, "--ssd-dir", dir, "--ssd-size", "16MiB"],
+            // One request at a time: in this window only one request needs
+            // a block another prefill node saved, and with requests
+            // overlapping its lookup could run before that save landed
+            // (a run saw 0 peer fetches).
+            &["--requests", "150", "--prefetch", mode, "--ssd-dir", dir, "--ssd-size", "16MiB", "--concurrency", "1"],
         );
         assert_eq!(r["prefetch"], mode, "{r}");
         assert_eq!(num(&r, "blocks_verified"), num(&r, "blocks_total"), "{mode}: every block verified");
