@@ -548,15 +548,15 @@ fn report_text(r: &pd::PdReport) -> String {
     );
     if let Some(d) = &r.ssd {
         println!(
-            "  ssd                    {:>12} per node ({}): {} blocks written, {} read ({} of them from the write queue; {} hits, {} staged), {} reads missed a block being written, {} evicted, {} verify failures, {} recovered at start",
+            "  ssd                    {:>12} per node ({}): {} blocks written, {} read ({} of them from the write queue, {} from a write under way; {} hits, {} staged), {} evicted, {} verify failures, {} recovered at start",
             size_text(d.bytes_per_node),
             d.backend,
             d.written_blocks,
             d.read_blocks,
             d.queue_reads,
+            d.after_write_reads,
             d.hits,
             d.staged_blocks,
-            d.writing_misses,
             d.evicted,
             d.verify_failures,
             d.recovered

@@ -13,6 +13,7 @@
 //! | `prefetch_stages_the_disk_prefix_into_the_pool` | `Engine::prefetch` stages the disk-resident prefix (verified, C17), stops at a gap, is a lookup without a tier |
 //! | `a_second_node_on_the_same_directory_is_refused` | the tier locks its directory: a second node fails at start naming it |
 //! | `staging_into_a_small_pool_keeps_its_own_prefix` | a staging holds what it found and staged until its caller's lock or load: it never evicts its own prefix for its tail |
+//! | `a_block_being_written_is_found_and_loaded` | a block is found (lookup, MetaServer) and loads with the saved bytes from the moment its write is queued: from the queue's buffer, or from the buffer of its write at the disk once that completes (C17) |
 //! | `the_driver_writes_while_every_runtime_worker_is_busy` | the tier's driver has a thread of its own: queued writes land while the runtime's workers are held |
 
 // Loopback tests on real tokio and tonic; the simulator tier lives in sim/.
@@ -138,6 +139,52 @@ async fn evicted_blocks_go_to_disk_stay_advertised_and_load_back() {
         let st = e.disk_stats().expect("a disk tier");
         assert!(st.staged_blocks >= 8 && st.tier.read_blocks >= 8, "{st:?}");
         assert_eq!(st.tier.verify_failures, 0);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_block_being_written_is_found_and_loaded() {
+    bounded(async {
+        let ms = start_ms().await;
+        // Depth 2 and a disk that completes nothing until released: two
+        // writes at the disk, the other six waiting in the queue.
+        let disk = SimDisk::new(DISK_BYTES, 2, 11);
+        let stall = disk.stall_switch();
+        let cfg = DiskConfig { evict_ahead: false, ..DiskConfig::simulated(SimDiskSlot::new(disk), DISK_BYTES) };
+        let n = start_disk_node(&ms, cfg, 8).await;
+        stall.store(true, Ordering::Relaxed); // after the recovery scan at start
+        let e = &n.engine;
+        let kv = register_default(e, 32);
+        let hs = hashes(700..708);
+        fill_and_save(e, &kv, 0, &hs).await;
+        assert!(!e.flush_saves_and_registrations(Duration::from_secs(2)).await.timed_out);
+        assert_eq!(e.evict(8 * BLOCK), 8);
+        let st = e.disk_stats().expect("a disk tier");
+        assert_eq!((st.evicted_to_disk, st.tier.written_blocks), (8, 0), "{st:?}");
+        // Not one write completed, yet every block is found and advertised.
+        assert_eq!(e.resident_prefix(NS, &hs), 0);
+        assert_eq!(e.query_prefix(NS, &hs), hs.len());
+        assert_eq!(ms_prefix_of(e, NS, &hs, &n.node).await, hs.len() as u32);
+        // The disk comes back while the loads wait for its two writes.
+        let release = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            stall.store(false, Ordering::Relaxed);
+        });
+        // One load of all eight: the queued six are copied at once, the
+        // two at the disk wait for their writes.
+        let blocks: Vec<(BlockHash, u64)> = hs.iter().cloned().zip(16u64..).collect();
+        let rep = e.load(&kv.ns, &blocks).await.expect("load");
+        assert!(rep.results.iter().all(|r| r.is_ok()), "{:?}", rep.results);
+        for (h, idx) in &blocks {
+            assert!(verify(e, &kv, *idx, h), "block {h:?} differs from what was saved");
+        }
+        release.await.expect("release task");
+        let st = e.disk_stats().expect("a disk tier");
+        let t = &st.tier;
+        assert_eq!(t.read_blocks, 8, "{st:?}");
+        assert_eq!((t.queue_reads, t.after_write_reads), (6, 2), "none read from the disk: {st:?}");
+        assert_eq!(t.verify_failures, 0);
     })
     .await;
 }

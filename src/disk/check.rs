@@ -53,6 +53,9 @@ pub struct DiskChecks {
     /// events are judged by `inv_disk_read_verified` like any read's,
     /// unless a crash came before the next poll).
     pub queue_reads: u64,
+    /// Reads served, when the write they waited for completed, from that
+    /// write's buffer (reach, as `queue_reads`).
+    pub after_write_reads: u64,
 }
 
 impl DiskChecks {
@@ -64,6 +67,7 @@ impl DiskChecks {
         self.read_failures += o.read_failures;
         self.crashes += o.crashes;
         self.queue_reads += o.queue_reads;
+        self.after_write_reads += o.after_write_reads;
     }
 }
 
@@ -192,6 +196,7 @@ pub fn run_disk_seed(seed: u64) -> Result<DiskChecks, DiskViolation> {
                 // Crash and restart.
                 run.checks.crashes += 1;
                 run.checks.queue_reads += tier.counters().queue_reads;
+                run.checks.after_write_reads += tier.counters().after_write_reads;
                 let expected = tier.written_keys();
                 let disk = tier.into_io().crash();
                 let (t, rec) = open(disk, &run)?;
@@ -235,6 +240,7 @@ pub fn run_disk_seed(seed: u64) -> Result<DiskChecks, DiskViolation> {
     let evs = tier.drain().map_err(|e| run.violation("inv_disk_open", format!("drain: {e}")))?;
     run.events(evs, &mut tier)?;
     run.checks.queue_reads += tier.counters().queue_reads;
+    run.checks.after_write_reads += tier.counters().after_write_reads;
     Ok(run.checks)
 }
 

@@ -144,6 +144,8 @@ pub struct SimDisk {
     /// While set, no fault is injected whatever the mix (see
     /// [`SimDisk::heal_switch`]).
     healed: Arc<AtomicBool>,
+    /// While set, nothing completes (see [`SimDisk::stall_switch`]).
+    stalled: Arc<AtomicBool>,
 }
 
 impl SimDisk {
@@ -162,6 +164,15 @@ impl SimDisk {
     /// the simulator's liveness phase heals the disk through it.
     pub fn heal_switch(&self) -> Arc<AtomicBool> {
         self.healed.clone()
+    }
+
+    /// A switch that, while set, completes nothing: a reap hands out no
+    /// completion and the disk's clock stands still (a device that hangs;
+    /// tests hold operations in flight through it). Operations are still
+    /// taken up to the depth. A disk [`crash`](Self::crash) makes has a
+    /// switch of its own, unset.
+    pub fn stall_switch(&self) -> Arc<AtomicBool> {
+        self.stalled.clone()
     }
 
     /// A disk over `medium` with nothing in flight and faults off.
@@ -185,6 +196,7 @@ impl SimDisk {
             stale: Vec::new(),
             stats,
             healed,
+            stalled: Arc::new(AtomicBool::new(false)),
         }
     }
 
@@ -384,6 +396,9 @@ impl DiskIo for SimDisk {
     }
 
     fn reap(&mut self, wait: bool, out: &mut Vec<Completion>) -> Result<usize, Errno> {
+        if self.stalled.load(Ordering::Relaxed) {
+            return Ok(0);
+        }
         self.now += 1;
         self.advance();
         if wait && self.done.is_empty() {

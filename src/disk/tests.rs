@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use super::check::{DiskChecks, run_disk_seed};
 use super::format::{BlockKey, FormatError, SlotSum};
-use super::io::{DiskIo, ENOSPC};
+use super::io::{DiskIo, EIO, ENOSPC};
 use super::sim::{SimDisk, SimFaults};
 use super::tier::{IoFailure, ReadRefused, Removal, Tier, TierConfig, TierEvent, WriteOutcome, WriteRefused};
 use crate::types::BlockHash;
@@ -51,7 +51,6 @@ fn write_then_read_returns_the_bytes() {
     let mut t = tier(1 << 20, 4, 8);
     let (s, b) = block(1, 3, 10_000);
     assert_eq!(t.write(&key(1), &s, &b), Ok(WriteOutcome::Queued { generation: 1 }));
-    assert_eq!(t.read(&key(1)), Err(ReadRefused::Writing));
     let evs = t.drain().unwrap();
     assert!(matches!(&evs[..], [TierEvent::Written { generation: 1, .. }]), "{evs:?}");
     assert_eq!(t.write(&key(1), &s, &b), Ok(WriteOutcome::AlreadyOnDisk { generation: 1 }));
@@ -60,35 +59,69 @@ fn write_then_read_returns_the_bytes() {
     assert_eq!(t.read(&key(2)), Err(ReadRefused::NotFound));
     let c = t.counters();
     assert_eq!((c.written_blocks, c.written_bytes, c.read_blocks, c.read_bytes), (1, 30_000, 1, 30_000));
-    assert_eq!((c.hits, c.misses, c.write_dedup), (1, 1, 1));
+    assert_eq!((c.hits, c.misses, c.write_dedup, c.queue_reads, c.after_write_reads), (1, 1, 1, 0, 0));
 }
 
-/// A record whose write still waits in the write-behind queue is read
-/// from the queue's buffer (verified, the bytes saved); one whose write is
-/// at the backend is refused as being written; both are counted.
+/// The bytes of read `tag` among `evs`, if its event is there.
+fn read_event(evs: &[TierEvent], tag: u64) -> Option<Result<Vec<u8>, IoFailure>> {
+    evs.iter().find_map(|ev| match ev {
+        TierEvent::Read { tag: g, result, .. } if *g == tag => {
+            Some(result.as_ref().map(|b| b.bytes().to_vec()).map_err(Clone::clone))
+        }
+        _ => None,
+    })
+}
+
+/// A record is readable from the moment its write is queued: one whose
+/// write still waits in the write-behind queue is copied from the queue's
+/// buffer at once; one whose write is at the backend is served, when that
+/// write completes, from the buffer it wrote. Both verified (the bytes
+/// saved) and counted apart; neither is a disk read.
 #[test]
-fn a_record_waiting_in_the_write_queue_is_read_from_its_buffer() {
+fn a_record_being_written_is_read_from_its_write_buffer() {
     let mut t = tier(1 << 20, 1, 8);
     let blocks: Vec<_> = (0..3).map(|i| block(40 + i, 2, 5_000)).collect();
     for (i, (s, b)) in blocks.iter().enumerate() {
         assert!(matches!(t.write(&key(i as u64), s, b), Ok(WriteOutcome::Queued { .. })));
     }
     assert_eq!(t.io_mut().in_flight(), 1, "depth 1: the first write is at the backend, two wait");
-    assert_eq!(t.read(&key(0)), Err(ReadRefused::Writing));
-    let tag = t.read(&key(2)).expect("a queued record is readable");
+    let at_backend = t.read(&key(0)).expect("a record whose write is at the backend is readable");
+    let queued = t.read(&key(2)).expect("a queued record is readable");
+    assert_eq!(t.io_mut().in_flight(), 1, "neither read went to the backend");
     let evs = t.poll(false).unwrap();
-    let got = evs.into_iter().find_map(|ev| match ev {
-        TierEvent::Read { tag: g, result, .. } if g == tag => Some(result.map(|b| b.bytes().to_vec())),
-        _ => None,
-    });
-    assert_eq!(got.expect("its event comes with the next poll").unwrap(), blocks[2].1);
+    assert_eq!(read_event(&evs, queued).expect("its event comes with the next poll").unwrap(), blocks[2].1);
+    assert_eq!(t.counters().queue_reads, 1);
+    let mut evs = evs;
+    evs.extend(t.drain().unwrap());
+    let waited = read_event(&evs, at_backend).expect("its event comes with the write's completion");
+    assert_eq!(waited.unwrap(), blocks[0].1);
     let c = t.counters();
-    assert_eq!((c.queue_reads, c.writing_misses, c.read_blocks, c.hits), (1, 1, 1, 1));
+    assert_eq!((c.queue_reads, c.after_write_reads, c.read_blocks, c.hits), (1, 1, 2, 2));
+    assert_eq!(t.io_mut().stats().ops, 3, "the three writes, no read, reached the disk");
     // Every write still lands, and the disk's copy reads back the same.
-    let written = t.drain().unwrap().iter().filter(|e| matches!(e, TierEvent::Written { .. })).count();
-    assert_eq!(written, 3);
+    assert_eq!(evs.iter().filter(|e| matches!(e, TierEvent::Written { .. })).count(), 3);
     assert_eq!(read_now(&mut t, &key(2)).0.unwrap(), blocks[2].1);
-    assert_eq!(t.counters().queue_reads, 1, "the second read came from the disk");
+    assert_eq!((t.counters().queue_reads, t.counters().after_write_reads), (1, 1), "the last read came from the disk");
+}
+
+/// A read waiting for a write that fails fails with the write's error;
+/// the record is removed once, and a later read misses.
+#[test]
+fn a_failed_write_fails_the_reads_waiting_for_it() {
+    let mut t = tier(1 << 20, 1, 8);
+    t.io_mut().set_faults(SimFaults { eio_write: 1.0, ..SimFaults::none() });
+    let (s, b) = block(7, 2, 5_000);
+    assert!(matches!(t.write(&key(0), &s, &b), Ok(WriteOutcome::Queued { .. })));
+    let tags = [t.read(&key(0)).unwrap(), t.read(&key(0)).unwrap()];
+    let evs = t.drain().unwrap();
+    for tag in tags {
+        assert_eq!(read_event(&evs, tag).expect("each read's event"), Err(IoFailure::Os(EIO)));
+    }
+    let removed = evs.iter().filter(|e| matches!(e, TierEvent::Removed { why: Removal::WriteFailed(_), .. })).count();
+    assert_eq!(removed, 1, "{evs:?}");
+    assert_eq!(t.read(&key(0)), Err(ReadRefused::NotFound));
+    let c = t.counters();
+    assert_eq!((c.read_failed, c.read_blocks, c.write_failed), (2, 0, 1));
 }
 
 /// With `read_slots`, writes never take the last slots of the backend's
@@ -422,6 +455,7 @@ fn disk_sweep_c17_c18() {
     assert!(sum.read_failures > 50, "{sum:?}");
     assert!(sum.crashes > 100, "{sum:?}");
     assert!(sum.queue_reads > 50, "reads served from the write-behind queue: {sum:?}");
+    assert!(sum.after_write_reads > 50, "reads served from a completed write's buffer: {sum:?}");
 }
 
 /// `DISK_SEED=N cargo test --lib disk::tests::replay_disk_seed -- --nocapture`

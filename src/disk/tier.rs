@@ -33,10 +33,13 @@
 //! counted: the caller drops the block as it would without a disk tier.
 //! Before copying, the block's bytes are checked against the slot
 //! checksums the caller passes (taken at seal time, C10), so a block that
-//! changed in memory since it was sealed is never written. A read of a
-//! record whose write still waits in the queue copies it from the
-//! queue's buffer and verifies the copy as a disk read's; one whose write
-//! is at the backend is refused ([`ReadRefused::Writing`]) and counted.
+//! changed in memory since it was sealed is never written. A record is
+//! readable from the moment its write is queued: a read of a record whose
+//! write still waits in the queue copies it from the queue's buffer at
+//! once; one whose write is at the backend waits for that write and is
+//! served from the buffer the completion hands back (no disk read). Both
+//! copies are verified as a disk read's (C17) and counted apart
+//! ([`TierCounters::queue_reads`], [`TierCounters::after_write_reads`]).
 //!
 //! # What a read checks (C17)
 //!
@@ -244,9 +247,6 @@ pub enum ReadRefused {
     /// The block is not on disk.
     #[error("block not on disk")]
     NotFound,
-    /// The block's write has not completed yet.
-    #[error("block still being written")]
-    Writing,
     /// The record buffer could not be allocated.
     #[error("disk tier buffer: {0}")]
     Buffer(#[from] BufError),
@@ -278,6 +278,10 @@ pub enum IoFailure {
     /// The bytes read do not verify (C17).
     #[error("record does not verify: {0}")]
     Verify(FormatError),
+    /// The tier's own bookkeeping lost the record (a bug, counted in
+    /// [`TierCounters::internal_errors`]).
+    #[error("the tier's index lost the record")]
+    Internal,
 }
 
 /// Why a record left the index.
@@ -392,9 +396,10 @@ pub struct TierCounters {
     /// write-behind queue (copied from its buffer and verified as a disk
     /// read is), not from the disk.
     pub queue_reads: u64,
-    /// Reads refused because the record's write was at the backend
-    /// ([`ReadRefused::Writing`]).
-    pub writing_misses: u64,
+    /// Of those, reads of a record whose write was at the backend: each
+    /// waited for that write and was served from the buffer its completion
+    /// handed back (verified likewise), not from the disk.
+    pub after_write_reads: u64,
     /// Block bytes returned by verified reads.
     pub read_bytes: u64,
     /// Reads failed at the device (error, short, misdirected).
@@ -464,6 +469,16 @@ struct Entry {
     write_tag: u64,
 }
 
+/// A read of a record whose write is at the backend: served from the
+/// write's buffer when it completes.
+#[derive(Debug)]
+struct AfterWrite {
+    tag: u64,
+    key: BlockKey,
+    /// The read's own buffer, of the record's read length.
+    buf: AlignedBuf,
+}
+
 #[derive(Debug, Clone)]
 struct Pending {
     kind: IoKind,
@@ -495,6 +510,8 @@ pub struct Tier<D: DiskIo> {
     waiting: VecDeque<u64>,
     /// Those operations, by tag.
     built: HashMap<u64, IoOp>,
+    /// Reads waiting for a write at the backend, by the write's tag.
+    after_write: HashMap<u64, Vec<AfterWrite>>,
     /// Record offset → operations using it.
     pins: HashMap<u64, u32>,
     /// Record offset → length, to free when its last operation ends.
@@ -569,6 +586,7 @@ impl<D: DiskIo> Tier<D> {
             ops: HashMap::new(),
             waiting: VecDeque::new(),
             built: HashMap::new(),
+            after_write: HashMap::new(),
             pins: HashMap::new(),
             doomed: HashMap::new(),
             writes_pending: 0,
@@ -634,6 +652,11 @@ impl<D: DiskIo> Tier<D> {
     /// `None` when not indexed. Does not touch the LRU order.
     pub fn lookup(&self, key: &BlockKey) -> Option<(u64, bool)> {
         self.index.get(key).map(|e| (e.generation, e.written))
+    }
+
+    /// Every indexed block (written or being written).
+    pub fn keys(&self) -> Vec<BlockKey> {
+        self.index.keys().cloned().collect()
     }
 
     /// Every indexed block whose write completed, with its generation.
@@ -804,85 +827,99 @@ impl<D: DiskIo> Tier<D> {
     ///
     /// # Errors
     /// [`ReadRefused::NotFound`] (a miss, counted),
-    /// [`ReadRefused::Writing`] while its write is at the backend (a
-    /// record whose write still waits in the queue is read from the
-    /// queue's buffer: its event comes with the next poll),
-    /// [`ReadRefused::Buffer`].
+    /// [`ReadRefused::Buffer`]. A record whose write has not completed is
+    /// read from that write's buffer: at once while the write waits in the
+    /// queue (its event comes with the next poll), else when the write
+    /// completes (a failed write fails the read).
     pub fn read(&mut self, key: &BlockKey) -> Result<u64, ReadRefused> {
         let Some(e) = self.index.get(key) else {
             self.counters.misses += 1;
             return Err(ReadRefused::NotFound);
         };
         let (offset, len, generation, payload_len) = (e.offset, e.read_len, e.generation, e.payload_len);
-        if !e.written {
-            let write_tag = e.write_tag;
-            if !self.built.contains_key(&write_tag) {
-                self.counters.writing_misses += 1;
-                return Err(ReadRefused::Writing);
-            }
-            return self.read_queued(key, write_tag, len as usize, generation, payload_len);
+        let write_tag = (!e.written).then_some(e.write_tag);
+        if write_tag.is_some_and(|w| !self.ops.contains_key(&w)) {
+            // An unwritten record always has its write pending.
+            self.counters.internal_errors += 1;
+            return Err(ReadRefused::NotFound);
         }
         let buf = self.take_buf(len as usize)?;
         self.counters.hits += 1;
         self.touch(key);
-        let tag = self.issue(IoKind::Read, key.clone(), offset, generation, payload_len, buf);
-        self.waiting.push_front(tag);
-        self.pump();
-        Ok(tag)
-    }
-
-    /// A read of a record whose write waits in the queue (not yet at the
-    /// backend): its first `len` bytes are copied from the write's buffer
-    /// and verified as a disk read's (C17); the [`TierEvent::Read`] is
-    /// queued for the next poll. A copy that does not verify (the buffer
-    /// changed since it was checked on write) fails this read and the
-    /// write (the record is dropped, its removal reported).
-    fn read_queued(
-        &mut self,
-        key: &BlockKey,
-        write_tag: u64,
-        len: usize,
-        generation: u64,
-        payload_len: u64,
-    ) -> Result<u64, ReadRefused> {
-        let mut buf = self.take_buf(len)?;
-        match self.built.get(&write_tag).and_then(|op| op.buf.as_slice().get(..len)) {
-            Some(src) => buf.as_mut_slice().copy_from_slice(src),
-            None => {
-                // The caller found the write queued; a record longer than
-                // its own write buffer is a bug.
-                self.recycle(buf);
-                self.counters.internal_errors += 1;
-                return Err(ReadRefused::Writing);
-            }
-        }
-        self.counters.hits += 1;
-        self.touch(key);
+        let Some(write_tag) = write_tag else {
+            let tag = self.issue(IoKind::Read, key.clone(), offset, generation, payload_len, buf);
+            self.waiting.push_front(tag);
+            self.pump();
+            return Ok(tag);
+        };
         let tag = self.next_tag;
         self.next_tag += 1;
-        match self.verify_read(&buf, key, generation, payload_len) {
-            Ok((slots, payload)) => {
-                self.counters.read_blocks += 1;
-                self.counters.queue_reads += 1;
-                self.counters.read_bytes += payload_len;
-                let block = ReadBlock { buf, payload, slots, generation };
-                self.events.push(TierEvent::Read { tag, key: key.clone(), result: Ok(block) });
-            }
-            Err(e) => {
-                self.counters.verify_failures += 1;
-                tracing::warn!(error = %e, "disk tier: a queued record does not verify; its write is cancelled");
-                let f = IoFailure::Verify(e);
-                self.events.push(TierEvent::Read { tag, key: key.clone(), result: Err(f.clone()) });
-                self.recycle(buf);
-                // Never written: the write fails (counted), its record is
-                // dropped and its removal reported.
-                if let Some(op) = self.built.remove(&write_tag) {
+        match self.built.remove(&write_tag) {
+            // The write waits in the queue: copy from its buffer now. A
+            // copy that does not verify (the buffer changed since it was
+            // checked on write) fails the write too, so it never lands.
+            Some(op) => match self.read_from_write(tag, key.clone(), buf, &op.buf, generation, payload_len) {
+                Ok(()) => {
+                    self.counters.queue_reads += 1;
+                    self.built.insert(write_tag, op);
+                }
+                Err(f) => {
+                    // Never written: the write fails (counted), its record
+                    // is dropped and its removal reported.
                     self.waiting.retain(|&t| t != write_tag);
                     self.fail(write_tag, op.buf, f);
                 }
-            }
+            },
+            None => self.after_write.entry(write_tag).or_default().push(AfterWrite { tag, key: key.clone(), buf }),
         }
         Ok(tag)
+    }
+
+    /// Serves read `tag` of `key` from `src`, the buffer of the record's
+    /// write: copies the record (`buf`'s length) into `buf` and verifies it
+    /// as a disk read's (C17); queues the [`TierEvent::Read`], Ok or
+    /// failed, and counts it.
+    ///
+    /// # Errors
+    /// The copy's failure (the caller drops the record).
+    fn read_from_write(
+        &mut self,
+        tag: u64,
+        key: BlockKey,
+        mut buf: AlignedBuf,
+        src: &AlignedBuf,
+        generation: u64,
+        payload_len: u64,
+    ) -> Result<(), IoFailure> {
+        let len = buf.len();
+        let checked = match src.as_slice().get(..len) {
+            Some(s) => {
+                buf.as_mut_slice().copy_from_slice(s);
+                self.verify_read(&buf, &key, generation, payload_len).map_err(IoFailure::Verify)
+            }
+            // A record longer than its own write's buffer: a bug, reported
+            // as a short read.
+            None => {
+                self.counters.internal_errors += 1;
+                Err(IoFailure::Short { done: src.len(), len })
+            }
+        };
+        match checked {
+            Ok((slots, payload)) => {
+                self.counters.read_blocks += 1;
+                self.counters.read_bytes += payload_len;
+                let block = ReadBlock { buf, payload, slots, generation };
+                self.events.push(TierEvent::Read { tag, key, result: Ok(block) });
+                Ok(())
+            }
+            Err(f) => {
+                self.counters.verify_failures += 1;
+                tracing::warn!(error = %f, "disk tier: a record copied from its write's buffer does not verify; it is dropped");
+                self.events.push(TierEvent::Read { tag, key, result: Err(f.clone()) });
+                self.recycle(buf);
+                Err(f)
+            }
+        }
     }
 
     /// The record in `buf` checked against the index's identity of `key`
@@ -1146,9 +1183,20 @@ impl<D: DiskIo> Tier<D> {
                         e.written = true;
                         self.counters.written_blocks += 1;
                         self.counters.written_bytes += p.payload_len;
-                        self.events.push(TierEvent::Written { key: p.key, generation: p.generation });
+                        self.events.push(TierEvent::Written { key: p.key.clone(), generation: p.generation });
+                        // Reads that waited for this write: served from
+                        // the buffer it wrote.
+                        for r in self.after_write.remove(&c.tag).unwrap_or_default() {
+                            match self.read_from_write(r.tag, r.key, r.buf, &c.buf, p.generation, p.payload_len) {
+                                Ok(()) => self.counters.after_write_reads += 1,
+                                Err(f) => self.drop_record(&p.key, p.generation, Removal::ReadFailed(f)),
+                            }
+                        }
                     }
-                    _ => self.counters.internal_errors += 1,
+                    _ => {
+                        self.counters.internal_errors += 1;
+                        self.fail_reads_after(c.tag, &IoFailure::Internal);
+                    }
                 }
                 self.recycle(c.buf);
             }
@@ -1185,6 +1233,7 @@ impl<D: DiskIo> Tier<D> {
             IoKind::Write => {
                 self.writes_pending -= 1;
                 self.counters.write_failed += 1;
+                self.fail_reads_after(tag, &f);
                 if f == IoFailure::Os(ENOSPC) {
                     self.counters.write_enospc += 1;
                     tracing::warn!("disk tier: the device is out of space (ENOSPC); the block is dropped");
@@ -1196,6 +1245,15 @@ impl<D: DiskIo> Tier<D> {
                 self.events.push(TierEvent::Read { tag, key: p.key.clone(), result: Err(f.clone()) });
                 self.drop_record(&p.key, p.generation, Removal::ReadFailed(f));
             }
+        }
+    }
+
+    /// Fails every read waiting for write `write_tag` with `f`.
+    fn fail_reads_after(&mut self, write_tag: u64, f: &IoFailure) {
+        for r in self.after_write.remove(&write_tag).unwrap_or_default() {
+            self.counters.read_failed += 1;
+            self.events.push(TierEvent::Read { tag: r.tag, key: r.key, result: Err(f.clone()) });
+            self.recycle(r.buf);
         }
     }
 

@@ -365,7 +365,7 @@ pub struct DiskMetrics {
     /// Blocks staged from disk into the pool (verified, sealed).
     pub staged_blocks: AtomicU64,
     /// Stagings that failed: the read failed or did not verify, the record
-    /// was not readable (still being written), or no pool room.
+    /// left the tier before its read, or no pool room.
     pub stage_failures: AtomicU64,
     /// Of those, stagings that found no room in the pool (every block
     /// pinned, or held by the staging itself).
@@ -514,7 +514,7 @@ pub(crate) fn slot_sums(f: &LayoutFamily, checksums: &[u32]) -> Option<Vec<SlotS
 pub(crate) enum ReadEnd {
     /// Verified bytes.
     Block(ReadBlock),
-    /// Not on disk, or not readable yet (still being written).
+    /// The tier holds no record of the block (it left since the lookup).
     Absent,
     /// The read failed or did not verify (the record was dropped).
     Failed,
@@ -588,19 +588,16 @@ impl DiskTier {
         &self.metrics
     }
 
-    /// Whether `key`'s record is on disk and readable (its write completed).
-    pub(crate) fn on_disk(&self, key: &BlockKey) -> bool {
-        matches!(self.state.lock().expect("disk lock").tier.lookup(key), Some((_, true)))
-    }
-
-    /// Whether `key` has a record (written or being written).
+    /// Whether `key` has a record: on disk, or being written (readable
+    /// too: the tier serves it from its write's buffer).
     pub(crate) fn indexed(&self, key: &BlockKey) -> bool {
         self.state.lock().expect("disk lock").tier.lookup(key).is_some()
     }
 
-    /// Every block with a completed record, by namespace (the backfill).
-    pub(crate) fn written_keys(&self) -> Vec<BlockKey> {
-        self.state.lock().expect("disk lock").tier.written_keys().into_iter().map(|(k, _)| k).collect()
+    /// Every block with a record, written or being written (the
+    /// backfill: each is readable).
+    pub(crate) fn keys(&self) -> Vec<BlockKey> {
+        self.state.lock().expect("disk lock").tier.keys()
     }
 
     /// Hands a pool victim to the write-behind queue. `true` when the tier
@@ -648,7 +645,7 @@ impl DiskTier {
                     st.readers.insert(tag, (tx, started));
                     rx
                 }
-                Err(ReadRefused::NotFound | ReadRefused::Writing) => return ReadEnd::Absent,
+                Err(ReadRefused::NotFound) => return ReadEnd::Absent,
                 Err(ReadRefused::Buffer(e)) => {
                     tracing::warn!(error = %e, "disk tier: no read buffer");
                     return ReadEnd::Failed;
@@ -884,13 +881,14 @@ impl EngineInner {
     }
 
     /// Resident blocks per namespace: the pool's and, with a disk tier,
-    /// every block with a completed record (the backfill source, C6, C18).
+    /// every block with a record, written or being written (the backfill
+    /// source, C6, C18).
     pub(crate) fn resident_blocks(&self) -> Vec<(String, Vec<BlockHash>)> {
         let pool = self.cache.lock().expect("cache lock").resident();
         let Some(d) = &self.disk else { return pool };
         let mut by_ns: std::collections::BTreeMap<String, std::collections::BTreeSet<BlockHash>> =
             pool.into_iter().map(|(ns, v)| (ns, v.into_iter().collect())).collect();
-        for k in d.written_keys() {
+        for k in d.keys() {
             by_ns.entry(k.namespace.to_string()).or_default().insert(k.hash);
         }
         by_ns.into_iter().map(|(ns, set)| (ns, set.into_iter().collect())).collect()
@@ -967,7 +965,7 @@ impl super::Engine {
                 continue;
             }
             let k = block_key(ns, h, family);
-            if d.on_disk(&k) {
+            if d.indexed(&k) {
                 want.push(k);
             } else if prefix {
                 break;
@@ -1048,7 +1046,7 @@ impl super::Engine {
         let inserted = self.insert_sealed(ns, key.hash.clone(), block);
         // The record may have left the tier meanwhile, its removal
         // registered: the pool holds the block now, so advertise it again.
-        if inserted && !d.on_disk(key) {
+        if inserted && !d.indexed(key) {
             let n = self.advertise(ns, std::slice::from_ref(&key.hash));
             d.metrics().readvertised.fetch_add(n as u64, Ordering::Relaxed);
         }

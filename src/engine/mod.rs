@@ -1017,7 +1017,8 @@ impl Engine {
     }
 
     /// How many hashes, from the first, are resident here (a gap ends it).
-    /// With a disk tier a block whose record is on disk counts too: a
+    /// With a disk tier a block with a record counts too (on disk, or
+    /// still being written: the tier reads it from the write's buffer): a
     /// `load`, a fetch or a peer's lock request stages it into the pool.
     pub fn query_prefix(&self, namespace: &str, hashes: &[BlockHash]) -> usize {
         let Ok((ns, layout)) = self.layout(namespace) else { return 0 };
@@ -1028,7 +1029,7 @@ impl Engine {
                 let family = disk::family_id(&layout.family());
                 hashes
                     .iter()
-                    .take_while(|h| cache.contains(&ns, h) || d.on_disk(&disk::block_key(&ns, h, family)))
+                    .take_while(|h| cache.contains(&ns, h) || d.indexed(&disk::block_key(&ns, h, family)))
                     .count()
             }
         }

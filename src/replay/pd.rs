@@ -533,9 +533,9 @@ pub struct SsdLine {
     /// Of the blocks read, those served from the write-behind queue's
     /// buffer (their write had not started yet).
     pub queue_reads: u64,
-    /// Reads that found the block's write under way at the disk: not
-    /// reads, the block was absent for them.
-    pub writing_misses: u64,
+    /// Of the blocks read, those whose write was under way at the disk:
+    /// served from that write's buffer once it completed.
+    pub after_write_reads: u64,
     /// Blocks staged into a pool from disk (local lookups, loads, peers'
     /// lock requests).
     pub staged_blocks: u64,
@@ -1239,7 +1239,7 @@ pub async fn run_with_observer(
             l.read_bytes += t.read_bytes;
             l.hits += t.hits;
             l.queue_reads += t.queue_reads;
-            l.writing_misses += t.writing_misses;
+            l.after_write_reads += t.after_write_reads;
             l.evicted += t.evicted;
             l.verify_failures += t.verify_failures;
             l.write_refused += st.write_refused;
