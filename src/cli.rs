@@ -504,16 +504,6 @@ fn print_report(r: &pd::PdReport) {
     out(&report_text(r));
 }
 
-/// `bytes` in GiB from 1 GiB on, else in MiB (a small pool or tier is
-/// not "0.00 GiB"), two decimals.
-fn size_text(bytes: u64) -> String {
-    if bytes >= 1 << 30 {
-        format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
-    } else {
-        format!("{:.2} MiB", bytes as f64 / (1u64 << 20) as f64)
-    }
-}
-
 fn report_text(r: &pd::PdReport) -> String {
     use std::fmt::Write;
     let mut s = String::new();
@@ -542,14 +532,14 @@ fn report_text(r: &pd::PdReport) -> String {
     println!("    prefill peer fetches {:>8} blocks", r.prefill_fetched);
     println!(
         "  pools                  {:>12} per node ({} blocks), {} blocks evicted (all nodes)",
-        size_text(r.pool_bytes),
+        pd::size_text(r.pool_bytes),
         r.pool_bytes / r.block_bytes.max(1),
         r.evicted_blocks
     );
     if let Some(d) = &r.ssd {
         println!(
             "  ssd                    {:>12} per node ({}): {} blocks written, {} read ({} of them from the write queue, {} from a write under way; {} hits, {} staged), {} evicted, {} verify failures, {} recovered at start",
-            size_text(d.bytes_per_node),
+            pd::size_text(d.bytes_per_node),
             d.backend,
             d.written_blocks,
             d.read_blocks,

@@ -1285,7 +1285,8 @@ fn check_ssd_space(cfg: &PdConfig) -> Result<(), PdError> {
         let (min, max) = (limits::DISK_CAPACITY_BYTES_MIN, limits::DISK_CAPACITY_BYTES_MAX);
         if !(min..=max).contains(&(cfg.ssd_bytes & !(limits::DISK_ALIGN_BYTES - 1))) {
             return Err(PdError::Config(format!(
-                "--ssd-size {} B is outside the disk tier's {min}..={max} B (1 MiB to 64 TiB per node)",
+                "--ssd-size {} ({} B) is outside the disk tier's 1 MiB to 64 TiB per node ({min}..={max} B)",
+                size_text(cfg.ssd_bytes),
                 cfg.ssd_bytes
             )));
         }
@@ -1304,7 +1305,7 @@ fn check_ssd_space(cfg: &PdConfig) -> Result<(), PdError> {
             return Err(PdError::Start(format!(
                 "--ssd-dir {}: {nodes} node tier(s) of --ssd-size {} need {:.2} GiB beyond what their files already hold, the file system has {:.2} GiB free (lower --ssd-size, or --ssd-roles prefill)",
                 dir.display(),
-                cfg.ssd_bytes,
+                size_text(cfg.ssd_bytes),
                 need as f64 / (1u64 << 30) as f64,
                 free as f64 / (1u64 << 30) as f64
             )));
@@ -1545,6 +1546,16 @@ fn union_duration(intervals: &mut [(Instant, Instant)]) -> Duration {
         total += e - s;
     }
     total
+}
+
+/// `bytes` for a person: in GiB from 1 GiB on, else in MiB (a small pool
+/// or tier is not "0.00 GiB"), two decimals.
+pub fn size_text(bytes: u64) -> String {
+    if bytes >= 1 << 30 {
+        format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
+    } else {
+        format!("{:.2} MiB", bytes as f64 / (1u64 << 20) as f64)
+    }
 }
 
 fn percentile(sorted: &[f64], q: f64) -> f64 {
