@@ -195,6 +195,11 @@ pub struct DiskTotals {
     pub recovered: u64,
     /// Stale completions ignored.
     pub stale: u64,
+    /// Reads served from the buffer of a write still queued, and from
+    /// that of a write at the disk once it completed (their stagings are
+    /// judged by `inv_disk_staged_verified` as any other's).
+    pub queue_reads: u64,
+    pub after_write_reads: u64,
 }
 
 impl DiskTotals {
@@ -215,6 +220,8 @@ impl DiskTotals {
         self.stage_timeouts += d.stage_timeouts;
         self.recovered += d.recovered_advertised;
         self.stale += d.tier.stale_completions;
+        self.queue_reads += d.tier.queue_reads;
+        self.after_write_reads += d.tier.after_write_reads;
     }
 }
 

@@ -240,7 +240,7 @@ fn summary_line(seed: u64, s: &Summary) -> String {
     let d = &r.disk;
     let _ = write!(
         out,
-        " c17_disk_staged={} c18_disk_recovered={} c18_peer_disk_staged={} disk_nodes={} disk_to_disk={} disk_evicted_ahead={} disk_written={} disk_write_refused={} disk_queue_full={} disk_write_failed={} disk_read_failed={} disk_verify_failures={} disk_evicted={} disk_stage_failures={} disk_stage_timeouts={} disk_recovered_advertised={} disk_stale={}",
+        " c17_disk_staged={} c18_disk_recovered={} c18_peer_disk_staged={} disk_nodes={} disk_to_disk={} disk_evicted_ahead={} disk_written={} disk_write_refused={} disk_queue_full={} disk_write_failed={} disk_read_failed={} disk_verify_failures={} disk_evicted={} disk_stage_failures={} disk_stage_timeouts={} disk_recovered_advertised={} disk_stale={} disk_queue_reads={} disk_after_write_reads={}",
         r.disk_staged,
         r.disk_recovered,
         d.peer_staged,
@@ -257,7 +257,9 @@ fn summary_line(seed: u64, s: &Summary) -> String {
         d.stage_failures,
         d.stage_timeouts,
         d.recovered,
-        d.stale
+        d.stale,
+        d.queue_reads,
+        d.after_write_reads
     );
     out.push_str(" faults=");
     let f: Vec<String> = s.faults.iter().map(|(k, (a, sk))| format!("{k}:{a}:{sk}")).collect();
