@@ -179,6 +179,28 @@ fn fails_with(args: &[&str], needle: &str) {
     assert!(err.contains(needle), "stderr for {args:?} lacks {needle:?}: {err}");
 }
 
+/// A pool smaller than the longest request's KV is warned about at start
+/// (a newcomer saw a quarter of the decode's blocks recomputed with no
+/// reason given); a pool that holds it is not. The log, not a terminal
+/// here, has no colour codes.
+#[test]
+fn a_pool_smaller_than_a_request_is_warned_about() {
+    let warned = |pool: &str| {
+        let out = kvferry()
+            .args(["pd", "--quiet", "--model", "tiny", "--block-tokens", "64", "--max-blocks", "40"])
+            .args(["--requests", "20", "--pool-size", pool])
+            .output()
+            .expect("run kvferry");
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "pool {pool}: {err}");
+        assert!(!err.contains('\u{1b}'), "stderr is not a terminal: no colour codes: {err:?}");
+        err.contains("larger than a node's pool")
+    };
+    // 40 blocks of 64 KiB: 2.5 MiB.
+    assert!(warned("1MiB"), "a 1 MiB pool against a 2.5 MiB request");
+    assert!(!warned("4MiB"), "a 4 MiB pool holds it");
+}
+
 #[test]
 fn bad_inputs_give_clear_errors() {
     fails_with(&["pd", "--quiet", "--trace", "/nonexistent/trace.jsonl"], "/nonexistent/trace.jsonl");

@@ -870,6 +870,13 @@ pub async fn run_with_observer(
             DEVICE_BYTES_MAX >> 30
         )));
     }
+    if device_bytes > cfg.pool_bytes {
+        tracing::warn!(
+            longest_request = %size_text(device_bytes),
+            pool = %size_text(cfg.pool_bytes),
+            "the longest request's KV is larger than a node's pool: its prefill evicts the request's first blocks while saving the rest, and the decode recomputes what it cannot fetch (raise --pool-size, or cut requests with --max-blocks)"
+        );
+    }
     let shape = Arc::new(Shape {
         ns: format!("{}-bf16-tp1-bt{}", model.name, cfg.block_tokens),
         model,
