@@ -524,8 +524,17 @@ mod real {
             t.write(&key(i), &s, &b).unwrap();
             saved.push(b);
         }
+        // Read before any completion was reaped: each from its write's
+        // buffer (queued, or at the backend once it completes).
+        let tags: Vec<u64> = (0..20).map(|i| t.read(&key(i)).unwrap()).collect();
         let evs = t.drain().unwrap();
         assert_eq!(evs.iter().filter(|e| matches!(e, TierEvent::Written { .. })).count(), 20, "{evs:?}");
+        for (i, tag) in tags.into_iter().enumerate() {
+            assert_eq!(read_event(&evs, tag).expect("each read's event").unwrap(), saved[i], "block {i}");
+        }
+        let c = t.counters();
+        assert_eq!(c.queue_reads + c.after_write_reads, 20, "{c:?}");
+        assert!(c.after_write_reads > 0, "some writes were at the backend: {c:?}");
         for i in 0..20 {
             let (got, _) = read_now(&mut t, &key(i));
             assert_eq!(got.unwrap(), saved[i as usize]);
