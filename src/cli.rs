@@ -538,8 +538,9 @@ fn report_text(r: &pd::PdReport) -> String {
     );
     if let Some(d) = &r.ssd {
         println!(
-            "  ssd                    {:>12} per node ({}): {} blocks written, {} read ({} of them from the write queue, {} from a write under way; {} hits, {} staged), {} evicted, {} verify failures, {} recovered at start",
+            "  ssd                    {:>12} per node on {} nodes ({}): {} blocks written, {} read ({} of them from the write queue, {} from a write under way; {} hits, {} staged), {} evicted, {} verify failures, {} recovered at start",
             pd::size_text(d.bytes_per_node),
+            d.nodes,
             d.backend,
             d.written_blocks,
             d.read_blocks,
@@ -1154,8 +1155,8 @@ mod tests {
         let text = report_text(&r);
         assert!(text.contains("p50 2.00, p99 9.00") && text.contains("MISSED"), "{text}");
         assert!(text.contains("16.00 MiB per node"), "a small tier in MiB: {text}");
-        r.ssd = Some(pd::SsdLine { bytes_per_node: 8 << 30, ..Default::default() });
-        assert!(report_text(&r).contains("8.00 GiB per node"));
+        r.ssd = Some(pd::SsdLine { bytes_per_node: 8 << 30, nodes: 2, ..Default::default() });
+        assert!(report_text(&r).contains("8.00 GiB per node on 2 nodes"), "{}", report_text(&r));
     }
 
     /// Issue 30: an existing file that cannot be replaced is not "No such

@@ -340,6 +340,7 @@ fn replay_with_a_disk_tier_writes_and_verifies_blocks() {
     let s = &r["ssd"];
     assert!(s.is_object(), "the report has an ssd object: {r}");
     assert_eq!(num(s, "bytes_per_node"), (16u64 << 20) as f64);
+    assert_eq!(num(s, "nodes"), 4.0, "--ssd-roles all: the two prefill and two decode nodes");
     assert!(num(s, "written_blocks") > 0.0, "blocks written to disk: {s}");
     assert!(num(s, "read_blocks") > 0.0 && num(s, "staged_blocks") > 0.0, "blocks read back from disk: {s}");
     assert_eq!(num(s, "verify_failures"), 0.0, "{s}");

@@ -517,6 +517,9 @@ pub struct PdReport {
 pub struct SsdLine {
     /// Size of each node's tier (bytes).
     pub bytes_per_node: u64,
+    /// Nodes with a tier (`--ssd-roles`: every node, or the prefill
+    /// nodes); the figures below are summed over them.
+    pub nodes: u64,
     /// Which backend ran (`io_uring + O_DIRECT`, threads, simulated).
     pub backend: String,
     /// Blocks written (records completed).
@@ -1234,8 +1237,12 @@ pub async fn run_with_observer(
     rep.startup_s = (replay_start - wall).as_secs_f64();
     rep.replay_s = replay_s;
     if let Some(first) = ssd_stats.first() {
-        let mut l =
-            SsdLine { bytes_per_node: first.capacity_bytes, backend: first.backend.clone(), ..Default::default() };
+        let mut l = SsdLine {
+            bytes_per_node: first.capacity_bytes,
+            nodes: ssd_stats.len() as u64,
+            backend: first.backend.clone(),
+            ..Default::default()
+        };
         let mut read_ns = 0u64;
         for st in &ssd_stats {
             read_ns += st.read_ns;
