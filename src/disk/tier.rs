@@ -385,8 +385,8 @@ pub struct TierCounters {
     pub write_failed: u64,
     /// Of those, `ENOSPC` from the device.
     pub write_enospc: u64,
-    /// Reads started on a block found in the index (on disk or waiting
-    /// in the write-behind queue).
+    /// Reads started on a block found in the index (on disk, or being
+    /// written: waiting in the write-behind queue or at the backend).
     pub hits: u64,
     /// Reads of a block not on disk.
     pub misses: u64,
@@ -913,7 +913,9 @@ impl<D: DiskIo> Tier<D> {
                 Ok(())
             }
             Err(f) => {
-                self.counters.verify_failures += 1;
+                if matches!(f, IoFailure::Verify(_)) {
+                    self.counters.verify_failures += 1;
+                }
                 tracing::warn!(error = %f, "disk tier: a record copied from its write's buffer does not verify; it is dropped");
                 self.events.push(TierEvent::Read { tag, key, result: Err(f.clone()) });
                 self.recycle(buf);

@@ -591,7 +591,12 @@ impl DiskTier {
     /// Whether `key` has a record: on disk, or being written (readable
     /// too: the tier serves it from its write's buffer).
     pub(crate) fn indexed(&self, key: &BlockKey) -> bool {
-        self.state.lock().expect("disk lock").tier.lookup(key).is_some()
+        self.generation(key).is_some()
+    }
+
+    /// The generation of `key`'s record, if the tier has one.
+    pub(crate) fn generation(&self, key: &BlockKey) -> Option<u64> {
+        self.state.lock().expect("disk lock").tier.lookup(key).map(|(g, _)| g)
     }
 
     /// Every block with a record, written or being written (the
@@ -1040,13 +1045,17 @@ impl super::Engine {
             );
         }
         let checksums: Arc<[u32]> = b.slots.iter().map(|s| s.crc32c).collect();
+        let read_generation = b.generation;
         d.recycle(b);
         let block = super::CachedBlock { extent: ext.seal(), checksums };
         let held = block.clone();
         let inserted = self.insert_sealed(ns, key.hash.clone(), block);
-        // The record may have left the tier meanwhile, its removal
+        // The record read may have left the tier meanwhile, its removal
         // registered: the pool holds the block now, so advertise it again.
-        if inserted && !d.indexed(key) {
+        // A newer record of the block (the pool evicted it again since)
+        // does not mean the block is still advertised: that eviction
+        // assumed so.
+        if inserted && d.generation(key) != Some(read_generation) {
             let n = self.advertise(ns, std::slice::from_ref(&key.hash));
             d.metrics().readvertised.fetch_add(n as u64, Ordering::Relaxed);
         }
