@@ -876,9 +876,8 @@ impl<D: DiskIo> Tier<D> {
     }
 
     /// Serves read `tag` of `key` from `src`, the buffer of the record's
-    /// write: copies the record (`buf`'s length) into `buf` and verifies it
-    /// as a disk read's (C17); queues the [`TierEvent::Read`], Ok or
-    /// failed, and counts it.
+    /// write: copies the record (`buf`'s length) into `buf` and settles it
+    /// as a disk read ([`settle_read`](Self::settle_read)).
     ///
     /// # Errors
     /// The copy's failure (the caller drops the record).
@@ -892,19 +891,35 @@ impl<D: DiskIo> Tier<D> {
         payload_len: u64,
     ) -> Result<(), IoFailure> {
         let len = buf.len();
-        let checked = match src.as_slice().get(..len) {
-            Some(s) => {
-                buf.as_mut_slice().copy_from_slice(s);
-                self.verify_read(&buf, &key, generation, payload_len).map_err(IoFailure::Verify)
-            }
+        let Some(s) = src.as_slice().get(..len) else {
             // A record longer than its own write's buffer: a bug, reported
             // as a short read.
-            None => {
-                self.counters.internal_errors += 1;
-                Err(IoFailure::Short { done: src.len(), len })
-            }
+            self.counters.internal_errors += 1;
+            let f = IoFailure::Short { done: src.len(), len };
+            self.events.push(TierEvent::Read { tag, key, result: Err(f.clone()) });
+            self.recycle(buf);
+            return Err(f);
         };
-        match checked {
+        buf.as_mut_slice().copy_from_slice(s);
+        self.settle_read(tag, key, buf, generation, payload_len)
+    }
+
+    /// Verifies read `tag`'s record in `buf` (C17) and queues its
+    /// [`TierEvent::Read`]: the verified block, or the failure (the buffer
+    /// is recycled); counts either. Every read ends here, from the disk or
+    /// from a write's buffer.
+    ///
+    /// # Errors
+    /// The verification's failure (the caller drops the record).
+    fn settle_read(
+        &mut self,
+        tag: u64,
+        key: BlockKey,
+        buf: AlignedBuf,
+        generation: u64,
+        payload_len: u64,
+    ) -> Result<(), IoFailure> {
+        match self.verify_read(&buf, &key, generation, payload_len) {
             Ok((slots, payload)) => {
                 self.counters.read_blocks += 1;
                 self.counters.read_bytes += payload_len;
@@ -912,11 +927,10 @@ impl<D: DiskIo> Tier<D> {
                 self.events.push(TierEvent::Read { tag, key, result: Ok(block) });
                 Ok(())
             }
-            Err(f) => {
-                if matches!(f, IoFailure::Verify(_)) {
-                    self.counters.verify_failures += 1;
-                }
-                tracing::warn!(error = %f, "disk tier: a record copied from its write's buffer does not verify; it is dropped");
+            Err(e) => {
+                self.counters.verify_failures += 1;
+                tracing::warn!(error = %e, "disk tier: a record read does not verify; it is dropped");
+                let f = IoFailure::Verify(e);
                 self.events.push(TierEvent::Read { tag, key, result: Err(f.clone()) });
                 self.recycle(buf);
                 Err(f)
@@ -1202,22 +1216,11 @@ impl<D: DiskIo> Tier<D> {
                 }
                 self.recycle(c.buf);
             }
-            IoKind::Read => match self.verify_read(&c.buf, &p.key, p.generation, p.payload_len) {
-                Ok((slots, payload)) => {
-                    self.counters.read_blocks += 1;
-                    self.counters.read_bytes += p.payload_len;
-                    let block = ReadBlock { buf: c.buf, payload, slots, generation: p.generation };
-                    self.events.push(TierEvent::Read { tag: c.tag, key: p.key, result: Ok(block) });
-                }
-                Err(e) => {
-                    self.counters.verify_failures += 1;
-                    tracing::warn!(error = %e, "disk tier: a record read back does not verify; it is dropped");
-                    let f = IoFailure::Verify(e);
-                    self.events.push(TierEvent::Read { tag: c.tag, key: p.key.clone(), result: Err(f.clone()) });
+            IoKind::Read => {
+                if let Err(f) = self.settle_read(c.tag, p.key.clone(), c.buf, p.generation, p.payload_len) {
                     self.drop_record(&p.key, p.generation, Removal::ReadFailed(f));
-                    self.recycle(c.buf);
                 }
-            },
+            }
         }
     }
 

@@ -530,8 +530,8 @@ pub struct SsdLine {
     pub read_blocks: u64,
     /// Block bytes read back and verified.
     pub read_bytes: u64,
-    /// Reads started on a block the tier holds (on disk, or waiting in
-    /// its write-behind queue).
+    /// Reads started on a block the tier holds (on disk, or being
+    /// written: waiting in its write-behind queue or at the disk).
     pub hits: u64,
     /// Of the blocks read, those served from the write-behind queue's
     /// buffer (their write had not started yet).
