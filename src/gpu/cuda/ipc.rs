@@ -381,8 +381,9 @@ impl Inner {
     /// Enqueues a peer batch chunk by chunk and waits for it. A
     /// checksummed op whose length is a whole number of stripes and whose
     /// ends are 16-byte aligned goes to the fused copy-and-checksum kernel
-    /// (one pass over HBM: coalesced loads, stores from the same
-    /// registers, the checksum from a shared-memory copy of the stripe).
+    /// (one pass over HBM: coalesced loads into a shared-memory ring of
+    /// stripes, `cp.async` on sm_80 and later, coalesced stores, the
+    /// checksum from the ring).
     /// Otherwise small ops go to the copy kernel, large ones to
     /// `cuMemcpyDtoDAsync`, and the checksum kernel reads each chunk's
     /// destination bytes on its own stream once the chunk landed.
