@@ -465,6 +465,9 @@ impl Inner {
                 while off < op.len {
                     let n = (op.len - off).min(PIECE_BYTES_MAX);
                     let (at, desc) = if fused {
+                        // The fused kernels' producer and consumer walk the
+                        // same stripes only if every piece has at least one.
+                        debug_assert!(n > 0 && n.is_multiple_of(STRIPE_BYTES), "fused piece of {n} bytes");
                         n_fused += 1;
                         (fused_at + 3 * (n_fused - 1), [from + off, to + off, n | (n_out as u64) << 32])
                     } else {
