@@ -106,6 +106,12 @@ impl DiskIo for RealDisk {
             RealDisk::Pio(d) => d.reap(wait, out),
         }
     }
+    fn reap_within(&mut self, timeout: std::time::Duration, out: &mut Vec<Completion>) -> Result<usize, Errno> {
+        match self {
+            RealDisk::Uring(d) => d.reap_within(timeout, out),
+            RealDisk::Pio(d) => d.reap_within(timeout, out),
+        }
+    }
     fn set_completion_hint(&mut self, hint: CompletionHint) -> bool {
         match self {
             RealDisk::Uring(d) => d.set_completion_hint(hint),

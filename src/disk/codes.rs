@@ -74,6 +74,7 @@ impl TierError {
             TierError::Space(e) => e.code(),
             TierError::Buffer(e) => e.code(),
             TierError::Backend(_) => "disk_tier_backend",
+            TierError::RecoveryStalled { .. } => "disk_tier_recovery_stalled",
         }
     }
 }

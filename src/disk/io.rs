@@ -157,7 +157,8 @@ pub struct Refused {
 }
 
 /// The disk door. Every method is non-blocking except
-/// [`reap`](DiskIo::reap) with `wait = true`.
+/// [`reap`](DiskIo::reap) with `wait = true` and
+/// [`reap_within`](DiskIo::reap_within).
 pub trait DiskIo: Send {
     /// Which backend this is.
     fn kind(&self) -> BackendKind;
@@ -189,6 +190,19 @@ pub trait DiskIo: Send {
     /// operations' buffers stay owned by it and are released on drop,
     /// after the kernel finished with them).
     fn reap(&mut self, wait: bool, out: &mut Vec<Completion>) -> Result<usize, Errno>;
+
+    /// As [`reap`](DiskIo::reap) with `wait`, but waits at most `timeout`
+    /// for the first completion: `Ok(0)` with operations in flight means
+    /// none finished in time (a disk that hangs). The default waits as
+    /// `reap` does, for backends whose wait cannot hang (a simulated
+    /// backend returns `Ok(0)` at once while it is stalled).
+    ///
+    /// # Errors
+    /// As [`reap`](DiskIo::reap).
+    fn reap_within(&mut self, timeout: std::time::Duration, out: &mut Vec<Completion>) -> Result<usize, Errno> {
+        let _ = timeout;
+        self.reap(true, out)
+    }
 
     /// Asks the backend to call `hint` whenever operations complete (see
     /// [`CompletionHint`]); returns whether it will. A backend that cannot

@@ -214,6 +214,21 @@ impl DiskIo for PioDisk {
         Ok(n)
     }
 
+    fn reap_within(&mut self, timeout: std::time::Duration, out: &mut Vec<Completion>) -> Result<usize, Errno> {
+        if self.in_flight == 0 {
+            return self.reap(false, out);
+        }
+        match self.done.recv_timeout(timeout) {
+            Ok(c) => {
+                out.push(c);
+                self.in_flight -= 1;
+                Ok(1 + self.reap(false, out)?)
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Ok(0),
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Err(EIO),
+        }
+    }
+
     fn set_completion_hint(&mut self, hint: CompletionHint) -> bool {
         // Set once; a second hint is refused (the first stays).
         self.hint.set(hint).is_ok()

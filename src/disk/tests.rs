@@ -361,6 +361,34 @@ fn recovery_keeps_what_verifies() {
     assert_eq!(t.write(&key(99), &s, &b), Ok(WriteOutcome::Queued { generation: 9 }));
 }
 
+/// A disk that hangs at start: recovery's read never completes, and the
+/// open fails with `RecoveryStalled` (naming where) instead of waiting
+/// for ever; the disk, once it answers again, opens as before.
+#[test]
+fn recovery_on_a_hung_disk_fails_instead_of_waiting() {
+    let mut t = tier(1 << 20, 4, 16);
+    for i in 0..4 {
+        let (s, b) = block(i, 2, 3000 + i as usize);
+        t.write(&key(i), &s, &b).unwrap();
+    }
+    t.drain().unwrap();
+    let disk = t.into_io().crash();
+    let stall = disk.stall_switch();
+    stall.store(true, std::sync::atomic::Ordering::Relaxed);
+    let e = Tier::open(disk, TierConfig::default()).expect_err("a hung disk cannot be recovered");
+    assert!(matches!(e, super::tier::TierError::RecoveryStalled { offset: 0, .. }), "{e}");
+    assert!(e.to_string().contains("did not complete"), "{e}");
+}
+
+/// A bad write-behind bound is refused, and the error names the range
+/// the limit allows.
+#[test]
+fn a_write_queue_out_of_range_names_the_allowed_range() {
+    let bad = TierConfig { write_queue_max: crate::limits::DISK_WRITE_QUEUE_MAX + 1, ..TierConfig::default() };
+    let e = Tier::open(SimDisk::new(1 << 20, 4, 3), bad).expect_err("out of range");
+    assert!(e.to_string().contains(&format!("1..={}", crate::limits::DISK_WRITE_QUEUE_MAX)), "{e}");
+}
+
 /// With a record alignment, records whose padding to it stays small take
 /// a multiple of it (records of one size thus also start on it); reads and
 /// recovery work the same.
@@ -546,6 +574,35 @@ mod real {
         assert_eq!(rec.blocks.len(), 20);
         let (got, _) = read_now(&mut t, &key(13));
         assert_eq!(got.unwrap(), saved[13]);
+    }
+
+    /// `reap_within` hands back a finished read, and returns at once with
+    /// nothing in flight, on every real backend.
+    #[test]
+    fn reap_within_returns_a_completion_and_does_not_wait_for_nothing() {
+        for choice in [BackendChoice::IoUring, BackendChoice::Pio] {
+            let d = dir();
+            let mut disk = match open_backend(d.path(), 1 << 20, 4, choice) {
+                Ok(x) => x,
+                Err(e @ (OpenError::DirectIoRefused { .. } | OpenError::NoUring { .. })) => {
+                    println!("SKIPPED ({choice:?}): {e}");
+                    continue;
+                }
+                Err(e) => panic!("{e}"),
+            };
+            let mut out = Vec::new();
+            let t0 = std::time::Instant::now();
+            assert_eq!(disk.reap_within(std::time::Duration::from_secs(5), &mut out).unwrap(), 0);
+            assert!(t0.elapsed() < std::time::Duration::from_secs(1), "{choice:?} waited with nothing in flight");
+            let buf = crate::disk::buf::AlignedBuf::new(4096).unwrap();
+            disk.submit(crate::disk::io::IoOp { tag: 7, kind: crate::disk::io::IoKind::Read, offset: 8192, buf })
+                .unwrap();
+            while out.is_empty() {
+                disk.reap_within(std::time::Duration::from_secs(5), &mut out).unwrap();
+            }
+            assert_eq!((out[0].tag, out[0].result), (7, Ok(4096)), "{choice:?}");
+            assert_eq!(disk.in_flight(), 0);
+        }
     }
 
     /// Recovery reads only what was ever written: a fresh file (allocated,

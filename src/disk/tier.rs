@@ -74,8 +74,8 @@ use super::format::{self, BlockKey, Expect, FormatError, RecordHeader, SlotSum};
 use super::io::{BackendKind, Completion, DiskIo, ENOSPC, Errno, IoKind, IoOp, SubmitError};
 use crate::canary::{self, Canary};
 use crate::limits::{
-    DISK_ALIGN_BYTES, DISK_RECORD_ALIGN_MAX, DISK_RECOVERY_CHUNK_BYTES, DISK_SPARE_BUFFERS_MAX,
-    DISK_WRITE_QUEUE_DEFAULT, DISK_WRITE_QUEUE_MAX, EVICTION_SCAN_MAX,
+    DISK_ALIGN_BYTES, DISK_RECORD_ALIGN_MAX, DISK_RECOVERY_CHUNK_BYTES, DISK_RECOVERY_READ_TIMEOUT_MS,
+    DISK_SPARE_BUFFERS_MAX, DISK_WRITE_QUEUE_DEFAULT, DISK_WRITE_QUEUE_MAX, EVICTION_SCAN_MAX,
 };
 use crate::memory::pool::{ExtentAllocator, PoolError};
 
@@ -192,6 +192,16 @@ pub enum TierError {
     /// The backend failed while recovery waited on it.
     #[error("disk tier backend failed during recovery: {0}")]
     Backend(Errno),
+    /// A recovery read did not complete in time: the disk hangs. The
+    /// backend, whose read still owns a buffer, is dropped on a thread of
+    /// its own, so nothing waits for it.
+    #[error("disk tier recovery: a read at byte {offset} did not complete within {waited_ms} ms (the disk hangs)")]
+    RecoveryStalled {
+        /// Where the read started (bytes into the tier's file).
+        offset: u64,
+        /// How long recovery waited (ms).
+        waited_ms: u64,
+    },
 }
 
 /// Why a write was not accepted. Each is counted; none blocks.
@@ -553,14 +563,20 @@ impl<D: DiskIo> Tier<D> {
     /// `1..=DISK_WRITE_QUEUE_MAX`; [`TierError::Space`] when the file is
     /// smaller than one unit; [`TierError::Buffer`] when a scan buffer
     /// cannot be allocated; [`TierError::Backend`] when the backend fails
-    /// while recovery waits on it. A read error or short read during the
-    /// scan only skips that range (counted).
-    pub fn open(io: D, cfg: TierConfig) -> Result<(Self, Recovery), TierError> {
+    /// while recovery waits on it; [`TierError::RecoveryStalled`] when a
+    /// recovery read does not complete within
+    /// [`DISK_RECOVERY_READ_TIMEOUT_MS`] (a disk that hangs: the open
+    /// fails instead of hanging the caller). A read error or short read
+    /// during the scan only skips that range (counted).
+    pub fn open(io: D, cfg: TierConfig) -> Result<(Self, Recovery), TierError>
+    where
+        D: 'static,
+    {
         if cfg.write_queue_max == 0 || cfg.write_queue_max > DISK_WRITE_QUEUE_MAX {
             return Err(TierError::BadConfig {
                 field: "write_queue_max",
                 value: cfg.write_queue_max as u64,
-                allowed: "1..=4096",
+                allowed: "1..=16384",
             });
         }
         let ra = cfg.record_align;
@@ -598,8 +614,22 @@ impl<D: DiskIo> Tier<D> {
             events: Vec::new(),
             counters: TierCounters::default(),
         };
-        let rec = t.recover()?;
-        Ok((t, rec))
+        match t.recover() {
+            Ok(rec) => Ok((t, rec)),
+            Err(e) => {
+                if t.io.in_flight() > 0 && !crate::rt::SIMULATED {
+                    // Dropping a real backend waits for its operations,
+                    // and the disk may never finish them.
+                    // Where no thread can be started, the closure is
+                    // dropped unrun and the backend is leaked.
+                    let io = std::mem::ManuallyDrop::new(t.io);
+                    let _ = std::thread::Builder::new()
+                        .name("kvferry-disk-abandoned".into())
+                        .spawn(move || drop(std::mem::ManuallyDrop::into_inner(io)));
+                }
+                Err(e)
+            }
+        }
     }
 
     /// Which backend runs.
@@ -1275,8 +1305,11 @@ impl<D: DiskIo> Tier<D> {
             return Ok((r.op.buf, Err(IoFailure::Submit(r.error))));
         }
         let mut out = Vec::new();
+        let timeout = std::time::Duration::from_millis(DISK_RECOVERY_READ_TIMEOUT_MS);
         loop {
-            self.io.reap(true, &mut out).map_err(TierError::Backend)?;
+            if self.io.reap_within(timeout, &mut out).map_err(TierError::Backend)? == 0 && self.io.in_flight() > 0 {
+                return Err(TierError::RecoveryStalled { offset, waited_ms: DISK_RECOVERY_READ_TIMEOUT_MS });
+            }
             let mut mine = None;
             for c in out.drain(..) {
                 if c.tag == tag && mine.is_none() {

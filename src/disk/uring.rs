@@ -254,6 +254,26 @@ impl DiskIo for UringDisk {
         Ok(n)
     }
 
+    fn reap_within(&mut self, timeout: std::time::Duration, out: &mut Vec<Completion>) -> Result<usize, Errno> {
+        if !self.ring.params().is_feature_ext_arg() {
+            // Kernels before 5.11 take no timeout with the wait.
+            return self.reap(true, out);
+        }
+        if !self.flight.is_empty() && self.ring.completion().is_empty() {
+            let ts = io_uring::types::Timespec::from(timeout);
+            let args = io_uring::types::SubmitArgs::new().timespec(&ts);
+            loop {
+                match self.ring.submitter().submit_with_args(1, &args) {
+                    Ok(_) => break,
+                    Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+                    Err(e) if e.raw_os_error() == Some(libc::ETIME) => break,
+                    Err(e) => return Err(errno_of(&e)),
+                }
+            }
+        }
+        self.reap(false, out)
+    }
+
     fn set_completion_hint(&mut self, hint: CompletionHint) -> bool {
         if self.waiter.is_some() {
             return false;

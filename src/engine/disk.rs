@@ -206,6 +206,9 @@ impl DiskIo for SimHandle {
     fn reap(&mut self, wait: bool, out: &mut Vec<Completion>) -> Result<usize, Errno> {
         self.with(|d| d.reap(wait, out)).unwrap_or(Ok(0))
     }
+    fn reap_within(&mut self, timeout: Duration, out: &mut Vec<Completion>) -> Result<usize, Errno> {
+        self.with(|d| d.reap_within(timeout, out)).unwrap_or(Ok(0))
+    }
 }
 
 /// Settings of an engine's disk tier ([`super::EngineConfig::disk`]).
@@ -324,6 +327,13 @@ impl DiskIo for NodeDisk {
             #[cfg(target_os = "linux")]
             NodeDisk::Real(d) => d.reap(wait, out),
             NodeDisk::Sim(d) => d.reap(wait, out),
+        }
+    }
+    fn reap_within(&mut self, timeout: Duration, out: &mut Vec<Completion>) -> Result<usize, Errno> {
+        match self {
+            #[cfg(target_os = "linux")]
+            NodeDisk::Real(d) => d.reap_within(timeout, out),
+            NodeDisk::Sim(d) => d.reap_within(timeout, out),
         }
     }
     fn set_completion_hint(&mut self, hint: crate::disk::io::CompletionHint) -> bool {
