@@ -585,10 +585,10 @@ pub const DISK_THREADS_MAX: usize = 16;
 pub const DISK_RECOVERY_CHUNK_BYTES: u64 = 8 << 20;
 
 /// How long recovery waits for one read before it gives up on the disk
-/// (ms): a disk that hangs at start fails the tier's open with
-/// `TierError::RecoveryStalled` instead of hanging the node's start. Real
-/// disks that fail return EIO well within it (SCSI and NVMe command
-/// timeouts are 30 s by default, then retried).
+/// (ms): a disk that hangs during the recovery scan fails the tier's open
+/// with `TierError::RecoveryStalled` instead of hanging the node's start.
+/// A failing disk usually returns EIO before it (NVMe and SCSI command
+/// timeouts are 30 s by default), though retries can take longer.
 pub const DISK_RECOVERY_READ_TIMEOUT_MS: u64 = 120_000;
 
 /// Spare I/O buffers the tier keeps for reuse after their operation

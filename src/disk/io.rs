@@ -194,8 +194,9 @@ pub trait DiskIo: Send {
     /// As [`reap`](DiskIo::reap) with `wait`, but waits at most `timeout`
     /// for the first completion: `Ok(0)` with operations in flight means
     /// none finished in time (a disk that hangs). The default waits as
-    /// `reap` does, for backends whose wait cannot hang (a simulated
-    /// backend returns `Ok(0)` at once while it is stalled).
+    /// `reap` does (the simulated backend, which returns `Ok(0)` at once
+    /// while it is stalled); io_uring on kernels before 5.11 (no timeout
+    /// with its wait) waits unbounded too.
     ///
     /// # Errors
     /// As [`reap`](DiskIo::reap).

@@ -361,9 +361,9 @@ fn recovery_keeps_what_verifies() {
     assert_eq!(t.write(&key(99), &s, &b), Ok(WriteOutcome::Queued { generation: 9 }));
 }
 
-/// A disk that hangs at start: recovery's read never completes, and the
-/// open fails with `RecoveryStalled` (naming where) instead of waiting
-/// for ever; the disk, once it answers again, opens as before.
+/// A disk that hangs during the recovery scan: the read never completes,
+/// and the open fails with `RecoveryStalled` (naming where) instead of
+/// waiting for ever (the simulated disk reports its stall at once).
 #[test]
 fn recovery_on_a_hung_disk_fails_instead_of_waiting() {
     let mut t = tier(1 << 20, 4, 16);

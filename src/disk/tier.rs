@@ -195,7 +195,7 @@ pub enum TierError {
     /// A recovery read did not complete in time: the disk hangs. The
     /// backend, whose read still owns a buffer, is dropped on a thread of
     /// its own, so nothing waits for it.
-    #[error("disk tier recovery: a read at byte {offset} did not complete within {waited_ms} ms (the disk hangs)")]
+    #[error("disk tier recovery: a read at byte {offset} did not complete (waited {waited_ms} ms; the disk hangs)")]
     RecoveryStalled {
         /// Where the read started (bytes into the tier's file).
         offset: u64,
@@ -1306,9 +1306,11 @@ impl<D: DiskIo> Tier<D> {
         }
         let mut out = Vec::new();
         let timeout = std::time::Duration::from_millis(DISK_RECOVERY_READ_TIMEOUT_MS);
+        let t0 = std::time::Instant::now();
         loop {
             if self.io.reap_within(timeout, &mut out).map_err(TierError::Backend)? == 0 && self.io.in_flight() > 0 {
-                return Err(TierError::RecoveryStalled { offset, waited_ms: DISK_RECOVERY_READ_TIMEOUT_MS });
+                let waited_ms = t0.elapsed().as_millis() as u64;
+                return Err(TierError::RecoveryStalled { offset, waited_ms });
             }
             let mut mine = None;
             for c in out.drain(..) {

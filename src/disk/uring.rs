@@ -260,9 +260,11 @@ impl DiskIo for UringDisk {
             return self.reap(true, out);
         }
         if !self.flight.is_empty() && self.ring.completion().is_empty() {
-            let ts = io_uring::types::Timespec::from(timeout);
-            let args = io_uring::types::SubmitArgs::new().timespec(&ts);
+            let end = std::time::Instant::now() + timeout;
             loop {
+                // What is left of the timeout: a signal does not restart it.
+                let ts = io_uring::types::Timespec::from(end.saturating_duration_since(std::time::Instant::now()));
+                let args = io_uring::types::SubmitArgs::new().timespec(&ts);
                 match self.ring.submitter().submit_with_args(1, &args) {
                     Ok(_) => break,
                     Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
