@@ -22,6 +22,7 @@ impl super::file::OpenError {
             OpenError::Allocate { .. } => "disk_open_allocate",
             OpenError::Threads { .. } => "disk_open_threads",
             OpenError::NoUring { .. } => "disk_open_no_uring",
+            OpenError::Hung { .. } => "disk_open_hung",
         }
     }
 }

@@ -97,7 +97,8 @@ pub enum OpenError {
         /// What the OS said.
         source: std::io::Error,
     },
-    /// The thread backend could not start its threads.
+    /// A thread the tier needs (the thread backend's, or the open's probe
+    /// read) could not be started.
     #[error("cannot start disk tier threads: {source}")]
     Threads {
         /// What the OS said.
@@ -108,6 +109,16 @@ pub enum OpenError {
     NoUring {
         /// What the OS said.
         source: std::io::Error,
+    },
+    /// The probe read of the file's first page did not complete within
+    /// `DISK_RECOVERY_READ_TIMEOUT_MS`: the disk hangs. The read is left
+    /// to a thread of its own, which owns its buffer.
+    #[error("disk tier file {path}: a read of its first page did not complete within {waited_ms} ms (the disk hangs)")]
+    Hung {
+        /// The file.
+        path: PathBuf,
+        /// How long the open waited (ms).
+        waited_ms: u64,
     },
 }
 
@@ -256,14 +267,27 @@ impl DiskFile {
                 }
             }
         }
-        // Probe: one aligned direct read must work.
+        // Probe: one aligned direct read must work, within a bound (a disk
+        // that hangs fails the open instead of hanging the caller).
         let mut probe = AlignedBuf::new(DISK_ALIGN_BYTES as usize).map_err(|_| OpenError::Allocate {
             path: path.clone(),
             bytes: DISK_ALIGN_BYTES,
             source: std::io::Error::from(std::io::ErrorKind::OutOfMemory),
         })?;
-        if let Err(source) = file.read_at(probe.as_mut_slice(), 0) {
-            return Err(OpenError::DirectIoRefused { path, source });
+        let reader = file.try_clone().map_err(|source| OpenError::Open { path: path.clone(), source })?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        let started = std::thread::Builder::new().name("kvferry-disk-probe".into()).spawn(move || {
+            let _ = tx.send(reader.read_at(probe.as_mut_slice(), 0));
+        });
+        if let Err(source) = started {
+            return Err(OpenError::Threads { source });
+        }
+        let timeout = std::time::Duration::from_millis(crate::limits::DISK_RECOVERY_READ_TIMEOUT_MS);
+        let t0 = std::time::Instant::now();
+        match rx.recv_timeout(timeout) {
+            Ok(Ok(_)) => {}
+            Ok(Err(source)) => return Err(OpenError::DirectIoRefused { path, source }),
+            Err(_) => return Err(OpenError::Hung { path, waited_ms: t0.elapsed().as_millis() as u64 }),
         }
         Ok(Self { file, path, capacity, _lock: None })
     }

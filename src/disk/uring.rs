@@ -139,10 +139,23 @@ fn probe(ring: &mut IoUring, fd: std::os::fd::RawFd) -> std::io::Result<()> {
     if unsafe { ring.submission().push(&entry) }.is_err() {
         return Err(std::io::Error::other("io_uring submission queue full"));
     }
+    // Bounded where the kernel takes a timeout with the wait (5.11+): a
+    // probe that does not complete leaves no completion, and its buffer
+    // is leaked below.
+    let end =
+        std::time::Instant::now() + std::time::Duration::from_millis(crate::limits::DISK_RECOVERY_READ_TIMEOUT_MS);
+    let bounded = ring.params().is_feature_ext_arg();
     loop {
-        match ring.submit_and_wait(1) {
+        let waited = if bounded {
+            let ts = types::Timespec::from(end.saturating_duration_since(std::time::Instant::now()));
+            ring.submitter().submit_with_args(1, &types::SubmitArgs::new().timespec(&ts))
+        } else {
+            ring.submit_and_wait(1)
+        };
+        match waited {
             Ok(_) => break,
             Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+            Err(e) if e.raw_os_error() == Some(libc::ETIME) => break,
             Err(e) => {
                 std::mem::forget(buf);
                 return Err(e);
@@ -155,7 +168,7 @@ fn probe(ring: &mut IoUring, fd: std::os::fd::RawFd) -> std::io::Result<()> {
         Some(r) => Err(std::io::Error::from_raw_os_error(-r)),
         None => {
             std::mem::forget(buf);
-            Err(std::io::Error::other("io_uring probe: no completion"))
+            Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "io_uring probe: no completion (the disk hangs)"))
         }
     }
 }
