@@ -131,7 +131,7 @@ enum BenchCmd {
         #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u64).range(1..=kvferry::limits::TCP_CONNECTIONS_PER_PEER_MAX as u64))]
         connections: Vec<u64>,
         /// Read parts the fetch keeps in flight (as `pd --reads-in-flight`).
-        #[arg(long, default_value_t = kvferry::limits::FETCH_READS_IN_FLIGHT, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=64))]
+        #[arg(long, allow_negative_numbers = true, default_value_t = kvferry::limits::FETCH_READS_IN_FLIGHT, value_parser = clap::builder::RangedI64ValueParser::<usize>::new().range(1..=64))]
         reads_in_flight: usize,
     },
     /// CUDA save/load through the engine vs raw pinned copies (T1–T3); needs the `cuda` feature and a GPU.
@@ -161,16 +161,16 @@ enum BenchCmd {
         #[arg(long, default_value = "2304KiB", value_parser = parse_size)]
         block: u64,
         /// Checksummed slots per block (layers).
-        #[arg(long, default_value_t = 36, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=kvferry::limits::DISK_SLOTS_MAX as u64))]
+        #[arg(long, allow_negative_numbers = true, default_value_t = 36, value_parser = clap::builder::RangedI64ValueParser::<usize>::new().range(1..=kvferry::limits::DISK_SLOTS_MAX as i64))]
         slots: usize,
         /// Operations in flight, tier and raw alike.
-        #[arg(long, default_value_t = kvferry::limits::DISK_QUEUE_DEPTH_DEFAULT, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=kvferry::limits::DISK_QUEUE_DEPTH_MAX as u64))]
+        #[arg(long, allow_negative_numbers = true, default_value_t = kvferry::limits::DISK_QUEUE_DEPTH_DEFAULT, value_parser = clap::builder::RangedI64ValueParser::<usize>::new().range(1..=kvferry::limits::DISK_QUEUE_DEPTH_MAX as i64))]
         queue_depth: usize,
         /// Backend: auto (io_uring, else threads), io-uring, threads.
         #[arg(long, default_value = "auto", value_parser = parse_disk_backend)]
         backend: DiskBackendArg,
         /// Repetitions (ratios: median over repetitions).
-        #[arg(long, default_value_t = 5, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=50))]
+        #[arg(long, allow_negative_numbers = true, default_value_t = 5, value_parser = clap::builder::RangedI64ValueParser::<usize>::new().range(1..=50))]
         reps: usize,
         /// The tier's largest record alignment (power of two, 4KiB..=16MiB): a record is padded to the largest power of two up to it that adds at most 1/32 of the record (4 KiB at least), as a node's tier does.
         #[arg(long, default_value = "64KiB", value_parser = parse_size)]
@@ -201,7 +201,7 @@ struct PdArgs {
     #[arg(long, default_value_t = 64)]
     block_tokens: u64,
     /// Requests to replay (at least 1).
-    #[arg(long, default_value_t = 400, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 400, value_parser = clap::builder::RangedI64ValueParser::<usize>::new().range(1..))]
     requests: usize,
     /// First request of the window.
     #[arg(long, default_value_t = 0)]
@@ -231,7 +231,7 @@ struct PdArgs {
     #[arg(long, value_enum, default_value = "all", requires = "ssd_dir")]
     ssd_roles: SsdRoles,
     /// Write-behind queue of each node's disk tier (blocks, 1-16384, each holding a record buffer of the block's size; with --ssd-dir); a full queue drops the evicted block. Default: 256 MiB of blocks and at most 1/8 of --ssd-size, at most 16384 blocks.
-    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=kvferry::limits::PD_SSD_WRITE_QUEUE_MAX as u64), requires = "ssd_dir")]
+    #[arg(long, allow_negative_numbers = true, value_parser = clap::builder::RangedI64ValueParser::<usize>::new().range(1..=kvferry::limits::PD_SSD_WRITE_QUEUE_MAX as i64), requires = "ssd_dir")]
     ssd_write_queue: Option<usize>,
     /// Whether a decode fetch from a same-host owner's shared pool copies blocks straight from the mapped pool into the decode's KV (true: one copy) or into its own pool first and then loads them (false: the two-step path, for comparison).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
@@ -243,7 +243,7 @@ struct PdArgs {
     #[arg(long, value_enum, default_value_t = Prefetch::Disk)]
     prefetch: Prefetch,
     /// Read parts a decode fetch keeps in flight (each spread over the transport's connections).
-    #[arg(long, default_value_t = kvferry::limits::FETCH_READS_IN_FLIGHT, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=64))]
+    #[arg(long, allow_negative_numbers = true, default_value_t = kvferry::limits::FETCH_READS_IN_FLIGHT, value_parser = clap::builder::RangedI64ValueParser::<usize>::new().range(1..=64))]
     reads_in_flight: usize,
     /// Most bytes of blocks per read part of a decode fetch, e.g. 64MiB (rounded down to whole blocks, at least one); a fetch too small to fill its parts in flight twice uses smaller parts, but not below 1 MiB unless this asks for less.
     #[arg(long, default_value = "64MiB", value_parser = parse_part_size, allow_hyphen_values = true)]
@@ -303,7 +303,8 @@ struct PdArgs {
         value_name = "N",
         requires = "rdma_device",
         default_value_t = kvferry::limits::VERBS_QPS_PER_PEER_DEFAULT,
-        value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=kvferry::limits::VERBS_QPS_PER_PEER_MAX as u64)
+        allow_negative_numbers = true,
+        value_parser = clap::builder::RangedI64ValueParser::<usize>::new().range(1..=kvferry::limits::VERBS_QPS_PER_PEER_MAX as i64)
     )]
     rdma_qps_per_peer: usize,
     /// Physical port of the RDMA device (1-based).
@@ -1117,6 +1118,11 @@ mod tests {
             assert!(e.contains("--blocks"), "{e}");
         }
         assert!(Cli::try_parse_from(["kvferry", "pd", "--metaserver", "http://meta-0:50055"]).is_ok());
+        // A negative count names the allowed range (not "invalid digit").
+        let e = err(&["kvferry", "pd", "--ssd-dir", "/tmp", "--ssd-write-queue", "-5"]);
+        assert!(e.contains("--ssd-write-queue") && e.contains("-5 is not in 1..=16384"), "{e}");
+        let e = err(&["kvferry", "pd", "--requests", "-3"]);
+        assert!(e.contains("--requests") && e.contains("-3 is not in 1.."), "{e}");
     }
 
     /// Issue 30: the report's T8 line, pool line and node lines.
