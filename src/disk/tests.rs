@@ -524,7 +524,7 @@ fn broken_c18recoverunverified_is_caught() {
 #[cfg(target_os = "linux")]
 mod real {
     use super::*;
-    use crate::disk::backend::{BackendChoice, backend_over, open_backend};
+    use crate::disk::backend::{BackendChoice, RealDisk, backend_over, open_backend};
     use crate::disk::file::{DiskFile, OpenError};
 
     /// A temporary directory on the repository's file system (`/tmp` may
@@ -533,16 +533,22 @@ mod real {
         tempfile::Builder::new().prefix(".disk-test-").tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap()
     }
 
-    fn round_trip(choice: BackendChoice) {
-        let d = dir();
-        let disk = match open_backend(d.path(), 8 << 20, 8, choice) {
-            Ok(x) => x,
+    /// A backend over a tier file in `dir`, or `None` (printed as
+    /// SKIPPED) where this machine refuses `O_DIRECT` or io_uring.
+    fn open_or_skip(dir: &std::path::Path, bytes: u64, depth: usize, choice: BackendChoice) -> Option<RealDisk> {
+        match open_backend(dir, bytes, depth, choice) {
+            Ok(x) => Some(x),
             Err(e @ (OpenError::DirectIoRefused { .. } | OpenError::NoUring { .. })) => {
                 println!("SKIPPED ({choice:?}): {e}");
-                return;
+                None
             }
             Err(e) => panic!("{e}"),
-        };
+        }
+    }
+
+    fn round_trip(choice: BackendChoice) {
+        let d = dir();
+        let Some(disk) = open_or_skip(d.path(), 8 << 20, 8, choice) else { return };
         println!("backend: {}", disk.kind());
         let (mut t, rec) = Tier::open(disk, TierConfig { write_queue_max: 32, ..TierConfig::default() }).unwrap();
         assert!(rec.blocks.is_empty());
@@ -582,14 +588,7 @@ mod real {
     fn reap_within_returns_a_completion_and_does_not_wait_for_nothing() {
         for choice in [BackendChoice::IoUring, BackendChoice::Pio] {
             let d = dir();
-            let mut disk = match open_backend(d.path(), 1 << 20, 4, choice) {
-                Ok(x) => x,
-                Err(e @ (OpenError::DirectIoRefused { .. } | OpenError::NoUring { .. })) => {
-                    println!("SKIPPED ({choice:?}): {e}");
-                    continue;
-                }
-                Err(e) => panic!("{e}"),
-            };
+            let Some(mut disk) = open_or_skip(d.path(), 1 << 20, 4, choice) else { continue };
             let mut out = Vec::new();
             let t0 = std::time::Instant::now();
             assert_eq!(disk.reap_within(std::time::Duration::from_secs(5), &mut out).unwrap(), 0);
@@ -614,14 +613,7 @@ mod real {
     fn recovery_skips_what_was_never_written() {
         let d = dir();
         let cap = 64u64 << 20;
-        let open = || match open_backend(d.path(), cap, 8, BackendChoice::Pio) {
-            Ok(x) => Some(x),
-            Err(e @ OpenError::DirectIoRefused { .. }) => {
-                println!("SKIPPED: {e}");
-                None
-            }
-            Err(e) => panic!("{e}"),
-        };
+        let open = || open_or_skip(d.path(), cap, 8, BackendChoice::Pio);
         // Whether this file system tells never-written preallocated space
         // from data, asked of a file of the test's own (allocated as the
         // tier's is): then the tier must skip it.
@@ -664,14 +656,7 @@ mod real {
     fn completion_hint(choice: BackendChoice) {
         use std::sync::atomic::{AtomicUsize, Ordering};
         let d = dir();
-        let mut disk = match open_backend(d.path(), 8 << 20, 8, choice) {
-            Ok(x) => x,
-            Err(e @ (OpenError::DirectIoRefused { .. } | OpenError::NoUring { .. })) => {
-                println!("SKIPPED ({choice:?}): {e}");
-                return;
-            }
-            Err(e) => panic!("{e}"),
-        };
+        let Some(mut disk) = open_or_skip(d.path(), 8 << 20, 8, choice) else { return };
         let hits = Arc::new(AtomicUsize::new(0));
         let h = hits.clone();
         if !disk.set_completion_hint(Arc::new(move || {
@@ -721,11 +706,7 @@ mod real {
     fn damaged_file_recovers_only_what_verifies() {
         use std::os::unix::fs::FileExt;
         let d = dir();
-        let disk = match open_backend(d.path(), 8 << 20, 4, BackendChoice::Auto) {
-            Ok(x) => x,
-            Err(e @ OpenError::DirectIoRefused { .. }) => return println!("SKIPPED: {e}"),
-            Err(e) => panic!("{e}"),
-        };
+        let Some(disk) = open_or_skip(d.path(), 8 << 20, 4, BackendChoice::Auto) else { return };
         let (mut t, _) = Tier::open(disk, TierConfig::default()).unwrap();
         for i in 0..10 {
             let (s, b) = block(i, 2, 8192);
