@@ -71,7 +71,7 @@ async fn prefill_leased(
     let blocks = fill_blocks(e, kv, 0, hs);
     let rep = e.save(NS, &blocks).await.expect("save");
     assert_eq!(rep.saved.len(), hs.len());
-    let fr = e.flush_saves_and_registrations(Duration::from_secs(3)).await;
+    let fr = e.flush_saves_and_registrations(Duration::from_secs(10)).await;
     assert_eq!(fr.delivered, hs.len() as u64, "{fr:?}");
     e.grant_device_lease(NS, &blocks, ttl).expect("grant")
 }
@@ -422,7 +422,10 @@ async fn tampering_owner(ms: &kvferry::metaserver::MetaServerHandle, hs: &[Block
     let node = NodeAddr::parse(&format!("127.0.0.1:{port}")).unwrap();
     let session = SessionId::random(&mut rand::rngs::StdRng::seed_from_u64(u64::from(port)));
     let mut cc = ClientConfig::new(format!("http://{}", ms.local_addr), node.clone(), session);
-    cc.rpc_timeout = RPC_TIMEOUT;
+    // Longer than the shared RPC_TIMEOUT: this owner's first registration
+    // (which also opens the channel) must land for the cases to mean
+    // anything, and on a loaded 2-core box it took over 500 ms (dropped: 6).
+    cc.rpc_timeout = Duration::from_secs(5);
     let client = MetaServerClient::start(cc).unwrap();
     let gpu: Arc<dyn Gpu> = Arc::new(HostGpu::new());
     let engine = Engine::new(node.clone(), engine_cfg(4 * MIB), gpu, client).unwrap();
