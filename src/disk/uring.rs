@@ -19,6 +19,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use io_uring::{IoUring, opcode, types};
 
@@ -129,6 +130,30 @@ impl UringDisk {
     }
 }
 
+/// Waits until `ring` has at least one completion, or until `end` where
+/// one is given and the kernel takes a timeout with the wait (5.11+;
+/// before, the wait is unbounded). A signal restarts the wait with what is
+/// left of the timeout. `Ok` once a completion arrived or the time ran out
+/// (the completion queue then is empty).
+fn wait_one(ring: &IoUring, end: Option<Instant>) -> std::io::Result<()> {
+    let end = end.filter(|_| ring.params().is_feature_ext_arg());
+    loop {
+        let waited = match end {
+            Some(end) => {
+                let ts = types::Timespec::from(end.saturating_duration_since(Instant::now()));
+                ring.submitter().submit_with_args(1, &types::SubmitArgs::new().timespec(&ts))
+            }
+            None => ring.submit_and_wait(1),
+        };
+        match waited {
+            Ok(_) => return Ok(()),
+            Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+            Err(e) if end.is_some() && e.raw_os_error() == Some(libc::ETIME) => return Ok(()),
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 /// One 4 KiB read at offset 0 through `ring`, waited for.
 fn probe(ring: &mut IoUring, fd: std::os::fd::RawFd) -> std::io::Result<()> {
     let len = crate::limits::DISK_ALIGN_BYTES as usize;
@@ -139,28 +164,12 @@ fn probe(ring: &mut IoUring, fd: std::os::fd::RawFd) -> std::io::Result<()> {
     if unsafe { ring.submission().push(&entry) }.is_err() {
         return Err(std::io::Error::other("io_uring submission queue full"));
     }
-    // Bounded where the kernel takes a timeout with the wait (5.11+): a
-    // probe that does not complete leaves no completion, and its buffer
-    // is leaked below.
-    let end =
-        std::time::Instant::now() + std::time::Duration::from_millis(crate::limits::DISK_RECOVERY_READ_TIMEOUT_MS);
-    let bounded = ring.params().is_feature_ext_arg();
-    loop {
-        let waited = if bounded {
-            let ts = types::Timespec::from(end.saturating_duration_since(std::time::Instant::now()));
-            ring.submitter().submit_with_args(1, &types::SubmitArgs::new().timespec(&ts))
-        } else {
-            ring.submit_and_wait(1)
-        };
-        match waited {
-            Ok(_) => break,
-            Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
-            Err(e) if e.raw_os_error() == Some(libc::ETIME) => break,
-            Err(e) => {
-                std::mem::forget(buf);
-                return Err(e);
-            }
-        }
+    // A probe that does not complete in time leaves no completion, and
+    // its buffer is leaked below.
+    let end = Instant::now() + Duration::from_millis(crate::limits::DISK_RECOVERY_READ_TIMEOUT_MS);
+    if let Err(e) = wait_one(ring, Some(end)) {
+        std::mem::forget(buf);
+        return Err(e);
     }
     let res = ring.completion().next().map(|c| c.result());
     match res {
@@ -248,13 +257,7 @@ impl DiskIo for UringDisk {
 
     fn reap(&mut self, wait: bool, out: &mut Vec<Completion>) -> Result<usize, Errno> {
         if wait && !self.flight.is_empty() && self.ring.completion().is_empty() {
-            loop {
-                match self.ring.submit_and_wait(1) {
-                    Ok(_) => break,
-                    Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
-                    Err(e) => return Err(errno_of(&e)),
-                }
-            }
+            wait_one(&self.ring, None).map_err(|e| errno_of(&e))?;
         }
         let mut n = 0;
         let done: Vec<(u64, i32)> = self.ring.completion().map(|c| (c.user_data(), c.result())).collect();
@@ -267,24 +270,9 @@ impl DiskIo for UringDisk {
         Ok(n)
     }
 
-    fn reap_within(&mut self, timeout: std::time::Duration, out: &mut Vec<Completion>) -> Result<usize, Errno> {
-        if !self.ring.params().is_feature_ext_arg() {
-            // Kernels before 5.11 take no timeout with the wait.
-            return self.reap(true, out);
-        }
+    fn reap_within(&mut self, timeout: Duration, out: &mut Vec<Completion>) -> Result<usize, Errno> {
         if !self.flight.is_empty() && self.ring.completion().is_empty() {
-            let end = std::time::Instant::now() + timeout;
-            loop {
-                // What is left of the timeout: a signal does not restart it.
-                let ts = io_uring::types::Timespec::from(end.saturating_duration_since(std::time::Instant::now()));
-                let args = io_uring::types::SubmitArgs::new().timespec(&ts);
-                match self.ring.submitter().submit_with_args(1, &args) {
-                    Ok(_) => break,
-                    Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
-                    Err(e) if e.raw_os_error() == Some(libc::ETIME) => break,
-                    Err(e) => return Err(errno_of(&e)),
-                }
-            }
+            wait_one(&self.ring, Some(Instant::now() + timeout)).map_err(|e| errno_of(&e))?;
         }
         self.reap(false, out)
     }
