@@ -110,10 +110,14 @@ pub enum OpenError {
         /// What the OS said.
         source: std::io::Error,
     },
-    /// The probe read of the file's first page did not complete within
-    /// `DISK_RECOVERY_READ_TIMEOUT_MS`: the disk hangs. The read is left
-    /// to a thread of its own, which owns its buffer.
-    #[error("disk tier file {path}: a read of its first page did not complete within {waited_ms} ms (the disk hangs)")]
+    /// Allocating the file's space or the probe read of its first page
+    /// did not complete within `DISK_RECOVERY_READ_TIMEOUT_MS`: the disk
+    /// hangs. The call is left to a thread of its own, which owns its file
+    /// handle and buffer.
+    #[error(
+        "disk tier file {path}: allocating its space or reading its first page did not complete within {waited_ms} ms \
+         (the disk hangs)"
+    )]
     Hung {
         /// The file.
         path: PathBuf,
@@ -226,58 +230,15 @@ impl DiskFile {
                     OpenError::Open { path: path.clone(), source }
                 }
             })?;
-        let have = file.metadata().map_err(|source| OpenError::Open { path: path.clone(), source })?.len();
-        if have < capacity {
-            // Refuse before allocating what the file system does not have:
-            // a failing fallocate first fills it (ext4 keeps the extents it
-            // got until the file is truncated), starving its other users.
-            let free = free_bytes(&file).map_err(|source| OpenError::Open { path: path.clone(), source })?;
-            if capacity - have > free {
-                if have == 0 {
-                    let _ = std::fs::remove_file(&path);
-                }
-                return Err(OpenError::Allocate {
-                    path,
-                    bytes: capacity,
-                    source: std::io::Error::from_raw_os_error(libc::ENOSPC),
-                });
-            }
-            // SAFETY: plain syscall on an fd we own.
-            let r = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, capacity as libc::off_t) };
-            if r != 0 {
-                let source = std::io::Error::last_os_error();
-                if source.raw_os_error() == Some(libc::EOPNOTSUPP) {
-                    // A file system without fallocate: a sparse file; a
-                    // later ENOSPC is a counted write failure.
-                    tracing::warn!(path = %path.display(), "disk tier: fallocate unsupported, the file is sparse");
-                    file.set_len(capacity).map_err(|source| OpenError::Allocate {
-                        path: path.clone(),
-                        bytes: capacity,
-                        source,
-                    })?;
-                } else {
-                    // Give back what a failed fallocate kept (ext4 keeps
-                    // the extents it got before ENOSPC): the file returns
-                    // to its old length, and a file this call created goes.
-                    let _ = file.set_len(have);
-                    if have == 0 {
-                        let _ = std::fs::remove_file(&path);
-                    }
-                    return Err(OpenError::Allocate { path, bytes: capacity, source });
-                }
-            }
-        }
-        // Probe: one aligned direct read must work, within a bound (a disk
-        // that hangs fails the open instead of hanging the caller).
-        let mut probe = AlignedBuf::new(DISK_ALIGN_BYTES as usize).map_err(|_| OpenError::Allocate {
-            path: path.clone(),
-            bytes: DISK_ALIGN_BYTES,
-            source: std::io::Error::from(std::io::ErrorKind::OutOfMemory),
-        })?;
-        let reader = file.try_clone().map_err(|source| OpenError::Open { path: path.clone(), source })?;
+        // Allocation and a probe read run on a thread of their own, within a
+        // bound: a disk that hangs (in `fallocate`, or in the read) fails
+        // the open instead of hanging the caller. On a timeout the thread
+        // is left blocked; it owns its file handle and buffer.
+        let worker = file.try_clone().map_err(|source| OpenError::Open { path: path.clone(), source })?;
         let (tx, rx) = std::sync::mpsc::channel();
+        let worker_path = path.clone();
         let started = std::thread::Builder::new().name("kvferry-disk-probe".into()).spawn(move || {
-            let _ = tx.send(reader.read_at(probe.as_mut_slice(), 0));
+            let _ = tx.send(allocate_and_probe(&worker, &worker_path, capacity));
         });
         if let Err(source) = started {
             return Err(OpenError::Threads { source });
@@ -285,8 +246,7 @@ impl DiskFile {
         let timeout = std::time::Duration::from_millis(crate::limits::DISK_RECOVERY_READ_TIMEOUT_MS);
         let t0 = std::time::Instant::now();
         match rx.recv_timeout(timeout) {
-            Ok(Ok(_)) => {}
-            Ok(Err(source)) => return Err(OpenError::DirectIoRefused { path, source }),
+            Ok(r) => r?,
             Err(_) => return Err(OpenError::Hung { path, waited_ms: t0.elapsed().as_millis() as u64 }),
         }
         Ok(Self { file, path, capacity, _lock: None })
@@ -323,6 +283,61 @@ impl DiskFile {
     pub fn file(&self) -> &File {
         &self.file
     }
+}
+
+/// Gives `file` its `capacity` bytes (`fallocate`, refused up front when
+/// the file system lacks the space; a sparse file where `fallocate` is not
+/// supported) and checks that one aligned direct read of its first page
+/// works. Runs on the open's probe thread.
+fn allocate_and_probe(file: &File, path: &Path, capacity: u64) -> Result<(), OpenError> {
+    let path = path.to_path_buf();
+    let have = file.metadata().map_err(|source| OpenError::Open { path: path.clone(), source })?.len();
+    if have < capacity {
+        // Refuse before allocating what the file system does not have:
+        // a failing fallocate first fills it (ext4 keeps the extents it
+        // got until the file is truncated), starving its other users.
+        let free = free_bytes(file).map_err(|source| OpenError::Open { path: path.clone(), source })?;
+        if capacity - have > free {
+            if have == 0 {
+                let _ = std::fs::remove_file(&path);
+            }
+            return Err(OpenError::Allocate {
+                path,
+                bytes: capacity,
+                source: std::io::Error::from_raw_os_error(libc::ENOSPC),
+            });
+        }
+        // SAFETY: plain syscall on an fd we own.
+        let r = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, capacity as libc::off_t) };
+        if r != 0 {
+            let source = std::io::Error::last_os_error();
+            if source.raw_os_error() == Some(libc::EOPNOTSUPP) {
+                // A file system without fallocate: a sparse file; a
+                // later ENOSPC is a counted write failure.
+                tracing::warn!(path = %path.display(), "disk tier: fallocate unsupported, the file is sparse");
+                file.set_len(capacity).map_err(|source| OpenError::Allocate {
+                    path: path.clone(),
+                    bytes: capacity,
+                    source,
+                })?;
+            } else {
+                // Give back what a failed fallocate kept (ext4 keeps
+                // the extents it got before ENOSPC): the file returns
+                // to its old length, and a file this call created goes.
+                let _ = file.set_len(have);
+                if have == 0 {
+                    let _ = std::fs::remove_file(&path);
+                }
+                return Err(OpenError::Allocate { path, bytes: capacity, source });
+            }
+        }
+    }
+    let mut probe = AlignedBuf::new(DISK_ALIGN_BYTES as usize).map_err(|_| OpenError::Allocate {
+        path: path.clone(),
+        bytes: DISK_ALIGN_BYTES,
+        source: std::io::Error::from(std::io::ErrorKind::OutOfMemory),
+    })?;
+    file.read_at(probe.as_mut_slice(), 0).map(drop).map_err(|source| OpenError::DirectIoRefused { path, source })
 }
 
 /// `dir` exists and is a directory.

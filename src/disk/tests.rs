@@ -870,4 +870,23 @@ mod real {
         let e = DiskFile::open(&missing, 8 << 20).unwrap_err().to_string();
         assert!(e.contains("does not exist"), "{e}");
     }
+
+    #[test]
+    fn a_size_beyond_the_free_space_is_refused_and_leaves_no_file() {
+        let d = dir();
+        let free = super::super::file::free_bytes_at(d.path()).unwrap();
+        let ask = (free + (1 << 30)) & !(crate::limits::DISK_ALIGN_BYTES - 1);
+        if ask > crate::limits::DISK_CAPACITY_BYTES_MAX {
+            return println!("SKIPPED: {free} B free is more than a tier may take");
+        }
+        match DiskFile::open(d.path(), ask) {
+            Err(OpenError::Allocate { bytes, source, .. }) => {
+                assert_eq!(bytes, ask);
+                assert_eq!(source.raw_os_error(), Some(libc::ENOSPC), "{source}");
+            }
+            Err(e @ OpenError::DirectIoRefused { .. }) => return println!("SKIPPED: {e}"),
+            other => panic!("{ask} B on a file system with {free} B free: {other:?}"),
+        }
+        assert!(!d.path().join(super::super::file::TIER_FILE_NAME).exists(), "the refused file was left behind");
+    }
 }
