@@ -238,7 +238,7 @@ impl DiskFile {
         let (tx, rx) = std::sync::mpsc::channel();
         let worker_path = path.clone();
         let started = std::thread::Builder::new().name("kvferry-disk-probe".into()).spawn(move || {
-            let _ = tx.send(allocate_and_probe(&worker, &worker_path, capacity));
+            let _ = tx.send(allocate_and_probe(&worker, worker_path, capacity));
         });
         if let Err(source) = started {
             return Err(OpenError::Threads { source });
@@ -289,8 +289,7 @@ impl DiskFile {
 /// the file system lacks the space; a sparse file where `fallocate` is not
 /// supported) and checks that one aligned direct read of its first page
 /// works. Runs on the open's probe thread.
-fn allocate_and_probe(file: &File, path: &Path, capacity: u64) -> Result<(), OpenError> {
-    let path = path.to_path_buf();
+fn allocate_and_probe(file: &File, path: PathBuf, capacity: u64) -> Result<(), OpenError> {
     let have = file.metadata().map_err(|source| OpenError::Open { path: path.clone(), source })?.len();
     if have < capacity {
         // Refuse before allocating what the file system does not have:
