@@ -196,18 +196,20 @@ pub fn kernel_tables() -> Vec<u32> {
     v
 }
 
-/// CPU model of the fused copy-and-checksum kernel on one piece (a whole
-/// number of stripes, at most [`PIECE_BYTES_MAX`]): the kernel reads each
-/// stripe with coalesced loads, and thread `t` folds bytes
+/// CPU model of the fused copy-and-checksum kernel on one *item* (on
+/// sm_80 and later a run of pieces of one checksum range, together a whole
+/// number of stripes, any length; on older devices one piece): the kernel
+/// reads each stripe with coalesced loads, and thread `t` folds bytes
 /// `[32t, 32t+32)` of every stripe into its accumulator, first shifting
 /// the accumulator past the stripe less its own 32 bytes
 /// (`acc' = raw_update(acc · x^(8·(STRIPE−32)), lane chunk)`, i.e.
 /// `acc · x^(8·STRIPE) ⊕ raw(lane chunk)`); at the end each accumulator is
-/// shifted to the piece's end (`end_shift[t]`) and all are xored —
-/// linearity of the raw CRC.
-pub fn fused_piece_raw_model(tables: &[u32], piece: &[u8]) -> u32 {
-    let len = piece.len() as u64;
-    assert!(len > 0 && len <= PIECE_BYTES_MAX && len.is_multiple_of(STRIPE_BYTES), "piece length {len}");
+/// shifted to the item's end (`end_shift[t]`, the same for every length)
+/// and all are xored — linearity of the raw CRC. Where the item's pieces
+/// end does not matter.
+pub fn fused_piece_raw_model(tables: &[u32], item: &[u8]) -> u32 {
+    let len = item.len() as u64;
+    assert!(len > 0 && len.is_multiple_of(STRIPE_BYTES), "item length {len}");
     let mut t = [[0u32; 256]; 4];
     for (k, row) in t.iter_mut().enumerate() {
         row.copy_from_slice(&tables[256 * k..256 * (k + 1)]);
@@ -219,7 +221,7 @@ pub fn fused_piece_raw_model(tables: &[u32], piece: &[u8]) -> u32 {
     let shift = ShiftTable(shift);
     let lane = LANE_BYTES as usize;
     (0..CHUNKS_PER_PIECE as usize).fold(0, |x, tid| {
-        let acc = piece
+        let acc = item
             .chunks(STRIPE_BYTES as usize)
             .fold(0, |acc, stripe| raw_update(&t, shift.apply(acc), &stripe[lane * tid..lane * (tid + 1)]));
         x ^ mul_mod(acc, tables[END_SHIFT_AT + tid])
@@ -458,6 +460,16 @@ mod tests {
                 assert_eq!(raw, piece_raw_model(&tables, &d[..n]), "agrees with the two-pass kernel's model");
             }
         }
+    }
+
+    #[test]
+    fn a_fused_item_longer_than_a_piece_is_the_crc_of_its_bytes() {
+        let tables = kernel_tables();
+        // 37 stripes: several 64 KiB pieces and a shorter one, as an item
+        // of scattered segments is.
+        let d = bytes(37 * STRIPE_BYTES as usize, 77);
+        let raw = fused_piece_raw_model(&tables, &d);
+        assert_eq!(raw_to_standard(raw, d.len() as u64), crc32c::crc32c(&d));
     }
 
     fn ranges_of(spec: &[(usize, u64, u64)]) -> Vec<ChecksumRange> {

@@ -160,6 +160,32 @@ extern "C" __global__ void kvferry_crc(const unsigned long long* __restrict__ de
 // registers and to shared memory, from where thread t checksums bytes
 // [32t, 32t+32).
 #define KV_FSTEP(w) crc ^= (w); crc = kv_t[768 + (crc & 255u)] ^ kv_t[512 + ((crc >> 8) & 255u)] ^ kv_t[256 + ((crc >> 16) & 255u)] ^ kv_t[crc >> 24];
+// Thread tid's accumulator after one more stripe (s, in shared memory):
+// shifted past the stripe less its lane chunk, then its 32 bytes.
+__device__ __forceinline__ unsigned int kv_lane_step(const unsigned int* kv_t, const unsigned int* kv_sh, unsigned int acc,
+                                                     const uint4* s, unsigned int tid) {
+    unsigned int crc = kv_sh[acc & 255u] ^ kv_sh[256 + ((acc >> 8) & 255u)] ^ kv_sh[512 + ((acc >> 16) & 255u)] ^ kv_sh[768 + (acc >> 24)];
+    uint4 q = s[2 * tid];
+    KV_FSTEP(q.x) KV_FSTEP(q.y) KV_FSTEP(q.z) KV_FSTEP(q.w)
+    q = s[2 * tid + 1];
+    KV_FSTEP(q.x) KV_FSTEP(q.y) KV_FSTEP(q.z) KV_FSTEP(q.w)
+    return crc;
+}
+// The block's raw CRC into *out (thread 0 writes): every accumulator
+// shifted to the end (end_shift) and xored; warp_x is 8 words of shared
+// memory, free until the block's next barrier.
+__device__ __forceinline__ void kv_block_reduce(unsigned int acc, unsigned int end_shift, unsigned int* warp_x,
+                                                unsigned int* out) {
+    unsigned int v = kv_mulmod(acc, end_shift);
+    for (int o = 16; o > 0; o >>= 1) v ^= __shfl_xor_sync(0xffffffffu, v, o);
+    if ((threadIdx.x & 31u) == 0) warp_x[threadIdx.x >> 5] = v;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned int x = 0;
+        for (unsigned int k = 0; k < 8; k++) x ^= warp_x[k];
+        *out = x;
+    }
+}
 extern "C" __global__ void kvferry_copy_crc(const unsigned long long* __restrict__ desc, unsigned long long n,
                                             unsigned int* __restrict__ out, const unsigned int* __restrict__ tables) {
     __shared__ unsigned int kv_t[1024];
@@ -185,23 +211,10 @@ extern "C" __global__ void kvferry_copy_crc(const unsigned long long* __restrict
             dd[tid] = a; dd[tid + 256] = b;
             stripe[tid] = a; stripe[tid + 256] = b;
             __syncthreads();
-            unsigned int crc = kv_sh[acc & 255u] ^ kv_sh[256 + ((acc >> 8) & 255u)] ^ kv_sh[512 + ((acc >> 16) & 255u)] ^ kv_sh[768 + (acc >> 24)];
-            uint4 q = stripe[2 * tid];
-            KV_FSTEP(q.x) KV_FSTEP(q.y) KV_FSTEP(q.z) KV_FSTEP(q.w)
-            q = stripe[2 * tid + 1];
-            KV_FSTEP(q.x) KV_FSTEP(q.y) KV_FSTEP(q.z) KV_FSTEP(q.w)
-            acc = crc;
+            acc = kv_lane_step(kv_t, kv_sh, acc, stripe, tid);
             __syncthreads();
         }
-        unsigned int v = kv_mulmod(acc, end_shift);
-        for (int o = 16; o > 0; o >>= 1) v ^= __shfl_xor_sync(0xffffffffu, v, o);
-        if ((tid & 31u) == 0) warp_x[tid >> 5] = v;
-        __syncthreads();
-        if (tid == 0) {
-            unsigned int x = 0;
-            for (unsigned int k = 0; k < 8; k++) x ^= warp_x[k];
-            out[w >> 32] = x;
-        }
+        kv_block_reduce(acc, end_shift, warp_x, out + (w >> 32));
     }
 }
 
@@ -209,11 +222,14 @@ extern "C" __global__ void kvferry_copy_crc(const unsigned long long* __restrict
 // The fused kernel on sm_80 and later (kvferry_copy_crc is the one for
 // older devices): cp.async keeps KV_STAGES stripes of each thread block in
 // flight in a shared-memory ring, loaded without registers, while the
-// block stores and checksums the oldest. On an H100 (2026-12-07) it cut a
-// launch of 64 KiB pieces from 60.6 to 52.4 us (ncu): the loads' wait had
-// been the top stall, now the CRC table lookups are. The stripe and lane
-// mapping (and so the arithmetic) are kvferry_copy_crc's; each piece is at
-// least one stripe.
+// block stores and checksums the oldest. On an H100 (2026-12-07) the ring
+// cut a launch of 64 KiB pieces from 60.6 to 52.4 us (ncu): the loads'
+// wait had been the top stall, now the CRC table lookups are. Work comes
+// in *items*: descriptors items[i] .. items[i+1] (whole stripes each,
+// pieces of one checksum range in order) are checksummed as one run into
+// out[that index], so a scattered range pays one reduction per item, not
+// one per piece. The stripe and lane mapping (and so the arithmetic) are
+// kvferry_copy_crc's.
 #define KV_STAGES 4
 __device__ __forceinline__ void kv_cp16(uint4* smem, const uint4* gmem) {
     unsigned int s = (unsigned int)__cvta_generic_to_shared(smem);
@@ -221,25 +237,32 @@ __device__ __forceinline__ void kv_cp16(uint4* smem, const uint4* gmem) {
 }
 #define KV_PRODUCE()                                                                       \
     {                                                                                      \
-        if (pp < n) {                                                                      \
+        if (pi < n) {                                                                      \
             const uint4* g = ps + (poff >> 4);                                             \
             uint4* r = ring + (slot_p << 9);                                               \
             kv_cp16(r + tid, g + tid);                                                     \
             kv_cp16(r + tid + 256, g + tid + 256);                                         \
             poff += KV_STRIPE;                                                             \
             if (poff >= plen) {                                                            \
-                pp += gridDim.x;                                                           \
                 poff = 0;                                                                  \
-                if (pp < n) {                                                              \
-                    ps = (const uint4*)desc[3 * pp];                                       \
-                    plen = desc[3 * pp + 2] & 0xffffffffull;                               \
+                if (++pd == pe) {                                                          \
+                    pi += gridDim.x;                                                       \
+                    if (pi < n) {                                                          \
+                        pd = items[pi];                                                    \
+                        pe = items[pi + 1];                                                \
+                    }                                                                      \
+                }                                                                          \
+                if (pi < n) {                                                              \
+                    ps = (const uint4*)desc[3 * pd];                                       \
+                    plen = desc[3 * pd + 2] & 0xffffffffull;                               \
                 }                                                                          \
             }                                                                              \
         }                                                                                  \
         slot_p = slot_p + 1 == KV_STAGES ? 0 : slot_p + 1;                                 \
         asm volatile("cp.async.commit_group;\n" ::: "memory");                             \
     }
-extern "C" __global__ void kvferry_copy_crc_async(const unsigned long long* __restrict__ desc, unsigned long long n,
+extern "C" __global__ void kvferry_copy_crc_items(const unsigned long long* __restrict__ desc,
+                                                  const unsigned long long* __restrict__ items, unsigned long long n,
                                                   unsigned int* __restrict__ out, const unsigned int* __restrict__ tables) {
     __shared__ unsigned int kv_t[1024];
     __shared__ unsigned int kv_sh[1024];
@@ -252,46 +275,42 @@ extern "C" __global__ void kvferry_copy_crc_async(const unsigned long long* __re
     __syncthreads();
     const unsigned int tid = threadIdx.x;
     const unsigned int end_shift = tables[KV_END_SHIFT_AT + tid];
-    unsigned long long pp = blockIdx.x, poff = 0, plen = 0;
+    // The producer's place: item pi, its descriptor pd (items end at pe),
+    // offset poff into that descriptor's plen bytes at ps.
+    unsigned long long pi = blockIdx.x, pd = 0, pe = 0, poff = 0, plen = 0;
     const uint4* ps = 0;
-    if (pp < n) {
-        ps = (const uint4*)desc[3 * pp];
-        plen = desc[3 * pp + 2] & 0xffffffffull;
+    if (pi < n) {
+        pd = items[pi];
+        pe = items[pi + 1];
+        ps = (const uint4*)desc[3 * pd];
+        plen = desc[3 * pd + 2] & 0xffffffffull;
     }
     unsigned int slot_p = 0, slot_c = 0;
     for (int k = 0; k < KV_STAGES - 1; k++) KV_PRODUCE();
-    for (unsigned long long p = blockIdx.x; p < n; p += gridDim.x) {
-        uint4* d = (uint4*)desc[3 * p + 1];
-        const unsigned long long w = desc[3 * p + 2], len = w & 0xffffffffull;
+    for (unsigned long long it = blockIdx.x; it < n; it += gridDim.x) {
+        const unsigned long long last = items[it + 1];
+        unsigned long long w = 0;
         unsigned int acc = 0;
-        for (unsigned long long off = 0; off < len; off += KV_STRIPE) {
-            // This stripe's group is complete once at most KV_STAGES - 2
-            // newer ones are pending; the barrier makes every thread's
-            // copies visible and frees the slot read last iteration.
-            asm volatile("cp.async.wait_group %0;\n" ::"n"(KV_STAGES - 2) : "memory");
-            __syncthreads();
-            KV_PRODUCE();
-            const uint4* r = ring + (slot_c << 9);
-            uint4* dd = d + (off >> 4);
-            dd[tid] = r[tid];
-            dd[tid + 256] = r[tid + 256];
-            unsigned int crc = kv_sh[acc & 255u] ^ kv_sh[256 + ((acc >> 8) & 255u)] ^ kv_sh[512 + ((acc >> 16) & 255u)] ^ kv_sh[768 + (acc >> 24)];
-            uint4 q = r[2 * tid];
-            KV_FSTEP(q.x) KV_FSTEP(q.y) KV_FSTEP(q.z) KV_FSTEP(q.w)
-            q = r[2 * tid + 1];
-            KV_FSTEP(q.x) KV_FSTEP(q.y) KV_FSTEP(q.z) KV_FSTEP(q.w)
-            acc = crc;
-            slot_c = slot_c + 1 == KV_STAGES ? 0 : slot_c + 1;
+        for (unsigned long long q = items[it]; q < last; q++) {
+            uint4* d = (uint4*)desc[3 * q + 1];
+            w = desc[3 * q + 2];
+            const unsigned long long len = w & 0xffffffffull;
+            for (unsigned long long off = 0; off < len; off += KV_STRIPE) {
+                // This stripe's group is complete once at most KV_STAGES - 2
+                // newer ones are pending; the barrier makes every thread's
+                // copies visible and frees the slot read last iteration.
+                asm volatile("cp.async.wait_group %0;\n" ::"n"(KV_STAGES - 2) : "memory");
+                __syncthreads();
+                KV_PRODUCE();
+                const uint4* r = ring + (slot_c << 9);
+                uint4* dd = d + (off >> 4);
+                dd[tid] = r[tid];
+                dd[tid + 256] = r[tid + 256];
+                acc = kv_lane_step(kv_t, kv_sh, acc, r, tid);
+                slot_c = slot_c + 1 == KV_STAGES ? 0 : slot_c + 1;
+            }
         }
-        unsigned int v = kv_mulmod(acc, end_shift);
-        for (int o = 16; o > 0; o >>= 1) v ^= __shfl_xor_sync(0xffffffffu, v, o);
-        if ((tid & 31u) == 0) warp_x[tid >> 5] = v;
-        __syncthreads();
-        if (tid == 0) {
-            unsigned int x = 0;
-            for (unsigned int k = 0; k < 8; k++) x ^= warp_x[k];
-            out[w >> 32] = x;
-        }
+        kv_block_reduce(acc, end_shift, warp_x, out + (w >> 32));
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
@@ -304,6 +323,13 @@ extern "C" __global__ void kvferry_copy_crc_async(const unsigned long long* __re
 /// H100 (2026-12-07, a variant loading one stripe ahead) 2, 4, 6 and 8 were
 /// within the noise of each other.
 pub(crate) const FUSED_BLOCKS_PER_SM: u32 = 4;
+
+/// Most bytes of one item of the fused kernel (a run of pieces of one
+/// checksum range checksummed as one, with one reduction at its end): long
+/// enough that the reduction is a few percent of the item, short enough
+/// that a 64 MiB chunk still has more items than an H100 has thread blocks
+/// of the kernel.
+pub(crate) const FUSED_ITEM_BYTES: u64 = 128 << 10;
 
 /// The kernels' source with the fused kernel's constants defined.
 fn kernel_source() -> String {
@@ -458,8 +484,12 @@ struct Inner {
     stage_load: Mutex<Staging>,
     copy_kernel: CudaFunction,
     crc_kernel: CudaFunction,
-    /// Peer copies with their checksums in one pass (`kvferry_copy_crc`).
+    /// Peer copies with their checksums in one pass:
+    /// `kvferry_copy_crc_items` on sm_80 and later, else `kvferry_copy_crc`.
     copy_crc_kernel: CudaFunction,
+    /// Whether `copy_crc_kernel` takes items (runs of pieces of one
+    /// checksum range, [`FUSED_ITEM_BYTES`] at most) or one piece each.
+    fused_items: bool,
     /// `crc::kernel_tables()` in device memory.
     crc_tables: sys::CUdeviceptr,
     /// The device's ordinal (external memory must be this device's).
@@ -534,7 +564,8 @@ impl CudaGpu {
         let module = ctx.load_module(ptx).map_err(|e| unavailable(format!("load module: {e}")))?;
         let load = |name: &str| module.load_function(name).map_err(|e| unavailable(format!("load {name}: {e}")));
         let (copy_kernel, crc_kernel) = (load("kvferry_copy")?, load("kvferry_crc")?);
-        let copy_crc_kernel = load(if cc_major >= 8 { "kvferry_copy_crc_async" } else { "kvferry_copy_crc" })?;
+        let fused_items = cc_major >= 8;
+        let copy_crc_kernel = load(if fused_items { "kvferry_copy_crc_items" } else { "kvferry_copy_crc" })?;
         let sm_count = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| unavailable(format!("attribute: {e}")))? as u32;
@@ -573,6 +604,7 @@ impl CudaGpu {
                 copy_kernel,
                 crc_kernel,
                 copy_crc_kernel,
+                fused_items,
                 crc_tables,
                 ordinal,
                 buffers: BufferTable::new(),
@@ -1186,6 +1218,21 @@ impl Inner {
         // SAFETY: every descriptor was validated against its buffer and a
         // registered host region or a staging slot; the kernels touch only
         // those ranges (and the checksum kernel its output array and tables).
+        unsafe { b.launch(cfg) }.map(drop).map_err(dev_err)
+    }
+
+    /// Launches `kvferry_copy_crc_items(desc, items, n, out, tables)` over
+    /// `n` items on `stream` ([`FUSED_BLOCKS_PER_SM`] thread blocks per SM
+    /// at most).
+    fn launch_items(&self, stream: &CudaStream, desc: u64, items: u64, n: usize, out: u64) -> Result<(), GpuError> {
+        let n = n as u64;
+        let grid = n.min(u64::from(self.sm_count * FUSED_BLOCKS_PER_SM)).max(1) as u32;
+        let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+        let mut b = stream.launch_builder(&self.copy_crc_kernel);
+        b.arg(&desc).arg(&items).arg(&n).arg(&out).arg(&self.crc_tables);
+        // SAFETY: every descriptor was validated against its peer buffer and
+        // a destination of ours; items index those descriptors and end at
+        // the sentinel written before the launch.
         unsafe { b.launch(cfg) }.map(drop).map_err(dev_err)
     }
 

@@ -151,16 +151,16 @@ pub type PeerCompletion = Pin<Box<dyn Future<Output = Result<Vec<u32>, GpuError>
 /// # Errors
 /// [`GpuError::OutOfRange`] naming the first bad op or range.
 pub fn validate_peer_batch(batch: &PeerCopyBatch) -> Result<(), GpuError> {
+    // Each source's length once (a batch has few sources and many ops).
+    let lens: Vec<u64> = batch.sources.iter().map(|s| s.len()).collect();
     for (i, op) in batch.ops.iter().enumerate() {
-        let src = batch.sources.get(op.src).ok_or_else(|| {
+        let &len = lens.get(op.src).ok_or_else(|| {
             GpuError::OutOfRange(format!("peer op {i}: source {} of {}", op.src, batch.sources.len()))
         })?;
-        if op.src_offset.checked_add(op.len).is_none_or(|e| e > src.len()) {
+        if op.src_offset.checked_add(op.len).is_none_or(|e| e > len) {
             return Err(GpuError::OutOfRange(format!(
-                "peer op {i}: [{}, +{}) beyond the peer buffer's {} bytes",
-                op.src_offset,
-                op.len,
-                src.len()
+                "peer op {i}: [{}, +{}) beyond the peer buffer's {len} bytes",
+                op.src_offset, op.len
             )));
         }
     }
@@ -306,4 +306,151 @@ pub fn open_process(e: &BufferExport) -> Result<Arc<dyn PeerBuffer>, GpuError> {
 pub fn revoke_process(table: &super::BufferTable, id: DeviceBufferId) {
     let weak = table.downgrade();
     registry().lock().expect("export registry lock").retain(|_, (t, i)| !(t.same_table(&weak) && *i == id));
+}
+
+/// Per op of a [`PeerCopyBatch`], the checksum ranges holding it and its
+/// offset in each, produced in op order by [`RangesByOp::walk`] (a
+/// backend planning the batch's copies and checksum pieces). The engine's
+/// batches give each block one span of ops, in order and without overlap:
+/// those are walked with a cursor, with no pass over the batch and no
+/// allocation before the first launch; any other batch gets compressed rows
+/// (one allocation, not one per op).
+pub struct RangesByOp {
+    /// `None` for spans in op order, none overlapping the next; else the
+    /// rows: op `i`'s entries are `entries[start[i]..start[i + 1]]`.
+    rows: Option<Rows>,
+}
+
+/// [`RangesByOp`]'s compressed rows.
+struct Rows {
+    start: Vec<usize>,
+    entries: Vec<(u32, u64)>,
+}
+
+impl RangesByOp {
+    /// The ranges of a batch that passed [`validate_peer_batch`].
+    pub fn of(batch: &PeerCopyBatch) -> Self {
+        if batch.checksums.windows(2).all(|w| w[0].end <= w[1].start) {
+            return RangesByOp { rows: None };
+        }
+        let mut start = vec![0usize; batch.ops.len() + 1];
+        for span in &batch.checksums {
+            for i in span.clone() {
+                start[i + 1] += 1;
+            }
+        }
+        for i in 0..batch.ops.len() {
+            start[i + 1] += start[i];
+        }
+        let mut fill = start.clone();
+        let mut entries = vec![(0u32, 0u64); start[batch.ops.len()]];
+        for (r, span) in batch.checksums.iter().enumerate() {
+            let mut off = 0;
+            for i in span.clone() {
+                entries[fill[i]] = (r as u32, off);
+                fill[i] += 1;
+                off += batch.ops[i].len;
+            }
+        }
+        RangesByOp { rows: Some(Rows { start, entries }) }
+    }
+
+    /// A walk over the ops of the batch whose checksum spans are `spans`
+    /// (the batch this was made of).
+    pub fn walk<'a>(&'a self, spans: &'a [Range<usize>]) -> RangeWalk<'a> {
+        RangeWalk { by_op: self, spans, span: 0, off: 0, one: [(0, 0)] }
+    }
+}
+
+/// [`RangesByOp`] op by op.
+pub struct RangeWalk<'a> {
+    by_op: &'a RangesByOp,
+    spans: &'a [Range<usize>],
+    /// Sorted spans: the first span not yet behind the walk, and the bytes
+    /// of its ops walked so far.
+    span: usize,
+    off: u64,
+    one: [(u32, u64); 1],
+}
+
+impl RangeWalk<'_> {
+    /// The ranges holding op `i`, of `len` bytes, as `(range index, offset
+    /// of the op in the range)`; called for ops 0, 1, 2, … in order.
+    pub fn next(&mut self, i: usize, len: u64) -> &[(u32, u64)] {
+        let Some(Rows { start, entries }) = &self.by_op.rows else {
+            while self.spans.get(self.span).is_some_and(|s| s.end <= i) {
+                self.span += 1;
+                self.off = 0;
+            }
+            return match self.spans.get(self.span) {
+                Some(s) if s.start <= i => {
+                    self.one = [(self.span as u32, self.off)];
+                    self.off += len;
+                    &self.one
+                }
+                _ => &[],
+            };
+        };
+        &entries[start[i]..start[i + 1]]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every op's ranges by brute force: `(range, offset)` for each span
+    /// holding it, in span order.
+    fn brute(lens: &[u64], spans: &[Range<usize>]) -> Vec<Vec<(u32, u64)>> {
+        (0..lens.len())
+            .map(|i| {
+                spans
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, s)| s.contains(&i))
+                    .map(|(r, s)| (r as u32, lens[s.start..i].iter().sum()))
+                    .collect()
+            })
+            .collect()
+    }
+
+    fn walked(lens: &[u64], spans: Vec<Range<usize>>) -> (bool, Vec<Vec<(u32, u64)>>) {
+        let table = crate::memory::buffers::BufferTable::default();
+        let src = ProcessPeerBuffer { table: table.downgrade(), id: DeviceBufferId(0), len: 1 << 40 };
+        let ops = lens
+            .iter()
+            .map(|&len| PeerCopyOp { src: 0, src_offset: 0, dst: DeviceBufferId(0), dst_offset: 0, len })
+            .collect();
+        let batch = PeerCopyBatch { sources: vec![Arc::new(src)], ops, checksums: spans };
+        validate_peer_batch(&batch).expect("a valid batch");
+        let by_op = RangesByOp::of(&batch);
+        let mut walk = by_op.walk(&batch.checksums);
+        let got = lens.iter().enumerate().map(|(i, &len)| walk.next(i, len).to_vec()).collect();
+        (by_op.rows.is_none(), got)
+    }
+
+    #[test]
+    fn walking_sorted_spans_gives_each_op_its_range_and_offset_as_rows_do() {
+        let lens: Vec<u64> = (0..40).map(|i| (i * 7919 % 13) * 512).collect();
+        let cases: Vec<(Vec<Range<usize>>, bool)> = vec![
+            // The engine's shape: one span per block, back to back.
+            ((0..10).map(|b| 4 * b..4 * b + 4).collect(), true),
+            // Gaps, empty spans at a boundary, ops in no span at either end.
+            (vec![2..5, 5..5, 5..9, 12..12, 20..31], true),
+            (std::iter::once(0..40).collect(), true),
+            (Vec::new(), true),
+            // Overlapping or out of order: rows.
+            (vec![0..10, 5..15], false),
+            (vec![20..30, 0..10], false),
+            (vec![0..40, 3..4, 3..4], false),
+        ];
+        let mut checked = 0;
+        for (spans, sorted) in cases {
+            let (was_sorted, got) = walked(&lens, spans.clone());
+            assert_eq!(was_sorted, sorted, "{spans:?}");
+            assert_eq!(got, brute(&lens, &spans), "{spans:?}");
+            checked += 1;
+        }
+        assert_eq!(checked, 7);
+    }
 }

@@ -32,7 +32,7 @@ use cudarc::driver::sys;
 
 use super::{FUSED_BLOCKS_PER_SM, Inner, Table, dev_err, write3};
 use crate::gpu::crc::{ChecksumRange, PIECE_BYTES_MAX, RangeFolder, STRIPE_BYTES};
-use crate::gpu::peer::{self, BufferExport, PeerBuffer, PeerCopyBatch, PeerKind};
+use crate::gpu::peer::{self, BufferExport, PeerBuffer, PeerCopyBatch, PeerKind, RangesByOp};
 use crate::gpu::{GpuError, checked_range};
 use crate::memory::DeviceBufferId;
 use crate::memory::buffers::BatchPin;
@@ -340,35 +340,43 @@ impl Inner {
     /// Runs one peer batch to completion (on a worker thread): `src` and
     /// `dst` hold the sources and destinations for its whole run.
     pub(super) fn run_peer(&self, batch: &PeerCopyBatch, src: &Sources, dst: &BatchPin) -> Result<Vec<u32>, GpuError> {
+        // One pass before the first launch: destinations checked, each
+        // range's length (the sum of its ops') and the descriptor bounds.
+        let by_op = RangesByOp::of(batch);
+        let mut walk = by_op.walk(&batch.checksums);
+        let mut lens = vec![0u64; batch.checksums.len()];
         let mut dst_addr = Vec::with_capacity(batch.ops.len());
-        for op in &batch.ops {
+        let pieces = |len: u64| len.div_ceil(PIECE_BYTES_MAX) as usize;
+        let (mut copy_bound, mut crc_bound, mut bytes) = (0, 0, 0);
+        for (i, op) in batch.ops.iter().enumerate() {
             let (addr, len) = dst.get(op.dst).ok_or(GpuError::UnknownBuffer(op.dst))?;
             checked_range(op.dst_offset, op.len, len)?;
             dst_addr.push(addr + op.dst_offset);
-        }
-        let (in_ranges, ranges) = ranges_by_op(batch);
-        let pieces = |len: u64| len.div_ceil(PIECE_BYTES_MAX) as usize;
-        let (mut copy_bound, mut crc_bound) = (0, 0);
-        for (i, op) in batch.ops.iter().enumerate() {
-            let summed = !in_ranges.of(i).is_empty();
-            if summed {
+            let in_ranges = walk.next(i, op.len);
+            for &(r, at) in in_ranges {
+                lens[r as usize] = at + op.len;
+            }
+            if !in_ranges.is_empty() {
                 crc_bound += pieces(op.len);
             }
             if op.len < self.cfg.dma_min_bytes {
                 copy_bound += pieces(op.len);
             }
+            bytes += op.len;
         }
-        if batch.ops.iter().all(|o| o.len == 0) {
+        let ranges: Vec<ChecksumRange> =
+            lens.into_iter().map(|len| ChecksumRange { extent: 0, offset: 0, len }).collect();
+        if bytes == 0 {
             // Nothing to copy or checksum: every range is empty (CRC 0).
             return Ok(vec![0; ranges.len()]);
         }
         self.ctx.bind_to_thread().map_err(dev_err)?;
         // Copies, checksum pieces, fused pieces (at most one per checksum
-        // piece), then the u32 outputs.
-        let words = 3 * copy_bound + 6 * crc_bound + crc_bound.div_ceil(2) + 1;
+        // piece), the u32 outputs, then the fused items' starts and end.
+        let words = 3 * copy_bound + 6 * crc_bound + crc_bound.div_ceil(2) + 1 + crc_bound + 1;
         let table = self.take_table(words)?;
         let plan =
-            PeerPlan { batch, src, dst_addr: &dst_addr, in_ranges: &in_ranges, table: &table, copy_bound, crc_bound };
+            PeerPlan { batch, src, dst_addr: &dst_addr, in_ranges: &by_op, table: &table, copy_bound, crc_bound };
         let res = self.enqueue_peer(&plan, &ranges);
         if res.is_err() {
             // Do not reuse a table a failed batch might still touch.
@@ -383,7 +391,12 @@ impl Inner {
     /// ends are 16-byte aligned goes to the fused copy-and-checksum kernel
     /// (one pass over HBM: coalesced loads into a shared-memory ring of
     /// stripes, `cp.async` on sm_80 and later, coalesced stores, the
-    /// checksum from the ring).
+    /// checksum from the ring). On sm_80 and later its work comes in
+    /// *items*: consecutive pieces of one checksum range, up to
+    /// [`super::FUSED_ITEM_BYTES`], checksummed as one run with one
+    /// output, so the 72 scattered 32 KiB segments of a Qwen3-8B block pay
+    /// one reduction per item instead of one per segment, and the host
+    /// folds one checksum per item.
     /// Otherwise small ops go to the copy kernel, large ones to
     /// `cuMemcpyDtoDAsync`, and the checksum kernel reads each chunk's
     /// destination bytes on its own stream once the chunk landed.
@@ -395,44 +408,64 @@ impl Inner {
         let table = p.table;
         let (copy_at, crc_at) = (0, 3 * p.copy_bound);
         let (fused_at, out_at) = (crc_at + 3 * p.crc_bound, crc_at + 6 * p.crc_bound);
-        let (mut n_copy, mut n_sum, mut n_fused, mut n_out) = (0usize, 0usize, 0usize, 0usize);
+        let items_at = out_at + p.crc_bound.div_ceil(2) + 1;
+        // Descriptors written: copy pieces, checksum pieces, fused pieces,
+        // fused items (runs of fused pieces with one output), outputs.
+        let mut n = Counts::default();
+        // Launched so far: (copy, checksum, fused item) descriptors.
         let mut launched = (0usize, 0usize, 0usize);
-        // (range, offset in range, bytes, checksum piece index).
+        // (range, offset in range, bytes, output index).
         let mut folds: Vec<(u32, u64, u64, usize)> = Vec::with_capacity(p.crc_bound);
+        // The open fused item: (its range, its next offset there, its
+        // bytes, its fold).
+        let mut open: Option<(u32, u64, u64, usize)> = None;
+        // The kernel for older devices takes one piece per item.
+        let item_max = if self.fused_items { super::FUSED_ITEM_BYTES } else { 0 };
         let mut chunk = 0u64;
         let stream = &self.peer;
         let per_sm = self.cfg.peer_blocks_per_sm;
         // Launches the copies and checksums written since the last flush.
-        // Launched so far: (copy, checksum, fused) descriptors. Checksum and
-        // fused pieces share the output index (`n_out`), each kernel
-        // reading it from its descriptor.
-        let flush = |n_copy: usize, n_sum: usize, n_fused: usize, launched: &mut (usize, usize, usize)| {
-            if n_fused > launched.2 {
-                let desc = table.device + 8 * (fused_at + 3 * launched.2) as u64;
+        // Checksum pieces and fused items share the output index (`n.out`),
+        // each kernel reading it from its descriptor.
+        let flush = |n: &Counts, launched: &mut (usize, usize, usize)| {
+            if n.items > launched.2 {
                 let (out, tables) = (table.device + 8 * out_at as u64, self.crc_tables);
-                let (kernel, grid) = (&self.copy_crc_kernel, FUSED_BLOCKS_PER_SM);
-                self.launch(stream, kernel, desc, n_fused - launched.2, &[out, tables], grid)?;
-                launched.2 = n_fused;
+                let count = n.items - launched.2;
+                if self.fused_items {
+                    // The last item's end (the next item, if any, starts
+                    // there and rewrites the same value).
+                    // SAFETY: `n.items <= crc_bound`: the table holds
+                    // `crc_bound + 1` item words.
+                    unsafe { table.host.add(items_at + n.items).write(n.fused as u64) };
+                    let desc = table.device + 8 * fused_at as u64;
+                    let items = table.device + 8 * (items_at + launched.2) as u64;
+                    self.launch_items(stream, desc, items, count, out)?;
+                } else {
+                    let desc = table.device + 8 * (fused_at + 3 * launched.2) as u64;
+                    self.launch(stream, &self.copy_crc_kernel, desc, count, &[out, tables], FUSED_BLOCKS_PER_SM)?;
+                }
+                launched.2 = n.items;
             }
-            if n_copy > launched.0 {
+            if n.copy > launched.0 {
                 let desc = table.device + 8 * (copy_at + 3 * launched.0) as u64;
-                self.launch(stream, &self.copy_kernel, desc, n_copy - launched.0, &[0, 0], per_sm)?;
-                launched.0 = n_copy;
+                self.launch(stream, &self.copy_kernel, desc, n.copy - launched.0, &[0, 0], per_sm)?;
+                launched.0 = n.copy;
             }
-            if n_sum > launched.1 {
+            if n.sum > launched.1 {
                 let desc = table.device + 8 * (crc_at + 3 * launched.1) as u64;
                 let out = table.device + 8 * out_at as u64;
                 self.crc.wait(&stream.record_event(None).map_err(dev_err)?).map_err(dev_err)?;
                 let (tables, grid) = (self.crc_tables, self.cfg.blocks_per_sm);
-                self.launch(&self.crc, &self.crc_kernel, desc, n_sum - launched.1, &[out, tables], grid)?;
-                launched.1 = n_sum;
+                self.launch(&self.crc, &self.crc_kernel, desc, n.sum - launched.1, &[out, tables], grid)?;
+                launched.1 = n.sum;
             }
             Ok::<(), GpuError>(())
         };
+        let mut walk = p.in_ranges.walk(&p.batch.checksums);
         for (i, op) in p.batch.ops.iter().enumerate() {
             let (from, to) = (p.src.addrs[op.src] + op.src_offset, p.dst_addr[i]);
-            let summed = !p.in_ranges.of(i).is_empty();
-            let fused = summed
+            let in_ranges = walk.next(i, op.len);
+            let fused = !in_ranges.is_empty()
                 && self.cfg.peer_fused_checksums
                 && op.len.is_multiple_of(STRIPE_BYTES)
                 && (from | to).is_multiple_of(16);
@@ -440,7 +473,8 @@ impl Inner {
                 // Copied by the fused kernel below, piece by piece.
             } else if op.len >= self.cfg.dma_min_bytes {
                 // Earlier kernel pieces first: one stream keeps the order.
-                flush(n_copy, n_sum, n_fused, &mut launched)?;
+                flush(&n, &mut launched)?;
+                open = None;
                 // SAFETY: the source lies in a mapped (or pinned) peer
                 // buffer, the destination in a pinned buffer of ours, both
                 // validated; they are different allocations.
@@ -450,100 +484,97 @@ impl Inner {
             } else {
                 let mut off = 0;
                 while off < op.len {
-                    let n = (op.len - off).min(PIECE_BYTES_MAX);
-                    // SAFETY: `n_copy < copy_bound`: the bound counts these pieces.
-                    unsafe { write3(table.host, copy_at + 3 * n_copy, [from + off, to + off, n]) };
-                    n_copy += 1;
-                    off += n;
+                    let len = (op.len - off).min(PIECE_BYTES_MAX);
+                    // SAFETY: `n.copy < copy_bound`: the bound counts these pieces.
+                    unsafe { write3(table.host, copy_at + 3 * n.copy, [from + off, to + off, len]) };
+                    n.copy += 1;
+                    off += len;
                 }
             }
-            if summed {
-                // One output per piece, from the fused kernel (which copies
-                // it too) or from the checksum kernel reading the landed
-                // destination; a fused op's pieces are whole stripes too.
-                let mut off = 0;
-                while off < op.len {
-                    let n = (op.len - off).min(PIECE_BYTES_MAX);
-                    let (at, desc) = if fused {
-                        // The fused kernels' producer and consumer walk the
-                        // same stripes only if every piece has at least one.
-                        debug_assert!(n > 0 && n.is_multiple_of(STRIPE_BYTES), "fused piece of {n} bytes");
-                        n_fused += 1;
-                        (fused_at + 3 * (n_fused - 1), [from + off, to + off, n | (n_out as u64) << 32])
-                    } else {
-                        n_sum += 1;
-                        (crc_at + 3 * (n_sum - 1), [to + off, n_out as u64, n])
-                    };
-                    // SAFETY: `n_fused, n_sum <= n_out < crc_bound`: the
-                    // bound counts these pieces.
-                    unsafe { write3(table.host, at, desc) };
-                    for &(r, at) in p.in_ranges.of(i) {
-                        folds.push((r, at + off, n, n_out));
+            // One output per checksum piece (the checksum kernel reading
+            // the landed destination) or per fused item (the fused kernel,
+            // which copies it too); a fused op's pieces are whole stripes.
+            let mut off = 0;
+            while !in_ranges.is_empty() && off < op.len {
+                let len = (op.len - off).min(PIECE_BYTES_MAX);
+                if !fused {
+                    // SAFETY: `n.sum <= n.out < crc_bound`: the bound counts these pieces.
+                    unsafe { write3(table.host, crc_at + 3 * n.sum, [to + off, n.out as u64, len]) };
+                    n.sum += 1;
+                    for &(r, at) in in_ranges {
+                        folds.push((r, at + off, len, n.out));
                     }
-                    n_out += 1;
-                    off += n;
+                    n.out += 1;
+                    off += len;
+                    continue;
                 }
+                // The fused kernels' producer and consumer walk the same
+                // stripes only if every piece has at least one.
+                debug_assert!(len > 0 && len.is_multiple_of(STRIPE_BYTES), "fused piece of {len} bytes");
+                // A piece of one range right after the open item's last
+                // piece in that range joins the item while it is short.
+                let joins = match (open, in_ranges) {
+                    (Some((r, next, bytes, _)), &[(range, at)]) => {
+                        r == range && next == at + off && bytes + len <= item_max
+                    }
+                    _ => false,
+                };
+                let out = if joins {
+                    let (r, next, bytes, fold) = open.expect("joins an open item");
+                    folds[fold].2 += len;
+                    open = Some((r, next + len, bytes + len, fold));
+                    folds[fold].3
+                } else {
+                    // SAFETY: `n.items < crc_bound`: at most one item per piece.
+                    unsafe { table.host.add(items_at + n.items).write(n.fused as u64) };
+                    n.items += 1;
+                    open = match in_ranges {
+                        &[(r, at)] => Some((r, at + off + len, len, folds.len())),
+                        _ => None,
+                    };
+                    for &(r, at) in in_ranges {
+                        folds.push((r, at + off, len, n.out));
+                    }
+                    n.out += 1;
+                    n.out - 1
+                };
+                // SAFETY: `n.fused < crc_bound`: the bound counts these pieces.
+                unsafe { write3(table.host, fused_at + 3 * n.fused, [from + off, to + off, len | (out as u64) << 32]) };
+                n.fused += 1;
+                off += len;
             }
             chunk += op.len;
             if chunk >= CHUNK_BYTES {
-                flush(n_copy, n_sum, n_fused, &mut launched)?;
+                flush(&n, &mut launched)?;
+                open = None;
                 chunk = 0;
             }
         }
-        flush(n_copy, n_sum, n_fused, &mut launched)?;
+        flush(&n, &mut launched)?;
         let copied = stream.record_event(None).map_err(dev_err)?;
         let summed = self.crc.record_event(None).map_err(dev_err)?;
         copied.synchronize().map_err(dev_err)?;
         summed.synchronize().map_err(dev_err)?;
-        // SAFETY: the checksum kernels finished writing `n_out` u32s at `out_at`.
-        let out = unsafe { std::slice::from_raw_parts(table.host.add(out_at).cast::<u32>(), n_out) };
-        // Each range's pieces were written in op order, as the folder wants.
+        // SAFETY: the checksum kernels finished writing `n.out` u32s at `out_at`.
+        let out = unsafe { std::slice::from_raw_parts(table.host.add(out_at).cast::<u32>(), n.out) };
+        // Each range's pieces and items were written in op order, as the
+        // folder wants.
         let mut folder = RangeFolder::new(ranges);
-        for &(r, off, n, k) in &folds {
-            folder.add(r, off, n, out[k]);
+        for &(r, off, len, k) in &folds {
+            folder.add(r, off, len, out[k]);
         }
         folder.finish().ok_or_else(|| GpuError::Device("peer checksum pieces did not tile".into()))
     }
 }
 
-/// Per op of a batch, the checksum ranges holding it and its offset in
-/// each (compressed rows: one allocation, not one per op).
-pub(super) struct RangesByOp {
-    start: Vec<usize>,
-    entries: Vec<(u32, u64)>,
-}
-
-impl RangesByOp {
-    fn of(&self, op: usize) -> &[(u32, u64)] {
-        &self.entries[self.start[op]..self.start[op + 1]]
-    }
-}
-
-/// The batch's checksum ranges by op, and each range as the folder sees it
-/// (its length: the sum of its ops').
-fn ranges_by_op(batch: &PeerCopyBatch) -> (RangesByOp, Vec<ChecksumRange>) {
-    let mut start = vec![0usize; batch.ops.len() + 1];
-    for span in &batch.checksums {
-        for i in span.clone() {
-            start[i + 1] += 1;
-        }
-    }
-    for i in 0..batch.ops.len() {
-        start[i + 1] += start[i];
-    }
-    let mut fill = start.clone();
-    let mut entries = vec![(0u32, 0u64); start[batch.ops.len()]];
-    let mut ranges = Vec::with_capacity(batch.checksums.len());
-    for (r, span) in batch.checksums.iter().enumerate() {
-        let mut off = 0;
-        for i in span.clone() {
-            entries[fill[i]] = (r as u32, off);
-            fill[i] += 1;
-            off += batch.ops[i].len;
-        }
-        ranges.push(ChecksumRange { extent: 0, offset: 0, len: off });
-    }
-    (RangesByOp { start, entries }, ranges)
+/// Descriptors [`Inner::enqueue_peer`] wrote so far.
+#[derive(Default)]
+struct Counts {
+    copy: usize,
+    sum: usize,
+    fused: usize,
+    items: usize,
+    out: usize,
 }
 
 /// What [`Inner::enqueue_peer`] works from.
@@ -624,25 +655,47 @@ pub async fn peer_checks(gpu: &super::CudaGpu) -> Result<Vec<String>, String> {
     let e = gpu.export_buffer(a, PeerKind::Process).map_err(s)?;
     let src = gpu.open_peer_buffer(&e).map_err(s)?;
     let op = |so: u64, d: u64, len: u64| peer::PeerCopyOp { src: 0, src_offset: so, dst: b, dst_offset: d, len };
-    let ops = vec![op(0, 4096, 300_000), op(500_000, 0, 4096), op(600_000, 400_000, 3 << 16)];
-    let batch = PeerCopyBatch { sources: vec![src.clone()], ops: ops.clone(), checksums: vec![0..2, 2..3] };
-    let sums = gpu.submit_peer(batch).await.map_err(s)?;
-    let mut back = vec![0u8; 1 << 20];
-    gpu.read(b, 0, &mut back).map_err(s)?;
-    let mut want = Vec::new();
-    for r in [0..2usize, 2..3] {
-        want.push(ops[r].iter().fold(0, |c, o| {
-            let (so, d, n) = (o.src_offset as usize, o.dst_offset as usize, o.len as usize);
-            if back[d..d + n] != data[so..so + n] {
-                return u32::MAX;
+    // Runs a batch and checks its checksums and bytes against `data`.
+    let check = |ops: Vec<peer::PeerCopyOp>, ranges: Vec<std::ops::Range<usize>>| {
+        let (src, data) = (src.clone(), &data);
+        async move {
+            let batch = PeerCopyBatch { sources: vec![src], ops: ops.clone(), checksums: ranges.clone() };
+            let sums = gpu.submit_peer(batch).await.map_err(s)?;
+            let mut back = vec![0u8; 1 << 20];
+            gpu.read(b, 0, &mut back).map_err(s)?;
+            let want: Vec<u32> = ranges
+                .iter()
+                .map(|r| {
+                    ops[r.clone()].iter().fold(0, |c, o| {
+                        let (so, d, n) = (o.src_offset as usize, o.dst_offset as usize, o.len as usize);
+                        if back[d..d + n] != data[so..so + n] {
+                            return u32::MAX;
+                        }
+                        crc32c::crc32c_append(c, &data[so..so + n])
+                    })
+                })
+                .collect();
+            if sums != want || want.contains(&u32::MAX) {
+                return Err(format!("checksums {sums:?}, want {want:?} (or the bytes differ)"));
             }
-            crc32c::crc32c_append(c, &data[so..so + n])
-        }));
-    }
-    if sums != want || want.contains(&u32::MAX) {
-        return Err(format!("in-process peer batch: checksums {sums:?}, want {want:?} (or the bytes differ)"));
-    }
+            Ok::<_, String>(back)
+        }
+    };
+    let ops = vec![op(0, 4096, 300_000), op(500_000, 0, 4096), op(600_000, 400_000, 3 << 16)];
+    check(ops, vec![0..2, 2..3]).await.map_err(|e| format!("in-process peer batch: {e}"))?;
     out.push("in-process export: 3 ops copied, 2 destination checksums and the bytes verified".to_string());
+    // Scattered whole-stripe segments, as KV layouts are: the fused
+    // kernel's items join a range's consecutive segments and end at an op
+    // that is not whole stripes, at the item limit and at the range's end.
+    let mut ops: Vec<_> = (0..10u64).map(|k| op(((k * 7) % 10) << 15, 4096 + (k << 15), 1 << 15)).collect();
+    ops.push(op(340_000, 400_000, 5000));
+    ops.extend((0..2u64).map(|k| op(700_000 + (k << 14), 420_000 + ((1 - k) << 14), 1 << 14)));
+    ops.push(op(800_000, 480_000, 3 * PIECE_BYTES_MAX + STRIPE_BYTES));
+    ops.push(op(123_456, 720_000, 4096));
+    let mut back = check(ops, vec![0..13, 13..14, 14..15]).await.map_err(|e| format!("scattered peer batch: {e}"))?;
+    out.push(
+        "scattered segments: 15 ops in 3 ranges copied and checksummed in items, checksums and bytes verified".into(),
+    );
     let ipc = gpu.export_buffer(a, PeerKind::CudaIpc).map_err(s)?;
     let mut expect = |what: &str, e: &BufferExport| match gpu.open_peer_buffer(e) {
         Err(err @ GpuError::Peer(_)) => {
