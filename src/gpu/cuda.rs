@@ -327,8 +327,9 @@ pub(crate) const FUSED_BLOCKS_PER_SM: u32 = 4;
 /// Most bytes of one item of the fused kernel (a run of pieces of one
 /// checksum range checksummed as one, with one reduction at its end): long
 /// enough that the reduction is a few percent of the item, short enough
-/// that a 64 MiB chunk still has more items than an H100 has thread blocks
-/// of the kernel.
+/// that a 64 MiB chunk gives about one item to each of the kernel's thread
+/// blocks (512 items; an H100 SXM runs 132 SMs × [`FUSED_BLOCKS_PER_SM`] =
+/// 528 blocks, so 16 of them stay idle for a chunk of whole items).
 pub(crate) const FUSED_ITEM_BYTES: u64 = 128 << 10;
 
 /// The kernels' source with the fused kernel's constants defined.

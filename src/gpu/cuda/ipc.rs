@@ -343,7 +343,7 @@ impl Inner {
         // One pass before the first launch: destinations checked, each
         // range's length (the sum of its ops') and the descriptor bounds.
         let by_op = RangesByOp::of(batch);
-        let mut walk = by_op.walk(&batch.checksums);
+        let mut walk = by_op.walk();
         let mut lens = vec![0u64; batch.checksums.len()];
         let mut dst_addr = Vec::with_capacity(batch.ops.len());
         let pieces = |len: u64| len.div_ceil(PIECE_BYTES_MAX) as usize;
@@ -461,7 +461,7 @@ impl Inner {
             }
             Ok::<(), GpuError>(())
         };
-        let mut walk = p.in_ranges.walk(&p.batch.checksums);
+        let mut walk = p.in_ranges.walk();
         for (i, op) in p.batch.ops.iter().enumerate() {
             let (from, to) = (p.src.addrs[op.src] + op.src_offset, p.dst_addr[i]);
             let in_ranges = walk.next(i, op.len);
@@ -582,7 +582,7 @@ pub(super) struct PeerPlan<'a> {
     batch: &'a PeerCopyBatch,
     src: &'a Sources,
     dst_addr: &'a [u64],
-    in_ranges: &'a RangesByOp,
+    in_ranges: &'a RangesByOp<'a>,
     table: &'a Table,
     copy_bound: usize,
     crc_bound: usize,
