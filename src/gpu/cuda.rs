@@ -58,7 +58,7 @@ mod ipc;
 
 use std::sync::{Arc, Mutex};
 
-pub use ipc::{CudaPeerBuffer, HOST_REGISTER_PIECE_BYTES, peer_checks, time_raw_peer_copy};
+pub use ipc::{CudaPeerBuffer, HOST_REGISTER_PIECE_BYTES, PEER_TIMING_TRACE_TARGET, peer_checks, time_raw_peer_copy};
 
 use cudarc::driver::sys;
 use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaStream, LaunchConfig, PushKernelArg, result};
@@ -1455,10 +1455,11 @@ impl Gpu for CudaGpu {
         let dst = self.inner.buffers.pin_batch(batch.ops.iter().map(|op| op.dst));
         let inner = self.inner.clone();
         let (tx, rx) = tokio::sync::oneshot::channel();
+        let submitted = std::time::Instant::now();
         // The worker owns the batch, its sources and the pins until the
         // device finished, whatever happens to the completion (C11).
         inner.workers.clone().run(Box::new(move || {
-            let r = inner.run_peer(&batch, &src, &dst);
+            let r = inner.run_peer(&batch, &src, &dst, submitted);
             let _ = tx.send(r);
             drop((src, dst, batch));
         }));

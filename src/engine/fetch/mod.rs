@@ -287,6 +287,8 @@ fn submit_direct<'a>(
     let copy = engine.gpu().submit_peer(batch);
     Box::pin(async move {
         let sums = copy.await.map_err(|e| (kind, format!("device copy: {e}")))?;
+        // With the cuda backend's per-batch event of the same target.
+        tracing::debug!(target: "kvferry_peer_timing", ?kind, bytes, observed = t0.elapsed().as_micros() as u64, "one-step part done");
         let mut out = Vec::with_capacity(expected.len());
         let mut at = 0;
         for want in expected {
@@ -1232,10 +1234,12 @@ impl<'a> Driver<'a> {
         if Instant::now() >= side.until {
             return fallback(Direct::Lease, "too little of the device lease is left".into());
         }
+        let t0 = Instant::now();
         let plan = match device::plan_part(&self.layout, &side.layout, plan, &dst) {
             Ok(p) => p,
             Err(e) => return fallback(Direct::Lease, format!("owner's device ranges: {e}")),
         };
+        tracing::debug!(target: "kvferry_peer_timing", ops = plan.ops.len(), planned = t0.elapsed().as_micros() as u64, "device part planned");
         // The batch's sources are the exports this part reads, opened, in
         // first-use order; `at[export]` is its index there. (A vector, not a
         // map: this runs once per op, ~70 per Qwen3-8B block.)

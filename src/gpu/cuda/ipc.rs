@@ -339,7 +339,20 @@ impl Inner {
 
     /// Runs one peer batch to completion (on a worker thread): `src` and
     /// `dst` hold the sources and destinations for its whole run.
-    pub(super) fn run_peer(&self, batch: &PeerCopyBatch, src: &Sources, dst: &BatchPin) -> Result<Vec<u32>, GpuError> {
+    ///
+    /// Each batch's host timings go out as a debug event of target
+    /// [`PEER_TIMING_TRACE_TARGET`] (µs): `queued` (submitted → this
+    /// worker started), `pre` (the pass before planning), `plan` (planning
+    /// and launches), `wait` (after the last launch until the device was
+    /// done) and `fold`.
+    pub(super) fn run_peer(
+        &self,
+        batch: &PeerCopyBatch,
+        src: &Sources,
+        dst: &BatchPin,
+        submitted: std::time::Instant,
+    ) -> Result<Vec<u32>, GpuError> {
+        let started = std::time::Instant::now();
         // One pass before the first launch: destinations checked, each
         // range's length (the sum of its ops') and the descriptor bounds.
         let by_op = RangesByOp::of(batch);
@@ -375,8 +388,16 @@ impl Inner {
         // piece), the u32 outputs, then the fused items' starts and end.
         let words = 3 * copy_bound + 6 * crc_bound + crc_bound.div_ceil(2) + 1 + crc_bound + 1;
         let table = self.take_table(words)?;
-        let plan =
-            PeerPlan { batch, src, dst_addr: &dst_addr, in_ranges: &by_op, table: &table, copy_bound, crc_bound };
+        let plan = PeerPlan {
+            batch,
+            src,
+            dst_addr: &dst_addr,
+            in_ranges: &by_op,
+            table: &table,
+            copy_bound,
+            crc_bound,
+            times: (submitted, started),
+        };
         let res = self.enqueue_peer(&plan, &ranges);
         if res.is_err() {
             // Do not reuse a table a failed batch might still touch.
@@ -405,6 +426,7 @@ impl Inner {
     /// chunk it checksummed, measured 0.15 × the raw copy on the H200
     /// against copy-then-checksum's 0.37 (thread-strided stores).
     fn enqueue_peer(&self, p: &PeerPlan<'_>, ranges: &[ChecksumRange]) -> Result<Vec<u32>, GpuError> {
+        let planning = std::time::Instant::now();
         let table = p.table;
         let (copy_at, crc_at) = (0, 3 * p.copy_bound);
         let (fused_at, out_at) = (crc_at + 3 * p.crc_bound, crc_at + 6 * p.crc_bound);
@@ -551,10 +573,12 @@ impl Inner {
             }
         }
         flush(&n, &mut launched)?;
+        let planned = std::time::Instant::now();
         let copied = stream.record_event(None).map_err(dev_err)?;
         let summed = self.crc.record_event(None).map_err(dev_err)?;
         copied.synchronize().map_err(dev_err)?;
         summed.synchronize().map_err(dev_err)?;
+        let waited = std::time::Instant::now();
         // SAFETY: the checksum kernels finished writing `n.out` u32s at `out_at`.
         let out = unsafe { std::slice::from_raw_parts(table.host.add(out_at).cast::<u32>(), n.out) };
         // Each range's pieces and items were written in op order, as the
@@ -563,7 +587,21 @@ impl Inner {
         for &(r, off, len, k) in &folds {
             folder.add(r, off, len, out[k]);
         }
-        folder.finish().ok_or_else(|| GpuError::Device("peer checksum pieces did not tile".into()))
+        let sums = folder.finish().ok_or_else(|| GpuError::Device("peer checksum pieces did not tile".into()));
+        let (submitted, started) = p.times;
+        let us = |a: std::time::Instant, b: std::time::Instant| (b - a).as_micros() as u64;
+        tracing::debug!(
+            target: PEER_TIMING_TRACE_TARGET,
+            ops = p.batch.ops.len(),
+            items = n.items,
+            queued = us(submitted, started),
+            pre = us(started, planning),
+            plan = us(planning, planned),
+            wait = us(planned, waited),
+            fold = us(waited, std::time::Instant::now()),
+            "peer batch"
+        );
+        sums
     }
 }
 
@@ -586,7 +624,13 @@ pub(super) struct PeerPlan<'a> {
     table: &'a Table,
     copy_bound: usize,
     crc_bound: usize,
+    /// When the batch was submitted and when its worker started.
+    times: (std::time::Instant, std::time::Instant),
 }
+
+/// Target of the debug event with each peer batch's host timings
+/// ([`Inner::run_peer`]), e.g. `RUST_LOG=kvferry_peer_timing=debug`.
+pub const PEER_TIMING_TRACE_TARGET: &str = "kvferry_peer_timing";
 
 /// Raw peer copy timing for `kvferry bench ipc`: `cuMemcpyDtoDAsync` of
 /// every `(src offset, dst offset, bytes)` part from an opened peer buffer
