@@ -58,7 +58,7 @@ mod ipc;
 
 use std::sync::{Arc, Mutex};
 
-pub use ipc::{CudaPeerBuffer, HOST_REGISTER_PIECE_BYTES, PEER_TIMING_TRACE_TARGET, peer_checks, time_raw_peer_copy};
+pub use ipc::{CudaPeerBuffer, HOST_REGISTER_PIECE_BYTES, peer_checks, time_raw_peer_copy};
 
 use cudarc::driver::sys;
 use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaStream, LaunchConfig, PushKernelArg, result};

@@ -308,6 +308,12 @@ pub fn revoke_process(table: &super::BufferTable, id: DeviceBufferId) {
     registry().lock().expect("export registry lock").retain(|_, (t, i)| !(t.same_table(&weak) && *i == id));
 }
 
+/// Target of the debug events that time peer copies (µs; e.g.
+/// `RUST_LOG=kvferry_peer_timing=debug`): the cuda backend's per-batch
+/// host timings, and a fetch's one-step parts (planning a device part,
+/// submit to completion observed).
+pub const PEER_TIMING_TRACE_TARGET: &str = "kvferry_peer_timing";
+
 /// Per op of a [`PeerCopyBatch`], the checksum ranges holding it and its
 /// offset in each, produced in op order by [`RangesByOp::walk`] (a
 /// backend planning the batch's copies and checksum pieces). The engine's

@@ -287,8 +287,13 @@ fn submit_direct<'a>(
     let copy = engine.gpu().submit_peer(batch);
     Box::pin(async move {
         let sums = copy.await.map_err(|e| (kind, format!("device copy: {e}")))?;
-        // With the cuda backend's per-batch event of the same target.
-        tracing::debug!(target: "kvferry_peer_timing", ?kind, bytes, observed = t0.elapsed().as_micros() as u64, "one-step part done");
+        tracing::debug!(
+            target: crate::gpu::peer::PEER_TIMING_TRACE_TARGET,
+            ?kind,
+            bytes,
+            observed = t0.elapsed().as_micros() as u64,
+            "one-step part done"
+        );
         let mut out = Vec::with_capacity(expected.len());
         let mut at = 0;
         for want in expected {
@@ -1239,7 +1244,12 @@ impl<'a> Driver<'a> {
             Ok(p) => p,
             Err(e) => return fallback(Direct::Lease, format!("owner's device ranges: {e}")),
         };
-        tracing::debug!(target: "kvferry_peer_timing", ops = plan.ops.len(), planned = t0.elapsed().as_micros() as u64, "device part planned");
+        tracing::debug!(
+            target: crate::gpu::peer::PEER_TIMING_TRACE_TARGET,
+            ops = plan.ops.len(),
+            planned = t0.elapsed().as_micros() as u64,
+            "device part planned"
+        );
         // The batch's sources are the exports this part reads, opened, in
         // first-use order; `at[export]` is its index there. (A vector, not a
         // map: this runs once per op, ~70 per Qwen3-8B block.)

@@ -32,7 +32,7 @@ use cudarc::driver::sys;
 
 use super::{FUSED_BLOCKS_PER_SM, Inner, Table, dev_err, write3};
 use crate::gpu::crc::{ChecksumRange, PIECE_BYTES_MAX, RangeFolder, STRIPE_BYTES};
-use crate::gpu::peer::{self, BufferExport, PeerBuffer, PeerCopyBatch, PeerKind, RangesByOp};
+use crate::gpu::peer::{self, BufferExport, PEER_TIMING_TRACE_TARGET, PeerBuffer, PeerCopyBatch, PeerKind, RangesByOp};
 use crate::gpu::{GpuError, checked_range};
 use crate::memory::DeviceBufferId;
 use crate::memory::buffers::BatchPin;
@@ -341,7 +341,7 @@ impl Inner {
     /// `dst` hold the sources and destinations for its whole run.
     ///
     /// Each batch's host timings go out as a debug event of target
-    /// [`PEER_TIMING_TRACE_TARGET`] (µs): `queued` (submitted → this
+    /// [`peer::PEER_TIMING_TRACE_TARGET`] (µs): `queued` (submitted → this
     /// worker started), `pre` (the pass before planning), `plan` (planning
     /// and launches), `wait` (after the last launch until the device was
     /// done) and `fold`.
@@ -627,10 +627,6 @@ pub(super) struct PeerPlan<'a> {
     /// When the batch was submitted and when its worker started.
     times: (std::time::Instant, std::time::Instant),
 }
-
-/// Target of the debug event with each peer batch's host timings
-/// ([`Inner::run_peer`]), e.g. `RUST_LOG=kvferry_peer_timing=debug`.
-pub const PEER_TIMING_TRACE_TARGET: &str = "kvferry_peer_timing";
 
 /// Raw peer copy timing for `kvferry bench ipc`: `cuMemcpyDtoDAsync` of
 /// every `(src offset, dst offset, bytes)` part from an opened peer buffer
