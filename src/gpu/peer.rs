@@ -343,7 +343,7 @@ impl<'a> RangesByOp<'a> {
             return RangesByOp { spans, rows: None };
         }
         let mut start = vec![0usize; batch.ops.len() + 1];
-        for span in &batch.checksums {
+        for span in spans {
             for i in span.clone() {
                 start[i + 1] += 1;
             }
@@ -353,7 +353,7 @@ impl<'a> RangesByOp<'a> {
         }
         let mut fill = start.clone();
         let mut entries = vec![(0u32, 0u64); start[batch.ops.len()]];
-        for (r, span) in batch.checksums.iter().enumerate() {
+        for (r, span) in spans.iter().enumerate() {
             let mut off = 0;
             for i in span.clone() {
                 entries[fill[i]] = (r as u32, off);

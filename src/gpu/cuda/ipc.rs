@@ -438,9 +438,9 @@ impl Inner {
         let mut launched = (0usize, 0usize, 0usize);
         // (range, offset in range, bytes, output index).
         let mut folds: Vec<(u32, u64, u64, usize)> = Vec::with_capacity(p.crc_bound);
-        // The open fused item: (its range, its next offset there, its
-        // bytes, its fold).
-        let mut open: Option<(u32, u64, u64, usize)> = None;
+        // The open fused item's fold (a single-range item: its range, its
+        // start there and its bytes so far are the fold's).
+        let mut open: Option<usize> = None;
         // The kernel for older devices takes one piece per item.
         let item_max = if self.fused_items { super::FUSED_ITEM_BYTES } else { 0 };
         let mut chunk = 0u64;
@@ -535,25 +535,19 @@ impl Inner {
                 debug_assert!(len > 0 && len.is_multiple_of(STRIPE_BYTES), "fused piece of {len} bytes");
                 // A piece of one range right after the open item's last
                 // piece in that range joins the item while it is short.
-                let joins = match (open, in_ranges) {
-                    (Some((r, next, bytes, _)), &[(range, at)]) => {
-                        r == range && next == at + off && bytes + len <= item_max
-                    }
-                    _ => false,
-                };
-                let out = if joins {
-                    let (r, next, bytes, fold) = open.expect("joins an open item");
+                let joins = open.filter(|&fold| {
+                    let (r, start, bytes, _) = folds[fold];
+                    let next = start + bytes;
+                    matches!(in_ranges, &[(range, at)] if r == range && next == at + off && bytes + len <= item_max)
+                });
+                let out = if let Some(fold) = joins {
                     folds[fold].2 += len;
-                    open = Some((r, next + len, bytes + len, fold));
                     folds[fold].3
                 } else {
                     // SAFETY: `n.items < crc_bound`: at most one item per piece.
                     unsafe { table.host.add(items_at + n.items).write(n.fused as u64) };
                     n.items += 1;
-                    open = match in_ranges {
-                        &[(r, at)] => Some((r, at + off + len, len, folds.len())),
-                        _ => None,
-                    };
+                    open = (in_ranges.len() == 1).then_some(folds.len());
                     for &(r, at) in in_ranges {
                         folds.push((r, at + off, len, n.out));
                     }
