@@ -270,6 +270,7 @@ impl EngineRpc for P2pTransferService {
         &self,
         request: Request<QueryBlocksForTransferRequest>,
     ) -> Result<Response<QueryBlocksForTransferResponse>, Status> {
+        let t0 = std::time::Instant::now();
         let r = request.into_inner();
         validate_namespace(&r.namespace).map_err(|e| to_status(P2pError::Id(e)))?;
         if r.block_hashes.is_empty() {
@@ -298,6 +299,7 @@ impl EngineRpc for P2pTransferService {
             .lock_for_transfer_staged(&r.namespace, &hashes)
             .await
             .map_err(|e| to_status(P2pError::Lock(e)))?;
+        let locked = t0.elapsed();
         let shapes = slot_shapes(&layout);
         // Three forms of the answer: packed columns, a compact record per
         // block, or PegaFlow's slots per block (what the requester asked).
@@ -348,6 +350,13 @@ impl EngineRpc for P2pTransferService {
             }
         };
         let packed = packed.unwrap_or_default();
+        tracing::debug!(
+            target: crate::gpu::peer::PEER_TIMING_TRACE_TARGET,
+            blocks = found.len(),
+            locked = locked.as_micros() as u64,
+            answered = t0.elapsed().as_micros() as u64,
+            "transfer lock answered"
+        );
         Ok(Response::new(QueryBlocksForTransferResponse {
             status: ok(),
             blocks,

@@ -177,6 +177,22 @@ pub(crate) struct SourceBlock {
     pub expected: Arc<[u32]>,
 }
 
+/// One block of a device-lease part as [`plan_part`] takes it: where the
+/// owner holds it (its device block index, if the answer gave one) and the
+/// owner's slot checksums. Owned, so a part is planned off the fetch's
+/// driver task.
+#[derive(Clone, Debug)]
+pub(crate) struct LeaseBlock {
+    pub device_block: Option<u64>,
+    pub expected: Arc<[u32]>,
+}
+
+impl From<&LockedBlock> for LeaseBlock {
+    fn from(b: &LockedBlock) -> Self {
+        Self { device_block: b.device_block, expected: b.slots.iter().map(|s| s.crc32c).collect() }
+    }
+}
+
 /// Plans the device copy of `plan` (the owner's blocks, each with a device
 /// block index in `owner`) into this node's device blocks `dst` (same
 /// order).
@@ -188,14 +204,14 @@ pub(crate) struct SourceBlock {
 pub(crate) fn plan_part(
     layout: &Layout,
     owner: &OwnerLayout,
-    plan: &[&LockedBlock],
+    plan: &[LeaseBlock],
     dst: &[u64],
 ) -> Result<PartPlan, String> {
     let mut blocks = Vec::with_capacity(plan.len());
     for b in plan {
         let index = b.device_block.ok_or("a block without a device index")?;
         let ranges = owner.segments(index).ok_or_else(|| format!("device block {index} is past the owner's layout"))?;
-        blocks.push(SourceBlock { ranges, expected: b.slots.iter().map(|s| s.crc32c).collect() });
+        blocks.push(SourceBlock { ranges, expected: b.expected.clone() });
     }
     plan_copies(layout, &blocks, dst)
 }
@@ -281,6 +297,10 @@ mod tests {
         }
     }
 
+    fn lease(device_block: Option<u64>, crcs: &[u32]) -> LeaseBlock {
+        (&block(device_block, crcs)).into()
+    }
+
     /// Two layers, split K/V of 100 bytes each, K and V in buffers of their
     /// own per layer (ids 0..4), 8 blocks.
     fn layout() -> Layout {
@@ -315,8 +335,7 @@ mod tests {
         // Owner block 2: one 300-byte range in export 0 (three runs merged),
         // one in export 1; cut at this node's 100-byte segments (block 3).
         assert_eq!(owner.segments(2).unwrap(), vec![(0, 1800, 300), (1, 200, 100)]);
-        let b = block(Some(2), &[7, 8]);
-        let p = plan_part(&l, &owner, &[&b], &[3]).unwrap();
+        let p = plan_part(&l, &owner, &[lease(Some(2), &[7, 8])], &[3]).unwrap();
         let ops: Vec<_> = p.ops.iter().map(|o| (o.src, o.src_offset, o.dst.0, o.dst_offset, o.len)).collect();
         assert_eq!(
             ops,
@@ -366,12 +385,12 @@ mod tests {
     fn malformed_blocks_are_refused() {
         let l = layout();
         let owner = OwnerLayout::check(&owner_wire(), &exports(&FIT), &l).unwrap();
-        assert!(plan_part(&l, &owner, &[&block(None, &[1, 2])], &[0]).is_err(), "no device index");
-        assert!(plan_part(&l, &owner, &[&block(Some(4), &[1, 2])], &[0]).is_err(), "past the owner's layout");
-        assert!(plan_part(&l, &owner, &[&block(Some(u64::MAX), &[1, 2])], &[0]).is_err(), "far past");
-        assert!(plan_part(&l, &owner, &[&block(Some(3), &[1])], &[0]).is_err(), "slot count");
-        assert!(plan_part(&l, &owner, &[&block(Some(3), &[1, 2])], &[8]).is_err(), "our index");
-        assert!(plan_part(&l, &owner, &[&block(Some(3), &[1, 2])], &[7]).is_ok());
+        assert!(plan_part(&l, &owner, &[lease(None, &[1, 2])], &[0]).is_err(), "no device index");
+        assert!(plan_part(&l, &owner, &[lease(Some(4), &[1, 2])], &[0]).is_err(), "past the owner's layout");
+        assert!(plan_part(&l, &owner, &[lease(Some(u64::MAX), &[1, 2])], &[0]).is_err(), "far past");
+        assert!(plan_part(&l, &owner, &[lease(Some(3), &[1])], &[0]).is_err(), "slot count");
+        assert!(plan_part(&l, &owner, &[lease(Some(3), &[1, 2])], &[8]).is_err(), "our index");
+        assert!(plan_part(&l, &owner, &[lease(Some(3), &[1, 2])], &[7]).is_ok());
     }
 
     proptest! {
@@ -402,15 +421,11 @@ mod tests {
                     for (e, off, len) in segs {
                         prop_assert!(off + len <= ex[e].len);
                     }
-                    prop_assert!(plan_part(&l, &owner, &[&block_of(Some(b))], &[0]).is_ok());
+                    prop_assert!(plan_part(&l, &owner, &[lease(Some(b), &[1, 2])], &[0]).is_ok());
                 }
                 prop_assert!(owner.segments(num_blocks).is_none());
             }
         }
-    }
-
-    fn block_of(device_block: Option<u64>) -> LockedBlock {
-        block(device_block, &[1, 2])
     }
 
     /// The answer's device half is accepted whole or not at all.

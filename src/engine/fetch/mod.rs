@@ -258,34 +258,77 @@ enum Direct {
 /// the pool).
 type DirectCopy<'a> = Pin<Box<dyn Future<Output = Result<Vec<Arc<[u32]>>, (Direct, String)>> + Send + 'a>>;
 
-/// Submits a one-step copy batch now — so the device copies one part
-/// while the fetch plans the next — and returns its completion, which
-/// checks the checksums the GPU backend took of the landed bytes against
-/// the owner's `expected` (C10) and counts the part in `kind`'s metrics.
-/// `lease_session`: the transfer session of a device-lease read, traced
-/// for the simulator's C19 check. No copy starts after the fetch's
-/// `deadline`: a copy into the caller's KV is awaited once started (C11),
-/// so the pool path then ends at once (C9).
-fn submit_direct<'a>(
-    engine: &'a Engine,
-    kind: Direct,
+/// A one-step part ready to submit: the copy, each block's slot checksums
+/// as the owner took them, the bytes it moves and, for a device-lease read,
+/// the transfer session (traced for the simulator's C19 check).
+struct DirectBatch {
     batch: crate::gpu::peer::PeerCopyBatch,
     expected: Vec<Arc<[u32]>>,
     bytes: u64,
     lease_session: Option<String>,
+}
+
+/// Plans a one-step part with `prepare` and submits it
+/// ([`submit_direct`]), both on a task of its own: planning a 64 MiB
+/// part of a Qwen3-8B-shaped KV (~2,000 copies) and submitting it take
+/// ~0.25 ms of CPU, and on the fetch's driver task that work bounded a
+/// device-lease read, which issued one part at a time and noticed a
+/// finished part only between issues (docs/BENCHMARKS.md, session 31).
+/// Here parts in flight are planned side by side on the runtime's
+/// threads while the driver goes on. Dropping the returned completion
+/// (the fetch was cancelled) aborts a task that has not submitted yet; a
+/// submitted copy is the GPU worker's to finish (C11).
+fn spawn_direct<'a>(
+    engine: &Engine,
+    kind: Direct,
     deadline: Instant,
+    prepare: impl FnOnce() -> Result<DirectBatch, String> + Send + 'static,
 ) -> DirectCopy<'a> {
-    let t0 = Instant::now();
-    if t0 >= deadline {
-        return Box::pin(std::future::ready(Err((kind, "the fetch deadline passed".to_string()))));
+    /// Aborts the task when the completion is dropped.
+    struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+    impl<T> Drop for AbortOnDrop<T> {
+        fn drop(&mut self) {
+            self.0.abort();
+        }
     }
-    if let Some(session) = lease_session {
-        // The simulator checks this against the owner's lease events
-        // (C19: no device read after the lease ended).
-        tracing::trace!(target: super::leases::DEVICE_READ_TRACE_TARGET, me = %engine.node(), session, "device read");
-    }
-    let copy = engine.gpu().submit_peer(batch);
+    let engine = engine.clone();
+    let mut task = AbortOnDrop(tokio::spawn(async move {
+        let part = prepare().map_err(|why| (kind, why))?;
+        submit_direct(&engine, kind, part, deadline).await
+    }));
     Box::pin(async move {
+        match (&mut task.0).await {
+            Ok(r) => r,
+            Err(e) => Err((kind, format!("the part's copy task ended: {e}"))),
+        }
+    })
+}
+
+/// Submits a one-step copy batch now and returns its completion, which
+/// checks the checksums the GPU backend took of the landed bytes against
+/// the owner's (C10) and counts the part in `kind`'s metrics. No copy
+/// starts after the fetch's `deadline`: a copy into the caller's KV is
+/// awaited once started (C11), so the pool path then ends at once (C9).
+fn submit_direct(
+    engine: &Engine,
+    kind: Direct,
+    part: DirectBatch,
+    deadline: Instant,
+) -> impl Future<Output = Result<Vec<Arc<[u32]>>, (Direct, String)>> + Send + '_ {
+    let DirectBatch { batch, expected, bytes, lease_session } = part;
+    let t0 = Instant::now();
+    let copy = if t0 >= deadline {
+        None
+    } else {
+        if let Some(session) = lease_session {
+            // The simulator checks this against the owner's lease events
+            // (C19: no device read after the lease ended).
+            tracing::trace!(target: super::leases::DEVICE_READ_TRACE_TARGET, me = %engine.node(), session, "device read");
+        }
+        Some(engine.gpu().submit_peer(batch))
+    };
+    async move {
+        let copy = copy.ok_or((kind, "the fetch deadline passed".to_string()))?;
         let sums = copy.await.map_err(|e| (kind, format!("device copy: {e}")))?;
         tracing::debug!(
             target: crate::gpu::peer::PEER_TIMING_TRACE_TARGET,
@@ -314,7 +357,41 @@ fn submit_direct<'a>(
         b.fetch_add(bytes, Ordering::Relaxed);
         ns.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
         Ok(out)
-    })
+    }
+}
+
+/// The sources of a device-lease part: the owner's `exports` its `ops`
+/// read (`op.src` indexes `exports`), opened through the owner's peer entry
+/// in first-use order, and `ops` with `src` rewritten to index them.
+///
+/// # Errors
+/// Why an export would not open: the part is read from the pool instead.
+fn open_exports(
+    gpu: &dyn crate::gpu::Gpu,
+    peer: &PeerState,
+    exports: &[crate::gpu::peer::BufferExport],
+    mut ops: Vec<crate::gpu::peer::PeerCopyOp>,
+) -> Result<(Vec<Arc<dyn crate::gpu::peer::PeerBuffer>>, Vec<crate::gpu::peer::PeerCopyOp>), String> {
+    // `at[export]`: its index among the sources. (A vector, not a map: this
+    // runs once per op, ~70 per Qwen3-8B block.)
+    let mut at: Vec<Option<usize>> = vec![None; exports.len()];
+    let mut sources = Vec::new();
+    let mut opened = peer.opened.lock().expect("opened lock");
+    for op in &mut ops {
+        // `plan_part` took `src` from the checked owner layout, whose runs
+        // name exports below `exports.len()`.
+        let slot = &mut at[op.src];
+        op.src = match *slot {
+            Some(i) => i,
+            None => {
+                let b = opened.get(gpu, &exports[op.src]).map_err(|e| format!("opening the owner's buffer: {e}"))?;
+                sources.push(b);
+                *slot = Some(sources.len() - 1);
+                sources.len() - 1
+            }
+        };
+    }
+    Ok((sources, ops))
 }
 
 /// `plan`'s blocks as ranges of the owner's pool (source 0: its mapping),
@@ -405,7 +482,7 @@ struct Driver<'a> {
     /// event the simulator checks C8 with).
     granted: Vec<String>,
     /// The current lock's device half (C19), if the owner offered one.
-    device: Option<device::DeviceSide>,
+    device: Option<Arc<device::DeviceSide>>,
     /// Parts copied device to device, with their blocks' slot checksums,
     /// until their verify action takes them.
     device_parts: HashMap<usize, Vec<Arc<[u32]>>>,
@@ -834,7 +911,7 @@ impl<'a> Driver<'a> {
             }
             Outcome::Locked(res, device) => {
                 self.rpc = None;
-                self.device = device;
+                self.device = device.map(Arc::new);
                 // The machine owns the grant from here (it releases it, C8).
                 Event::Locked(res.map(|g| g.take()))
             }
@@ -959,7 +1036,9 @@ impl<'a> Driver<'a> {
                 let layout = self.layout.clone();
                 let (tx, rx) = tokio::sync::oneshot::channel();
                 tokio::spawn(async move {
+                    let t0 = Instant::now();
                     let answer = tokio::time::timeout(rpc_timeout, grpc.query_blocks_for_transfer(req)).await;
+                    let answered = t0.elapsed();
                     let (res, device) = match answer {
                         Err(_) => (Err(FetchError::Peer(PeerFailure::Timeout)), None),
                         Ok(Err(s)) => (Err(FetchError::Peer(PeerFailure::Rpc(RpcFailure::from_status(&s)))), None),
@@ -973,6 +1052,12 @@ impl<'a> Driver<'a> {
                             }
                         }
                     };
+                    tracing::debug!(
+                        target: crate::gpu::peer::PEER_TIMING_TRACE_TARGET,
+                        answered = answered.as_micros() as u64,
+                        parsed = (t0.elapsed() - answered).as_micros() as u64,
+                        "transfer lock answer"
+                    );
                     // A send to a fetch that ended drops the outcome, whose
                     // `LateRelease` then releases the grant.
                     let _ = tx.send(Outcome::Locked(res, device));
@@ -1002,10 +1087,17 @@ impl<'a> Driver<'a> {
                     let results = vec![Err(TransportError::NotConnected(NotConnected::NoSession)); blocks.len()];
                     return Some(Event::ReadDone { part, results });
                 };
+                let t0 = Instant::now();
                 let (owner, session) = (owner.clone(), session.to_string());
                 let plan: Vec<&LockedBlock> = self.m.plan()[blocks.clone()].iter().collect();
                 let ops = read_ops(&self.layout, &plan);
                 let direct = self.device_copy(&blocks, &plan, &ops);
+                tracing::debug!(
+                    target: crate::gpu::peer::PEER_TIMING_TRACE_TARGET,
+                    blocks = blocks.len(),
+                    issued = t0.elapsed().as_micros() as u64,
+                    "read part issued"
+                );
                 let local = self.take(&blocks);
                 let (transport, deadline, ends) = (self.transport.clone(), self.deadline, self.slot_ends.clone());
                 // Slots deferred at `Alloc`: taken now if this part falls
@@ -1213,71 +1305,45 @@ impl<'a> Driver<'a> {
         let (owner, peer) = self.peer.as_ref().map(|(a, p)| (a.clone(), p.clone()))?;
         let dst: Vec<u64> = blocks.clone().map(|i| load.blocks[base + i].1).collect();
         let gpu = self.engine.gpu().clone();
-        let fallback = |kind: Direct, why: String| -> Option<DirectCopy<'a>> {
-            Some(Box::pin(std::future::ready(Err((kind, why)))))
-        };
+        let layout = self.layout.clone();
         let offered = self.device.as_ref().filter(|_| plan.iter().all(|b| b.device_block.is_some()));
         let Some(side) = offered else {
             let region = self.engine.one_step_pool_region(self.transport.as_ref(), &owner)?;
             let source = peer.shared_source(&gpu, region)?;
-            let plan = match device::plan_copies(&self.layout, &shared_blocks(plan, ops), &dst) {
-                Ok(p) => p,
-                Err(e) => return fallback(Direct::Shared, format!("the owner's pool ranges: {e}")),
-            };
-            let batch =
-                crate::gpu::peer::PeerCopyBatch { sources: vec![source], ops: plan.ops, checksums: plan.checksums };
-            return Some(submit_direct(
-                self.engine,
-                Direct::Shared,
-                batch,
-                plan.expected,
-                plan.bytes,
-                None,
-                self.deadline,
-            ));
+            let sources = shared_blocks(plan, ops);
+            return Some(spawn_direct(self.engine, Direct::Shared, self.deadline, move || {
+                let plan = device::plan_copies(&layout, &sources, &dst)
+                    .map_err(|e| format!("the owner's pool ranges: {e}"))?;
+                let batch =
+                    crate::gpu::peer::PeerCopyBatch { sources: vec![source], ops: plan.ops, checksums: plan.checksums };
+                Ok(DirectBatch { batch, expected: plan.expected, bytes: plan.bytes, lease_session: None })
+            }));
         };
-        if Instant::now() >= side.until {
-            return fallback(Direct::Lease, "too little of the device lease is left".into());
-        }
-        let t0 = Instant::now();
-        let plan = match device::plan_part(&self.layout, &side.layout, plan, &dst) {
-            Ok(p) => p,
-            Err(e) => return fallback(Direct::Lease, format!("owner's device ranges: {e}")),
+        let (side, until) = (side.clone(), side.until);
+        let lease_left = move || {
+            if Instant::now() >= until { Err("too little of the device lease is left".to_string()) } else { Ok(()) }
         };
-        tracing::debug!(
-            target: crate::gpu::peer::PEER_TIMING_TRACE_TARGET,
-            ops = plan.ops.len(),
-            planned = t0.elapsed().as_micros() as u64,
-            "device part planned"
-        );
-        // The batch's sources are the exports this part reads, opened, in
-        // first-use order; `at[export]` is its index there. (A vector, not a
-        // map: this runs once per op, ~70 per Qwen3-8B block.)
-        let mut at: Vec<Option<usize>> = vec![None; side.exports.len()];
-        let mut sources = Vec::new();
-        let mut ops = plan.ops;
-        {
-            let mut opened = peer.opened.lock().expect("opened lock");
-            for op in &mut ops {
-                // `plan_part` took `src` from the checked owner layout,
-                // whose runs name exports below `exports.len()`.
-                let slot = &mut at[op.src];
-                op.src = match *slot {
-                    Some(i) => i,
-                    None => match opened.get(gpu.as_ref(), &side.exports[op.src]) {
-                        Ok(b) => {
-                            sources.push(b);
-                            *slot = Some(sources.len() - 1);
-                            sources.len() - 1
-                        }
-                        Err(e) => return fallback(Direct::Lease, format!("opening the owner's buffer: {e}")),
-                    },
-                };
-            }
+        if let Err(why) = lease_left() {
+            return Some(Box::pin(std::future::ready(Err((Direct::Lease, why)))));
         }
-        let batch = crate::gpu::peer::PeerCopyBatch { sources, ops, checksums: plan.checksums };
+        let owned: Vec<device::LeaseBlock> = plan.iter().map(|&b| b.into()).collect();
         let session = self.m.transfer_session().map(|(_, s)| s.to_string()).unwrap_or_default();
-        Some(submit_direct(self.engine, Direct::Lease, batch, plan.expected, plan.bytes, Some(session), self.deadline))
+        Some(spawn_direct(self.engine, Direct::Lease, self.deadline, move || {
+            let t0 = Instant::now();
+            let plan = device::plan_part(&layout, &side.layout, &owned, &dst)
+                .map_err(|e| format!("owner's device ranges: {e}"))?;
+            tracing::debug!(
+                target: crate::gpu::peer::PEER_TIMING_TRACE_TARGET,
+                ops = plan.ops.len(),
+                planned = t0.elapsed().as_micros() as u64,
+                "device part planned"
+            );
+            let (sources, ops) = open_exports(gpu.as_ref(), &peer, &side.exports, plan.ops)?;
+            // Checked again after planning: no copy starts after the lease.
+            lease_left()?;
+            let batch = crate::gpu::peer::PeerCopyBatch { sources, ops, checksums: plan.checksums };
+            Ok(DirectBatch { batch, expected: plan.expected, bytes: plan.bytes, lease_session: Some(session) })
+        }))
     }
 
     /// Whether every part of the current plan is expected to take a
