@@ -194,7 +194,7 @@ pub(crate) struct LeaseBlock {
 
 impl From<&LockedBlock> for LeaseBlock {
     fn from(b: &LockedBlock) -> Self {
-        Self { device_block: b.device_block, expected: b.slots.iter().map(|s| s.crc32c).collect() }
+        Self { device_block: b.device_block, expected: b.slot_crcs() }
     }
 }
 
@@ -228,6 +228,10 @@ pub(crate) fn plan_part(
         .map(|(r, (b, stride))| (r, b, stride))
         .collect();
     let per_layer: Vec<usize> = layout.layers().iter().map(|l| usize::from(l.segments())).collect();
+    if pairs.len() != owner.runs.len() || per_layer.iter().sum::<usize>() != pairs.len() {
+        // `owner` was checked against another layout than `layout`.
+        return Err("the owner's runs are not this layout's segments".into());
+    }
     let mut out = PartPlan {
         ops: Vec::with_capacity(plan.len() * pairs.len()),
         checksums: Vec::with_capacity(plan.len() * per_layer.len()),
@@ -342,10 +346,6 @@ mod tests {
             slots: crcs.iter().map(|&crc32c| LockedSlot { crc32c, ..Default::default() }).collect(),
             device_block,
         }
-    }
-
-    fn segs_of(owner: &OwnerLayout, block: u64) -> Vec<(usize, u64, u64)> {
-        owner.segments(block).unwrap()
     }
 
     fn lease(device_block: Option<u64>, crcs: &[u32]) -> LeaseBlock {
@@ -469,7 +469,7 @@ mod tests {
             let dst: Vec<u64> = picks.iter().map(|&(_, d)| d).collect();
             let walked: Vec<SourceBlock> = blocks
                 .iter()
-                .map(|b| SourceBlock { ranges: segs_of(&owner, b.device_block.unwrap()), expected: b.expected.clone() })
+                .map(|b| SourceBlock { ranges: owner.segments(b.device_block.unwrap()).unwrap(), expected: b.expected.clone() })
                 .collect();
             prop_assert_eq!(plan_part(&l, &owner, &blocks, &dst).unwrap(), plan_copies(&l, &walked, &dst).unwrap());
         }
@@ -501,7 +501,10 @@ mod tests {
                     for (e, off, len) in segs {
                         prop_assert!(off + len <= ex[e].len);
                     }
-                    prop_assert!(plan_part(&l, &owner, &[lease(Some(b), &[1, 2])], &[0]).is_ok());
+                    let plan = plan_part(&l, &owner, &[lease(Some(b), &[1, 2])], &[0]).unwrap();
+                    for op in &plan.ops {
+                        prop_assert!(op.src_offset + op.len <= ex[op.src].len);
+                    }
                 }
                 prop_assert!(owner.segments(num_blocks).is_none());
             }

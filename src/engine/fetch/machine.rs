@@ -81,6 +81,13 @@ pub struct LockedBlock {
     pub device_block: Option<u64>,
 }
 
+impl LockedBlock {
+    /// The owner's slot checksums, one per layer.
+    pub fn slot_crcs(&self) -> Arc<[u32]> {
+        self.slots.iter().map(|s| s.crc32c).collect()
+    }
+}
+
 /// One layer's slot of a [`LockedBlock`] in the owner's pool. Offsets and
 /// lengths in bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -900,8 +907,9 @@ pub struct FetchPhases {
     pub handshake: Duration,
     /// `QueryBlocksForTransfer` (the transfer lock).
     pub lock: Duration,
-    /// Data-plane reads in flight, and issuing them (planning a part's
-    /// copies, submitting a one-step copy into the engine's KV).
+    /// Data-plane reads in flight, and issuing them (a one-step part is
+    /// planned and submitted on a task of its own, while the read is in
+    /// flight).
     pub read: Duration,
     /// CRC-32C passes not hidden behind a read.
     pub verify: Duration,

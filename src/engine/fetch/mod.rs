@@ -268,6 +268,29 @@ struct DirectBatch {
     lease_session: Option<String>,
 }
 
+/// Lets a fetch's one-step part tasks submit only while the fetch is live.
+/// A task plans and submits inside [`Gate::run`]'s shared section;
+/// [`Gate::close`], the first thing a dropped fetch does, waits for the
+/// sections in progress and refuses every later one. So no copy starts
+/// after the fetch ended and released its transfer lock and device lease
+/// (C11, C19), while the parts in flight still submit side by side.
+#[derive(Clone, Default)]
+struct Gate(Arc<std::sync::RwLock<bool>>);
+
+impl Gate {
+    /// Runs `f` unless the gate is closed (then `None`); [`Gate::close`]
+    /// waits until `f` returned.
+    fn run<T>(&self, f: impl FnOnce() -> T) -> Option<T> {
+        let closed = self.0.read().unwrap_or_else(std::sync::PoisonError::into_inner);
+        (!*closed).then(f)
+    }
+
+    /// Closes the gate, once every section in progress ended.
+    fn close(&self) {
+        *self.0.write().unwrap_or_else(std::sync::PoisonError::into_inner) = true;
+    }
+}
+
 /// Plans a one-step part with `prepare` and submits it
 /// ([`submit_direct`]), both on a task of its own: planning a 64 MiB
 /// part of a Qwen3-8B-shaped KV (~2,000 copies) and submitting it take
@@ -275,11 +298,14 @@ struct DirectBatch {
 /// device-lease read, which issued one part at a time and noticed a
 /// finished part only between issues (docs/BENCHMARKS.md, session 31).
 /// Here parts in flight are planned side by side on the runtime's
-/// threads while the driver goes on. Dropping the returned completion
-/// (the fetch was cancelled) aborts a task that has not submitted yet; a
-/// submitted copy is the GPU worker's to finish (C11).
+/// threads while the driver goes on. Both happen inside the fetch's
+/// `gate` ([`Gate`]): once the fetch ended, a task that has not submitted
+/// yet submits nothing. Dropping the returned completion also aborts a task
+/// that has not started; a submitted copy is the GPU worker's to finish
+/// (C11).
 fn spawn_direct<'a>(
     engine: &Engine,
+    gate: &Gate,
     kind: Direct,
     deadline: Instant,
     prepare: impl FnOnce() -> Result<DirectBatch, String> + Send + 'static,
@@ -291,15 +317,23 @@ fn spawn_direct<'a>(
             self.0.abort();
         }
     }
-    let engine = engine.clone();
+    let (engine, gate) = (engine.clone(), gate.clone());
     let mut task = AbortOnDrop(tokio::spawn(async move {
-        let part = prepare().map_err(|why| (kind, why))?;
-        submit_direct(&engine, kind, part, deadline).await
+        match gate.run(|| prepare().map(|part| submit_direct(&engine, kind, part, deadline))) {
+            None => Err((kind, "the fetch ended".to_string())),
+            Some(Err(why)) => Err((kind, why)),
+            Some(Ok(copy)) => copy.await,
+        }
     }));
     Box::pin(async move {
         match (&mut task.0).await {
             Ok(r) => r,
-            Err(e) => Err((kind, format!("the part's copy task ended: {e}"))),
+            Err(e) => {
+                if e.is_panic() {
+                    tracing::error!(error = %e, "a one-step part's task panicked: the part is read from the pool");
+                }
+                Err((kind, format!("the part's copy task ended: {e}")))
+            }
         }
     })
 }
@@ -397,10 +431,8 @@ fn open_exports(
 /// `plan`'s blocks as ranges of the owner's pool (source 0: its mapping),
 /// in pool byte order: the ranges of `ops`, the part's [`read_ops`].
 fn shared_blocks(plan: &[&LockedBlock], ops: &[ReadOp]) -> Vec<device::SourceBlock> {
-    let mut out: Vec<device::SourceBlock> = plan
-        .iter()
-        .map(|b| device::SourceBlock { ranges: Vec::new(), expected: b.slots.iter().map(|s| s.crc32c).collect() })
-        .collect();
+    let mut out: Vec<device::SourceBlock> =
+        plan.iter().map(|b| device::SourceBlock { ranges: Vec::new(), expected: b.slot_crcs() }).collect();
     for op in ops {
         out[op.local_extent].ranges.push((0, op.remote_offset, op.len));
     }
@@ -454,9 +486,12 @@ enum Outcome {
 type Pending<'a> = FuturesUnordered<Pin<Box<dyn Future<Output = Outcome> + Send + 'a>>>;
 
 /// Performs a [`FetchMachine`]'s actions for one [`Engine::fetch`]: the only
-/// async part of a fetch. Dropping it (the fetch was cancelled) releases a
-/// held transfer lock on a spawned task ([`FetchMachine::abandon`]); every
-/// slot it holds goes back to the pool with it.
+/// async part of a fetch (with the one-step part tasks it spawns,
+/// [`spawn_direct`]). Dropping it (the fetch ended or was cancelled) first
+/// closes its [`Gate`], so no part task submits a copy after that, then
+/// releases a held transfer lock on a spawned task
+/// ([`FetchMachine::abandon`]); every slot it holds goes back to the pool
+/// with it.
 struct Driver<'a> {
     engine: &'a Engine,
     namespace: &'a str,
@@ -483,6 +518,9 @@ struct Driver<'a> {
     granted: Vec<String>,
     /// The current lock's device half (C19), if the owner offered one.
     device: Option<Arc<device::DeviceSide>>,
+    /// Closed when the driver is dropped: one-step part tasks submit only
+    /// while it is open.
+    gate: Gate,
     /// Parts copied device to device, with their blocks' slot checksums,
     /// until their verify action takes them.
     device_parts: HashMap<usize, Vec<Arc<[u32]>>>,
@@ -647,6 +685,7 @@ impl Engine {
                 load: pipe.take(),
                 granted: Vec::new(),
                 device: None,
+                gate: Gate::default(),
                 device_parts: HashMap::new(),
                 defer_slots: false,
                 landed_sums: HashMap::new(),
@@ -813,8 +852,9 @@ impl<'a> Driver<'a> {
                     return;
                 }
                 let t0 = Instant::now();
-                // Issuing a read (planning it, submitting a one-step copy)
-                // is part of the read; the rest is `seal`'s bookkeeping.
+                // Issuing a read (its pool reads; a one-step part is
+                // planned and submitted on a task of its own) is part of the
+                // read; the rest is `seal`'s bookkeeping.
                 let phase = match action {
                     Action::Release { .. } => Phase::Release,
                     Action::Read { .. } => Phase::Read,
@@ -1164,12 +1204,7 @@ impl<'a> Driver<'a> {
                 // C10 canary: the fetcher takes the owner's checksums for
                 // what it read, so nothing is ever rejected.
                 let trusted: Option<Vec<Arc<[u32]>>> = crate::canary::active(crate::canary::Canary::C10WeakChecksum)
-                    .then(|| {
-                        self.m.plan()[blocks.clone()]
-                            .iter()
-                            .map(|b| b.slots.iter().map(|s| s.crc32c).collect())
-                            .collect()
-                    });
+                    .then(|| self.m.plan()[blocks.clone()].iter().map(|b| b.slot_crcs()).collect());
                 self.verifies += 1;
                 let deadline = self.deadline;
                 pending.push(Box::pin(async move {
@@ -1311,7 +1346,7 @@ impl<'a> Driver<'a> {
             let region = self.engine.one_step_pool_region(self.transport.as_ref(), &owner)?;
             let source = peer.shared_source(&gpu, region)?;
             let sources = shared_blocks(plan, ops);
-            return Some(spawn_direct(self.engine, Direct::Shared, self.deadline, move || {
+            return Some(spawn_direct(self.engine, &self.gate, Direct::Shared, self.deadline, move || {
                 let plan = device::plan_copies(&layout, &sources, &dst)
                     .map_err(|e| format!("the owner's pool ranges: {e}"))?;
                 let batch =
@@ -1328,7 +1363,7 @@ impl<'a> Driver<'a> {
         }
         let owned: Vec<device::LeaseBlock> = plan.iter().map(|&b| b.into()).collect();
         let session = self.m.transfer_session().map(|(_, s)| s.to_string()).unwrap_or_default();
-        Some(spawn_direct(self.engine, Direct::Lease, self.deadline, move || {
+        Some(spawn_direct(self.engine, &self.gate, Direct::Lease, self.deadline, move || {
             let t0 = Instant::now();
             let plan = device::plan_part(&layout, &side.layout, &owned, &dst)
                 .map_err(|e| format!("owner's device ranges: {e}"))?;
@@ -1382,6 +1417,9 @@ impl<'a> Driver<'a> {
 
 impl Drop for Driver<'_> {
     fn drop(&mut self) {
+        // Before any release: a part task planning now submits before this
+        // returns, or never.
+        self.gate.close();
         if !self.granted.is_empty() {
             tracing::trace!(
                 target: FETCH_END_TRACE_TARGET,
@@ -1853,6 +1891,42 @@ mod tests {
         // Stopped before extent 2: the prefix ends there.
         let early = super::merge_sums(&read_ok, &need, landed, vec![None, None]);
         assert_eq!(early, vec![s(1), None]);
+    }
+
+    /// A fetch's gate runs sections while open; closing it waits for the
+    /// section in progress (a part task planning or submitting) and
+    /// refuses every later one.
+    #[test]
+    fn a_closed_gate_waits_for_the_section_in_progress_and_refuses_later_ones() {
+        use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+        let gate = super::Gate::default();
+        assert_eq!(gate.run(|| 1), Some(1));
+        let (entered_tx, entered) = std::sync::mpsc::channel();
+        let (go, go_rx) = std::sync::mpsc::channel::<()>();
+        let ended = Arc::new(AtomicBool::new(false));
+        let section = {
+            let (g, ended) = (gate.clone(), ended.clone());
+            std::thread::spawn(move || {
+                g.run(|| {
+                    entered_tx.send(()).unwrap();
+                    go_rx.recv().unwrap();
+                    ended.store(true, SeqCst);
+                })
+            })
+        };
+        entered.recv().unwrap();
+        let closer = {
+            let (g, ended) = (gate.clone(), ended.clone());
+            std::thread::spawn(move || {
+                g.close();
+                ended.load(SeqCst)
+            })
+        };
+        std::thread::sleep(Duration::from_millis(50));
+        go.send(()).unwrap();
+        assert!(closer.join().unwrap(), "close returned before the section in progress ended");
+        assert_eq!(section.join().unwrap(), Some(()));
+        assert_eq!(gate.run(|| 2), None, "a closed gate runs nothing");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
