@@ -445,32 +445,66 @@ mod tests {
     }
 
     proptest! {
-        /// For every layout the check accepts (built to fit: runs of this
-        /// family in up to three exports, any offsets and strides), the
-        /// direct plan of any block into any destination is the general
-        /// walk's, op for op, checksum range for range.
+        /// For every layout the check accepts, the direct plan of any block
+        /// into any destination is the general walk's, op for op, checksum
+        /// range for range. This node's layout varies (1-4 layers, each
+        /// split K/V or fused, 64-128-byte segments); the owner's runs are
+        /// either placed anywhere in up to three exports, or packed back to
+        /// back per block in export 0 so that the walk merges them.
         #[test]
         fn the_direct_plan_is_the_walks(
-            runs in proptest::collection::vec((0u32..3, 0u64..1500, 0u64..500), 4),
+            local in proptest::collection::vec((any::<bool>(), prop_oneof![Just(64u64), Just(100), Just(128)]), 1..5),
+            packed in any::<bool>(),
+            placed in proptest::collection::vec((0u32..3, 0u64..1500, 0u64..500), 8),
             num_blocks in 1u64..6,
             picks in proptest::collection::vec((any::<u64>(), 0u64..8), 1..4),
         ) {
-            let l = layout();
-            let wire = DeviceLayout {
-                num_blocks,
-                runs: runs.iter().map(|&(buffer, offset, stride)| DeviceRun { buffer, offset, stride, len: 100 }).collect(),
+            let layers: Vec<LayerLayout> = local
+                .iter()
+                .enumerate()
+                .map(|(i, &(split, bytes))| {
+                    let k = DeviceBufferId(2 * i as u32);
+                    LayerLayout::paged(k, split.then_some(DeviceBufferId(2 * i as u32 + 1)), 8, bytes)
+                })
+                .collect();
+            let l = Layout::new(layers, |_| Some(8 * 128)).unwrap();
+            let family: Vec<u64> =
+                l.layers().iter().flat_map(|x| std::iter::repeat_n(x.bytes_per_block, x.segments().into())).collect();
+            let runs: Vec<DeviceRun> = if packed {
+                // Block b's segments back to back from b * block_bytes.
+                let mut at = 0;
+                family
+                    .iter()
+                    .map(|&len| {
+                        let r = DeviceRun { buffer: 0, offset: at, stride: l.block_bytes(), len };
+                        at += len;
+                        r
+                    })
+                    .collect()
+            } else {
+                family
+                    .iter()
+                    .zip(&placed)
+                    .map(|(&len, &(buffer, offset, stride))| DeviceRun { buffer, offset, stride, len })
+                    .collect()
             };
+            let wire = DeviceLayout { num_blocks, runs };
             // Each export just long enough for its runs' last block.
             let lens: Vec<u64> = (0..3)
                 .map(|e| wire.runs.iter().filter(|r| r.buffer == e).map(|r| r.offset + (num_blocks - 1) * r.stride + r.len).max().unwrap_or(0))
                 .collect();
             let owner = OwnerLayout::check(&wire, &exports(&lens), &l).unwrap();
-            let blocks: Vec<LeaseBlock> = picks.iter().map(|&(b, _)| lease(Some(b % num_blocks), &[3, 4])).collect();
+            let crcs: Vec<u32> = (0..l.layers().len() as u32).collect();
+            let blocks: Vec<LeaseBlock> = picks.iter().map(|&(b, _)| lease(Some(b % num_blocks), &crcs)).collect();
             let dst: Vec<u64> = picks.iter().map(|&(_, d)| d).collect();
             let walked: Vec<SourceBlock> = blocks
                 .iter()
                 .map(|b| SourceBlock { ranges: owner.segments(b.device_block.unwrap()).unwrap(), expected: b.expected.clone() })
                 .collect();
+            if packed {
+                // One merged range per block for the walk to cut.
+                prop_assert!(walked.iter().all(|w| w.ranges.len() == 1));
+            }
             prop_assert_eq!(plan_part(&l, &owner, &blocks, &dst).unwrap(), plan_copies(&l, &walked, &dst).unwrap());
         }
 
