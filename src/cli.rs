@@ -198,7 +198,7 @@ struct PdArgs {
     #[arg(long, default_value = "tiny")]
     model: String,
     /// Tokens per engine block (divides 512).
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = parse_block_tokens)]
     block_tokens: u64,
     /// Requests to replay (at least 1).
     #[arg(long, allow_negative_numbers = true, default_value_t = 400, value_parser = clap::builder::RangedI64ValueParser::<usize>::new().range(1..))]
@@ -249,7 +249,7 @@ struct PdArgs {
     #[arg(long, default_value = "64MiB", value_parser = parse_part_size, allow_hyphen_values = true)]
     read_part_size: u64,
     /// Requests in flight at once.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, value_parser = clap::builder::RangedI64ValueParser::<usize>::new().range(1..))]
     concurrency: usize,
     /// Keep only the first N blocks of each request (cheaper replay, same prefix structure).
     #[arg(long)]
@@ -319,6 +319,15 @@ struct PdArgs {
 enum TransportArg {
     Tcp,
     Verbs,
+}
+
+/// `--block-tokens`: a divisor of the trace's 512-token blocks.
+fn parse_block_tokens(s: &str) -> Result<u64, String> {
+    let n: u64 = s.parse().map_err(|e| format!("{e}"))?;
+    if n == 0 || 512 % n != 0 {
+        return Err(format!("{n} tokens per block does not divide the trace's 512-token blocks (1, 2, 4, ..., 512)"));
+    }
+    Ok(n)
 }
 
 fn parse_path(s: &str) -> Result<kvferry::node::PathChoice, String> {

@@ -216,7 +216,9 @@ fn bad_inputs_give_clear_errors() {
     fails_with(&["pd", "--quiet", "--decode", "0"], "at least one prefill and one decode");
     fails_with(&["pd", "--quiet", "--pool-size", "1KiB"], "smaller than one block");
     fails_with(&["pd", "--quiet", "--model", "gpt-9"], "gpt-9");
-    fails_with(&["pd", "--quiet", "--block-tokens", "100"], "100");
+    fails_with(&["pd", "--quiet", "--block-tokens", "100"], "invalid value '100' for '--block-tokens");
+    fails_with(&["pd", "--quiet", "--block-tokens", "0"], "invalid value '0' for '--block-tokens");
+    fails_with(&["pd", "--quiet", "--concurrency", "0"], "invalid value '0' for '--concurrency");
     // A negative number is a bad value of the flag that got it, named.
     fails_with(&["pd", "--quiet", "--requests", "-5"], "invalid value '-5' for '--requests");
     fails_with(&["pd", "--quiet", "--ssd-write-queue", "-1"], "invalid value '-1' for '--ssd-write-queue");
