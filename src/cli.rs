@@ -321,13 +321,10 @@ enum TransportArg {
     Verbs,
 }
 
-/// `--block-tokens`: a divisor of the trace's 512-token blocks.
+/// `--block-tokens`: as [`kvferry::replay::trace::check_block_tokens`] allows.
 fn parse_block_tokens(s: &str) -> Result<u64, String> {
     let n: u64 = s.parse().map_err(|e| format!("{e}"))?;
-    if n == 0 || 512 % n != 0 {
-        return Err(format!("{n} tokens per block does not divide the trace's 512-token blocks (1, 2, 4, ..., 512)"));
-    }
-    Ok(n)
+    kvferry::replay::trace::check_block_tokens(n).map(|_| n).map_err(|e| e.to_string())
 }
 
 fn parse_path(s: &str) -> Result<kvferry::node::PathChoice, String> {
