@@ -308,10 +308,11 @@ pub fn revoke_process(table: &super::BufferTable, id: DeviceBufferId) {
     registry().lock().expect("export registry lock").retain(|_, (t, i)| !(t.same_table(&weak) && *i == id));
 }
 
-/// Target of the debug events that time peer copies (µs; e.g.
-/// `RUST_LOG=kvferry_peer_timing=debug`): the cuda backend's per-batch
-/// host timings, and a fetch's one-step parts (planning a device part,
-/// submit to completion observed).
+/// Target of the debug events that time peer copies and the handoff steps
+/// around them (µs; e.g. `RUST_LOG=kvferry_peer_timing=debug`): the cuda
+/// backend's per-batch host timings; a fetch's read parts (issuing one on
+/// the driver, planning a device part, submit to completion observed); and
+/// the transfer lock (the owner's handler, the reader's wait and parse).
 pub const PEER_TIMING_TRACE_TARGET: &str = "kvferry_peer_timing";
 
 /// Per op of a [`PeerCopyBatch`], the checksum ranges holding it and its

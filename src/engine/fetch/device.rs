@@ -243,10 +243,7 @@ pub(crate) fn plan_part(
         if !owner.has_block(index) {
             return Err(format!("device block {index} is past the owner's layout"));
         }
-        if b.expected.len() != per_layer.len() {
-            return Err(format!("{} slots, the layout has {} layers", b.expected.len(), per_layer.len()));
-        }
-        layout.check_block(d).map_err(|e| e.to_string())?;
+        check_destination(layout, &b.expected, d)?;
         // In bounds and overflow-free on both sides: `check` bounded the
         // owner's last block, `Layout::new` this node's.
         out.ops.extend(pairs.iter().map(|&(r, base, stride)| PeerCopyOp {
@@ -265,6 +262,15 @@ pub(crate) fn plan_part(
         out.bytes += layout.block_bytes();
     }
     Ok(out)
+}
+
+/// Checks one block of a part against this node's layout: one owner
+/// checksum per layer (`expected`), and a destination index `d` inside it.
+fn check_destination(layout: &Layout, expected: &[u32], d: u64) -> Result<(), String> {
+    if expected.len() != layout.layers().len() {
+        return Err(format!("{} slots, the layout has {} layers", expected.len(), layout.layers().len()));
+    }
+    layout.check_block(d).map_err(|e| e.to_string())
 }
 
 /// Plans the copy of `blocks` into this node's device blocks `dst` (same
@@ -289,10 +295,7 @@ pub(crate) fn plan_copies(layout: &Layout, blocks: &[SourceBlock], dst: &[u64]) 
         bytes: 0,
     };
     for (b, &d) in blocks.iter().zip(dst) {
-        if b.expected.len() != layout.layers().len() {
-            return Err(format!("{} slots, the layout has {} layers", b.expected.len(), layout.layers().len()));
-        }
-        layout.check_block(d).map_err(|e| e.to_string())?;
+        check_destination(layout, &b.expected, d)?;
         out.expected.push(b.expected.clone());
         // Walk the source ranges alongside ours, in pool byte order.
         let mut src = b.ranges.iter().copied();
