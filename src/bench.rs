@@ -12,6 +12,9 @@
 //!   owning 10 k of 1 M keys (T7).
 //! - `ssd` — the disk tier's write and read ÷ raw `O_DIRECT` transfers of
 //!   the same blocks at the same queue depth ([`ssd`]).
+//! - `rpc` — the round trips of a P/D handoff (registration barrier,
+//!   MetaServer query, transfer lock) ÷ a raw TCP ping-pong on the same
+//!   runtime ([`rpc`]).
 //!
 //! Every figure is the best of a few repetitions, interleaved with its
 //! baseline. Throughput is timed to completion (T9): a save is timed until
@@ -55,6 +58,7 @@ macro_rules! outln {
 
 #[cfg(feature = "cuda")]
 pub mod ipc;
+pub mod rpc;
 #[cfg(target_os = "linux")]
 pub mod ssd;
 

@@ -149,6 +149,15 @@ enum BenchCmd {
         #[arg(long, hide = true)]
         child: Option<String>,
     },
+    /// The round trips of a P/D handoff (registration barrier, MetaServer query, transfer lock) vs a raw TCP ping-pong on the same runtime.
+    Rpc {
+        /// Blocks (hashes) per lock, query and barrier.
+        #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=kvferry::limits::HASHES_PER_REQUEST_MAX as u64))]
+        blocks: u64,
+        /// Timed calls of each kind.
+        #[arg(long, allow_negative_numbers = true, default_value_t = 200, value_parser = clap::builder::RangedI64ValueParser::<usize>::new().range(1..=100_000))]
+        calls: usize,
+    },
     /// Disk tier write and read vs raw O_DIRECT of the same blocks at the same queue depth (issue 32); Linux.
     Ssd {
         /// Directory on the file system to measure (must exist; the tier file of --size is made in it, the raw baseline runs over the same file, and both it and the lock file are removed at the end unless they were there before).
@@ -1073,6 +1082,7 @@ pub fn main() -> ExitCode {
                         kvferry::bench::transport(blocks, block_mib, &pools, reads_in_flight).await
                     }
                     BenchCmd::Store { keys } => kvferry::bench::store(keys).await,
+                    BenchCmd::Rpc { blocks, calls } => kvferry::bench::rpc::rpc(blocks, calls).await,
                     BenchCmd::Ssd { dir, size, block, slots, queue_depth, backend, reps, record_align } => {
                         bench_ssd(dir, size, block, slots, queue_depth, backend, (reps, record_align)).await
                     }

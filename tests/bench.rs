@@ -103,3 +103,34 @@ fn bench_ssd_cleans_up_and_names_a_zero_block() {
     assert!(!out.status.success() && err.contains("already holds a disk tier"), "{err}");
     assert_eq!(std::fs::read(&tier).expect("read"), b"a node's records", "the tier file is untouched");
 }
+
+/// `bench rpc` times every round trip it names, and each `x_raw` is that
+/// kind's p50 over the raw ping-pong's p50 of the same run.
+#[test]
+fn bench_rpc_reports_each_round_trip_against_the_raw_ping_pong() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let json = dir.path().join("rpc.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .args(["bench", "--json"])
+        .arg(&json)
+        .args(["rpc", "--blocks", "8", "--calls", "5"])
+        .output()
+        .expect("run kvferry");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!((num(&v, "blocks"), num(&v, "calls")), (8.0, 5.0), "{v}");
+    let raw = num(&v["raw"], "p50_us");
+    for kind in ["raw", "health", "query", "lock", "barrier"] {
+        let (p50, p99) = (num(&v[kind], "p50_us"), num(&v[kind], "p99_us"));
+        assert!(p50 > 0.0 && p99 >= p50, "{kind}: {v}");
+        let x = num(&v[kind], "x_raw");
+        assert!((x - p50 / raw).abs() < 1e-9 * x.max(1.0), "{kind}: x_raw {x} is not {p50} / {raw}");
+        assert!(text.lines().any(|l| l.trim_start().starts_with(kind)), "no {kind} line in {text}");
+    }
+    for (flag, bad) in [("--blocks", "0"), ("--blocks", "16385"), ("--calls", "0")] {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvferry")).args(["bench", "rpc", flag, bad]).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{flag} {bad} was accepted");
+        assert!(String::from_utf8_lossy(&out.stderr).contains(flag), "{out:?}");
+    }
+}
