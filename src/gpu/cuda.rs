@@ -1443,6 +1443,7 @@ impl Gpu for CudaGpu {
     }
 
     fn submit_peer(&self, batch: peer::PeerCopyBatch) -> peer::PeerCompletion {
+        let called = std::time::Instant::now();
         let ready = |r| -> peer::PeerCompletion { Box::pin(std::future::ready(r)) };
         if let Err(e) = peer::validate_peer_batch(&batch) {
             return ready(Err(e));
@@ -1459,7 +1460,7 @@ impl Gpu for CudaGpu {
         // The worker owns the batch, its sources and the pins until the
         // device finished, whatever happens to the completion (C11).
         inner.workers.clone().run(Box::new(move || {
-            let r = inner.run_peer(&batch, &src, &dst, submitted);
+            let r = inner.run_peer(&batch, &src, &dst, (called, submitted));
             let _ = tx.send(r);
             drop((src, dst, batch));
         }));

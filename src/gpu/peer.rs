@@ -213,6 +213,12 @@ pub struct ProcessPeerBuffer {
     pub id: DeviceBufferId,
     /// Its length at export.
     pub len: u64,
+    /// The CUDA device whose check this buffer passed (the `cuda` backend
+    /// verifies once, not per batch, that an in-process owner's buffer is
+    /// memory of its device: a buffer id is never reused, so while `id`
+    /// still pins, it names the allocation that was checked).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by the cuda backend only
+    pub(crate) device_checked: std::sync::OnceLock<usize>,
 }
 
 impl PeerBuffer for ProcessPeerBuffer {
@@ -298,7 +304,7 @@ pub fn open_process(e: &BufferExport) -> Result<Arc<dyn PeerBuffer>, GpuError> {
     if e.offset != 0 || e.len != live {
         return Err(GpuError::Peer(format!("export says [{}, +{}), the buffer has {live} bytes", e.offset, e.len)));
     }
-    Ok(Arc::new(ProcessPeerBuffer { table, id, len: live }))
+    Ok(Arc::new(ProcessPeerBuffer { table, id, len: live, device_checked: std::sync::OnceLock::new() }))
 }
 
 /// Drops every export token of `id` in `table`'s registry entries (the
@@ -424,7 +430,12 @@ mod tests {
 
     fn walked(lens: &[u64], spans: Vec<Range<usize>>) -> (bool, Vec<Vec<(u32, u64)>>) {
         let table = crate::memory::buffers::BufferTable::default();
-        let src = ProcessPeerBuffer { table: table.downgrade(), id: DeviceBufferId(0), len: 1 << 40 };
+        let src = ProcessPeerBuffer {
+            table: table.downgrade(),
+            id: DeviceBufferId(0),
+            len: 1 << 40,
+            device_checked: std::sync::OnceLock::new(),
+        };
         let ops = lens
             .iter()
             .map(|&len| PeerCopyOp { src: 0, src_offset: 0, dst: DeviceBufferId(0), dst_offset: 0, len })

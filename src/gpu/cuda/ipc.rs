@@ -318,15 +318,21 @@ impl Inner {
                 }
                 // Same process: the owner's buffer must be device memory of
                 // this device (another backend's table says nothing of it).
-                let (memory_type, ordinal, _, _) = self.pointer_attributes(addr)?;
-                if memory_type != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32
-                    || ordinal < 0
-                    || ordinal as usize != self.ordinal
-                {
-                    return Err(GpuError::Unsupported(format!(
-                        "an in-process peer buffer that is not memory of device {}",
-                        self.ordinal
-                    )));
+                // Checked with the driver once per opened buffer: a KV
+                // tensor per layer and K/V made that 72 driver calls per
+                // peer batch.
+                if p.device_checked.get() != Some(&self.ordinal) {
+                    let (memory_type, ordinal, _, _) = self.pointer_attributes(addr)?;
+                    if memory_type != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32
+                        || ordinal < 0
+                        || ordinal as usize != self.ordinal
+                    {
+                        return Err(GpuError::Unsupported(format!(
+                            "an in-process peer buffer that is not memory of device {}",
+                            self.ordinal
+                        )));
+                    }
+                    let _ = p.device_checked.set(self.ordinal);
                 }
                 s.addrs.push(addr);
                 s._pins.push(pin);
@@ -341,7 +347,9 @@ impl Inner {
     /// `dst` hold the sources and destinations for its whole run.
     ///
     /// Each batch's host timings go out as a debug event of target
-    /// [`peer::PEER_TIMING_TRACE_TARGET`] (µs): `queued` (submitted → this
+    /// [`peer::PEER_TIMING_TRACE_TARGET`] (µs): `prep` (`submit_peer`'s own
+    /// checks: the batch's bounds, its sources, the destination pins),
+    /// `queued` (submitted → this
     /// worker started), `pre` (the pass before planning), `plan` (planning
     /// and launches), `wait` (after the last launch until the device was
     /// done) and `fold`.
@@ -350,7 +358,7 @@ impl Inner {
         batch: &PeerCopyBatch,
         src: &Sources,
         dst: &BatchPin,
-        submitted: std::time::Instant,
+        (called, submitted): (std::time::Instant, std::time::Instant),
     ) -> Result<Vec<u32>, GpuError> {
         let started = std::time::Instant::now();
         // One pass before the first launch: destinations checked, each
@@ -396,7 +404,7 @@ impl Inner {
             table: &table,
             copy_bound,
             crc_bound,
-            times: (submitted, started),
+            times: (called, submitted, started),
         };
         let res = self.enqueue_peer(&plan, &ranges);
         if res.is_err() {
@@ -582,12 +590,13 @@ impl Inner {
             folder.add(r, off, len, out[k]);
         }
         let sums = folder.finish().ok_or_else(|| GpuError::Device("peer checksum pieces did not tile".into()));
-        let (submitted, started) = p.times;
+        let (called, submitted, started) = p.times;
         let us = |a: std::time::Instant, b: std::time::Instant| (b - a).as_micros() as u64;
         tracing::debug!(
             target: PEER_TIMING_TRACE_TARGET,
             ops = p.batch.ops.len(),
             items = n.items,
+            prep = us(called, submitted),
             queued = us(submitted, started),
             pre = us(started, planning),
             plan = us(planning, planned),
@@ -618,8 +627,9 @@ pub(super) struct PeerPlan<'a> {
     table: &'a Table,
     copy_bound: usize,
     crc_bound: usize,
-    /// When the batch was submitted and when its worker started.
-    times: (std::time::Instant, std::time::Instant),
+    /// When `submit_peer` was called, when it handed the batch to a
+    /// worker, and when that worker started.
+    times: (std::time::Instant, std::time::Instant, std::time::Instant),
 }
 
 /// Raw peer copy timing for `kvferry bench ipc`: `cuMemcpyDtoDAsync` of
