@@ -164,24 +164,17 @@ impl HostGpu {
     /// Injected failures ([`HostGpu::fail_next_batches`]) apply here too.
     fn run_peer(&self, batch: &peer::PeerCopyBatch) -> Result<Vec<u32>, GpuError> {
         peer::validate_peer_batch(batch)?;
-        // (pin of an in-process owner's buffer, address); a mapped host
-        // region stays alive through the batch's own `Arc`.
+        // Each source's address: an in-process owner's buffer pinned in its
+        // table ([`peer::pin_process_sources`]), a mapped host region kept
+        // alive by the batch's own `Arc`.
+        let process = peer::pin_process_sources(&batch.sources)?;
         let mut src = Vec::with_capacity(batch.sources.len());
-        for s in &batch.sources {
-            if let Some(h) = s.as_any().downcast_ref::<peer::HostRegionBuffer>() {
-                src.push((None, h.addr() as u64));
-                continue;
+        for (s, process_addr) in batch.sources.iter().zip(&process.addrs) {
+            match (s.as_any().downcast_ref::<peer::HostRegionBuffer>(), process_addr) {
+                (Some(h), _) => src.push(h.addr() as u64),
+                (None, Some(addr)) => src.push(*addr),
+                (None, None) => return Err(GpuError::Unsupported("a peer buffer another backend opened".into())),
             }
-            let p = s
-                .as_any()
-                .downcast_ref::<peer::ProcessPeerBuffer>()
-                .ok_or_else(|| GpuError::Unsupported("a peer buffer another backend opened".into()))?;
-            let (pin, addr, len) =
-                p.table.pin(p.id).ok_or_else(|| GpuError::Peer("the owner's buffer is no longer registered".into()))?;
-            if len != p.len {
-                return Err(GpuError::Peer(format!("the owner's buffer is {len} bytes, exported as {}", p.len)));
-            }
-            src.push((Some(pin), addr));
         }
         let pin = self.buffers.pin_batch(batch.ops.iter().map(|op| op.dst));
         let mut dst = Vec::with_capacity(batch.ops.len());
@@ -195,7 +188,7 @@ impl HostGpu {
             return Err(GpuError::Device("injected failure".into()));
         }
         for (op, &to) in batch.ops.iter().zip(&dst) {
-            let from = src[op.src].1 + op.src_offset;
+            let from = src[op.src] + op.src_offset;
             // SAFETY: both ranges validated inside live buffers pinned for
             // the copy; registered memory is valid (C15); a peer's buffer and
             // ours are different registrations (an engine never reads its own
@@ -214,7 +207,7 @@ impl HostGpu {
                 })
             })
             .collect();
-        drop(src);
+        drop(process);
         drop(pin);
         Ok(sums)
     }

@@ -231,6 +231,51 @@ impl PeerBuffer for ProcessPeerBuffer {
     }
 }
 
+/// The in-process owners' buffers among a batch's `sources`
+/// ([`ProcessPeerBuffer`]), pinned until this drops (C15).
+pub struct ProcessPins {
+    /// Per source: the owner's buffer's address, `None` for a source of
+    /// another kind.
+    pub addrs: Vec<Option<u64>>,
+    _pins: Vec<crate::memory::buffers::BatchPin>,
+}
+
+/// Pins the [`ProcessPeerBuffer`]s among `sources` one owner table at a
+/// time: one lock and one snapshot a table, not one a buffer (a KV tensor
+/// per layer and K/V is 72 sources a batch).
+///
+/// # Errors
+/// [`GpuError::Peer`] when an owner's buffer is no longer registered or
+/// its length differs from the export's.
+pub fn pin_process_sources(sources: &[Arc<dyn PeerBuffer>]) -> Result<ProcessPins, GpuError> {
+    fn process(s: &Arc<dyn PeerBuffer>) -> Option<&ProcessPeerBuffer> {
+        s.as_any().downcast_ref()
+    }
+    let gone = || GpuError::Peer("the owner's buffer is no longer registered".into());
+    let mut tables: Vec<(&WeakBufferTable, crate::memory::buffers::BatchPin)> = Vec::new();
+    let mut addrs = Vec::with_capacity(sources.len());
+    for src in sources {
+        let Some(p) = process(src) else {
+            addrs.push(None);
+            continue;
+        };
+        let at = match tables.iter().position(|(t, _)| t.same_table(&p.table)) {
+            Some(i) => i,
+            None => {
+                let ids = sources.iter().filter_map(process).filter(|q| q.table.same_table(&p.table)).map(|q| q.id);
+                tables.push((&p.table, p.table.pin_batch(ids).ok_or_else(gone)?));
+                tables.len() - 1
+            }
+        };
+        let (addr, len) = tables[at].1.get(p.id).ok_or_else(gone)?;
+        if len != p.len {
+            return Err(GpuError::Peer(format!("the owner's buffer is {len} bytes, exported as {}", p.len)));
+        }
+        addrs.push(Some(addr));
+    }
+    Ok(ProcessPins { addrs, _pins: tables.into_iter().map(|(_, pin)| pin).collect() })
+}
+
 /// Host memory mapped into this process that peer batches may read: a
 /// same-host owner's shared pool, mapped read-only by the shared-pool
 /// transport (issue 28 item 3, "copied host → device in one step"). The
@@ -412,6 +457,37 @@ impl RangeWalk<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `pin_process_sources` pins every in-process source's buffer, one
+    /// owner table at a time, until it drops, gives each its address (none
+    /// for another kind), and refuses an unregistered buffer or a length
+    /// that differs from the export's, leaving nothing pinned.
+    #[test]
+    fn process_sources_are_pinned_per_owner_table_until_dropped() {
+        use crate::memory::buffers::BufferTable;
+        let (a, b) = (BufferTable::default(), BufferTable::default());
+        let at = |n: u64| n * crate::limits::DEVICE_BUFFER_ALIGN;
+        let a0 = a.register(at(16), 4096, false).unwrap();
+        let a1 = a.register(at(1024), 8192, false).unwrap();
+        let b0 = b.register(at(16), 4096, false).unwrap();
+        let src = |t: &BufferTable, id, len| -> Arc<dyn PeerBuffer> {
+            Arc::new(ProcessPeerBuffer { table: t.downgrade(), id, len, device_checked: OnceLock::new() })
+        };
+        let region: Arc<dyn PeerBuffer> = Arc::new(HostRegionBuffer::new(at(1) as usize, 64, Arc::new(())).unwrap());
+        let sources = vec![src(&a, a1, 8192), src(&b, b0, 4096), region, src(&a, a0, 4096)];
+        let pins = pin_process_sources(&sources).expect("all live");
+        assert_eq!(pins.addrs, vec![Some(at(1024)), Some(at(16)), None, Some(at(16))]);
+        for (t, id) in [(&a, a0), (&a, a1), (&b, b0)] {
+            assert!(t.unregister(id).is_err(), "{id} is pinned");
+        }
+        drop(pins);
+        assert!(matches!(pin_process_sources(&[src(&a, a0, 1)]), Err(GpuError::Peer(_))), "length differs");
+        a.unregister(a0).expect("not pinned any more");
+        let gone = pin_process_sources(&[src(&a, a1, 8192), src(&a, a0, 4096)]);
+        assert!(matches!(gone, Err(GpuError::Peer(_))), "a0 unregistered");
+        a.unregister(a1).expect("the refused call left nothing pinned");
+        b.unregister(b0).expect("not pinned");
+    }
 
     /// Every op's ranges by brute force: `(range, offset)` for each span
     /// holding it, in span order.

@@ -301,14 +301,12 @@ impl WeakBufferTable {
         std::sync::Weak::ptr_eq(&self.inner, &other.inner)
     }
 
-    /// Pins live buffer `id` (it cannot be unregistered until the pin
-    /// drops) and returns the pin with the buffer's `(addr, len)`; `None`
-    /// when the table or the buffer is gone.
-    pub fn pin(&self, id: DeviceBufferId) -> Option<(BatchPin, u64, u64)> {
-        let table = BufferTable { inner: self.inner.upgrade()? };
-        let pin = table.pin_batch(std::iter::once(id));
-        let (addr, len) = pin.get(id)?;
-        Some((pin, addr, len))
+    /// [`BufferTable::pin_batch`] through the weak reference: the live
+    /// buffers among `ids` pinned under one lock, with one snapshot (read
+    /// each one's `(addr, len)` with [`BatchPin::get`]; `None` there for
+    /// an id that is not live). `None` once the table is gone.
+    pub fn pin_batch(&self, ids: impl Iterator<Item = DeviceBufferId>) -> Option<BatchPin> {
+        Some(BufferTable { inner: self.inner.upgrade()? }.pin_batch(ids))
     }
 }
 

@@ -167,7 +167,7 @@ impl PeerBuffer for CudaHostRegion {
 /// holds until the device is done).
 pub(super) struct Sources {
     addrs: Vec<u64>,
-    _pins: Vec<BatchPin>,
+    _pins: peer::ProcessPins,
 }
 
 impl Inner {
@@ -298,24 +298,19 @@ impl Inner {
     /// Resolves a validated batch's sources to device addresses of this
     /// device, keeping each alive for the batch.
     pub(super) fn resolve_sources(&self, batch: &PeerCopyBatch) -> Result<Sources, GpuError> {
-        let mut s = Sources { addrs: Vec::new(), _pins: Vec::new() };
-        for src in &batch.sources {
+        let process = peer::pin_process_sources(&batch.sources)?;
+        let mut addrs = Vec::with_capacity(batch.sources.len());
+        for (src, process_addr) in batch.sources.iter().zip(&process.addrs) {
             let any = src.as_any();
             if let Some(c) = any.downcast_ref::<CudaPeerBuffer>() {
-                s.addrs.push(c.device_ptr());
+                addrs.push(c.device_ptr());
             } else if let Some(h) = any.downcast_ref::<CudaHostRegion>() {
                 if h.ctx.cu_ctx() != self.ctx.cu_ctx() {
                     return Err(GpuError::Unsupported("a host region registered with another context".into()));
                 }
-                s.addrs.push(h.device);
+                addrs.push(h.device);
             } else if let Some(p) = any.downcast_ref::<peer::ProcessPeerBuffer>() {
-                let (pin, addr, len) = p
-                    .table
-                    .pin(p.id)
-                    .ok_or_else(|| GpuError::Peer("the owner's buffer is no longer registered".into()))?;
-                if len != p.len {
-                    return Err(GpuError::Peer(format!("the owner's buffer is {len} bytes, exported as {}", p.len)));
-                }
+                let addr = process_addr.expect("a process source has its address");
                 // Same process: the owner's buffer must be device memory of
                 // this device (another backend's table says nothing of it).
                 // Checked with the driver once per opened buffer: a KV
@@ -334,13 +329,12 @@ impl Inner {
                     }
                     let _ = p.device_checked.set(self.ordinal);
                 }
-                s.addrs.push(addr);
-                s._pins.push(pin);
+                addrs.push(addr);
             } else {
                 return Err(GpuError::Unsupported("a peer buffer another backend opened".into()));
             }
         }
-        Ok(s)
+        Ok(Sources { addrs, _pins: process })
     }
 
     /// Runs one peer batch to completion (on a worker thread): `src` and
