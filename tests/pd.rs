@@ -354,12 +354,15 @@ fn replay_with_a_disk_tier_writes_and_verifies_blocks() {
     }
     assert!(ssd.path().join("node-0").join("kvferry-tier.0").exists());
     // A run on the same directories recovers at most what the first one
-    // reported written and still on disk (its writes drained before the
-    // report: none lands after it).
+    // reported written (its writes drained before the report: none lands
+    // after it). Not "written less evicted": an evicted record's bytes
+    // stay on disk until its space is written again, so a restart may
+    // verify and recover a few of them (seen: 480 recovered of 552
+    // written, 76 evicted).
     let again = run_json_shaped(&shape, &["--requests", "1", "--ssd-dir", &dir, "--ssd-size", "16MiB"]);
     let recovered = num(&again["ssd"], "recovered");
     assert!(recovered > 0.0, "{again}");
-    assert!(recovered <= num(s, "written_blocks") - num(s, "evicted"), "recovered {recovered}, first run {s}");
+    assert!(recovered <= num(s, "written_blocks"), "recovered {recovered}, first run {s}");
 }
 
 /// A size out of range names `--ssd-size` (also one larger than the
