@@ -151,11 +151,11 @@ enum BenchCmd {
     },
     /// The round trips of a P/D handoff (registration barrier, MetaServer query, transfer lock) vs a raw TCP ping-pong on the same runtime.
     Rpc {
-        /// Blocks (hashes) per lock, query and barrier.
-        #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=kvferry::limits::HASHES_PER_REQUEST_MAX as u64))]
+        /// Blocks (hashes) per lock, query and barrier (at most 1024: the owner holds them twice, 2.25 MiB each).
+        #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=1024))]
         blocks: u64,
-        /// Timed calls of each kind.
-        #[arg(long, allow_negative_numbers = true, default_value_t = 200, value_parser = clap::builder::RangedI64ValueParser::<usize>::new().range(1..=100_000))]
+        /// Timed calls of each kind (at least 100, so that p99 is not the maximum).
+        #[arg(long, allow_negative_numbers = true, default_value_t = 200, value_parser = clap::builder::RangedI64ValueParser::<usize>::new().range(100..=100_000))]
         calls: usize,
     },
     /// Disk tier write and read vs raw O_DIRECT of the same blocks at the same queue depth (issue 32); Linux.

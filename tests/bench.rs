@@ -113,22 +113,22 @@ fn bench_rpc_reports_each_round_trip_against_the_raw_ping_pong() {
     let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
         .args(["bench", "--json"])
         .arg(&json)
-        .args(["rpc", "--blocks", "8", "--calls", "5"])
+        .args(["rpc", "--blocks", "8", "--calls", "100"])
         .output()
         .expect("run kvferry");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let text = String::from_utf8_lossy(&out.stdout);
     let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-    assert_eq!((num(&v, "blocks"), num(&v, "calls")), (8.0, 5.0), "{v}");
+    assert_eq!((num(&v, "blocks"), num(&v, "calls")), (8.0, 100.0), "{v}");
     let raw = num(&v["raw"], "p50_us");
     for kind in ["raw", "health", "query", "lock", "barrier"] {
         let (p50, p99) = (num(&v[kind], "p50_us"), num(&v[kind], "p99_us"));
         assert!(p50 > 0.0 && p99 >= p50, "{kind}: {v}");
         let x = num(&v[kind], "x_raw");
         assert!((x - p50 / raw).abs() < 1e-9 * x.max(1.0), "{kind}: x_raw {x} is not {p50} / {raw}");
-        assert!(text.lines().any(|l| l.trim_start().starts_with(kind)), "no {kind} line in {text}");
+        assert!(text.lines().any(|l| l.trim_start().starts_with(&format!("{kind} "))), "no {kind} line in {text}");
     }
-    for (flag, bad) in [("--blocks", "0"), ("--blocks", "16385"), ("--calls", "0")] {
+    for (flag, bad) in [("--blocks", "0"), ("--blocks", "1025"), ("--calls", "99")] {
         let out = Command::new(env!("CARGO_BIN_EXE_kvferry")).args(["bench", "rpc", flag, bad]).output().unwrap();
         assert_eq!(out.status.code(), Some(2), "{flag} {bad} was accepted");
         assert!(String::from_utf8_lossy(&out.stderr).contains(flag), "{out:?}");

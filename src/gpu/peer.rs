@@ -216,7 +216,9 @@ pub struct ProcessPeerBuffer {
     /// The CUDA device whose check this buffer passed (the `cuda` backend
     /// verifies once, not per batch, that an in-process owner's buffer is
     /// memory of its device: a buffer id is never reused, so while `id`
-    /// still pins, it names the allocation that was checked).
+    /// still pins, it names the allocation that was checked, unless the
+    /// embedder freed registered memory, which C15 forbids and which a
+    /// check per batch would only have caught by chance).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by the cuda backend only
     pub(crate) device_checked: std::sync::OnceLock<usize>,
 }

@@ -309,8 +309,7 @@ impl Inner {
                     return Err(GpuError::Unsupported("a host region registered with another context".into()));
                 }
                 addrs.push(h.device);
-            } else if let Some(p) = any.downcast_ref::<peer::ProcessPeerBuffer>() {
-                let addr = process_addr.expect("a process source has its address");
+            } else if let (Some(p), &Some(addr)) = (any.downcast_ref::<peer::ProcessPeerBuffer>(), process_addr) {
                 // Same process: the owner's buffer must be device memory of
                 // this device (another backend's table says nothing of it).
                 // Checked with the driver once per opened buffer: a KV
