@@ -78,17 +78,27 @@ fn target_note(goal: &str, met: bool) -> String {
     if met { format!("(target {goal})") } else { format!("(target {goal}: MISSED)") }
 }
 
+/// The Qwen3-8B KV of `bench engine` and `bench rpc` on the host backend:
+/// 36 layers, layer-first split K/V, 32 KiB segments (16-token blocks) in
+/// one buffer `gpu` allocates for `blocks` blocks. Returns the layout, the
+/// buffer and the bytes of one block (2.25 MiB).
+fn qwen3_host_kv(
+    gpu: &HostGpu,
+    blocks: u64,
+) -> Result<(Vec<crate::engine::layout::LayerLayout>, DeviceBufferId, u64), String> {
+    let (layers, seg) = (36u32, 32u64 << 10);
+    let needed = buffer_bytes_needed(&contiguous(DeviceBufferId(0), layers, blocks, seg, true, true));
+    let buf = gpu.alloc(needed).map_err(|e| e.to_string())?;
+    Ok((contiguous(buf, layers, blocks, seg, true, true), buf, u64::from(layers) * 2 * seg))
+}
+
 /// `bench engine`: returns the JSON it printed.
 ///
 /// # Errors
 /// Set-up failures as text.
 pub async fn engine(blocks: u64) -> Result<serde_json::Value, String> {
-    let (layers, seg) = (36u32, 32u64 << 10);
     let gpu = Arc::new(HostGpu::new());
-    let shape = contiguous(DeviceBufferId(0), layers, blocks, seg, true, true);
-    let buf = gpu.alloc(buffer_bytes_needed(&shape)).map_err(|e| e.to_string())?;
-    let shape = contiguous(buf, layers, blocks, seg, true, true);
-    let block_bytes = u64::from(layers) * 2 * seg;
+    let (shape, buf, block_bytes) = qwen3_host_kv(&gpu, blocks)?;
     let total = blocks * block_bytes;
     // An engine with a MetaServer address nobody listens on: registrations
     // are dropped by the client; the save path itself is what we time.

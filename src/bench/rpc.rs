@@ -33,7 +33,6 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::engine::layout::contiguous;
 use crate::gpu::host::HostGpu;
 use crate::metaserver::{self, MetaServerConfig};
 use crate::node::{self, NodeConfig, PathChoice};
@@ -54,50 +53,46 @@ const WARMUP: usize = 20;
 /// # Errors
 /// Set-up failures and failed calls as text.
 pub async fn rpc(blocks: u64, calls: usize) -> Result<serde_json::Value, String> {
-    let e = |x: &dyn std::fmt::Display| x.to_string();
-    let ms =
-        metaserver::start(MetaServerConfig::new("127.0.0.1:0".parse().expect("literal"))).await.map_err(|x| e(&x))?;
-    let url = format!("http://{}", ms.local_addr);
-    // The owner: `blocks` resident blocks of the Qwen3-8B layout of `bench
-    // engine` (36 layers, split K/V, 32 KiB segments).
-    let (layers, seg) = (36u32, 32u64 << 10);
-    let mut cfg = NodeConfig::loopback(url);
-    cfg.engine.pool_bytes = blocks * u64::from(layers) * 2 * seg + (64 << 20);
+    let ms = metaserver::start(MetaServerConfig::new("127.0.0.1:0".parse().expect("literal")))
+        .await
+        .map_err(|x| x.to_string())?;
+    // The owner: `blocks` resident blocks of `bench engine`'s Qwen3-8B KV.
+    let gpu = Arc::new(HostGpu::new());
+    let (shape, _, block_bytes) = super::qwen3_host_kv(&gpu, blocks)?;
+    let mut cfg = NodeConfig::loopback(format!("http://{}", ms.local_addr));
+    cfg.engine.pool_bytes = blocks * block_bytes + (64 << 20);
     cfg.path = PathChoice::Tcp;
     // Room for a whole barrier (and its removal) in the registration queue.
     cfg.queue.depth_max = cfg.queue.depth_max.max(2 * blocks as usize);
-    let gpu = Arc::new(HostGpu::new());
-    let owner = node::start(cfg, gpu.clone()).await.map_err(|x| e(&x))?;
-    let shape = contiguous(crate::engine::layout::DeviceBufferId(0), layers, blocks, seg, true, true);
-    let buf = gpu.alloc(crate::engine::layout::buffer_bytes_needed(&shape)).map_err(|x| e(&x))?;
-    owner.engine.register_layout("bench", contiguous(buf, layers, blocks, seg, true, true)).map_err(|x| e(&x))?;
+    let owner = node::start(cfg, gpu.clone()).await.map_err(|x| x.to_string())?;
+    owner.engine.register_layout("bench", shape).map_err(|x| x.to_string())?;
     let hashes: Vec<BlockHash> = (0..blocks).map(BlockHash::from_u64).collect();
     let items: Vec<(BlockHash, u64)> = hashes.iter().cloned().zip(0..).collect();
-    owner.engine.save("bench", &items).await.map_err(|x| e(&x))?;
+    owner.engine.save("bench", &items).await.map_err(|x| x.to_string())?;
     let fr = owner.engine.flush_saves_and_registrations(Duration::from_secs(10)).await;
     if fr.dropped > 0 || fr.timed_out {
         return Err(format!("registration failed: {fr:?}"));
     }
     let mut grpc = EngineClient::new(
-        crate::rt::channel(&owner.grpc_addr.to_string(), Duration::from_secs(10)).map_err(|x| e(&x))?,
+        crate::rt::channel(&owner.grpc_addr.to_string(), Duration::from_secs(10)).map_err(|x| x.to_string())?,
     )
     .max_decoding_message_size(crate::limits::GRPC_MESSAGE_BYTES_MAX);
     let client = owner.engine.client().clone();
-    let (mut ping, pong) = ping_pair().await.map_err(|x| e(&x))?;
+    let (mut ping, pong) = ping_pair().await.map_err(|x| x.to_string())?;
 
     let mut times: [Vec<f64>; 5] = Default::default();
     let mut fresh = blocks; // hash counter for the barrier's new registrations
     for i in 0..WARMUP + calls {
         let mut lap = [0f64; 5];
         let t = Instant::now();
-        ping.write_all(&[7u8; 64]).await.map_err(|x| e(&x))?;
-        ping.read_exact(&mut [0u8; 64]).await.map_err(|x| e(&x))?;
+        ping.write_all(&[7u8; 64]).await.map_err(|x| x.to_string())?;
+        ping.read_exact(&mut [0u8; 64]).await.map_err(|x| x.to_string())?;
         lap[0] = t.elapsed().as_secs_f64();
         let t = Instant::now();
-        grpc.health(HealthRequest::default()).await.map_err(|x| e(&x))?;
+        grpc.health(HealthRequest::default()).await.map_err(|x| x.to_string())?;
         lap[1] = t.elapsed().as_secs_f64();
         let t = Instant::now();
-        let owners = client.query_prefix("bench", &hashes, Duration::from_secs(10)).await.map_err(|x| e(&x))?;
+        let owners = client.query_prefix("bench", &hashes, Duration::from_secs(10)).await.map_err(|x| x.to_string())?;
         lap[2] = t.elapsed().as_secs_f64();
         if owners.first().map(|o| u64::from(o.1)) != Some(blocks) {
             return Err(format!("the MetaServer answered {owners:?}, not the owner of all {blocks} blocks"));
@@ -111,14 +106,14 @@ pub async fn rpc(blocks: u64, calls: usize) -> Result<serde_json::Value, String>
             ..Default::default()
         };
         let t = Instant::now();
-        let answer = grpc.query_blocks_for_transfer(req).await.map_err(|x| e(&x))?.into_inner();
+        let answer = grpc.query_blocks_for_transfer(req).await.map_err(|x| x.to_string())?.into_inner();
         lap[3] = t.elapsed().as_secs_f64();
         if answer.transfer_session_id.is_empty() {
             return Err("the owner locked nothing".into());
         }
         grpc.release_transfer_lock(ReleaseTransferLockRequest { transfer_session_id: answer.transfer_session_id })
             .await
-            .map_err(|x| e(&x))?;
+            .map_err(|x| x.to_string())?;
         let new: Vec<BlockHash> = (fresh..fresh + blocks).map(BlockHash::from_u64).collect();
         fresh += blocks;
         let t = Instant::now();
