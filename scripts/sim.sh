@@ -20,8 +20,10 @@
 #    29's reach counters (SIM-SUMMARY `c8_partial_read_errors`,
 #    `c9_deadline_fetches`, `c9_connects_deadline` (a `connect_peer` that
 #    ended on its timeout), `c13_expired_reads`, `c15_busy_refusals`, and
-#    issue 28's `c19_device_reads` and `c9_known_owner_fetches` (a
-#    fetch started from the decode's own MetaServer answer), issue 32's
+#    issue 28's `c19_device_reads`, `c9_known_owner_fetches` (a
+#    fetch started from the decode's own MetaServer answer) and
+#    `c8_ticket_fetches` (one that read from the prefill's transfer
+#    ticket), issue 32's
 #    `c17_disk_staged`, `c18_disk_recovered`, `c18_peer_disk_staged`,
 #    `disk_verify_failures`, and the reads served from a write's buffer,
 #    `disk_queue_reads` and `disk_after_write_reads`: the
@@ -161,7 +163,7 @@ if [ "$passed" -gt 0 ]; then
         fi
     done
     # Issue 29: the path each of its bug classes lives on was reached.
-    for ck in C8:c8_partial_read_errors C9:c9_deadline_fetches C9:c9_connects_deadline C13:c13_expired_reads C15:c15_busy_refusals C19:c19_device_reads C9:c9_known_owner_fetches \
+    for ck in C8:c8_partial_read_errors C9:c9_deadline_fetches C9:c9_connects_deadline C13:c13_expired_reads C15:c15_busy_refusals C19:c19_device_reads C9:c9_known_owner_fetches C8:c8_ticket_fetches \
         C17:c17_disk_staged C18:c18_disk_recovered C18:c18_peer_disk_staged C17:disk_verify_failures \
         C17:disk_queue_reads C17:disk_after_write_reads; do
         k=${ck#*:}

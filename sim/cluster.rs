@@ -307,6 +307,9 @@ pub struct Shared {
     /// MetaServer answer (`fetch_into_with_owners`; C9, C10, C14 hold for
     /// them as for any fetch).
     pub known_owner_fetches: AtomicU64,
+    /// Decode fetches that started from the prefill's transfer ticket
+    /// (`fetch_into_with_ticket`) and took its lock.
+    pub ticket_fetches: AtomicU64,
     /// The longest any fetch ran past its deadline (µs; C9's slack).
     pub fetch_overrun_max_us: AtomicU64,
     /// `Engine::connect_peer` calls that connected, that ended on their
@@ -525,6 +528,7 @@ impl Cluster {
             partial_read_errors: AtomicU64::new(0),
             deadline_fetches: AtomicU64::new(0),
             known_owner_fetches: AtomicU64::new(0),
+            ticket_fetches: AtomicU64::new(0),
             fetch_overrun_max_us: AtomicU64::new(0),
             connects_ok: AtomicU64::new(0),
             connects_deadline: AtomicU64::new(0),

@@ -74,6 +74,8 @@ pub struct Reach {
     pub deadline_fetches: u64,
     /// `fetch_into`s started from the decode's own MetaServer answer.
     pub known_owner_fetches: u64,
+    /// Decode fetches that read from the prefill's transfer ticket.
+    pub ticket_fetches: u64,
     /// `Engine::connect_peer` calls: connected, ended on their timeout,
     /// failed otherwise (C9's bound holds for each).
     pub connects: (u64, u64, u64),
@@ -221,10 +223,11 @@ fn summary_line(seed: u64, s: &Summary) -> String {
     let r = &s.reach;
     let _ = write!(
         out,
-        " c8_partial_read_errors={} c9_deadline_fetches={} c9_known_owner_fetches={} c9_overrun_max_us={} c9_connects_ok={} c9_connects_deadline={} c9_connects_failed={} c13_expired_reads={} c15_unregisters={} c15_busy_refusals={} c15_held_batches={} c19_lease_grants={} c19_lease_ends={} c19_device_reads={}",
+        " c8_partial_read_errors={} c9_deadline_fetches={} c9_known_owner_fetches={} c8_ticket_fetches={} c9_overrun_max_us={} c9_connects_ok={} c9_connects_deadline={} c9_connects_failed={} c13_expired_reads={} c15_unregisters={} c15_busy_refusals={} c15_held_batches={} c19_lease_grants={} c19_lease_ends={} c19_device_reads={}",
         r.partial_read_errors,
         r.deadline_fetches,
         r.known_owner_fetches,
+        r.ticket_fetches,
         r.overrun_max_us,
         r.connects.0,
         r.connects.1,
@@ -321,7 +324,16 @@ async fn drive(c: Arc<Cluster>, req: Request, knobs: WorkloadKnobs, start: Insta
     };
     let Some(d) = pick(&c, req.decode, PREFILL..NODES) else { return Outcome::default() };
     let Some(slot) = c.shared.node(d) else { return Outcome::default() };
-    match c.spawn_on(d, workload::decode(c.shared.clone(), slot, d, p, req, knobs)).await {
+    // With device leases on, every other request's "KV ready" carries a
+    // transfer ticket for the decode node, granted on the prefill node.
+    let ticket = match c.shared.node(p) {
+        Some(ps) if knobs.device_leases && req.id.is_multiple_of(2) => {
+            let ask = slot.engine.transfer_ask();
+            c.spawn_on(p, workload::grant_ticket(ps, req.clone(), ask)).await.ok().flatten()
+        }
+        _ => None,
+    };
+    match c.spawn_on(d, workload::decode(c.shared.clone(), slot, d, p, req, knobs, ticket)).await {
         Ok(o) => Outcome {
             done: true,
             reused: pre.reused,
@@ -479,6 +491,7 @@ async fn run_plan(
         partial_read_errors: shared.partial_read_errors.load(Ordering::SeqCst),
         deadline_fetches: shared.deadline_fetches.load(Ordering::SeqCst),
         known_owner_fetches: shared.known_owner_fetches.load(Ordering::SeqCst),
+        ticket_fetches: shared.ticket_fetches.load(Ordering::SeqCst),
         overrun_max_us: shared.fetch_overrun_max_us.load(Ordering::SeqCst),
         connects: (
             shared.connects_ok.load(Ordering::SeqCst),

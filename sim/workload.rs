@@ -21,6 +21,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use kvferry::engine::fetch::FetchReport;
+use kvferry::engine::{TransferAsk, TransferTicket};
 use kvferry::gpu::Gpu;
 use kvferry::replay::trace::{self, ModelPreset, engine_block_hash, fill_kv, verify_kv};
 use kvferry::types::{BlockHash, NodeAddr};
@@ -416,14 +417,30 @@ pub fn drain_leases(shared: &Shared, n: &NodeSlot, node: usize) {
     shared.checker.record(r);
 }
 
+/// The prefill node's transfer ticket for the decode node that will read
+/// the request (`Engine::grant_transfer`); `None` when it locked nothing
+/// or its lock table was full.
+pub async fn grant_ticket(n: NodeSlot, req: Request, to: TransferAsk) -> Option<TransferTicket> {
+    let t = n.engine.grant_transfer(NAMESPACE, &req.hashes, &to).await.ok()?;
+    (!t.session().is_empty()).then_some(t)
+}
+
 /// `fetch_into` the request's device slots (the path that may copy device
 /// to device from a same-host owner, C19) and verify every ready block's
 /// bytes in place. Half the time the decode first asks the MetaServer who
 /// holds the prefix, as an engine's scheduler does, waits a drawn while
 /// (the answer may go stale: owners die, evict, are cut off) and starts
-/// the fetch from that answer (`fetch_into_with_owners`). Checks
-/// `inv_degrade_bounded` and `inv_fetch_integrity`.
-async fn fetch_into_and_verify(shared: &Shared, n: &NodeSlot, node: usize, req: &Request) -> Fetched {
+/// the fetch from that answer (`fetch_into_with_owners`). With the
+/// prefill's `ticket`, the fetch starts from it instead
+/// (`fetch_into_with_ticket`). Checks `inv_degrade_bounded` and
+/// `inv_fetch_integrity`.
+async fn fetch_into_and_verify(
+    shared: &Shared,
+    n: &NodeSlot,
+    node: usize,
+    req: &Request,
+    ticket: Option<TransferTicket>,
+) -> Fetched {
     let bound = invariants::fetch_bound(&shared.params);
     let blocks: Vec<(BlockHash, u64)> =
         req.hashes.iter().enumerate().map(|(i, h)| (h.clone(), req.slot_base() + i as u64)).collect();
@@ -442,11 +459,13 @@ async fn fetch_into_and_verify(shared: &Shared, n: &NodeSlot, node: usize, req: 
         tokio::time::sleep(pause).await;
     }
     let known0 = n.engine.metrics().fetch_known_owners.load(Ordering::SeqCst);
+    let tickets0 = n.engine.metrics().fetch_tickets.load(Ordering::SeqCst);
     let t0 = Instant::now();
     let fetch = async {
-        match owners {
-            Some(o) => n.engine.fetch_into_with_owners(NAMESPACE, &blocks, o, t0 + bound).await,
-            None => n.engine.fetch_into(NAMESPACE, &blocks).await,
+        match (ticket, owners) {
+            (Some(t), _) => n.engine.fetch_into_with_ticket(NAMESPACE, &blocks, t, t0 + bound).await,
+            (None, Some(o)) => n.engine.fetch_into_with_owners(NAMESPACE, &blocks, o, t0 + bound).await,
+            (None, None) => n.engine.fetch_into(NAMESPACE, &blocks).await,
         }
     };
     let got = match tokio::time::timeout(bound * 2, fetch).await {
@@ -463,6 +482,9 @@ async fn fetch_into_and_verify(shared: &Shared, n: &NodeSlot, node: usize, req: 
     check_bounded(shared, node, req.id, &got.fetch, t0.elapsed(), None);
     if n.engine.metrics().fetch_known_owners.load(Ordering::SeqCst) > known0 {
         shared.known_owner_fetches.fetch_add(1, Ordering::SeqCst);
+    }
+    if n.engine.metrics().fetch_tickets.load(Ordering::SeqCst) > tickets0 {
+        shared.ticket_fetches.fetch_add(1, Ordering::SeqCst);
     }
     let mut ok = 0;
     for i in 0..got.ready() {
@@ -526,13 +548,14 @@ pub async fn decode(
     prefill: usize,
     req: Request,
     knobs: WorkloadKnobs,
+    ticket: Option<TransferTicket>,
 ) -> DecodeOutcome {
     if knobs.connect_peers && shared.rng.lock().expect("rng").random_bool(0.5) {
         connect_peer(&shared, &n, node, prefill).await;
     }
     let into = knobs.device_leases && shared.rng.lock().expect("rng").random_bool(0.5);
-    let f = if into {
-        fetch_into_and_verify(&shared, &n, node, &req).await
+    let f = if into || ticket.is_some() {
+        fetch_into_and_verify(&shared, &n, node, &req, ticket).await
     } else {
         fetch_and_verify(&shared, &n, node, &req, knobs, Duration::from_millis(20)).await
     };

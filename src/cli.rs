@@ -11,7 +11,7 @@ use kvferry::gpu::{self, Gpu};
 use kvferry::metaserver::service::{ConfigField, StartError};
 use kvferry::metaserver::{self, MetaServerConfig};
 use kvferry::node::TransportChoice;
-use kvferry::replay::pd::{self, PdConfig, PdError, Prefetch, Routing, SsdRoles};
+use kvferry::replay::pd::{self, Handoff, PdConfig, PdError, Prefetch, Routing, SsdRoles};
 use kvferry::tls::TlsIdentity;
 use kvferry::transport::verbs::VerbsConfig;
 
@@ -251,6 +251,9 @@ struct PdArgs {
     /// When a request brings its reused KV into its prefill node's pool: `disk`, its disk-resident prefix staged while it waits for the node's device (with --ssd-dir), peers' blocks fetched holding the device; `fetch`, the whole fetch (disk staging, peers' blocks) before it queues for the device, as an engine loads a waiting request's KV asynchronously; `off`, everything holding the device.
     #[arg(long, value_enum, default_value_t = Prefetch::Disk)]
     prefetch: Prefetch,
+    /// How a decode node learns where its request's KV is: `query`, it asks the MetaServer and locks the blocks at their owner (two round trips after "KV ready"); `ticket`, the prefill node locks its blocks for the decode node as it says "KV ready" and passes it the lock, so the decode reads at once.
+    #[arg(long, value_enum, default_value_t = Handoff::Query)]
+    handoff: Handoff,
     /// Read parts a decode fetch keeps in flight (each spread over the transport's connections).
     #[arg(long, allow_negative_numbers = true, default_value_t = kvferry::limits::FETCH_READS_IN_FLIGHT, value_parser = clap::builder::RangedI64ValueParser::<usize>::new().range(1..=64))]
     reads_in_flight: usize,
@@ -528,7 +531,7 @@ fn report_text(r: &pd::PdReport) -> String {
     }
     let gib = r.bytes_transferred as f64 / (1u64 << 30) as f64;
     println!(
-        "kvferry pd — {} request{}{}, model {} ({} tokens/block, {} KiB/block), transport {}, path {}, prefetch {}",
+        "kvferry pd — {} request{}{}, model {} ({} tokens/block, {} KiB/block), transport {}, path {}, prefetch {}, handoff {}",
         r.requests,
         if r.requests == 1 { "" } else { "s" },
         if r.interrupted { " (INTERRUPTED: the figures cover the requests replayed)" } else { "" },
@@ -537,7 +540,8 @@ fn report_text(r: &pd::PdReport) -> String {
         r.block_bytes >> 10,
         r.transport,
         r.path,
-        r.prefetch.name()
+        r.prefetch.name(),
+        r.handoff.name()
     );
     println!(
         "  prefix hit rate        {:>8.1} %   (oracle for this window {:.1} %)",
@@ -846,6 +850,7 @@ async fn run_pd(a: PdArgs) -> Result<ExitCode, String> {
         ssd_roles: a.ssd_roles,
         ssd_write_queue: a.ssd_write_queue,
         prefetch: a.prefetch,
+        handoff: a.handoff,
         connect_peers: a.connect_peers,
         fetch_reads_in_flight: a.reads_in_flight,
         fetch_read_part_bytes: a.read_part_size,

@@ -48,6 +48,10 @@ pub const REGISTRATION_QUEUE_DEPTH_DEFAULT: usize = 4096;
 /// responses for long prompts carry many slot descriptors.
 pub const GRPC_MESSAGE_BYTES_MAX: usize = 64 << 20;
 
+/// Largest transfer ticket a reader decodes (bytes): a lock answer's
+/// limit, which a ticket carries ([`crate::engine::tickets`]).
+pub const TICKET_BYTES_MAX: usize = GRPC_MESSAGE_BYTES_MAX;
+
 /// Chunk RPCs of one batch group the client keeps in flight at once. Two
 /// already hide one RPC's encode/transfer/decode behind the server's store
 /// work on the previous chunk; four absorb scheduling jitter. Each in-flight

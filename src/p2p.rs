@@ -10,9 +10,6 @@ use tonic::{Request, Response, Status};
 
 use crate::engine::Engine;
 use crate::engine::EngineError;
-use crate::engine::device::DeviceAsk;
-use crate::engine::locks::{PackedBlocks, slot_shapes, transfer_block_info};
-use crate::gpu::peer::PeerKind;
 use crate::limits;
 use crate::proto::engine_server::{Engine as EngineRpc, EngineServer};
 use crate::proto::*;
@@ -31,16 +28,6 @@ impl P2pTransferService {
     /// Wraps an engine.
     pub fn new(engine: Engine) -> Self {
         Self { engine }
-    }
-
-    /// What a requester's [`DeviceCapability`] asks for, with the
-    /// transport's word on whether it runs on this host (C19); `None` for an
-    /// unknown kind or a malformed requester id.
-    fn device_ask(&self, d: &DeviceCapability, requester: &str) -> Option<DeviceAsk> {
-        let kind = PeerKind::from_u32(d.kind)?;
-        let requester = NodeAddr::parse(requester).ok()?;
-        let proven_same_host = self.engine.transport().is_some_and(|t| t.proven_same_host(&requester));
-        Some(DeviceAsk { kind, pid: d.pid, proven_same_host })
     }
 
     /// The tonic router serving this service with 64 MiB message limits.
@@ -270,7 +257,6 @@ impl EngineRpc for P2pTransferService {
         &self,
         request: Request<QueryBlocksForTransferRequest>,
     ) -> Result<Response<QueryBlocksForTransferResponse>, Status> {
-        let t0 = std::time::Instant::now();
         let r = request.into_inner();
         validate_namespace(&r.namespace).map_err(|e| to_status(P2pError::Id(e)))?;
         if r.block_hashes.is_empty() {
@@ -290,87 +276,19 @@ impl EngineRpc for P2pTransferService {
                 h.validate().map(|_| h).map_err(|e| to_status(P2pError::Id(e)))
             })
             .collect::<Result<_, _>>()?;
-        let Ok((_, layout)) = self.engine.layout(&r.namespace) else {
-            // Unknown namespace here: nothing to lock.
-            return Ok(Response::new(QueryBlocksForTransferResponse { status: ok(), ..Default::default() }));
-        };
-        let (session, found) = self
+        let answer = self
             .engine
-            .lock_for_transfer_staged(&r.namespace, &hashes)
+            .answer_transfer(
+                &r.namespace,
+                &hashes,
+                &r.requester_id,
+                r.device.as_ref(),
+                r.compact_slots,
+                r.packed_blocks,
+            )
             .await
             .map_err(|e| to_status(P2pError::Lock(e)))?;
-        let locked = t0.elapsed();
-        let shapes = slot_shapes(&layout);
-        // Three forms of the answer: packed columns, a compact record per
-        // block, or PegaFlow's slots per block (what the requester asked).
-        let compact = r.compact_slots || r.packed_blocks;
-        let mut packed = r.packed_blocks.then(|| PackedBlocks::new(&hashes, &found));
-        let mut blocks: Vec<_> = if packed.is_some() {
-            Vec::new()
-        } else {
-            found.iter().map(|(h, b)| transfer_block_info(&shapes, compact, h, b)).collect()
-        };
-        let grant = match (&session, r.device.as_ref().and_then(|d| self.device_ask(d, &r.requester_id))) {
-            (Some(s), Some(ask)) => {
-                let hashes: Vec<BlockHash> = found.iter().map(|(h, _)| h.clone()).collect();
-                self.engine.device_grant(&r.namespace, &hashes, s, &ask)
-            }
-            _ => None,
-        };
-        let (device_buffers, device_lease_ms_left, device_layout) = match grant {
-            None => (Vec::new(), 0, None),
-            Some(g) => {
-                match packed.as_mut() {
-                    Some(p) => p.set_device_blocks(&g.blocks),
-                    None => {
-                        for (b, &index) in blocks.iter_mut().zip(&g.blocks) {
-                            b.device_block = index;
-                        }
-                    }
-                }
-                let layout = DeviceLayout {
-                    num_blocks: g.num_blocks,
-                    runs: g
-                        .runs
-                        .iter()
-                        .map(|r| DeviceRun { buffer: r.export, offset: r.offset, stride: r.stride, len: r.len })
-                        .collect(),
-                };
-                let exports = g
-                    .exports
-                    .into_iter()
-                    .map(|e| DeviceBufferExport {
-                        kind: e.kind.to_u32(),
-                        handle: e.handle.into(),
-                        offset: e.offset,
-                        len: e.len,
-                    })
-                    .collect();
-                (exports, g.ms_left, Some(layout))
-            }
-        };
-        let packed = packed.unwrap_or_default();
-        tracing::debug!(
-            target: crate::gpu::peer::PEER_TIMING_TRACE_TARGET,
-            blocks = found.len(),
-            locked = locked.as_micros() as u64,
-            answered = t0.elapsed().as_micros() as u64,
-            "transfer lock answered"
-        );
-        Ok(Response::new(QueryBlocksForTransferResponse {
-            status: ok(),
-            blocks,
-            transfer_session_id: session.unwrap_or_default(),
-            lock_timeout_secs: self.engine.lock_timeout_secs(),
-            device_buffers,
-            device_lease_ms_left,
-            device_layout,
-            slot_shapes: if compact { shapes } else { Vec::new() },
-            packed_index: packed.index,
-            packed_pool_offset: packed.pool_offset,
-            packed_slot_crc32c: packed.slot_crc32c,
-            packed_device_block: packed.device_block,
-        }))
+        Ok(Response::new(answer))
     }
 
     async fn release_transfer_lock(

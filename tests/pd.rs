@@ -95,7 +95,9 @@ fn replay_reports_t8_and_the_handoff_phases() {
     let phases = r["handoff_phases_ms"].as_object().expect("handoff_phases_ms object");
     let total = &phases["total"];
     let mut sum = 0.0;
-    for name in ["save_barrier", "registration_barrier", "decode_wait", "fetch", "load"] {
+    assert_eq!(r["handoff"], "query");
+    assert_eq!(num(&phases["ticket"], "p99"), 0.0, "no ticket without --handoff ticket");
+    for name in ["save_barrier", "registration_barrier", "ticket", "decode_wait", "fetch", "load"] {
         let p = &phases[name];
         let (p50, p99, mean) = (num(p, "p50"), num(p, "p99"), num(p, "mean"));
         assert!(p50 >= 0.0 && p99 >= p50 && mean >= 0.0, "{name}: {p}");
@@ -117,6 +119,28 @@ fn replay_reports_t8_and_the_handoff_phases() {
     let fetch_mean = num(&phases["fetch"], "mean");
     assert!(sub <= fetch_mean * (1.0 + 1e-6) + 1e-6, "fetch sub-phases ({sub} ms) exceed the fetch ({fetch_mean} ms)");
     assert!(num(&fetch["read"], "mean") > 0.0, "a fetch of >= 1 MiB spends time reading");
+}
+
+/// `--handoff ticket`: each prefill hands its decode node the transfer
+/// lock with "KV ready", so no decode fetch asks the MetaServer or sends a
+/// lock RPC (their phases are 0 in every request), the grant shows as the
+/// `ticket` phase, and every block still verifies, on the shared pool and
+/// over TCP.
+#[test]
+fn replay_with_ticket_handoff_skips_the_query_and_the_lock_rpc() {
+    let shape = ["--model", "tiny", "--block-tokens", "512", "--max-blocks", "8", "--pool-size", "64MiB"];
+    for path in ["auto", "tcp"] {
+        let r =
+            run_json_shaped(&shape, &["--requests", "8", "--concurrency", "1", "--path", path, "--handoff", "ticket"]);
+        assert_eq!(r["handoff"], "ticket");
+        assert_eq!(num(&r, "blocks_verified"), num(&r, "blocks_total"), "--path {path}: {r}");
+        assert!(num(&r, "blocks_fetched") > 0.0, "--path {path} fetched nothing: {r}");
+        assert!(num(&r, "t8_requests") > 0.0, "no request fetched >= 1 MiB: {r}");
+        let fetch = r["fetch_phases_ms"].as_object().expect("fetch_phases_ms object");
+        assert_eq!(num(&fetch["query"], "p99"), 0.0, "--path {path}: a decode fetch asked the MetaServer: {fetch:?}");
+        let phases = r["handoff_phases_ms"].as_object().expect("handoff_phases_ms object");
+        assert!(num(&phases["ticket"], "p50") > 0.0, "--path {path}: the grant takes time: {phases:?}");
+    }
 }
 
 /// `--path` picks the data path and T8's baseline with it: the default

@@ -67,6 +67,7 @@ fn engine_rows() -> Vec<(EngineError, &'static str, Code)> {
         ),
         (EngineError::Layout(LayoutError::NoLayers), "layout_no_layers", Code::InvalidArgument),
         (EngineError::BlockIndex { idx: 9, num_blocks: 4 }, "engine_block_index", Code::InvalidArgument),
+        (EngineError::TooManyBlocks { got: 9, max: 8 }, "engine_too_many_blocks", Code::InvalidArgument),
         (
             EngineError::Pool(PoolError::Exhausted { requested: 8, free: 0, largest_free: 0 }),
             "pool_exhausted",

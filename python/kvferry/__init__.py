@@ -77,6 +77,7 @@ __all__ = [
     "FetchReport",
     "LoadReport",
     "PrefixOwner",
+    "TransferAsk",
     "KvCacheInfo",
     "TensorInfo",
     "describe",
@@ -365,6 +366,18 @@ class PrefixOwner:
 
     node: str
     blocks: int
+
+
+@dataclass(frozen=True)
+class TransferAsk:
+    """Who will read a transfer ticket (:meth:`Node.transfer_ask`, passed to
+    the owner's :meth:`Node.grant_transfer`): the reader's address and, when
+    it copies device to device, its ``(handle kind, process id)``. Plain
+    data: send it to the owner however your engines talk.
+    """
+
+    requester: str
+    device: Optional[Tuple[int, int]] = None
 
 
 @dataclass(frozen=True)
@@ -851,6 +864,7 @@ class Node:
         *,
         timeout: Optional[float] = None,
         owners: Optional[Iterable[PrefixOwner]] = None,
+        ticket: Optional[bytes] = None,
     ) -> Tuple[FetchReport, LoadReport]:
         """:meth:`fetch`, then :meth:`load` of the ``available`` prefix into
         ``block_ids[:available]``. Returns both reports. ``timeout`` is the
@@ -869,17 +883,64 @@ class Node:
                 said is refused by its own transfer lock, and the fetch asks
                 the MetaServer for the rest. An answer with no usable owner
                 is ignored.
+            ticket: the owner's transfer ticket for this node
+                (:meth:`grant_transfer`'s bytes, handed over with "KV
+                ready"): the fetch reads at once, with no MetaServer query
+                and no lock round trip, and releases the ticket's lock
+                whether it read or not. A ticket for another node, another
+                namespace or hashes that are not a prefix of ``hashes`` is
+                released unread and the fetch goes on as without it.
 
         Raises:
             ConfigError: ``owners`` is not a sequence of :class:`PrefixOwner`
                 (``owners[i]`` named), or an entry's ``node`` is not a string
-                or its ``blocks`` not an integer in u32 range.
+                or its ``blocks`` not an integer in u32 range; both
+                ``owners`` and ``ticket`` given; ``ticket`` is not bytes
+                or does not decode (code ``ticket_*``).
         """
         t = self._fetch_timeout if timeout is None else _seconds(timeout)
         ids = _block_ids(block_ids, distinct=True)
         known = None if owners is None else _owners(owners)
-        f, lrep = self._node.fetch_into(namespace, [bytes(h) for h in hashes], ids, t, known)
+        if ticket is not None and not isinstance(ticket, (bytes, bytearray)):
+            raise ConfigError(f"ticket must be bytes, got {type(ticket).__name__}", "bad_ticket")
+        tb = None if ticket is None else bytes(ticket)
+        f, lrep = self._node.fetch_into(namespace, [bytes(h) for h in hashes], ids, t, known, tb)
         return FetchReport(**f), LoadReport(int(lrep["loaded"]), [tuple(x) for x in lrep["failed"]])
+
+    def transfer_ask(self) -> TransferAsk:
+        """This node as the reader of a transfer ticket: pass it to the
+        owner's :meth:`grant_transfer` (a prefill engine, with the
+        request)."""
+        requester, device = self._node.transfer_ask()
+        return TransferAsk(str(requester), None if device is None else (int(device[0]), int(device[1])))
+
+    def grant_transfer(
+        self, namespace: str, hashes: BlockHashes, to: TransferAsk, *, timeout: Optional[float] = None
+    ) -> bytes:
+        """Locks this node's blocks among ``hashes`` (saved with :meth:`save`)
+        for the reader ``to`` and returns the transfer ticket, to send to
+        that reader with "KV ready" (the P/D pattern of passing the decode
+        what it pulls, as vLLM's ``kv_transfer_params``); the reader's
+        :meth:`fetch_into` with ``ticket=`` then reads at once. The ticket
+        holds the transfer lock the reader's own lock request would have
+        taken (device ranges included only for a reader in this process or
+        one proven to run on this host); it is released by the reader, or
+        expires after the node's lock timeout if it never arrives. Call it
+        after :meth:`flush_saves_and_registrations` (and, for device-direct
+        reads, :meth:`grant_device_lease`). A ticket for blocks this node
+        does not hold locks nothing.
+
+        Raises:
+            ConfigError: ``to`` is not a :class:`TransferAsk`, or its
+                ``requester`` is not ``host:port``; malformed hashes; more
+                than 16,384 hashes (code ``engine_too_many_blocks``).
+            UnknownNamespaceError: no layout registered for ``namespace``.
+            KvferryError: the lock table is full.
+        """
+        if not isinstance(to, TransferAsk):
+            raise ConfigError(f"to must be a TransferAsk, got {type(to).__name__}", "bad_transfer_ask")
+        t = self._rpc_timeout if timeout is None else _seconds(timeout)
+        return bytes(self._node.grant_transfer(namespace, [bytes(h) for h in hashes], to.requester, to.device, t))
 
     def connect_peer(self, addr: str, *, timeout: float = 30.0) -> str:
         """Connects to the peer node at ``addr`` (its ``host:port``, as the

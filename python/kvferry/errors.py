@@ -138,6 +138,10 @@ CODE_CLASSES: dict[str, type[KvferryError]] = {
     "bad_transport": ConfigError,
     "bad_lease_id": ConfigError,
     "bad_block_tokens": ConfigError,
+    "bad_known": ConfigError,
+    "bad_ticket": ConfigError,
+    "bad_transfer_ask": ConfigError,
+    "engine_too_many_blocks": ConfigError,
     "length_mismatch": ConfigError,
 }
 
@@ -154,6 +158,7 @@ CODE_PREFIX_CLASSES: dict[str, type[KvferryError]] = {
     "metaserver_": StartError,
     "node_": StartError,
     "fetch_": PeerError,
+    "ticket_": ConfigError,
 }
 
 

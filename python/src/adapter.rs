@@ -123,19 +123,30 @@ pub async fn load(
 }
 
 /// Fetches, by `deadline`, then loads the available prefix into the given
-/// block indices; `owners`: the caller's MetaServer answer for the same
-/// hashes, which the fetch starts from instead of asking again.
+/// block indices, starting from what the caller `known`s: its MetaServer
+/// answer for the same hashes, or an owner's transfer ticket.
 pub async fn fetch_into(
     engine: &Engine,
     namespace: &str,
     blocks: Vec<(BlockHash, u64)>,
-    owners: Option<Vec<(NodeAddr, u32)>>,
+    known: Known,
     deadline: tokio::time::Instant,
 ) -> Result<FetchIntoReport, EngineError> {
-    match owners {
-        Some(o) => engine.fetch_into_with_owners(namespace, &blocks, o, deadline).await,
-        None => engine.fetch_into_with_deadline(namespace, &blocks, deadline).await,
+    match known {
+        Known::Owners(o) => engine.fetch_into_with_owners(namespace, &blocks, o, deadline).await,
+        Known::Ticket(t) => engine.fetch_into_with_ticket(namespace, &blocks, *t, deadline).await,
+        Known::Nothing => engine.fetch_into_with_deadline(namespace, &blocks, deadline).await,
     }
+}
+
+/// What a `fetch_into` starts from.
+pub enum Known {
+    /// Nothing: the fetch asks the MetaServer.
+    Nothing,
+    /// The caller's MetaServer answer.
+    Owners(Vec<(NodeAddr, u32)>),
+    /// An owner's transfer ticket for this node.
+    Ticket(Box<kvferry::engine::TransferTicket>),
 }
 
 /// The shared chained hashes (kvferry's v1) of the full blocks of `tokens`.

@@ -608,7 +608,10 @@ impl Node {
     /// Fetch, then load the available prefix into `blocks`; `(fetch, load)`
     /// report dicts. `owners`: `query_prefix_remote`'s answer for the same
     /// hashes, which the fetch starts from instead of asking again.
-    #[pyo3(signature = (namespace, hashes, blocks, timeout_s, owners=None))]
+    /// `ticket`: an owner's transfer ticket for this node (`grant_transfer`'s
+    /// bytes), which the fetch starts from instead (no query, no lock RPC).
+    #[pyo3(signature = (namespace, hashes, blocks, timeout_s, owners=None, ticket=None))]
+    #[allow(clippy::too_many_arguments)]
     fn fetch_into<'py>(
         &self,
         py: Python<'py>,
@@ -617,14 +620,27 @@ impl Node {
         blocks: Vec<u64>,
         timeout_s: f64,
         owners: Option<Vec<(String, u32)>>,
+        ticket: Option<Vec<u8>>,
     ) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyDict>)> {
         let t = secs(timeout_s)?;
         let (rt, engine) = self.engine()?;
         let p = pairs(hashes, blocks)?;
-        let owners = owners.map(|o| o.into_iter().map(|(n, k)| (kvferry::types::NodeAddr(n), k)).collect());
+        let known = match (owners, ticket) {
+            (Some(_), Some(_)) => {
+                return Err(Fail::coded("bad_known", "pass owners or a ticket, not both".to_string()).into());
+            }
+            (Some(o), None) => {
+                adapter::Known::Owners(o.into_iter().map(|(n, k)| (kvferry::types::NodeAddr(n), k)).collect())
+            }
+            (None, Some(b)) => adapter::Known::Ticket(Box::new(
+                kvferry::engine::TransferTicket::decode(&b)
+                    .map_err(|e| Fail::coded(e.code(), format!("transfer ticket: {e}")))?,
+            )),
+            (None, None) => adapter::Known::Nothing,
+        };
         // As in `fetch`: the timeout is the fetch's own deadline.
         let r = wait(py, &rt, t + FETCH_OVERRUN_MAX, async move {
-            adapter::fetch_into(&engine, &namespace, p, owners, tokio::time::Instant::now() + t).await
+            adapter::fetch_into(&engine, &namespace, p, known, tokio::time::Instant::now() + t).await
         })?
         .ok_or_else(|| deadline_fail("fetch_into", t + FETCH_OVERRUN_MAX))?
         .map_err(engine_fail)?;
@@ -654,6 +670,41 @@ impl Node {
             }
             Err(e) => Err(Fail::coded(e.code(), format!("connecting to peer {addr}: {e}")).into()),
         }
+    }
+
+    /// This node as a ticket's reader: `(address, device)`, `device` the
+    /// `(handle kind, pid)` it copies device to device from, if any.
+    fn transfer_ask(&self) -> PyResult<(String, Option<(u32, u32)>)> {
+        let (_, engine) = self.engine()?;
+        let a = engine.transfer_ask();
+        Ok((a.requester.0, a.device.map(|d| (d.kind, d.pid))))
+    }
+
+    /// Locks the resident blocks among `hashes` for the reader `requester`
+    /// (with its `device` capability) and returns the transfer ticket's
+    /// bytes ([`kvferry::engine::Engine::grant_transfer`]).
+    fn grant_transfer<'py>(
+        &self,
+        py: Python<'py>,
+        namespace: String,
+        hashes: Vec<Vec<u8>>,
+        requester: String,
+        device: Option<(u32, u32)>,
+        timeout_s: f64,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let t = secs(timeout_s)?;
+        let (rt, engine) = self.engine()?;
+        let requester = kvferry::types::NodeAddr::parse(&requester)
+            .map_err(|e| Fail::coded(e.code(), format!("requester: {e}")))?;
+        let hashes: Vec<BlockHash> = hashes.into_iter().map(|h| BlockHash(h.into())).collect();
+        let to = kvferry::engine::TransferAsk {
+            requester,
+            device: device.map(|(kind, pid)| kvferry::proto::DeviceCapability { kind, pid }),
+        };
+        let ticket = wait(py, &rt, t, async move { engine.grant_transfer(&namespace, &hashes, &to).await })?
+            .ok_or_else(|| deadline_fail("grant_transfer", t))?
+            .map_err(engine_fail)?;
+        Ok(PyBytes::new(py, &ticket.encode()))
     }
 
     /// Grants a device lease on `blocks` (this engine's block indices) of
@@ -711,6 +762,8 @@ impl Node {
             ("alloc_failures", c(&m.alloc_failures)),
             ("fetches", c(&m.fetches)),
             ("fetch_known_owners", c(&m.fetch_known_owners)),
+            ("fetch_tickets", c(&m.fetch_tickets)),
+            ("fetch_tickets_unused", c(&m.fetch_tickets_unused)),
             ("fetched_blocks", c(&m.fetched_blocks)),
             ("fetched_bytes", c(&m.fetched_bytes)),
             ("checksum_failures", c(&m.checksum_failures)),

@@ -92,6 +92,33 @@ def test_fetch_into_starts_from_the_owners_the_caller_asked_for(metaserver, ns):
             np.testing.assert_array_equal(dst[[5, 6, 7]], src[:3])
 
 
+def test_fetch_into_reads_from_the_prefills_transfer_ticket(metaserver, ns):
+    p, d = two_nodes(metaserver)
+    with p, d:
+        pk, pv, dk, dv, hs = prefill_pair(p, d, ns, 3, seed=6)
+        ask = d.transfer_ask()
+        assert ask.requester == d.address
+        ticket = p.grant_transfer(ns, hs, ask)
+        assert isinstance(ticket, bytes) and ticket
+        with pytest.raises(kvferry.ConfigError, match="not both"):
+            d.fetch_into(ns, hs, [0, 1, 2], owners=d.query_prefix_remote(ns, hs), ticket=ticket)
+        with pytest.raises(kvferry.ConfigError) as e:
+            d.fetch_into(ns, hs, [0, 1, 2], ticket=b"not a ticket")
+        assert e.value.code == "ticket_decode"
+        with pytest.raises(kvferry.ConfigError, match="TransferAsk"):
+            p.grant_transfer(ns, hs, d.address)
+        assert d.metrics()["fetches"] == 0, "refused before anything was fetched"
+        created = p.metrics()["transfer_locks_created"]
+        f, l = d.fetch_into(ns, hs, [4, 5, 6], ticket=ticket)
+        assert (f.available, f.owners, l.loaded) == (3, [p.address], 3)
+        # No MetaServer query and no lock request: the ticket's lock was the one.
+        assert f.phases_ms["query"] == 0.0
+        assert p.metrics()["transfer_locks_created"] == created
+        assert d.metrics()["fetch_tickets"] == 1
+        for src, dst in zip(pk + pv, dk + dv):
+            np.testing.assert_array_equal(dst[[4, 5, 6]], src[:3])
+
+
 def test_connect_peer_opens_the_same_host_pool_before_the_first_fetch(metaserver, ns):
     p, d = two_nodes(metaserver)
     with p, d:

@@ -26,6 +26,7 @@ impl EngineError {
             EngineError::BufferInUse { .. } => "engine_buffer_in_use",
             EngineError::Layout(e) => e.code(),
             EngineError::BlockIndex { .. } => "engine_block_index",
+            EngineError::TooManyBlocks { .. } => "engine_too_many_blocks",
             EngineError::Pool(e) => e.code(),
             EngineError::Gpu(e) => e.code(),
             EngineError::Lock(e) => e.code(),
@@ -49,6 +50,7 @@ impl GrpcCode for EngineError {
             EngineError::Id(_)
             | EngineError::Layout(_)
             | EngineError::BlockIndex { .. }
+            | EngineError::TooManyBlocks { .. }
             | EngineError::NamespaceMismatch { .. } => Code::InvalidArgument,
             EngineError::UnknownNamespace(_) => Code::NotFound,
             EngineError::LayoutExists(_) | EngineError::FamilyMismatch { .. } | EngineError::BufferInUse { .. } => {

@@ -15,6 +15,7 @@ pub mod layout;
 pub mod leases;
 pub mod locks;
 mod peers;
+pub mod tickets;
 pub use crate::memory::pool;
 
 use std::collections::{BTreeSet, HashMap, HashSet};
@@ -39,6 +40,7 @@ pub use fetch::{ConnectError, FetchIntoReport, FetchReport, SharedPool};
 use layout::{LayerLayout, Layout, LayoutError, LayoutFamily};
 use locks::{AccessError, LockError, LockTable};
 use pool::{Extent, Pool, PoolError, SealedExtent};
+pub use tickets::{TicketError, TransferAsk, TransferTicket};
 
 /// Engine settings.
 #[derive(Clone, Debug)]
@@ -176,6 +178,14 @@ pub enum EngineError {
     /// The layout failed validation.
     #[error(transparent)]
     Layout(#[from] LayoutError),
+    /// More blocks in one request than [`crate::limits::HASHES_PER_REQUEST_MAX`].
+    #[error("{got} blocks in one request, at most {max}")]
+    TooManyBlocks {
+        /// Blocks given.
+        got: usize,
+        /// The limit.
+        max: usize,
+    },
     /// A block index beyond the layout's `num_blocks`.
     #[error("block index {idx} out of range (layout has {num_blocks} blocks)")]
     BlockIndex {
@@ -280,6 +290,12 @@ pub struct EngineMetrics {
     /// Fetches whose first MetaServer query the caller's own answer
     /// replaced ([`Engine::fetch_into_with_owners`]).
     pub fetch_known_owners: AtomicU64,
+    /// Fetches that started from an owner's transfer ticket instead of a
+    /// MetaServer query and a lock RPC ([`Engine::fetch_into_with_ticket`]).
+    pub fetch_tickets: AtomicU64,
+    /// Tickets a fetch was given but did not read from (another namespace
+    /// or request, another reader, nothing left to fetch): released unread.
+    pub fetch_tickets_unused: AtomicU64,
     /// Blocks fetched from peers into the pool (verified and sealed);
     /// blocks copied device to device count in `device_blocks` instead.
     pub fetched_blocks: AtomicU64,

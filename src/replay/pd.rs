@@ -98,6 +98,33 @@ impl Prefetch {
     }
 }
 
+/// How a decode node learns where its request's KV is (`--handoff`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
+pub enum Handoff {
+    /// The prefill says "KV ready"; the decode asks the MetaServer who
+    /// holds the prompt's blocks and locks them at that owner
+    /// (`Engine::fetch_into`: query, lock RPC, reads). The default.
+    #[default]
+    Query,
+    /// The prefill locks its blocks for the decode node as it says "KV
+    /// ready" and passes the decode the lock (`Engine::grant_transfer`),
+    /// which reads at once (`Engine::fetch_into_with_ticket`): no query,
+    /// no lock RPC on the decode's path.
+    Ticket,
+}
+
+impl Handoff {
+    /// `query` or `ticket` (the flag's value and the JSON's).
+    pub fn name(self) -> &'static str {
+        match self {
+            Handoff::Query => "query",
+            Handoff::Ticket => "ticket",
+        }
+    }
+}
+
 /// A node's role in the replay.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub enum Role {
@@ -191,6 +218,8 @@ pub struct NodeStat {
 ///   saves in flight);
 /// - `registration_barrier`: the MetaServer flush of the prefill node's
 ///   registration queue (C1);
+/// - `ticket`: with `--handoff ticket`, the prefill node's transfer lock
+///   for the decode node ([`Engine::grant_transfer`]; 0 otherwise);
 /// - `decode_wait`: waiting for the decode node's device (another request
 ///   holds it; 0 at `--concurrency 1`);
 /// - `fetch`: the decode node's local lookup and [`Engine::fetch_into`] up
@@ -199,7 +228,8 @@ pub struct NodeStat {
 ///   all parts but the last run inside it, behind the reads;
 /// - `load`: the load of the last part, after the fetch ended
 ///   ([`FetchPhases::load_tail`]).
-pub const HANDOFF_PHASES: [&str; 5] = ["save_barrier", "registration_barrier", "decode_wait", "fetch", "load"];
+pub const HANDOFF_PHASES: [&str; 6] =
+    ["save_barrier", "registration_barrier", "ticket", "decode_wait", "fetch", "load"];
 
 /// The steps of one request on its two nodes, in order; per request they
 /// tile the time from the request's start to the end of its decode
@@ -220,7 +250,8 @@ pub const HANDOFF_PHASES: [&str; 5] = ["save_barrier", "registration_barrier", "
 /// - `prefill_compute`: "computing" the rest;
 /// - `prefill_save`: saving every block (pool eviction and the disk
 ///   tier's write-behind hand-off included);
-/// - `prefill_barrier`: save and registration barriers (and a lease grant);
+/// - `prefill_barrier`: save and registration barriers (and a lease grant;
+///   with `--handoff ticket`, the decode's transfer ticket);
 /// - `decode_wait`: waiting for the decode node's device;
 /// - `decode_fetch`: the decode node's lookup and `fetch_into` (load
 ///   included);
@@ -328,6 +359,8 @@ pub struct PdConfig {
     /// When a request brings its reused KV into its prefill node's pool
     /// (`--prefetch`).
     pub prefetch: Prefetch,
+    /// How the decode node learns where the KV is (`--handoff`).
+    pub handoff: Handoff,
     /// When this turns true (the binary's Ctrl-C), no further request is
     /// started; the requests in flight finish (each bounded by its flush
     /// and fetch deadlines) and the report covers the requests replayed so
@@ -368,6 +401,7 @@ impl Default for PdConfig {
             ssd_roles: SsdRoles::All,
             ssd_write_queue: None,
             prefetch: Prefetch::Disk,
+            handoff: Handoff::Query,
             stop: None,
         }
     }
@@ -417,6 +451,9 @@ pub struct PdReport {
     /// When requests brought their reused KV into the prefill pools
     /// (`--prefetch`: `off`, `disk` or `fetch`).
     pub prefetch: Prefetch,
+    /// How decode nodes learned where the KV was (`--handoff`: `query` or
+    /// `ticket`).
+    pub handoff: Handoff,
     /// T8's baseline, measured at start-up (GB/s, 1e9 B/s): the best plain
     /// copy of `raw_copy_bytes` on the fetches' path (`raw_path`): with
     /// `--path tcp` [`crate::transport::tcp::raw_loopback_copy`] over 1-16
@@ -818,7 +855,7 @@ struct ReqOutcome {
     /// Barrier call to load end: the sum of `phases`.
     handoff_total: Duration,
     /// Per [`HANDOFF_PHASES`].
-    phases: [Duration; 5],
+    phases: [Duration; 6],
     /// The decode fetch's sub-phases.
     fetch_phases: Option<FetchPhases>,
     /// Per [`REQUEST_STEPS`].
@@ -1077,10 +1114,9 @@ pub async fn run_with_observer(
         let p = prefill[p].clone();
         let shape = shape.clone();
         let flush_deadline = cfg.flush_deadline;
-        let (lease, prefetch) = (cfg.path == PathChoice::Ipc, cfg.prefetch);
-        inflight.push(tokio::spawn(async move {
-            serve_request(&p, &d, &shape, hashes, flush_deadline, lease, prefetch).await
-        }));
+        let how =
+            Serve { flush_deadline, lease: cfg.path == PathChoice::Ipc, prefetch: cfg.prefetch, handoff: cfg.handoff };
+        inflight.push(tokio::spawn(async move { serve_request(&p, &d, &shape, hashes, how).await }));
         started = i + 1;
     }
     while let Some(r) = inflight.next().await {
@@ -1100,6 +1136,7 @@ pub async fn run_with_observer(
         interrupted,
         concurrency: cfg.concurrency,
         prefetch: cfg.prefetch,
+        handoff: cfg.handoff,
         raw_gbps,
         raw_copy_bytes,
         raw_connections,
@@ -1635,18 +1672,29 @@ async fn wait_for_leases(e: &Engine) {
     }
 }
 
+/// How [`serve_request`] serves a request.
+#[derive(Clone, Copy)]
+struct Serve {
+    /// Deadline of the handoff flush.
+    flush_deadline: Duration,
+    /// A device lease on the saved blocks (`--path ipc`).
+    lease: bool,
+    prefetch: Prefetch,
+    handoff: Handoff,
+}
+
 /// One request: prefill (reuse, compute, save, barrier; with `lease`, a
-/// device lease on the saved blocks: `--path ipc`), then decode
-/// (`fetch_into`, verify, recompute the rest).
+/// device lease on the saved blocks: `--path ipc`; with
+/// [`Handoff::Ticket`], a transfer lock for the decode node), then decode
+/// (`fetch_into`, or `fetch_into_with_ticket`, verify, recompute the rest).
 async fn serve_request(
     p: &PdNode,
     d: &PdNode,
     shape: &Shape,
     hashes: Vec<BlockHash>,
-    flush_deadline: Duration,
-    lease: bool,
-    prefetch: Prefetch,
+    how: Serve,
 ) -> Result<ReqOutcome, PdError> {
+    let Serve { flush_deadline, lease, prefetch, handoff } = how;
     let n = hashes.len();
     let mut o = ReqOutcome { blocks: n as u64, ..Default::default() };
     if n == 0 {
@@ -1746,10 +1794,26 @@ async fn serve_request(
         o.delivered += fr.delivered;
         o.dropped += fr.dropped;
     }
-    step(&mut o, 6);
     let barriers_done = Instant::now();
-    // Decode: query + fetch, load, verify every byte, recompute the rest.
+    // "KV ready" carries the decode's transfer lock (`--handoff ticket`).
+    // One the prefill could not grant (its lock table full) leaves the
+    // decode to query and lock as usual.
     let de = &d.engine;
+    let ticket = if handoff == Handoff::Ticket {
+        match pe.grant_transfer(&shape.ns, &hashes, &de.transfer_ask()).await {
+            Ok(t) => Some(t),
+            Err(e) => {
+                tracing::warn!(error = %e, "no transfer ticket: the decode node queries and locks");
+                None
+            }
+        }
+    } else {
+        None
+    };
+    step(&mut o, 6);
+    // The `ticket` phase is the grant's alone (0 without one).
+    let granted = if handoff == Handoff::Ticket { Instant::now() } else { barriers_done };
+    // Decode: query + fetch, load, verify every byte, recompute the rest.
     let dgpu = de.gpu().clone();
     let _dev = d.device.lock().await;
     step(&mut o, 7);
@@ -1759,7 +1823,14 @@ async fn serve_request(
     // fetch_into: each fetched part is loaded while the next is read; only
     // the last part's load (`load_tail`) follows the fetch.
     let wanted: Vec<(BlockHash, u64)> = hashes.iter().cloned().zip(0u64..).collect();
-    let got = de.fetch_into(&shape.ns, &wanted).await.map_err(|e| PdError::Device(e.to_string()))?;
+    let got = match ticket {
+        Some(t) => {
+            let deadline = Instant::now() + de.config().fetch_deadline;
+            de.fetch_into_with_ticket(&shape.ns, &wanted, t, deadline).await
+        }
+        None => de.fetch_into(&shape.ns, &wanted).await,
+    }
+    .map_err(|e| PdError::Device(e.to_string()))?;
     let load_end = Instant::now();
     step(&mut o, 8);
     // The request is done with the prefill's blocks: end the lease if the
@@ -1785,7 +1856,8 @@ async fn serve_request(
     o.phases = [
         save_barrier.min(barriers),
         barriers.saturating_sub(save_barrier),
-        waited - barriers_done,
+        granted - barriers_done,
+        waited - granted,
         fetch_end - waited,
         load_end - fetch_end,
     ];

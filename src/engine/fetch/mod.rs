@@ -57,6 +57,7 @@ use super::layout::Layout;
 use super::locks::PACKED_NO_DEVICE_BLOCK;
 use super::peers::PeerState;
 use super::pool::Extent;
+use super::tickets::TransferTicket;
 use super::{Engine, EngineError, LoadError, LoadReport, slot_checksums};
 use crate::proto::engine_client::EngineClient;
 use crate::proto::{
@@ -174,7 +175,7 @@ impl Engine {
         namespace: &str,
         blocks: &[(BlockHash, u64)],
     ) -> Result<FetchIntoReport, EngineError> {
-        self.fetch_into_inner(namespace, blocks, None, None).await
+        self.fetch_into_inner(namespace, blocks, None, Known::Nothing).await
     }
 
     /// [`Engine::fetch_into`] that also ends by the caller's `deadline`
@@ -193,7 +194,7 @@ impl Engine {
         blocks: &[(BlockHash, u64)],
         deadline: Instant,
     ) -> Result<FetchIntoReport, EngineError> {
-        self.fetch_into_inner(namespace, blocks, Some(deadline), None).await
+        self.fetch_into_inner(namespace, blocks, Some(deadline), Known::Nothing).await
     }
 
     /// [`Engine::fetch_into_with_deadline`] for a caller that has just asked
@@ -225,7 +226,37 @@ impl Engine {
         owners: Vec<(NodeAddr, u32)>,
         deadline: Instant,
     ) -> Result<FetchIntoReport, EngineError> {
-        self.fetch_into_inner(namespace, blocks, Some(deadline), Some(owners)).await
+        self.fetch_into_inner(namespace, blocks, Some(deadline), Known::Owners(owners)).await
+    }
+
+    /// [`Engine::fetch_into_with_deadline`] starting from an owner's
+    /// transfer ticket ([`Engine::grant_transfer`], see
+    /// [`super::tickets`]): the lock the owner granted this engine when it
+    /// said "KV ready", so the fetch skips the MetaServer query and the
+    /// lock RPC and reads at once. The ticket is checked as a lock answer
+    /// from the wire is (C10, C15, C19) and consumed: its session is
+    /// released exactly once, read or not (C8).
+    ///
+    /// A ticket is read from only when it is this engine's (its
+    /// requester), another node's (its owner), of `namespace`, with a
+    /// session, and its hashes are a prefix of `blocks`' hashes; else, and
+    /// when this engine already holds what the ticket covers, it is
+    /// released unread ([`super::EngineMetrics::fetch_tickets_unused`])
+    /// and the fetch goes on as [`Engine::fetch_into_with_deadline`]. What
+    /// the ticket does not cover (blocks it left out, blocks past its
+    /// hashes, a read that failed) is fetched as usual: MetaServer query,
+    /// other owners.
+    ///
+    /// # Errors
+    /// As [`Engine::fetch_into`].
+    pub async fn fetch_into_with_ticket(
+        &self,
+        namespace: &str,
+        blocks: &[(BlockHash, u64)],
+        ticket: TransferTicket,
+        deadline: Instant,
+    ) -> Result<FetchIntoReport, EngineError> {
+        self.fetch_into_inner(namespace, blocks, Some(deadline), Known::Ticket(Box::new(ticket))).await
     }
 
     async fn fetch_into_inner(
@@ -233,12 +264,24 @@ impl Engine {
         namespace: &str,
         blocks: &[(BlockHash, u64)],
         until: Option<Instant>,
-        owners: Option<Vec<(NodeAddr, u32)>>,
+        known: Known,
     ) -> Result<FetchIntoReport, EngineError> {
-        let (_, layout) = self.layout(namespace)?;
-        Self::check_indices(&layout, blocks.iter().map(|(_, i)| i))?;
+        if let Known::Ticket(t) = &known
+            && !t.session().is_empty()
+        {
+            // From here the ticket's lock is this fetch's to release,
+            // read or not (the simulator checks it, C8).
+            tracing::trace!(target: FETCH_LOCK_TRACE_TARGET, me = %self.node(), session = t.session(), "ticket handed to fetch");
+        }
+        let checked = self.layout(namespace).and_then(|(_, l)| Self::check_indices(&l, blocks.iter().map(|(_, i)| i)));
+        if let Err(e) = checked {
+            if let Known::Ticket(t) = known {
+                self.release_unused_ticket(&t);
+            }
+            return Err(e);
+        }
         let hashes: Vec<BlockHash> = blocks.iter().map(|(h, _)| h.clone()).collect();
-        let (fetch, load) = self.fetch_inner(namespace, &hashes, Some(blocks), until, owners).await;
+        let (fetch, load) = self.fetch_inner(namespace, &hashes, Some(blocks), until, known).await;
         let load = load.unwrap_or_else(|| Ok(LoadReport { results: Vec::new() }))?;
         Ok(FetchIntoReport { fetch, load })
     }
@@ -441,6 +484,7 @@ fn shared_blocks(plan: &[&LockedBlock], ops: &[ReadOp]) -> Vec<device::SourceBlo
 
 /// The phase an action's synchronous work is charged to.
 enum Phase {
+    Lock,
     Read,
     Release,
     Seal,
@@ -542,6 +586,10 @@ struct Driver<'a> {
     /// ([`Engine::fetch_into_with_owners`]): answers the first query
     /// instead of an RPC, once.
     known_owners: Option<Vec<(NodeAddr, u32)>>,
+    /// An owner's ticket ([`Engine::fetch_into_with_ticket`]): answers
+    /// the first lock on its owner instead of an RPC, once; released by
+    /// the driver's drop when no lock took it.
+    ticket: Option<Ticketed>,
 }
 
 /// The loads of a [`Engine::fetch_into`], started part by part as blocks
@@ -583,12 +631,87 @@ impl<'a> LoadPipe<'a> {
     }
 }
 
+/// What the caller of a fetch already knows when it starts.
+pub(crate) enum Known {
+    /// Nothing: the fetch asks the MetaServer.
+    Nothing,
+    /// The MetaServer's answer ([`Engine::fetch_into_with_owners`]).
+    Owners(Vec<(NodeAddr, u32)>),
+    /// An owner's ticket ([`Engine::fetch_into_with_ticket`]).
+    Ticket(Box<TransferTicket>),
+}
+
+/// A ticket a fetch reads from ([`Engine::usable_ticket`]): the owner's
+/// grant, waiting for the fetch's lock on that owner.
+struct Ticketed {
+    owner: NodeAddr,
+    /// The ticket's hashes (the answer's packed indices point into them).
+    hashes: Vec<BlockHash>,
+    /// The owner's answer, its device lease aged by the ticket's age.
+    answer: QueryBlocksForTransferResponse,
+    /// Leading request blocks the answer grants (what the owner owes).
+    promised: u32,
+}
+
+impl Engine {
+    /// `t` as a ticket this fetch of `hashes` in `namespace` reads from, or
+    /// back when it is not one (see [`Engine::fetch_into_with_ticket`]).
+    fn usable_ticket(
+        &self,
+        t: Box<TransferTicket>,
+        namespace: &str,
+        hashes: &[BlockHash],
+    ) -> Result<Ticketed, Box<TransferTicket>> {
+        let me = self.node();
+        let fits = t.requester == *me
+            && t.owner != *me
+            && t.namespace == namespace
+            && !t.session().is_empty()
+            && t.hashes.len() <= hashes.len()
+            && t.hashes[..] == hashes[..t.hashes.len()];
+        if !fits {
+            return Err(t);
+        }
+        let a = &t.answer;
+        // The leading blocks it grants: packed indices 0, 1, 2… (an owner
+        // answers in request order), or per-block records of those hashes.
+        let promised = if a.blocks.is_empty() {
+            a.packed_index.iter().zip(0u32..).take_while(|(i, n)| *i == n).count()
+        } else {
+            a.blocks.iter().zip(&t.hashes).take_while(|(b, h)| b.block_hash == h.0).count()
+        };
+        if promised == 0 {
+            return Err(t);
+        }
+        let ms_left = t.device_ms_left();
+        let TransferTicket { owner, hashes, mut answer, .. } = *t;
+        answer.device_lease_ms_left = ms_left;
+        Ok(Ticketed { owner, hashes, answer, promised: promised as u32 })
+    }
+
+    /// Releases a ticket's session unread (C8: a ticket is consumed either
+    /// way), on a task of its own as every release of a fetch.
+    fn release_unused_ticket(&self, t: &TransferTicket) {
+        if t.session().is_empty() {
+            return;
+        }
+        self.inner.metrics.fetch_tickets_unused.fetch_add(1, Ordering::Relaxed);
+        tracing::debug!(owner = %t.owner, session = t.session(), "a transfer ticket not read from is released");
+        if t.owner == *self.node() {
+            tracing::trace!(target: FETCH_RELEASE_TRACE_TARGET, session = t.session(), "release sent");
+            let _ = self.release_transfer(t.session());
+        } else if let Ok(p) = self.inner.peers.get(&t.owner, self.inner.cfg.peer_rpc_timeout) {
+            spawn_release(p.grpc.clone(), t.session().to_string(), self.inner.cfg.peer_rpc_timeout);
+        }
+    }
+}
+
 impl Engine {
     /// Fetches the missing part of `hashes` (a chained prefix) from peers.
     /// Never fails and never hangs: it ends by the engine's fetch deadline
     /// with "k of n" (C9). See the module doc.
     pub async fn fetch(&self, namespace: &str, hashes: &[BlockHash]) -> FetchReport {
-        self.fetch_inner(namespace, hashes, None, None, None).await.0
+        self.fetch_inner(namespace, hashes, None, None, Known::Nothing).await.0
     }
 
     /// [`Engine::fetch`] that also ends by the caller's `deadline` (the
@@ -600,7 +723,7 @@ impl Engine {
     /// outside. The release is handed to a task of its own and not waited
     /// for. A part read but not checked by the deadline is not kept.
     pub async fn fetch_with_deadline(&self, namespace: &str, hashes: &[BlockHash], deadline: Instant) -> FetchReport {
-        self.fetch_inner(namespace, hashes, None, Some(deadline), None).await.0
+        self.fetch_inner(namespace, hashes, None, Some(deadline), Known::Nothing).await.0
     }
 
     /// [`Engine::fetch`]; with `load`, also loads each block into the
@@ -613,7 +736,7 @@ impl Engine {
         hashes: &'a [BlockHash],
         load: Option<&'a [(BlockHash, u64)]>,
         until: Option<Instant>,
-        owners: Option<Vec<(NodeAddr, u32)>>,
+        known: Known,
     ) -> (FetchReport, Option<Result<LoadReport, EngineError>>) {
         self.inner.metrics.fetches.fetch_add(1, Ordering::Relaxed);
         let started = Instant::now();
@@ -649,6 +772,20 @@ impl Engine {
                 None
             }
             (Ok((ns, layout)), Some(t)) => Some((ns, layout, t.clone())),
+        };
+        // What the caller knows: the MetaServer's answer, or an owner's
+        // ticket (its owner then answers the first query, and its grant
+        // the first lock on that owner).
+        let (owners, ticket) = match known {
+            Known::Nothing => (None, None),
+            Known::Owners(o) => (Some(o), None),
+            Known::Ticket(t) => match if setup.is_some() { self.usable_ticket(t, namespace, hashes) } else { Err(t) } {
+                Ok(t) => (Some(vec![(t.owner.clone(), t.promised)]), Some(t)),
+                Err(t) => {
+                    self.release_unused_ticket(&t);
+                    (None, None)
+                }
+            },
         };
         if let Some((ns, layout, transport)) = setup {
             let block_bytes = layout.block_bytes().max(1);
@@ -692,6 +829,7 @@ impl Engine {
                 slot_ends: ends,
                 device_done: std::collections::HashSet::new(),
                 known_owners: owners,
+                ticket,
             };
             d.run(first).await;
             rep = d.m.report().clone();
@@ -858,6 +996,7 @@ impl<'a> Driver<'a> {
                 let phase = match action {
                     Action::Release { .. } => Phase::Release,
                     Action::Read { .. } => Phase::Read,
+                    Action::Lock { .. } => Phase::Lock,
                     _ => Phase::Seal,
                 };
                 if let Some(ev) = self.perform(action, &mut pending) {
@@ -866,6 +1005,7 @@ impl<'a> Driver<'a> {
                 let p = &mut self.phases;
                 *(match phase {
                     Phase::Release => &mut p.release,
+                    Phase::Lock => &mut p.lock,
                     Phase::Read => &mut p.read,
                     Phase::Seal => &mut p.seal,
                 }) += t0.elapsed();
@@ -1045,6 +1185,18 @@ impl<'a> Driver<'a> {
                 let Some(mut grpc) = self.grpc(&owner) else {
                     return Some(Event::Locked(Err(FetchError::Peer(PeerFailure::NoClient))));
                 };
+                if let Some(t) = self.ticket.take_if(|t| t.owner == owner) {
+                    // The owner's grant is here already: the same answer
+                    // its lock RPC gives, checked the same way.
+                    engine.inner.metrics.fetch_tickets.fetch_add(1, Ordering::Relaxed);
+                    self.rpc = Some(Rpc::Lock);
+                    self.device = None;
+                    let (grant, device) = from_answer(t.answer, &t.hashes, &self.layout, Instant::now());
+                    let timeout = engine.inner.cfg.peer_rpc_timeout;
+                    let locked = Outcome::Locked(Ok(Box::new(LateRelease::new(grant, grpc, timeout))), device);
+                    pending.push(Box::pin(std::future::ready(locked)));
+                    return None;
+                }
                 // Device ranges are asked for only where they can land: a
                 // fetch into the engine's KV, a backend with peer copies.
                 let device = (self.load.is_some() && engine.inner.cfg.device_direct)
@@ -1432,6 +1584,14 @@ impl Drop for Driver<'_> {
         // the machine still holds (C8). Slots go back to the pool with
         // `self.slots`; slots inside a read in flight come back through the
         // transport when that read completes (C11).
+        if let Some(t) = self.ticket.take()
+            && !crate::canary::active(crate::canary::Canary::C8ReleaseForgotten)
+        {
+            self.engine.inner.metrics.fetch_tickets_unused.fetch_add(1, Ordering::Relaxed);
+            if let Some(grpc) = self.grpc(&t.owner) {
+                spawn_release(grpc, t.answer.transfer_session_id, self.engine.inner.cfg.peer_rpc_timeout);
+            }
+        }
         for action in self.m.abandon() {
             let Action::Release { owner, session } = action else { continue };
             if crate::canary::active(crate::canary::Canary::C8ReleaseForgotten) {
