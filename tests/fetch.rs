@@ -611,100 +611,125 @@ async fn fetch_into_with_owners_starts_from_the_callers_answer() {
     .await;
 }
 
-/// Waits (at most 3 s) until `e` holds no transfer lock: the reader's
-/// release, sent on a task of its own, has landed.
+/// Whether `e` holds no transfer lock within 500 ms (half the tests' lock
+/// timeout) and none of its locks expired meanwhile: every lock was
+/// released by its reader, not collected.
 async fn no_locks_left(e: &Engine) -> bool {
-    let until = tokio::time::Instant::now() + Duration::from_secs(3);
+    let expired = e.metrics().transfer_locks_expired.load(Ordering::Relaxed);
+    let until = tokio::time::Instant::now() + Duration::from_millis(500);
     while e.gauges().active_transfer_locks > 0 && tokio::time::Instant::now() < until {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    e.gauges().active_transfer_locks == 0
+    e.gauges().active_transfer_locks == 0 && e.metrics().transfer_locks_expired.load(Ordering::Relaxed) == expired
 }
 
 /// A transfer ticket (`grant_transfer` → `fetch_into_with_ticket`): the
 /// reader moves every block with no MetaServer query and no lock RPC (the
 /// owner creates exactly the ticket's lock) and releases it; the ticket
-/// survives its bytes; a ticket granted to another reader, or for other
-/// hashes, is released unread and the fetch goes on as usual; a ticket
-/// whose session the owner no longer holds still ends with every block,
-/// verified; bad ticket bytes and bad grants are clear errors.
+/// survives its bytes. A ticket whose session the owner no longer holds
+/// gets its reads refused, and the same owner is then asked with a lock
+/// RPC: every block still arrives. A ticket granted to another reader,
+/// for hashes that are not the fetch's, for blocks the reader holds
+/// already, or dropped with a fetch that never ran, is released unread.
+/// Bad ticket bytes and bad grants are clear errors.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fetch_into_with_ticket_reads_without_query_or_lock_rpc() {
     bounded(async {
         let ms = start_ms().await;
         let (p, _) = start_node(&ms, 4 * MIB).await;
-        let (d, _) = start_node(&ms, 4 * MIB).await;
-        let (d2, _) = start_node(&ms, 4 * MIB).await;
-        let (d3, _) = start_node(&ms, 4 * MIB).await;
+        let mut d = Vec::new();
+        for _ in 0..5 {
+            let (n, _) = start_node(&ms, 4 * MIB).await;
+            let kv = register_default(&n.engine, 16);
+            d.push((n, kv));
+        }
         let kp = register_default(&p.engine, 16);
-        let kd = register_default(&d.engine, 16);
-        let kd2 = register_default(&d2.engine, 16);
-        let kd3 = register_default(&d3.engine, 16);
         let hs = hashes(1..9);
         prefill(&p.engine, &kp, &hs).await;
         let wanted: Vec<(BlockHash, u64)> = hs.iter().cloned().zip(0u64..).collect();
         let until = || tokio::time::Instant::now() + Duration::from_secs(5);
         let created = || p.engine.metrics().transfer_locks_created.load(Ordering::Relaxed);
+        let metric = |e: &Engine, f: fn(&kvferry::engine::EngineMetrics) -> &std::sync::atomic::AtomicU64| {
+            f(e.metrics()).load(Ordering::Relaxed)
+        };
+        let all_verified = |e: &Engine, kv: &Kv| wanted.iter().all(|(h, i)| verify(e, kv, *i, h));
 
-        // Granted to `d`, through its bytes: every block, no query, one lock.
-        let t = p.engine.grant_transfer(NS, &hs, &d.engine.transfer_ask()).await.unwrap();
+        // Its session released at the owner (the lock expired, say), with
+        // no other copy anywhere: the reads are refused, and the owner is
+        // asked again with a lock RPC.
+        let (d0, k0) = &d[0];
+        let t = p.engine.grant_transfer(NS, &hs, &d0.engine.transfer_ask()).await.unwrap();
+        assert_eq!(p.engine.release_transfer(t.session()).unwrap(), 8);
+        let got = d0.engine.fetch_into_with_ticket(NS, &wanted, t, until()).await.unwrap();
+        assert_eq!((got.ready(), got.fetch.owners.clone()), (8, vec![p.node.clone(); 2]), "{:?}", got.fetch);
+        assert!(all_verified(&d0.engine, k0));
+        assert!(no_locks_left(&p.engine).await, "the retry's lock was released");
+
+        // Granted to `d1`, through its bytes: every block, no query, one lock.
+        let (d1, k1) = &d[1];
+        let t = p.engine.grant_transfer(NS, &hs, &d1.engine.transfer_ask()).await.unwrap();
         assert_eq!((t.granted(), t.owner.clone(), t.session().is_empty()), (8, p.node.clone(), false));
         let t = kvferry::engine::TransferTicket::decode(&t.encode()).unwrap();
         let before = created();
-        let got = d.engine.fetch_into_with_ticket(NS, &wanted, t, until()).await.unwrap();
+        let got = d1.engine.fetch_into_with_ticket(NS, &wanted, t, until()).await.unwrap();
         assert_eq!((got.ready(), got.fetch.owners.clone()), (8, vec![p.node.clone()]), "{:?}", got.fetch);
         assert_eq!(got.fetch.phases.query, Duration::ZERO, "no MetaServer query");
         assert_eq!(created(), before, "no lock RPC: the ticket's lock is the only one");
-        assert_eq!(d.engine.metrics().fetch_tickets.load(Ordering::Relaxed), 1);
-        for (h, i) in &wanted {
-            assert!(verify(&d.engine, &kd, *i, h), "block {i}");
-        }
+        assert_eq!(metric(&d1.engine, |m| &m.fetch_tickets), 1);
+        assert_eq!(metric(&d1.engine, |m| &m.fetch_known_owners), 0, "a ticket is not a caller's query answer");
+        assert!(all_verified(&d1.engine, k1));
         assert!(no_locks_left(&p.engine).await, "the reader released the ticket's lock");
 
-        // Granted to `d`, handed to `d2`: released unread, fetched as usual.
-        let t = p.engine.grant_transfer(NS, &hs, &d.engine.transfer_ask()).await.unwrap();
+        // Granted to `d1`, handed to `d2`: released unread, fetched as usual.
+        let (d2, k2) = &d[2];
+        let t = p.engine.grant_transfer(NS, &hs, &d1.engine.transfer_ask()).await.unwrap();
         let got = d2.engine.fetch_into_with_ticket(NS, &wanted, t, until()).await.unwrap();
         assert_eq!(got.ready(), 8, "{:?}", got.fetch);
-        assert_eq!(d2.engine.metrics().fetch_tickets_unused.load(Ordering::Relaxed), 1);
-        assert_eq!(d2.engine.metrics().fetch_tickets.load(Ordering::Relaxed), 0);
-        for (h, i) in &wanted {
-            assert!(verify(&d2.engine, &kd2, *i, h), "block {i}");
-        }
+        assert_eq!(metric(&d2.engine, |m| &m.fetch_tickets_unused), 1);
+        assert_eq!(metric(&d2.engine, |m| &m.fetch_tickets), 0);
+        assert!(all_verified(&d2.engine, k2));
         assert!(no_locks_left(&p.engine).await, "the unused ticket and the fetch's own lock were released");
 
+        // The reader holds every block the ticket grants: released unread.
+        let t = p.engine.grant_transfer(NS, &hs, &d2.engine.transfer_ask()).await.unwrap();
+        let got = d2.engine.fetch_into_with_ticket(NS, &wanted, t, until()).await.unwrap();
+        assert_eq!((got.ready(), got.fetch.local_hits), (8, 8), "{:?}", got.fetch);
+        assert_eq!(metric(&d2.engine, |m| &m.fetch_tickets_unused), 2);
+        assert!(no_locks_left(&p.engine).await);
+
         // Other hashes than the fetch's: released unread.
+        let (d3, _) = &d[3];
         let t = p.engine.grant_transfer(NS, &hs[1..], &d3.engine.transfer_ask()).await.unwrap();
         let got = d3.engine.fetch_into_with_ticket(NS, &wanted[..4], t, until()).await.unwrap();
         assert_eq!(got.ready(), 4, "{:?}", got.fetch);
-        assert_eq!(d3.engine.metrics().fetch_tickets_unused.load(Ordering::Relaxed), 1);
+        assert_eq!(metric(&d3.engine, |m| &m.fetch_tickets_unused), 1);
         assert!(no_locks_left(&p.engine).await);
 
-        // A session the owner released (the lock expired, say): whatever
-        // the reads give is checked (C10), and what they do not give is
-        // asked of the MetaServer: every block arrives, verified.
-        let t = p.engine.grant_transfer(NS, &hs, &d3.engine.transfer_ask()).await.unwrap();
-        assert_eq!(p.engine.release_transfer(t.session()).unwrap(), 8);
-        let got = d3.engine.fetch_into_with_ticket(NS, &wanted, t, until()).await.unwrap();
-        assert_eq!(got.ready(), 8, "{:?}", got.fetch);
-        for (h, i) in &wanted {
-            assert!(verify(&d3.engine, &kd3, *i, h), "block {i}");
-        }
-        assert!(no_locks_left(&p.engine).await);
+        // A fetch dropped before it ran still releases its ticket.
+        let (d4, _) = &d[4];
+        let t = p.engine.grant_transfer(NS, &hs, &d4.engine.transfer_ask()).await.unwrap();
+        assert_eq!(p.engine.gauges().active_transfer_locks, 1);
+        drop(d4.engine.fetch_into_with_ticket(NS, &wanted, t, until()));
+        assert_eq!(metric(&d4.engine, |m| &m.fetch_tickets_unused), 1);
+        assert!(no_locks_left(&p.engine).await, "the dropped fetch released the ticket");
 
         // Bad input: clear errors, nothing locked.
         assert_eq!(kvferry::engine::TransferTicket::decode(b"not a ticket").unwrap_err().code(), "ticket_decode");
-        let mut t = p.engine.grant_transfer(NS, &hs, &d.engine.transfer_ask()).await.unwrap();
+        let mut t = p.engine.grant_transfer(NS, &hs, &d1.engine.transfer_ask()).await.unwrap();
         p.engine.release_transfer(t.session()).unwrap();
         t.requester = NodeAddr("no port".into());
         assert!(kvferry::engine::TransferTicket::decode(&t.encode()).is_err(), "a malformed requester");
+        let bad_reader = kvferry::engine::TransferAsk { requester: NodeAddr("no port".into()), device: None };
+        let e = p.engine.grant_transfer(NS, &hs, &bad_reader).await.unwrap_err();
+        assert!(e.code().starts_with("id_"), "{e}");
         let too_many = vec![hs[0].clone(); kvferry::limits::HASHES_PER_REQUEST_MAX + 1];
-        let e = p.engine.grant_transfer(NS, &too_many, &d.engine.transfer_ask()).await.unwrap_err();
+        let e = p.engine.grant_transfer(NS, &too_many, &d1.engine.transfer_ask()).await.unwrap_err();
         assert_eq!(e.code(), "engine_too_many_blocks");
-        let e = p.engine.grant_transfer("no-such-ns", &hs, &d.engine.transfer_ask()).await.unwrap_err();
+        let e = p.engine.grant_transfer("no-such-ns", &hs, &d1.engine.transfer_ask()).await.unwrap_err();
         assert_eq!(e.code(), "engine_unknown_namespace");
         assert_eq!(p.engine.gauges().active_transfer_locks, 0);
         // A ticket for blocks the owner does not hold locks nothing.
-        let t = p.engine.grant_transfer(NS, &hashes(50..52), &d.engine.transfer_ask()).await.unwrap();
+        let t = p.engine.grant_transfer(NS, &hashes(50..52), &d1.engine.transfer_ask()).await.unwrap();
         assert_eq!((t.granted(), t.session()), (0, ""));
     })
     .await;

@@ -122,10 +122,10 @@ fn replay_reports_t8_and_the_handoff_phases() {
 }
 
 /// `--handoff ticket`: each prefill hands its decode node the transfer
-/// lock with "KV ready", so no decode fetch asks the MetaServer or sends a
-/// lock RPC (their phases are 0 in every request), the grant shows as the
-/// `ticket` phase, and every block still verifies, on the shared pool and
-/// over TCP.
+/// lock with "KV ready", so no decode fetch asks the MetaServer (the
+/// `query` phase is 0 in every request), the grant shows as the `ticket`
+/// phase, and every block still verifies, on the shared pool and over
+/// TCP. (That no lock RPC is sent is `tests/fetch.rs`'s to check.)
 #[test]
 fn replay_with_ticket_handoff_skips_the_query_and_the_lock_rpc() {
     let shape = ["--model", "tiny", "--block-tokens", "512", "--max-blocks", "8", "--pool-size", "64MiB"];

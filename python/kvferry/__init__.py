@@ -888,8 +888,11 @@ class Node:
                 ready"): the fetch reads at once, with no MetaServer query
                 and no lock round trip, and releases the ticket's lock
                 whether it read or not. A ticket for another node, another
-                namespace or hashes that are not a prefix of ``hashes`` is
-                released unread and the fetch goes on as without it.
+                namespace, hashes that are not a prefix of ``hashes``, or
+                blocks this node holds already is released unread and the
+                fetch goes on as without it; one refused before the fetch
+                starts (bytes that do not decode, bad arguments) is not
+                released and expires at the owner.
 
         Raises:
             ConfigError: ``owners`` is not a sequence of :class:`PrefixOwner`
@@ -928,7 +931,9 @@ class Node:
         expires after the node's lock timeout if it never arrives. Call it
         after :meth:`flush_saves_and_registrations` (and, for device-direct
         reads, :meth:`grant_device_lease`). A ticket for blocks this node
-        does not hold locks nothing.
+        does not hold locks nothing. The bytes are a bearer capability
+        (whoever holds them reads the locked blocks until the lock ends):
+        send them to the one reader they name, and nowhere else.
 
         Raises:
             ConfigError: ``to`` is not a :class:`TransferAsk`, or its

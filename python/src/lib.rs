@@ -620,7 +620,7 @@ impl Node {
         blocks: Vec<u64>,
         timeout_s: f64,
         owners: Option<Vec<(String, u32)>>,
-        ticket: Option<Vec<u8>>,
+        ticket: Option<&[u8]>,
     ) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyDict>)> {
         let t = secs(timeout_s)?;
         let (rt, engine) = self.engine()?;
@@ -633,7 +633,7 @@ impl Node {
                 adapter::Known::Owners(o.into_iter().map(|(n, k)| (kvferry::types::NodeAddr(n), k)).collect())
             }
             (None, Some(b)) => adapter::Known::Ticket(Box::new(
-                kvferry::engine::TransferTicket::decode(&b)
+                kvferry::engine::TransferTicket::decode(b)
                     .map_err(|e| Fail::coded(e.code(), format!("transfer ticket: {e}")))?,
             )),
             (None, None) => adapter::Known::Nothing,
@@ -768,6 +768,7 @@ impl Node {
             ("fetched_bytes", c(&m.fetched_bytes)),
             ("checksum_failures", c(&m.checksum_failures)),
             ("transfer_locks_created", c(&m.transfer_locks_created)),
+            ("transfer_locks_expired", c(&m.transfer_locks_expired)),
             ("save_copy_bytes", c(&m.save_copy_bytes)),
             ("load_copy_bytes", c(&m.load_copy_bytes)),
             ("path_ipc_blocks", c(&m.device_blocks)),

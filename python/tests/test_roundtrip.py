@@ -117,6 +117,18 @@ def test_fetch_into_reads_from_the_prefills_transfer_ticket(metaserver, ns):
         assert d.metrics()["fetch_tickets"] == 1
         for src, dst in zip(pk + pv, dk + dv):
             np.testing.assert_array_equal(dst[[4, 5, 6]], src[:3])
+        # The reader released the ticket's lock (its release runs on a task
+        # of its own: a moment, far below the lock timeout).
+        deadline = time.monotonic() + 2.0
+        while p.metrics()["active_transfer_locks"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert p.metrics()["active_transfer_locks"] == 0
+        assert p.metrics()["transfer_locks_expired"] == 0
+        # A ticket for another node is released unread; the fetch goes on.
+        other = p.grant_transfer(ns, hs, kvferry.TransferAsk("127.0.0.1:9"))
+        f, l = d.fetch_into(ns, hs, [4, 5, 6], ticket=other)
+        assert (f.available, l.loaded) == (3, 3)
+        assert d.metrics()["fetch_tickets_unused"] == 1
 
 
 def test_connect_peer_opens_the_same_host_pool_before_the_first_fetch(metaserver, ns):

@@ -53,7 +53,12 @@ pub struct TransferAsk {
 /// owner after the lock timeout (C8).
 ///
 /// [`Engine::fetch_into_with_ticket`]: super::Engine::fetch_into_with_ticket
-#[derive(Clone, Debug, PartialEq)]
+///
+/// The bytes are a bearer capability: whoever holds them can read the
+/// locked blocks (and, on the owner's host, open its device handles) until
+/// the lock ends. Send them to the one reader they name, over the channel
+/// the engines already trust with requests, and nowhere else.
+#[derive(Debug, PartialEq)]
 pub struct TransferTicket {
     /// The owner (the node that granted it).
     pub owner: NodeAddr,
@@ -69,6 +74,11 @@ pub struct TransferTicket {
     /// When the owner answered: ms since the Unix epoch, by its clock (a
     /// same-host reader ages the device lease by it).
     pub granted_unix_ms: u64,
+    /// When the owner answered, on this process's monotonic clock: set by
+    /// [`Engine::grant_transfer`], not carried by the bytes (`None` after
+    /// [`TransferTicket::decode`]). A reader in the owner's process ages
+    /// the ticket by it rather than by the wall clock.
+    pub granted_at: Option<tokio::time::Instant>,
 }
 
 /// Why ticket bytes were refused ([`TransferTicket::decode`]); nothing is
@@ -87,8 +97,8 @@ pub enum TicketError {
         /// The limit.
         max: usize,
     },
-    /// An owner, requester, namespace or hash that is not one, or more
-    /// hashes than a lock request may name.
+    /// An owner, requester, namespace or hash that is not one (its own
+    /// `id_*` or `hash_*` code).
     #[error("transfer ticket: {0}")]
     Field(#[from] IdError),
     /// More hashes than [`limits::HASHES_PER_REQUEST_MAX`].
@@ -176,15 +186,24 @@ impl TransferTicket {
             hashes,
             answer: t.answer.ok_or(TicketError::NoAnswer)?,
             granted_unix_ms: t.granted_unix_ms,
+            granted_at: None,
         })
     }
 
+    /// How old the ticket is (ms): by this process's monotonic clock when
+    /// it was granted here, else by the wall clock, which the owner and a
+    /// same-host reader share (a ticket from the future is as old as none).
+    pub(crate) fn age_ms(&self) -> u64 {
+        match self.granted_at {
+            Some(at) => u64::try_from(at.elapsed().as_millis()).unwrap_or(u64::MAX),
+            None => unix_ms().saturating_sub(self.granted_unix_ms),
+        }
+    }
+
     /// The device lease's time left as the reader sees it now: the
-    /// answer's, less the ticket's age by the (shared, on one host) wall
-    /// clock; a ticket from the future is as old as none.
+    /// answer's, less the ticket's age.
     pub(crate) fn device_ms_left(&self) -> u64 {
-        let age = unix_ms().saturating_sub(self.granted_unix_ms);
-        self.answer.device_lease_ms_left.saturating_sub(age)
+        self.answer.device_lease_ms_left.saturating_sub(self.age_ms())
     }
 }
 
@@ -332,7 +351,7 @@ impl Engine {
     /// whose [`TransferTicket::session`] is empty locked nothing.
     ///
     /// # Errors
-    /// [`EngineError::Id`] for a malformed namespace or hash,
+    /// [`EngineError::Id`] for a malformed namespace, hash or requester,
     /// [`EngineError::TooManyBlocks`] past
     /// [`limits::HASHES_PER_REQUEST_MAX`], [`EngineError::UnknownNamespace`],
     /// [`EngineError::Lock`] when the lock table is full; nothing is locked.
@@ -343,6 +362,7 @@ impl Engine {
         to: &TransferAsk,
     ) -> Result<TransferTicket, EngineError> {
         validate_namespace(namespace)?;
+        NodeAddr::parse(&to.requester.0)?;
         if hashes.len() > limits::HASHES_PER_REQUEST_MAX {
             return Err(EngineError::TooManyBlocks { got: hashes.len(), max: limits::HASHES_PER_REQUEST_MAX });
         }
@@ -350,6 +370,8 @@ impl Engine {
             h.validate()?;
         }
         self.layout(namespace)?;
+        // Before the answer: the lease's time left is counted from here.
+        let (granted_unix_ms, granted_at) = (unix_ms(), tokio::time::Instant::now());
         let answer = if hashes.is_empty() {
             QueryBlocksForTransferResponse::default()
         } else {
@@ -361,7 +383,8 @@ impl Engine {
             namespace: namespace.to_string(),
             hashes: hashes.to_vec(),
             answer,
-            granted_unix_ms: unix_ms(),
+            granted_unix_ms,
+            granted_at: Some(granted_at),
         })
     }
 }

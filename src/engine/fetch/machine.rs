@@ -53,6 +53,11 @@ pub struct MachineConfig {
     pub reads_in_flight: usize,
     /// Owners asked at most per fetch ([`crate::limits::FETCH_OWNERS_MAX`]).
     pub owners_max: usize,
+    /// An owner that may be picked twice in one fetch: the owner of the
+    /// caller's transfer ticket, whose first lock came from the ticket
+    /// (expired, or granting less than the owner holds by then), so a
+    /// lock RPC may still get what the ticket did not.
+    pub retry_owner: Option<NodeAddr>,
 }
 
 /// A granted transfer lock: the session id and the blocks it pins, as the
@@ -516,7 +521,9 @@ impl FetchMachine {
         };
         let me = &self.cfg.me;
         let tried = &self.rep.owners;
-        let pick = owners.into_iter().find(|(n, len)| n != me && *len > 0 && !tried.contains(n));
+        let retry =
+            |n: &NodeAddr| self.cfg.retry_owner.as_ref() == Some(n) && tried.iter().filter(|t| *t == n).count() < 2;
+        let pick = owners.into_iter().find(|(n, len)| n != me && *len > 0 && (!tried.contains(n) || retry(n)));
         let Some((owner, len)) = pick else {
             // Keep why the last owner stopped short (stale, checksum, …):
             // "no owner" only when none failed before.
@@ -1092,6 +1099,9 @@ mod tests {
             part_blocks,
             reads_in_flight: window,
             owners_max: crate::limits::FETCH_OWNERS_MAX,
+            // Half the runs: the first owner's lock may be retried (as a
+            // ticket's owner is).
+            retry_owner: n.is_multiple_of(2).then(|| owners[0].clone()),
         };
         let hashes: Vec<BlockHash> = (0..n).map(hash).collect();
         let (mut m, first) = FetchMachine::start(cfg, hashes, local);
@@ -1426,6 +1436,7 @@ mod tests {
             part_blocks: 2,
             reads_in_flight: 2,
             owners_max: 4,
+            retry_owner: None,
         }
     }
 

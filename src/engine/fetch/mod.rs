@@ -239,24 +239,36 @@ impl Engine {
     ///
     /// A ticket is read from only when it is this engine's (its
     /// requester), another node's (its owner), of `namespace`, with a
-    /// session, and its hashes are a prefix of `blocks`' hashes; else, and
-    /// when this engine already holds what the ticket covers, it is
-    /// released unread ([`super::EngineMetrics::fetch_tickets_unused`])
-    /// and the fetch goes on as [`Engine::fetch_into_with_deadline`]. What
-    /// the ticket does not cover (blocks it left out, blocks past its
-    /// hashes, a read that failed) is fetched as usual: MetaServer query,
-    /// other owners.
+    /// session, younger than its lock timeout, its hashes a prefix of
+    /// `blocks`' hashes, and it grants blocks past what this engine holds
+    /// already; else it is released unread
+    /// ([`super::EngineMetrics::fetch_tickets_unused`]) and the fetch goes
+    /// on as [`Engine::fetch_into_with_deadline`]. What the ticket does not
+    /// bring (blocks it does not grant, a read its owner refused, say
+    /// because the lock expired) is fetched as usual: a MetaServer query,
+    /// which may name the ticket's owner once more (then asked with a lock
+    /// RPC), and other owners. Device ranges in it are used only when this
+    /// engine makes device-direct reads at all
+    /// ([`super::EngineConfig::device_direct`]).
+    ///
+    /// The ticket is this call's from the start: a fetch dropped before it
+    /// reads (cancelled, never polled) or refused (a validation error)
+    /// still releases it.
     ///
     /// # Errors
     /// As [`Engine::fetch_into`].
-    pub async fn fetch_into_with_ticket(
-        &self,
-        namespace: &str,
-        blocks: &[(BlockHash, u64)],
+    pub fn fetch_into_with_ticket<'a>(
+        &'a self,
+        namespace: &'a str,
+        blocks: &'a [(BlockHash, u64)],
         ticket: TransferTicket,
         deadline: Instant,
-    ) -> Result<FetchIntoReport, EngineError> {
-        self.fetch_into_inner(namespace, blocks, Some(deadline), Known::Ticket(Box::new(ticket))).await
+    ) -> impl Future<Output = Result<FetchIntoReport, EngineError>> + Send + 'a {
+        // Held before the future exists (an `async fn` would hold the bare
+        // ticket until first polled, and a future dropped unpolled would
+        // leak its lock until it expires).
+        let hold = TicketHold::new(self, ticket);
+        self.fetch_into_inner(namespace, blocks, Some(deadline), Known::Ticket(hold))
     }
 
     async fn fetch_into_inner(
@@ -266,20 +278,9 @@ impl Engine {
         until: Option<Instant>,
         known: Known,
     ) -> Result<FetchIntoReport, EngineError> {
-        if let Known::Ticket(t) = &known
-            && !t.session().is_empty()
-        {
-            // From here the ticket's lock is this fetch's to release,
-            // read or not (the simulator checks it, C8).
-            tracing::trace!(target: FETCH_LOCK_TRACE_TARGET, me = %self.node(), session = t.session(), "ticket handed to fetch");
-        }
-        let checked = self.layout(namespace).and_then(|(_, l)| Self::check_indices(&l, blocks.iter().map(|(_, i)| i)));
-        if let Err(e) = checked {
-            if let Known::Ticket(t) = known {
-                self.release_unused_ticket(&t);
-            }
-            return Err(e);
-        }
+        // (A ticket in `known` is released when it is dropped unread.)
+        let (_, layout) = self.layout(namespace)?;
+        Self::check_indices(&layout, blocks.iter().map(|(_, i)| i))?;
         let hashes: Vec<BlockHash> = blocks.iter().map(|(h, _)| h.clone()).collect();
         let (fetch, load) = self.fetch_inner(namespace, &hashes, Some(blocks), until, known).await;
         let load = load.unwrap_or_else(|| Ok(LoadReport { results: Vec::new() }))?;
@@ -587,9 +588,10 @@ struct Driver<'a> {
     /// instead of an RPC, once.
     known_owners: Option<Vec<(NodeAddr, u32)>>,
     /// An owner's ticket ([`Engine::fetch_into_with_ticket`]): answers
-    /// the first lock on its owner instead of an RPC, once; released by
-    /// the driver's drop when no lock took it.
-    ticket: Option<Ticketed>,
+    /// the first lock on its owner instead of an RPC, once (then
+    /// `known_owners` came from it); released as the driver drops when no
+    /// lock took it.
+    ticket: Option<TicketHold>,
 }
 
 /// The loads of a [`Engine::fetch_into`], started part by part as blocks
@@ -638,40 +640,22 @@ pub(crate) enum Known {
     /// The MetaServer's answer ([`Engine::fetch_into_with_owners`]).
     Owners(Vec<(NodeAddr, u32)>),
     /// An owner's ticket ([`Engine::fetch_into_with_ticket`]).
-    Ticket(Box<TransferTicket>),
+    Ticket(TicketHold),
 }
 
-/// A ticket a fetch reads from ([`Engine::usable_ticket`]): the owner's
-/// grant, waiting for the fetch's lock on that owner.
-struct Ticketed {
-    owner: NodeAddr,
-    /// The ticket's hashes (the answer's packed indices point into them).
-    hashes: Vec<BlockHash>,
-    /// The owner's answer, its device lease aged by the ticket's age.
-    answer: QueryBlocksForTransferResponse,
-    /// Leading request blocks the answer grants (what the owner owes).
-    promised: u32,
+/// A transfer ticket a fetch was handed, until a lock takes it: dropped
+/// unread (the fetch ended first, was cancelled or never polled, did not
+/// need it), it releases the ticket's session, on a task of its own as
+/// every release of a fetch (C8: a ticket is consumed either way).
+pub(crate) struct TicketHold {
+    engine: Engine,
+    ticket: Option<Box<TransferTicket>>,
+    /// Leading request blocks the ticket grants (what its owner owes).
+    promised: usize,
 }
 
-impl Engine {
-    /// `t` as a ticket this fetch of `hashes` in `namespace` reads from, or
-    /// back when it is not one (see [`Engine::fetch_into_with_ticket`]).
-    fn usable_ticket(
-        &self,
-        t: Box<TransferTicket>,
-        namespace: &str,
-        hashes: &[BlockHash],
-    ) -> Result<Ticketed, Box<TransferTicket>> {
-        let me = self.node();
-        let fits = t.requester == *me
-            && t.owner != *me
-            && t.namespace == namespace
-            && !t.session().is_empty()
-            && t.hashes.len() <= hashes.len()
-            && t.hashes[..] == hashes[..t.hashes.len()];
-        if !fits {
-            return Err(t);
-        }
+impl TicketHold {
+    fn new(engine: &Engine, t: TransferTicket) -> Self {
         let a = &t.answer;
         // The leading blocks it grants: packed indices 0, 1, 2… (an owner
         // answers in request order), or per-block records of those hashes.
@@ -680,29 +664,57 @@ impl Engine {
         } else {
             a.blocks.iter().zip(&t.hashes).take_while(|(b, h)| b.block_hash == h.0).count()
         };
-        if promised == 0 {
-            return Err(t);
+        if !t.session().is_empty() {
+            // From here the ticket's lock is this fetch's to release, read
+            // or not (the simulator checks it, C8).
+            tracing::trace!(target: FETCH_LOCK_TRACE_TARGET, me = %engine.node(), session = t.session(), "ticket handed to fetch");
         }
-        let ms_left = t.device_ms_left();
-        let TransferTicket { owner, hashes, mut answer, .. } = *t;
-        answer.device_lease_ms_left = ms_left;
-        Ok(Ticketed { owner, hashes, answer, promised: promised as u32 })
+        Self { engine: engine.clone(), ticket: Some(Box::new(t)), promised }
     }
 
-    /// Releases a ticket's session unread (C8: a ticket is consumed either
-    /// way), on a task of its own as every release of a fetch.
-    fn release_unused_ticket(&self, t: &TransferTicket) {
-        if t.session().is_empty() {
+    /// The ticket's owner.
+    fn owner(&self) -> Option<&NodeAddr> {
+        self.ticket.as_ref().map(|t| &t.owner)
+    }
+
+    /// Whether a fetch of `hashes` in `namespace` holding the first `local`
+    /// of them reads from this ticket (see [`Engine::fetch_into_with_ticket`]).
+    fn usable(&self, namespace: &str, hashes: &[BlockHash], local: usize) -> bool {
+        let Some(t) = &self.ticket else { return false };
+        let me = self.engine.node();
+        let young = t.age_ms() < u64::from(t.answer.lock_timeout_secs) * 1000;
+        t.requester == *me
+            && t.owner != *me
+            && t.namespace == namespace
+            && !t.session().is_empty()
+            && young
+            && t.hashes.len() <= hashes.len()
+            && t.hashes[..] == hashes[..t.hashes.len()]
+            && self.promised > local
+    }
+
+    /// The ticket, now a lock's to release (C8).
+    fn take(mut self) -> Box<TransferTicket> {
+        self.ticket.take().expect("a TicketHold holds its ticket until taken")
+    }
+}
+
+impl Drop for TicketHold {
+    fn drop(&mut self) {
+        let Some(t) = self.ticket.take() else { return };
+        let e = &self.engine;
+        if t.session().is_empty() || crate::canary::active(crate::canary::Canary::C8ReleaseForgotten) {
             return;
         }
-        self.inner.metrics.fetch_tickets_unused.fetch_add(1, Ordering::Relaxed);
+        e.inner.metrics.fetch_tickets_unused.fetch_add(1, Ordering::Relaxed);
         tracing::debug!(owner = %t.owner, session = t.session(), "a transfer ticket not read from is released");
-        if t.owner == *self.node() {
+        if t.owner == *e.node() {
             tracing::trace!(target: FETCH_RELEASE_TRACE_TARGET, session = t.session(), "release sent");
-            let _ = self.release_transfer(t.session());
-        } else if let Ok(p) = self.inner.peers.get(&t.owner, self.inner.cfg.peer_rpc_timeout) {
-            spawn_release(p.grpc.clone(), t.session().to_string(), self.inner.cfg.peer_rpc_timeout);
+            let _ = e.release_transfer(t.session());
+        } else if let Ok(p) = e.inner.peers.get(&t.owner, e.inner.cfg.peer_rpc_timeout) {
+            spawn_release(p.grpc.clone(), t.answer.transfer_session_id, e.inner.cfg.peer_rpc_timeout);
         }
+        // (No client for the owner: the lock expires there.)
     }
 }
 
@@ -775,17 +787,16 @@ impl Engine {
         };
         // What the caller knows: the MetaServer's answer, or an owner's
         // ticket (its owner then answers the first query, and its grant
-        // the first lock on that owner).
+        // the first lock on that owner); a ticket not read from is
+        // released as it drops.
         let (owners, ticket) = match known {
             Known::Nothing => (None, None),
             Known::Owners(o) => (Some(o), None),
-            Known::Ticket(t) => match if setup.is_some() { self.usable_ticket(t, namespace, hashes) } else { Err(t) } {
-                Ok(t) => (Some(vec![(t.owner.clone(), t.promised)]), Some(t)),
-                Err(t) => {
-                    self.release_unused_ticket(&t);
-                    (None, None)
-                }
-            },
+            Known::Ticket(h) if setup.is_some() && h.usable(namespace, hashes, local) => {
+                let owner = h.owner().cloned().expect("a usable ticket");
+                (Some(vec![(owner, u32::try_from(h.promised).unwrap_or(u32::MAX))]), Some(h))
+            }
+            Known::Ticket(_) => (None, None),
         };
         if let Some((ns, layout, transport)) = setup {
             let block_bytes = layout.block_bytes().max(1);
@@ -801,6 +812,9 @@ impl Engine {
                 ),
                 reads_in_flight: self.inner.cfg.fetch_reads_in_flight.max(1),
                 owners_max: crate::limits::FETCH_OWNERS_MAX,
+                // The ticket's lock may have expired, or granted less than
+                // its owner holds by now: that owner may be asked once more.
+                retry_owner: ticket.as_ref().and_then(|h| h.owner().cloned()),
             };
             let (m, first) = FetchMachine::start(cfg, hashes.to_vec(), local);
             let ends = slot_ends(&layout);
@@ -1150,7 +1164,9 @@ impl<'a> Driver<'a> {
                         .filter(|(n, k)| *k > 0 && n != me)
                         .collect();
                     if !rest.is_empty() {
-                        engine.inner.metrics.fetch_known_owners.fetch_add(1, Ordering::Relaxed);
+                        if self.ticket.is_none() {
+                            engine.inner.metrics.fetch_known_owners.fetch_add(1, Ordering::Relaxed);
+                        }
                         return Some(Event::KnownOwners(rest));
                     }
                 }
@@ -1185,13 +1201,24 @@ impl<'a> Driver<'a> {
                 let Some(mut grpc) = self.grpc(&owner) else {
                     return Some(Event::Locked(Err(FetchError::Peer(PeerFailure::NoClient))));
                 };
-                if let Some(t) = self.ticket.take_if(|t| t.owner == owner) {
+                let covers = |h: &mut TicketHold| h.owner() == Some(&owner) && blocks.start < h.promised;
+                if let Some(h) = self.ticket.take_if(covers) {
                     // The owner's grant is here already: the same answer
-                    // its lock RPC gives, checked the same way.
+                    // its lock RPC gives, checked the same way, its device
+                    // lease aged now and used only where a lock RPC would
+                    // have asked for one.
                     engine.inner.metrics.fetch_tickets.fetch_add(1, Ordering::Relaxed);
                     self.rpc = Some(Rpc::Lock);
                     self.device = None;
-                    let (grant, device) = from_answer(t.answer, &t.hashes, &self.layout, Instant::now());
+                    let t = h.take();
+                    let ms_left = t.device_ms_left();
+                    let TransferTicket { hashes, mut answer, .. } = *t;
+                    answer.device_lease_ms_left = ms_left;
+                    if !(engine.inner.cfg.device_direct && engine.gpu().peer_kind().is_some()) {
+                        answer.device_buffers.clear();
+                        answer.device_layout = None;
+                    }
+                    let (grant, device) = from_answer(answer, &hashes, &self.layout, Instant::now());
                     let timeout = engine.inner.cfg.peer_rpc_timeout;
                     let locked = Outcome::Locked(Ok(Box::new(LateRelease::new(grant, grpc, timeout))), device);
                     pending.push(Box::pin(std::future::ready(locked)));
@@ -1584,14 +1611,6 @@ impl Drop for Driver<'_> {
         // the machine still holds (C8). Slots go back to the pool with
         // `self.slots`; slots inside a read in flight come back through the
         // transport when that read completes (C11).
-        if let Some(t) = self.ticket.take()
-            && !crate::canary::active(crate::canary::Canary::C8ReleaseForgotten)
-        {
-            self.engine.inner.metrics.fetch_tickets_unused.fetch_add(1, Ordering::Relaxed);
-            if let Some(grpc) = self.grpc(&t.owner) {
-                spawn_release(grpc, t.answer.transfer_session_id, self.engine.inner.cfg.peer_rpc_timeout);
-            }
-        }
         for action in self.m.abandon() {
             let Action::Release { owner, session } = action else { continue };
             if crate::canary::active(crate::canary::Canary::C8ReleaseForgotten) {
