@@ -73,7 +73,14 @@ materialises the scores (slower at 8,192 tokens, so it would inflate the
 recompute T9 divides by). On the CPU the numpy model runs with one BLAS
 thread per process.
 
-Reported per case (JSON): ``handoff_ms`` (``barrier``, ``query``,
+With ``--handoff ticket`` the prefill also locks its saved blocks for the
+decode node (``Node.grant_transfer``) and "KV ready" carries that ticket;
+the decode's ``fetch_into(ticket=...)`` then reads at once, with no
+MetaServer query and no lock round trip, so the handoff needs no
+MetaServer at all: the ``metaserver-killed`` case is then expected to
+fetch, not to recompute.
+
+Reported per case (JSON): ``handoff_ms`` (``barrier``, ``ticket``, ``query``,
 ``fetch``, ``load``; ``fetch_phases_ms`` splits ``fetch`` by
 ``FetchReport.phases_ms``), ``handoff_total_ms`` and ``handoff_ratio`` (the
 handoff, barrier call to KV in the decode's cache, ÷ the local recompute's
@@ -176,8 +183,9 @@ def _node_loop(role: str, conn, opts: Dict[str, Any]) -> None:
         model.decode(model.prefill(list(range(1, 2 * bt + 2))), list(range(1, 2 * bt + 3)), 2)
         model.sync()
     det = dict(model.determinism(), warnings=sorted({str(w.message)[:300] for w in seen}))
+    ask = node.transfer_ask()
     conn.send(("up", {"fingerprint": model.fingerprint(), "node": node.address, "block_bytes": info.block_bytes,
-                      "determinism": det}))
+                      "determinism": det, "transfer_ask": (ask.requester, ask.device)}))
     while True:
         try:
             msg = conn.recv()
@@ -186,7 +194,7 @@ def _node_loop(role: str, conn, opts: Dict[str, Any]) -> None:
         if msg[0] == "stop":
             break
         if msg[0] == "prefill":
-            conn.send(("ready", _prefill(kvferry, node, model, ns, pk, pv, bt, msg[1], opts)))
+            conn.send(("ready", _prefill(kvferry, node, model, ns, pk, pv, bt, msg[1], msg[2], opts)))
         elif msg[0] == "decode":
             conn.send(("decoded", _decode(kvferry, node, model, ns, pk, pv, scratch, bt, msg[1], msg[2], opts)))
     node.shutdown()
@@ -207,7 +215,7 @@ def _wait_for_leases(node, ttl: float) -> None:
             time.sleep(0.001)
 
 
-def _prefill(kvferry, node, model, ns, pk, pv, bt, tokens, opts) -> Dict[str, Any]:
+def _prefill(kvferry, node, model, ns, pk, pv, bt, tokens, ask, opts) -> Dict[str, Any]:
     if opts["device_lease"]:
         _wait_for_leases(node, opts["lease_ttl"])
     t0 = now_ms()
@@ -226,7 +234,12 @@ def _prefill(kvferry, node, model, ns, pk, pv, bt, tokens, opts) -> Dict[str, An
         # (CUDA IPC) until it is done or the lease's ttl passes.
         _LEASES.append(node.grant_device_lease(ns, hashes, list(range(full)), ttl=opts["lease_ttl"]))
     t3 = now_ms()
+    # --handoff ticket: "KV ready" carries the decode's transfer lock.
+    ticket = node.grant_transfer(ns, hashes, kvferry.TransferAsk(*ask)) if ask is not None and full else None
+    t4 = now_ms()
     return {
+        "ticket": ticket,
+        "ticket_ms": t4 - t3 if ticket is not None else 0.0,
         "blocks_saved": save.saved + save.already_resident,
         "compute_ms": t1 - t0,
         "save_ms": t2 - t1,
@@ -297,25 +310,29 @@ def _decode(kvferry, node, model, ns, pk, pv, scratch, bt, tokens, ready, opts) 
     model.sync()
     t0 = now_ms()
     k = 0
-    handoff = {"query": 0.0, "fetch": 0.0, "load": 0.0}
+    handoff = {"ticket": ready["ticket_ms"] if ready else 0.0, "query": 0.0, "fetch": 0.0, "load": 0.0}
     m0 = node.metrics()
+    ticket = ready.get("ticket") if ready else None
     if usable:
         q0 = now_ms()
-        try:
-            owners = node.query_prefix_remote(ns, hashes, timeout=opts["rpc_timeout"])
-            r["owners"] = [(o.node, o.blocks) for o in owners]
-        except kvferry.KvferryError as e:
-            owners = []
-            r["query_error"] = f"{type(e).__name__}: {e}"
+        owners = []
+        if ticket is None:
+            try:
+                owners = node.query_prefix_remote(ns, hashes, timeout=opts["rpc_timeout"])
+                r["owners"] = [(o.node, o.blocks) for o in owners]
+            except kvferry.KvferryError as e:
+                r["query_error"] = f"{type(e).__name__}: {e}"
         q1 = now_ms()
-        handoff["query"] = q1 - q0
-        if owners:
+        handoff["query"] = q1 - q0 if ticket is None else 0.0
+        if owners or ticket is not None:
             # fetch_into: each verified part is loaded into the paged cache
             # while the next is read, so "fetch" covers the loads too and
             # "load" is what the device still had to finish afterwards. It
-            # starts from the owners just asked for (no second query).
+            # starts from the owners just asked for (no second query), or
+            # from the prefill's ticket (no query, no lock round trip).
             rep, lrep = node.fetch_into(
-                ns, hashes, list(range(usable)), timeout=opts["fetch_timeout"], owners=owners
+                ns, hashes, list(range(usable)), timeout=opts["fetch_timeout"],
+                owners=None if ticket is not None else owners, ticket=ticket,
             )
             f1 = now_ms()
             handoff["fetch"] = f1 - q1
@@ -447,6 +464,7 @@ class Cluster:
         if up_p["fingerprint"] != up_d["fingerprint"]:
             raise RuntimeError(f"prefill and decode built different models: {up_p} vs {up_d}")
         self.info = up_p
+        self.decode_ask = up_d["transfer_ask"]
         self.determinism = {"prefill": up_p["determinism"], "decode": up_d["determinism"]}
 
     def kill_metaserver(self) -> None:
@@ -480,7 +498,8 @@ def run_case(cluster: Cluster, name: str, tokens: List[int], fault: Optional[str
     t0 = time.monotonic()
     if fault == "metaserver":
         cluster.kill_metaserver()
-    cluster.prefill.conn.send(("prefill", tokens))
+    ask = cluster.decode_ask if opts["handoff"] == "ticket" else None
+    cluster.prefill.conn.send(("prefill", tokens, ask))
     ready = cluster.prefill.recv()[1]
     if fault == "prefill":
         cluster.prefill.kill()
@@ -491,7 +510,9 @@ def run_case(cluster: Cluster, name: str, tokens: List[int], fault: Optional[str
     h = d["handoff_ms"]
     # The handoff: the prefill's barrier call until the KV is in the decode's
     # cache (barrier + query + fetch with its loads + the load tail).
-    handoff_total = (h["barrier"] or 0.0) + h["query"] + h["fetch"] + h["load"] if d["path"] == "fetched" else None
+    handoff_total = (
+        (h["barrier"] or 0.0) + h["ticket"] + h["query"] + h["fetch"] + h["load"] if d["path"] == "fetched" else None
+    )
     case.update(
         token_identical=d["token_identical"],
         kv_identical=d["kv_identical"],
@@ -551,8 +572,10 @@ def run_case(cluster: Cluster, name: str, tokens: List[int], fault: Optional[str
     if fault is None and d["blocks_fetched"] + 0 < d["blocks_total"]:
         why.append(f"only {d['blocks_fetched']} of {d['blocks_total']} blocks fetched: {d['fetch'] or d['query_error']}")
     if fault is not None:
-        if d["path"] != "recomputed":
-            why.append(f"expected a local recompute after the {fault} was killed, got path {d['path']}")
+        # A ticket needs no MetaServer: that handoff still fetches.
+        expect = "fetched" if fault == "metaserver" and opts["handoff"] == "ticket" else "recomputed"
+        if d["path"] != expect:
+            why.append(f"expected path {expect} after the {fault} was killed, got path {d['path']}")
         if d["decode_wall_ms"] > FAULT_DECODE_BOUND_S * 1000:
             why.append(f"decode took {d['decode_wall_ms']:.0f} ms (bound {FAULT_DECODE_BOUND_S} s)")
     case["harness_failure"] = bool(harness)
@@ -583,6 +606,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--device-lease", action="store_true",
                     help="the prefill grants a device lease on what it saved, so the decode (same host) copies "
                     "the KV device to device from the prefill's cache (CUDA IPC with --kvferry-gpu cuda)")
+    ap.add_argument("--handoff", choices=["query", "ticket"], default="query",
+                    help="query: the decode asks the MetaServer who holds the prompt and locks the blocks there; "
+                    "ticket: the prefill locks its blocks for the decode as it says KV ready and hands it the lock "
+                    "(no query, no lock round trip; the handoff then needs no MetaServer)")
     ap.add_argument("--inject", choices=["reference-drift"],
                     help="canary: reference B drifts (one prefix KV value changed); "
                     "the run must end in a harness failure")
@@ -598,6 +625,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     kv_gpu = args.kvferry_gpu or ("cuda" if cuda else "host")
     opts = {
         "device_lease": args.device_lease,
+        "handoff": args.handoff,
         "lease_ttl": 30.0,
         "device": args.device,
         "size": args.size or ("large" if cuda else "small"),

@@ -40,7 +40,8 @@ def test_pd_real_model_on_cpu(tmp_path):
     assert long["blocks_fetched"] == long["blocks_total"] == (long["prompt_tokens"] - 1) // bt
     assert long["kv_identical"] is True
     h = long["handoff_ms"]
-    assert long["handoff_total_ms"] == round(h["barrier"] + h["query"] + h["fetch"] + h["load"], 3)
+    assert long["handoff_total_ms"] == round(h["barrier"] + h["ticket"] + h["query"] + h["fetch"] + h["load"], 3)
+    assert h["ticket"] == 0.0
     assert long["handoff_ratio"] > 0 and long["t9"] > 0
     assert cases["block"]["handoff_ratio"] is None  # nothing fetched, no handoff
     for fault in ("metaserver-killed", "prefill-killed"):
@@ -66,3 +67,26 @@ def test_pd_real_model_fails_loudly_when_the_reference_drifts(tmp_path):
     assert c["harness_failure"] is True and c["reference_reproducible"] is False and not c["passed"]
     # kvferry's own checks still ran and held.
     assert c["kv_identical"] is True and c["decode_input_identical"] is True
+
+
+def test_pd_real_model_on_cpu_with_a_ticket_handoff(tmp_path):
+    """--handoff ticket: "KV ready" carries the decode's transfer lock, so
+    the long case fetches every block with no MetaServer query, and a
+    killed MetaServer no longer stops the handoff (a killed prefill still
+    degrades to a local recompute)."""
+    out = tmp_path / "pd.json"
+    r = subprocess.run(
+        [sys.executable, SCRIPT, "--device", "cpu", "--handoff", "ticket", "--cases",
+         "long,metaserver-killed,prefill-killed", "--json", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    cases = {c["name"]: c for c in json.loads(out.read_text())["cases"]}
+    for c in cases.values():
+        assert c["passed"] and c["token_identical"] is True, c
+    long = cases["long"]
+    assert long["blocks_fetched"] == long["blocks_total"] > 0 and long["kv_identical"] is True
+    assert long["handoff_ms"]["query"] == 0.0 and long["handoff_ms"]["ticket"] > 0
+    ms = cases["metaserver-killed"]
+    assert ms["path"] == "fetched" and ms["blocks_fetched"] == ms["blocks_total"] > 0 and ms["kv_identical"] is True
+    assert cases["prefill-killed"]["path"] == "recomputed"
