@@ -331,6 +331,13 @@ canary!(
      releases that owner's lock; the lock expires long after the fetch ended."
 );
 canary!(
+    broken_c8ticketunreleased_is_caught,
+    C8TicketUnreleased,
+    ["inv_lock_released_once"],
+    "C8 (issue 28): a fetch drops a transfer ticket it does not read from without releasing its session; the \
+     ticket's lock is left to expire."
+);
+canary!(
     broken_c9fetchdeadlinestretched_is_caught,
     C9FetchDeadlineStretched,
     ["inv_degrade_bounded"],

@@ -39,6 +39,11 @@ pub enum Canary {
     /// `ReleaseTransferLock` (the hook sits in the fetch machine); the lock
     /// is left to expire.
     C8ReleaseSkippedAfterPartialRead,
+    /// C8: a fetch handed a transfer ticket it does not read from (another
+    /// reader's, blocks it holds already, a fetch cancelled before it
+    /// started) drops it without releasing its session (the hook sits in
+    /// `engine::fetch`'s ticket hold); the lock is left to expire.
+    C8TicketUnreleased,
     /// C9: a transport read ignores its deadline (waits up to 5 s more).
     C9ReadPastDeadline,
     /// C9: the fetch deadline is 1000x the configured one (the hook sits in
@@ -82,7 +87,7 @@ pub enum Canary {
 
 impl Canary {
     /// Every canary, in contract order.
-    pub const ALL: [Canary; 19] = [
+    pub const ALL: [Canary; 20] = [
         Canary::C1FlushAcksEarly,
         Canary::C2FlushUnbounded,
         Canary::C4RemovalLost,
@@ -90,6 +95,7 @@ impl Canary {
         Canary::C8PinsTooFew,
         Canary::C8ReleaseForgotten,
         Canary::C8ReleaseSkippedAfterPartialRead,
+        Canary::C8TicketUnreleased,
         Canary::C9ReadPastDeadline,
         Canary::C9FetchDeadlineStretched,
         Canary::C9ConnectPastTimeout,
@@ -111,7 +117,10 @@ impl Canary {
             Canary::C2FlushUnbounded => "C2",
             Canary::C4RemovalLost => "C4",
             Canary::C6NoBackfill => "C6",
-            Canary::C8PinsTooFew | Canary::C8ReleaseForgotten | Canary::C8ReleaseSkippedAfterPartialRead => "C8",
+            Canary::C8PinsTooFew
+            | Canary::C8ReleaseForgotten
+            | Canary::C8ReleaseSkippedAfterPartialRead
+            | Canary::C8TicketUnreleased => "C8",
             Canary::C9ReadPastDeadline | Canary::C9FetchDeadlineStretched | Canary::C9ConnectPastTimeout => "C9",
             Canary::C10WeakChecksum => "C10",
             Canary::C11EvictHeld => "C11",

@@ -703,7 +703,8 @@ impl Drop for TicketHold {
     fn drop(&mut self) {
         let Some(t) = self.ticket.take() else { return };
         let e = &self.engine;
-        if t.session().is_empty() || crate::canary::active(crate::canary::Canary::C8ReleaseForgotten) {
+        // C8 canary: an unread ticket is dropped, its lock left to expire.
+        if t.session().is_empty() || crate::canary::active(crate::canary::Canary::C8TicketUnreleased) {
             return;
         }
         e.inner.metrics.fetch_tickets_unused.fetch_add(1, Ordering::Relaxed);
