@@ -707,6 +707,12 @@ fn report_text(r: &pd::PdReport) -> String {
         r.registrations_delivered, r.registrations_dropped
     );
     println!("  checksum rejections    {}", r.checksum_failures);
+    if r.handoff == Handoff::Ticket {
+        println!(
+            "  transfer tickets       {} read from, {} released unread (their fetch asked the MetaServer)",
+            r.tickets_used, r.tickets_unused
+        );
+    }
     if r.faults.is_empty() {
         println!("  faults                 none");
     } else {

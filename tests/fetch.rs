@@ -628,9 +628,10 @@ async fn no_locks_left(e: &Engine) -> bool {
 /// owner creates exactly the ticket's lock) and releases it; the ticket
 /// survives its bytes. A ticket whose session the owner no longer holds
 /// gets its reads refused, and the same owner is then asked with a lock
-/// RPC: every block still arrives. A ticket granted to another reader,
-/// for hashes that are not the fetch's, for blocks the reader holds
-/// already, or dropped with a fetch that never ran, is released unread.
+/// RPC: every block still arrives. A ticket for one block more than the
+/// fetch asks for is read from. A ticket granted to another reader, for
+/// another prompt, for blocks the reader holds already, or dropped with a
+/// fetch that never ran, is released unread.
 /// Bad ticket bytes and bad grants are clear errors.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fetch_into_with_ticket_reads_without_query_or_lock_rpc() {
@@ -638,7 +639,7 @@ async fn fetch_into_with_ticket_reads_without_query_or_lock_rpc() {
         let ms = start_ms().await;
         let (p, _) = start_node(&ms, 4 * MIB).await;
         let mut d = Vec::new();
-        for _ in 0..5 {
+        for _ in 0..6 {
             let (n, _) = start_node(&ms, 4 * MIB).await;
             let kv = register_default(&n.engine, 16);
             d.push((n, kv));
@@ -703,6 +704,16 @@ async fn fetch_into_with_ticket_reads_without_query_or_lock_rpc() {
         let got = d3.engine.fetch_into_with_ticket(NS, &wanted[..4], t, until()).await.unwrap();
         assert_eq!(got.ready(), 4, "{:?}", got.fetch);
         assert_eq!(metric(&d3.engine, |m| &m.fetch_tickets_unused), 1);
+        assert!(no_locks_left(&p.engine).await);
+
+        // A ticket for the whole prompt, a fetch of one block fewer (a
+        // decode that computes the last block itself): read from.
+        let (d5, k5) = &d[5];
+        let t = p.engine.grant_transfer(NS, &hs, &d5.engine.transfer_ask()).await.unwrap();
+        let got = d5.engine.fetch_into_with_ticket(NS, &wanted[..7], t, until()).await.unwrap();
+        assert_eq!((got.ready(), got.fetch.phases.query), (7, Duration::ZERO), "{:?}", got.fetch);
+        assert_eq!(metric(&d5.engine, |m| &m.fetch_tickets), 1);
+        assert!(wanted[..7].iter().all(|(h, i)| verify(&d5.engine, k5, *i, h)));
         assert!(no_locks_left(&p.engine).await);
 
         // A fetch dropped before it ran still releases its ticket.

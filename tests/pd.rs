@@ -133,6 +133,7 @@ fn replay_with_ticket_handoff_skips_the_query_and_the_lock_rpc() {
         let r =
             run_json_shaped(&shape, &["--requests", "8", "--concurrency", "1", "--path", path, "--handoff", "ticket"]);
         assert_eq!(r["handoff"], "ticket");
+        assert!(num(&r, "tickets_used") > 0.0, "--path {path}: no ticket read from: {r}");
         assert_eq!(num(&r, "blocks_verified"), num(&r, "blocks_total"), "--path {path}: {r}");
         assert!(num(&r, "blocks_fetched") > 0.0, "--path {path} fetched nothing: {r}");
         assert!(num(&r, "t8_requests") > 0.0, "no request fetched >= 1 MiB: {r}");

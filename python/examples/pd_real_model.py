@@ -234,8 +234,12 @@ def _prefill(kvferry, node, model, ns, pk, pv, bt, tokens, ask, opts) -> Dict[st
         # (CUDA IPC) until it is done or the lease's ttl passes.
         _LEASES.append(node.grant_device_lease(ns, hashes, list(range(full)), ttl=opts["lease_ttl"]))
     t3 = now_ms()
-    # --handoff ticket: "KV ready" carries the decode's transfer lock.
-    ticket = node.grant_transfer(ns, hashes, kvferry.TransferAsk(*ask)) if ask is not None and full else None
+    # --handoff ticket: "KV ready" carries the decode's transfer lock, on
+    # the blocks the decode will fetch (it computes the last token itself).
+    usable = (len(tokens) - 1) // bt
+    ticket = None
+    if ask is not None and usable:
+        ticket = node.grant_transfer(ns, hashes[:usable], kvferry.TransferAsk(*ask))
     t4 = now_ms()
     return {
         "ticket": ticket,

@@ -888,8 +888,9 @@ class Node:
                 ready"): the fetch reads at once, with no MetaServer query
                 and no lock round trip, and releases the ticket's lock
                 whether it read or not. A ticket for another node, another
-                namespace, hashes that are not a prefix of ``hashes``, or
-                blocks this node holds already is released unread and the
+                namespace, another prompt (neither ``hashes`` nor the
+                ticket's a prefix of the other), or blocks this node holds
+                already is released unread and the
                 fetch goes on as without it; one refused before the fetch
                 starts (bytes that do not decode, bad arguments) is not
                 released and expires at the owner.

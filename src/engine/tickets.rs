@@ -50,7 +50,9 @@ pub struct TransferAsk {
 /// [`Engine::fetch_into_with_ticket`] (in-process as is, across processes
 /// as [`TransferTicket::encode`]'s bytes), which releases its session
 /// exactly once; a ticket that never reaches its reader expires at the
-/// owner after the lock timeout (C8).
+/// owner after the lock timeout (C8), unless the owner ends it first with
+/// [`Engine::release_transfer`]`(ticket.session())` (dropping the value
+/// releases nothing: it may already be on its way to the reader).
 ///
 /// [`Engine::fetch_into_with_ticket`]: super::Engine::fetch_into_with_ticket
 ///

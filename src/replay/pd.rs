@@ -510,6 +510,13 @@ pub struct PdReport {
     pub registrations_delivered: u64,
     /// Blocks rejected by checksum.
     pub checksum_failures: u64,
+    /// With `--handoff ticket`: decode fetches that read from the
+    /// prefill's ticket, and tickets released unread (their fetch went the
+    /// query way: blocks already local, the ticket expired, ...), summed
+    /// over the nodes (`EngineMetrics::fetch_tickets`, `fetch_tickets_unused`).
+    pub tickets_used: u64,
+    /// See `tickets_used`.
+    pub tickets_unused: u64,
     /// Faults injected, in order.
     pub faults: Vec<String>,
     /// Model preset.
@@ -1200,6 +1207,8 @@ pub async fn run_with_observer(
         }
     }
     rep.checksum_failures = nodes.iter().map(|n| n.engine.metrics().checksum_failures.load(Ordering::Relaxed)).sum();
+    rep.tickets_used = nodes.iter().map(|n| n.engine.metrics().fetch_tickets.load(Ordering::Relaxed)).sum();
+    rep.tickets_unused = nodes.iter().map(|n| n.engine.metrics().fetch_tickets_unused.load(Ordering::Relaxed)).sum();
     let rate = |b: u64, ns: u64| if ns == 0 { 0.0 } else { b as f64 / ns as f64 };
     rep.nodes = nodes
         .iter()

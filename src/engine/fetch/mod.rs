@@ -239,8 +239,9 @@ impl Engine {
     ///
     /// A ticket is read from only when it is this engine's (its
     /// requester), another node's (its owner), of `namespace`, with a
-    /// session, younger than its lock timeout, its hashes a prefix of
-    /// `blocks`' hashes, and it grants blocks past what this engine holds
+    /// session, younger than its lock timeout, its hashes and `blocks`'
+    /// the same prompt (one a prefix of the other), and it grants blocks
+    /// past what this engine holds
     /// already; else it is released unread
     /// ([`super::EngineMetrics::fetch_tickets_unused`]) and the fetch goes
     /// on as [`Engine::fetch_into_with_deadline`]. What the ticket does not
@@ -682,15 +683,18 @@ impl TicketHold {
     fn usable(&self, namespace: &str, hashes: &[BlockHash], local: usize) -> bool {
         let Some(t) = &self.ticket else { return false };
         let me = self.engine.node();
+        // The ticket and the fetch name the same prompt: one's hashes are
+        // a prefix of the other's (a decode that computes the prompt's
+        // last block itself fetches one block fewer than the prefill saved).
+        let common = t.hashes.len().min(hashes.len());
         let young = t.age_ms() < u64::from(t.answer.lock_timeout_secs) * 1000;
         t.requester == *me
             && t.owner != *me
             && t.namespace == namespace
             && !t.session().is_empty()
             && young
-            && t.hashes.len() <= hashes.len()
-            && t.hashes[..] == hashes[..t.hashes.len()]
-            && self.promised > local
+            && t.hashes[..common] == hashes[..common]
+            && self.promised.min(hashes.len()) > local
     }
 
     /// The ticket, now a lock's to release (C8).
@@ -795,7 +799,8 @@ impl Engine {
             Known::Owners(o) => (Some(o), None),
             Known::Ticket(h) if setup.is_some() && h.usable(namespace, hashes, local) => {
                 let owner = h.owner().cloned().expect("a usable ticket");
-                (Some(vec![(owner, u32::try_from(h.promised).unwrap_or(u32::MAX))]), Some(h))
+                let promised = h.promised.min(hashes.len());
+                (Some(vec![(owner, u32::try_from(promised).unwrap_or(u32::MAX))]), Some(h))
             }
             Known::Ticket(_) => (None, None),
         };
