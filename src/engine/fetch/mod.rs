@@ -2327,5 +2327,64 @@ mod tests {
                 proptest::prop_assert_eq!(slots.len(), shapes);
             }
         }
+
+        /// Transfer-ticket bytes (input an embedder relays from another
+        /// process): any bytes, and a real ticket's bytes with bytes
+        /// overwritten or cut, decode or are refused without a panic, and
+        /// a decoded ticket's answer reads as at most one block per hash it
+        /// names, each of those hashes, with its device half checked.
+        #[test]
+        fn any_ticket_bytes_decode_and_read_without_panic(
+            noise in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..512),
+            flips in proptest::collection::vec((proptest::prelude::any::<usize>(), proptest::prelude::any::<u8>()), 0..8),
+            cut in proptest::prelude::any::<usize>(),
+        ) {
+            use super::from_answer;
+            use crate::engine::TransferTicket;
+            use crate::engine::locks::slot_shapes;
+            let layout = paged_layout(3);
+            let hashes: Vec<crate::types::BlockHash> = (0..5).map(crate::types::BlockHash::from_u64).collect();
+            let real = TransferTicket {
+                owner: crate::types::NodeAddr("127.0.0.1:7000".into()),
+                requester: crate::types::NodeAddr("127.0.0.1:7001".into()),
+                namespace: "ns".into(),
+                hashes: hashes.clone(),
+                answer: crate::proto::QueryBlocksForTransferResponse {
+                    transfer_session_id: "s".into(),
+                    slot_shapes: slot_shapes(&layout),
+                    packed_index: vec![0, 1, 3],
+                    packed_pool_offset: vec![0, 600, 1200],
+                    packed_slot_crc32c: vec![7; 9],
+                    packed_device_block: vec![0, 1, u64::MAX],
+                    device_lease_ms_left: 5_000,
+                    ..Default::default()
+                },
+                granted_unix_ms: 0,
+                granted_at: None,
+            };
+            let mut mutated = real.encode();
+            for (at, b) in flips {
+                if !mutated.is_empty() {
+                    let n = mutated.len();
+                    mutated[at % n] = b;
+                }
+            }
+            let n = mutated.len();
+            mutated.truncate(cut % (n + 1));
+            for bytes in [noise, mutated] {
+                if let Ok(t) = TransferTicket::decode(&bytes) {
+                    let (grant, _) = from_answer(t.answer, &t.hashes, &layout, Instant::now());
+                    proptest::prop_assert!(grant.blocks.len() <= t.hashes.len());
+                    for b in &grant.blocks {
+                        proptest::prop_assert!(t.hashes.contains(&b.hash));
+                    }
+                }
+            }
+            // The real ticket's bytes read back as the three blocks it grants.
+            let t = TransferTicket::decode(&real.encode()).unwrap();
+            let (grant, _) = from_answer(t.answer, &t.hashes, &layout, Instant::now());
+            let got: Vec<_> = grant.blocks.iter().map(|b| b.hash.clone()).collect();
+            proptest::prop_assert_eq!(got, vec![hashes[0].clone(), hashes[1].clone(), hashes[3].clone()]);
+        }
     }
 }
