@@ -948,6 +948,21 @@ class Node:
         t = self._rpc_timeout if timeout is None else _seconds(timeout)
         return bytes(self._node.grant_transfer(namespace, [bytes(h) for h in hashes], to.requester, to.device, t))
 
+    def release_ticket(self, ticket: bytes) -> int:
+        """Ends the transfer lock of a ticket this node granted
+        (:meth:`grant_transfer`) that will not reach its reader (the request
+        was cancelled, the decode node is gone), instead of letting it pin
+        the blocks until the lock timeout. Returns the blocks released (0
+        when the reader or the timeout already ended it). Idempotent.
+
+        Raises:
+            ConfigError: ``ticket`` is not bytes, does not decode (code
+                ``ticket_*``), or another node granted it.
+        """
+        if not isinstance(ticket, (bytes, bytearray)):
+            raise ConfigError(f"ticket must be bytes, got {type(ticket).__name__}", "bad_ticket")
+        return int(self._node.release_ticket(bytes(ticket)))
+
     def connect_peer(self, addr: str, *, timeout: float = 30.0) -> str:
         """Connects to the peer node at ``addr`` (its ``host:port``, as the
         MetaServer names owners) before any fetch: the transfer handshake a

@@ -707,6 +707,28 @@ impl Node {
         Ok(PyBytes::new(py, &ticket.encode()))
     }
 
+    /// Ends the lock of a ticket this node granted (`grant_transfer`'s
+    /// bytes) that will not reach its reader; the blocks it released
+    /// (0 when the reader or the lock timeout already ended it).
+    fn release_ticket(&self, ticket: &[u8]) -> PyResult<usize> {
+        let (_, engine) = self.engine()?;
+        let t = kvferry::engine::TransferTicket::decode(ticket)
+            .map_err(|e| Fail::coded(e.code(), format!("transfer ticket: {e}")))?;
+        if t.owner != *engine.node() {
+            return Err(Fail::coded(
+                "bad_ticket",
+                format!("a ticket of {} is not this node's ({}) to release", t.owner, engine.node()),
+            )
+            .into());
+        }
+        if t.session().is_empty() {
+            return Ok(0);
+        }
+        engine
+            .release_transfer(t.session())
+            .map_err(|e| Fail::coded(e.code(), format!("releasing the ticket's lock: {e}")).into())
+    }
+
     /// Grants a device lease on `blocks` (this engine's block indices) of
     /// `hashes` for `ttl_s` seconds; its id as 32 hex characters.
     fn grant_device_lease(

@@ -124,6 +124,14 @@ def test_fetch_into_reads_from_the_prefills_transfer_ticket(metaserver, ns):
             time.sleep(0.01)
         assert p.metrics()["active_transfer_locks"] == 0
         assert p.metrics()["transfer_locks_expired"] == 0
+        # A ticket that will not reach its reader: its owner ends it.
+        unsent = p.grant_transfer(ns, hs, ask)
+        assert p.metrics()["active_transfer_locks"] == 1
+        assert p.release_ticket(unsent) == 3
+        assert p.release_ticket(unsent) == 0, "idempotent"
+        assert p.metrics()["active_transfer_locks"] == 0
+        with pytest.raises(kvferry.ConfigError, match="not this node"):
+            d.release_ticket(unsent)
         # A ticket for another node is released unread; the fetch goes on.
         other = p.grant_transfer(ns, hs, kvferry.TransferAsk("127.0.0.1:9"))
         f, l = d.fetch_into(ns, hs, [4, 5, 6], ticket=other)
