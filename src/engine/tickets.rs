@@ -222,14 +222,18 @@ impl Engine {
     /// reads are on and its GPU backend makes peer copies, its device-copy
     /// capability.
     pub fn transfer_ask(&self) -> TransferAsk {
-        let device = self
-            .inner
-            .cfg
-            .device_direct
-            .then(|| self.gpu().peer_kind())
-            .flatten()
-            .map(|kind| DeviceCapability { kind: kind.to_u32(), pid: std::process::id() });
-        TransferAsk { requester: self.node().clone(), device }
+        TransferAsk { requester: self.node().clone(), device: self.device_capability() }
+    }
+
+    /// The device-direct copies this engine makes as a reader: its GPU
+    /// backend's peer-copy kind and this process's id, when device-direct
+    /// reads are on ([`super::EngineConfig::device_direct`]) and the
+    /// backend makes peer copies; else `None`. What its lock requests and
+    /// its [`TransferAsk`] say, and the condition for using a ticket's
+    /// device half.
+    pub(crate) fn device_capability(&self) -> Option<DeviceCapability> {
+        let kind = self.inner.cfg.device_direct.then(|| self.gpu().peer_kind()).flatten()?;
+        Some(DeviceCapability { kind: kind.to_u32(), pid: std::process::id() })
     }
 
     /// What a requester's [`DeviceCapability`] asks for, with the

@@ -61,8 +61,8 @@ use super::tickets::TransferTicket;
 use super::{Engine, EngineError, LoadError, LoadReport, slot_checksums};
 use crate::proto::engine_client::EngineClient;
 use crate::proto::{
-    DeviceCapability, QueryBlocksForTransferRequest, QueryBlocksForTransferResponse, RdmaHandshakeRequest,
-    ReleaseTransferLockRequest, SlotShape, TransferBlockInfo,
+    QueryBlocksForTransferRequest, QueryBlocksForTransferResponse, RdmaHandshakeRequest, ReleaseTransferLockRequest,
+    SlotShape, TransferBlockInfo,
 };
 use crate::rt::timeout_at;
 use crate::status::RpcFailure;
@@ -1207,6 +1207,9 @@ impl<'a> Driver<'a> {
                 let Some(mut grpc) = self.grpc(&owner) else {
                     return Some(Event::Locked(Err(FetchError::Peer(PeerFailure::NoClient))));
                 };
+                // Device ranges are asked for only where they can land: a
+                // fetch into the engine's KV, a backend with peer copies.
+                let device = self.load.as_ref().and_then(|_| engine.device_capability());
                 let covers = |h: &mut TicketHold| h.owner() == Some(&owner) && blocks.start < h.promised;
                 if let Some(h) = self.ticket.take_if(covers) {
                     // The owner's grant is here already: the same answer
@@ -1220,7 +1223,7 @@ impl<'a> Driver<'a> {
                     let ms_left = t.device_ms_left();
                     let TransferTicket { hashes, mut answer, .. } = *t;
                     answer.device_lease_ms_left = ms_left;
-                    if !(engine.inner.cfg.device_direct && engine.gpu().peer_kind().is_some()) {
+                    if device.is_none() {
                         answer.device_buffers.clear();
                         answer.device_layout = None;
                     }
@@ -1230,12 +1233,6 @@ impl<'a> Driver<'a> {
                     pending.push(Box::pin(std::future::ready(locked)));
                     return None;
                 }
-                // Device ranges are asked for only where they can land: a
-                // fetch into the engine's KV, a backend with peer copies.
-                let device = (self.load.is_some() && engine.inner.cfg.device_direct)
-                    .then(|| engine.gpu().peer_kind())
-                    .flatten()
-                    .map(|kind| DeviceCapability { kind: kind.to_u32(), pid: std::process::id() });
                 // The packed answer names each block by its index here.
                 let requested: Vec<BlockHash> = self.hashes[blocks].to_vec();
                 let req = QueryBlocksForTransferRequest {
